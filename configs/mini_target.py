@@ -1,0 +1,14 @@
+"""The CPU demo's target: ~23M params, trained on the Python standard library's sources.
+
+Sized from measurements on 2 CPU cores (BENCHMARKS.md): memory-bound at batch 1 so a
+5-token scoring pass costs little more than one token, and trainable in ~30 minutes."""
+from specjax.config import Config, ModelConfig, TrainConfig
+
+MODEL = ModelConfig(vocab_size=4096, d_model=512, num_layers=6, num_heads=8, num_kv_heads=8,
+                    head_dim=64, d_ff=2048, max_seq_len=1024, scan_layers=False)
+
+
+def get_config() -> Config:
+    return Config(name="mini_target", target=MODEL, tokenizer_vocab=4096,
+                  train=TrainConfig(batch_size=16, seq_len=256, steps=1500, learning_rate=2e-3,
+                                    warmup_steps=100, save_every=100, eval_every=250))

@@ -1,0 +1,55 @@
+"""The KV cache: a pytree passed into the forward and returned, never module state.
+
+k, v: [L, B, S, K, H] (layers, batch, cache_seq, kv_heads, head_dim); lengths: [B].
+A forward writes its T new entries at the rows' own positions; `lengths` says how many
+entries of each row are valid. Rolling back rejected draft tokens is just setting
+`lengths` (the stale entries beyond it are masked, and overwritten later).
+"""
+from __future__ import annotations
+
+import dataclasses
+
+import jax
+import jax.numpy as jnp
+
+from specjax import sharding
+from specjax.config import ModelConfig
+
+CACHE_AXES = ("layers", "batch", "cache_seq", "kv_heads", "head_dim")
+
+
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass
+class KVCache:
+    k: jax.Array
+    v: jax.Array
+    lengths: jax.Array  # int32 [B]
+
+    @property
+    def size(self) -> int:
+        return self.k.shape[2]
+
+    def with_lengths(self, lengths: jax.Array) -> "KVCache":
+        return dataclasses.replace(self, lengths=lengths.astype(jnp.int32))
+
+
+def cache_shapes(cfg: ModelConfig, batch: int, size: int) -> KVCache:
+    """ShapeDtypeStructs of a cache (for AOT compiles: nothing allocated)."""
+    dtype = jnp.dtype(cfg.compute_dtype)
+    kv = jax.ShapeDtypeStruct((cfg.num_layers, batch, size, cfg.num_kv_heads, cfg.head_dim), dtype)
+    return KVCache(kv, kv, jax.ShapeDtypeStruct((batch,), jnp.int32))
+
+
+def cache_shardings(cfg: ModelConfig, batch: int, size: int, mesh: jax.sharding.Mesh) -> KVCache:
+    shape = (cfg.num_layers, batch, size, cfg.num_kv_heads, cfg.head_dim)
+    kv = sharding.named(mesh, CACHE_AXES, shape)
+    return KVCache(kv, kv, sharding.named(mesh, ("batch",), (batch,)))
+
+
+def init_cache(cfg: ModelConfig, batch: int, size: int, mesh: jax.sharding.Mesh | None = None) -> KVCache:
+    """An empty cache, created directly with its sharding when a mesh is given."""
+    shapes = cache_shapes(cfg, batch, size)
+    make = lambda: jax.tree.map(lambda s: jnp.zeros(s.shape, s.dtype), shapes)
+    if mesh is None:
+        return make()
+    return jax.jit(make, out_shardings=cache_shardings(cfg, batch, size, mesh))()

@@ -1,0 +1,260 @@
+"""A Chinchilla-style decoder-only transformer in Flax NNX.
+
+Pre-RMSNorm blocks, multi-head attention with `num_kv_heads` (MHA/GQA/MQA), GELU or
+SwiGLU feed-forward, rotary or Transformer-XL relative positions. Every parameter
+carries logical axis names (`logical=` metadata) that `sharding.RULES` maps to the mesh.
+
+ONE forward serves prefill of ragged prompts, one-token decode and scoring of K+1
+tokens: `forward(tokens[B,T], positions[B,T], cache) -> logits[B,T,V] float32, cache`.
+Each row writes its T keys/values at its own positions; a query at position i sees the
+keys at positions <= i that are below the row's length.
+
+Letters: B batch, T query, S key/cache, N heads, K kv heads, G = N // K, H head dim,
+D model, F ffw, V vocab, L layers.
+"""
+from __future__ import annotations
+
+import dataclasses
+import math
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+from flax import nnx
+
+from specjax import sharding
+from specjax.config import ModelConfig
+from specjax.kv_cache import KVCache
+
+MASKED = -1e30
+
+
+def _param(rngs: nnx.Rngs, shape, logical, std, dtype) -> nnx.Param:
+    value = std * jax.random.normal(rngs.params(), shape, jnp.float32)
+    return nnx.Param(value.astype(dtype), logical=logical)
+
+
+def _ones(shape, logical, dtype) -> nnx.Param:
+    return nnx.Param(jnp.ones(shape, dtype), logical=logical)
+
+
+class RMSNorm(nnx.Module):
+    def __init__(self, cfg: ModelConfig):
+        self.scale = _ones((cfg.d_model,), ("embed",), cfg.param_dtype)
+        self.eps = cfg.norm_eps
+
+    def __call__(self, x):
+        x32 = x.astype(jnp.float32)
+        y = x32 * jax.lax.rsqrt(jnp.mean(x32 * x32, axis=-1, keepdims=True) + self.eps)
+        return (y * self.scale.value.astype(jnp.float32)).astype(x.dtype)
+
+
+def rotary(x, positions, theta):
+    """Rotate pairs (x[..., :H/2], x[..., H/2:]) by position-dependent angles. x: [B,T,N,H]."""
+    half = x.shape[-1] // 2
+    freqs = theta ** (-jnp.arange(half, dtype=jnp.float32) / half)
+    angles = positions.astype(jnp.float32)[:, :, None, None] * freqs  # [B,T,1,H/2]
+    sin, cos = jnp.sin(angles), jnp.cos(angles)
+    x1, x2 = x[..., :half].astype(jnp.float32), x[..., half:].astype(jnp.float32)
+    return jnp.concatenate([x1 * cos - x2 * sin, x2 * cos + x1 * sin], axis=-1).astype(x.dtype)
+
+
+def sinusoid(distances, dim):
+    """Transformer-XL's relative position embedding R_{i-j}: [..., dim] for integer distances."""
+    half = dim // 2
+    inv = 1.0 / (10000.0 ** (jnp.arange(half, dtype=jnp.float32) / half))
+    angles = distances.astype(jnp.float32)[..., None] * inv
+    return jnp.concatenate([jnp.sin(angles), jnp.cos(angles)], axis=-1)
+
+
+class Attention(nnx.Module):
+    def __init__(self, cfg: ModelConfig, rngs: nnx.Rngs, out_std: float):
+        D, N, K, H, dt = cfg.d_model, cfg.num_heads, cfg.num_kv_heads, cfg.head_dim, cfg.param_dtype
+        self.cfg = cfg
+        self.wq = _param(rngs, (D, N, H), ("embed", "heads", "head_dim"), D ** -0.5, dt)
+        self.wk = _param(rngs, (D, K, H), ("embed", "kv_heads", "head_dim"), D ** -0.5, dt)
+        self.wv = _param(rngs, (D, K, H), ("embed", "kv_heads", "head_dim"), D ** -0.5, dt)
+        self.wo = _param(rngs, (N, H, D), ("heads", "head_dim", "embed"), out_std, dt)
+        if cfg.pos_encoding == "relative":
+            # Transformer-XL (Dai et al. 2019, eq. 4): W_r projects R_{i-j}; u, v are the
+            # content and position biases shared across positions.
+            self.wr = _param(rngs, (D, N, H), ("embed", "heads", "head_dim"), D ** -0.5, dt)
+            self.u = nnx.Param(jnp.zeros((N, H), dt), logical=("heads", "head_dim"))
+            self.v = nnx.Param(jnp.zeros((N, H), dt), logical=("heads", "head_dim"))
+
+    def __call__(self, x, positions, k_cache, v_cache, lengths):
+        """x [B,T,D]; k_cache/v_cache [B,S,K,H] with this step's entries already absent.
+        Returns (out [B,T,D], k_cache, v_cache) with the T new entries written."""
+        cfg = self.cfg
+        ct = jnp.dtype(cfg.compute_dtype)
+        B, T, _ = x.shape
+        q = jnp.einsum("BTD,DNH->BTNH", x, self.wq.value.astype(ct))
+        k = jnp.einsum("BTD,DKH->BTKH", x, self.wk.value.astype(ct))
+        v = jnp.einsum("BTD,DKH->BTKH", x, self.wv.value.astype(ct))
+        if cfg.pos_encoding == "rope":
+            q = rotary(q, positions, cfg.rope_theta)
+            k = rotary(k, positions, cfg.rope_theta)
+        rows = jnp.arange(B)[:, None]
+        k_cache = k_cache.at[rows, positions].set(k.astype(k_cache.dtype), mode="drop")
+        v_cache = v_cache.at[rows, positions].set(v.astype(v_cache.dtype), mode="drop")
+
+        S, K, N = k_cache.shape[1], cfg.num_kv_heads, cfg.num_heads
+        G, H = N // K, cfg.head_dim
+        key_pos = jnp.arange(S)
+        if cfg.pos_encoding == "relative":
+            u = self.u.value.astype(ct)
+            qc = (q + u).reshape(B, T, K, G, H)
+        else:
+            qc = q.reshape(B, T, K, G, H)
+        logits = jnp.einsum("BTKGH,BSKH->BKGTS", qc, k_cache.astype(ct),
+                            preferred_element_type=jnp.float32)
+        if cfg.pos_encoding == "relative":
+            # Position term (q_i + v) . W_r R_{i-j}, factored as ((q_i + v) W_r^T) . R_{i-j}
+            # so no [S, D] x [D, N, H] projection runs per step: score every distance
+            # 0..S-1 once, then pick distance i - j for each query/key pair.
+            qr = q + self.v.value.astype(ct)
+            qw = jnp.einsum("BTNH,DNH->BTND", qr, self.wr.value.astype(ct))
+            rel = sinusoid(jnp.arange(S), cfg.d_model).astype(ct)  # [R=S, D]
+            by_dist = jnp.einsum("BTND,RD->BNTR", qw, rel, preferred_element_type=jnp.float32)
+            by_dist = by_dist.reshape(B, K, G, T, S)
+            dist = jnp.clip(positions[:, :, None] - key_pos[None, None, :], 0, S - 1)  # [B,T,S]
+            idx = jnp.broadcast_to(dist[:, None, None], (B, K, G, T, S))
+            logits = logits + jnp.take_along_axis(by_dist, idx, axis=-1)
+        logits = logits * (H ** -0.5)
+        visible = (key_pos[None, None, :] <= positions[:, :, None]) & (key_pos[None, None, :] < lengths[:, None, None])
+        logits = jnp.where(visible[:, None, None], logits, MASKED)
+        weights = jax.nn.softmax(logits, axis=-1).astype(ct)
+        out = jnp.einsum("BKGTS,BSKH->BTKGH", weights, v_cache.astype(ct)).reshape(B, T, N, H)
+        return jnp.einsum("BTNH,NHD->BTD", out, self.wo.value.astype(ct)), k_cache, v_cache
+
+
+class FeedForward(nnx.Module):
+    def __init__(self, cfg: ModelConfig, rngs: nnx.Rngs, out_std: float):
+        D, F, dt = cfg.d_model, cfg.d_ff, cfg.param_dtype
+        self.cfg = cfg
+        self.w_in = _param(rngs, (D, F), ("embed", "mlp"), D ** -0.5, dt)
+        if cfg.ffw == "swiglu":
+            self.w_gate = _param(rngs, (D, F), ("embed", "mlp"), D ** -0.5, dt)
+        self.w_out = _param(rngs, (F, D), ("mlp", "embed"), out_std, dt)
+
+    def __call__(self, x):
+        ct = jnp.dtype(self.cfg.compute_dtype)
+        h = jnp.einsum("BTD,DF->BTF", x, self.w_in.value.astype(ct))
+        if self.cfg.ffw == "swiglu":
+            h = jax.nn.silu(jnp.einsum("BTD,DF->BTF", x, self.w_gate.value.astype(ct))) * h
+        else:
+            h = jax.nn.gelu(h)
+        return jnp.einsum("BTF,FD->BTD", h, self.w_out.value.astype(ct))
+
+
+class Block(nnx.Module):
+    def __init__(self, cfg: ModelConfig, rngs: nnx.Rngs):
+        out_std = cfg.d_model ** -0.5 / math.sqrt(2 * cfg.num_layers)
+        self.attn_norm = RMSNorm(cfg)
+        self.attn = Attention(cfg, rngs, out_std)
+        self.ffw_norm = RMSNorm(cfg)
+        self.ffw = FeedForward(cfg, rngs, out_std)
+
+    def __call__(self, x, positions, k_cache, v_cache, lengths):
+        h, k_cache, v_cache = self.attn(self.attn_norm(x), positions, k_cache, v_cache, lengths)
+        x = x + h
+        x = x + self.ffw(self.ffw_norm(x))
+        return x, k_cache, v_cache
+
+
+class Transformer(nnx.Module):
+    def __init__(self, cfg: ModelConfig, rngs: nnx.Rngs):
+        D, V, dt = cfg.d_model, cfg.vocab_size, cfg.param_dtype
+        self.cfg = cfg
+        self.embed = _param(rngs, (V, D), ("vocab", "embed"), 1.0, dt)
+        blocks = [Block(cfg, rngs) for _ in range(cfg.num_layers)]
+        if cfg.scan_layers:
+            # One Block whose params carry a leading layer axis; built from the same
+            # per-layer inits as the unrolled list so both layouts compute the same model.
+            graphdef = nnx.split(blocks[0])[0]
+            states = [nnx.split(b)[1] for b in blocks]
+            self.layers = nnx.merge(graphdef, jax.tree.map(lambda *xs: jnp.stack(xs), *states))
+        else:
+            self.layers = nnx.List(blocks)
+        self.final_norm = RMSNorm(cfg)
+        if not cfg.tie_embeddings:
+            self.unembed = _param(rngs, (D, V), ("embed", "vocab"), D ** -0.5, dt)
+
+    def __call__(self, tokens, positions, cache: KVCache):
+        cfg = self.cfg
+        ct = jnp.dtype(cfg.compute_dtype)
+        # Vocab-parallel lookup as a one-hot contraction: each 'model' shard contributes
+        # its rows and one all-reduce sums them (Megatron), instead of gathering the table.
+        one_hot = jax.nn.one_hot(tokens, cfg.vocab_size, dtype=ct)
+        x = jnp.einsum("BTV,VD->BTD", one_hot, self.embed.value.astype(ct))
+        if cfg.tie_embeddings:
+            x = x * math.sqrt(cfg.d_model)
+        lengths = jnp.maximum(cache.lengths, positions[:, -1] + 1).astype(jnp.int32)
+        k_all, v_all = cache.k, cache.v
+        if cfg.scan_layers:
+            graphdef, stacked = nnx.split(self.layers)
+
+            def body(carry, layer_params):
+                x, k_all, v_all, i = carry
+                block = nnx.merge(graphdef, layer_params)
+                x, k_i, v_i = block(x, positions, k_all[i], v_all[i], lengths)
+                return (x, k_all.at[i].set(k_i), v_all.at[i].set(v_i), i + 1), None
+
+            (x, k_all, v_all, _), _ = jax.lax.scan(body, (x, k_all, v_all, 0), stacked)
+        else:
+            for i, block in enumerate(self.layers):
+                x, k_i, v_i = block(x, positions, k_all[i], v_all[i], lengths)
+                k_all, v_all = k_all.at[i].set(k_i), v_all.at[i].set(v_i)
+        x = self.final_norm(x)
+        table = self.embed.value.T if cfg.tie_embeddings else self.unembed.value
+        logits = jnp.einsum("BTD,DV->BTV", x, table.astype(ct), preferred_element_type=jnp.float32)
+        return logits, KVCache(k_all, v_all, lengths)
+
+
+# --------------------------------------------------------------------------- LM handle
+
+
+@jax.tree_util.register_pytree_node_class
+@dataclasses.dataclass(frozen=True)
+class LM:
+    """A model as the loops see it: static config + graph, and the (sharded) params.
+
+    A pytree whose only leaves are the params, so it can be passed into `jax.jit`."""
+
+    cfg: ModelConfig
+    graphdef: Any
+    params: Any
+
+    def __call__(self, tokens, positions, cache: KVCache):
+        return nnx.merge(self.graphdef, self.params)(tokens, positions, cache)
+
+    def tree_flatten(self):
+        return (self.params,), (self.cfg, self.graphdef)
+
+    @classmethod
+    def tree_unflatten(cls, aux, children):
+        return cls(aux[0], aux[1], children[0])
+
+    @property
+    def num_params(self) -> int:
+        return sum(x.size for x in jax.tree.leaves(self.params))
+
+
+def abstract_lm(cfg: ModelConfig, mesh: jax.sharding.Mesh | None = None) -> LM:
+    """Shapes (and shardings, given a mesh) of every param, without allocating any."""
+    graphdef, state = nnx.split(nnx.eval_shape(lambda: Transformer(cfg, nnx.Rngs(cfg.init_seed))))
+    if mesh is not None:
+        shardings = sharding.param_shardings(state, mesh)
+        state = jax.tree.map(lambda s, sh: jax.ShapeDtypeStruct(s.shape, s.dtype, sharding=sh),
+                             state, shardings)
+    return LM(cfg, graphdef, state)
+
+
+def init_lm(cfg: ModelConfig, mesh: jax.sharding.Mesh, seed: int | None = None) -> LM:
+    """Random params created already sharded (jit with out_shardings: no host copy)."""
+    sharding.check_divisible(cfg, mesh)
+    seed = cfg.init_seed if seed is None else seed
+    graphdef, abstract = nnx.split(nnx.eval_shape(lambda: Transformer(cfg, nnx.Rngs(seed))))
+    shardings = sharding.param_shardings(abstract, mesh)
+    state = jax.jit(lambda: nnx.split(Transformer(cfg, nnx.Rngs(seed)))[1], out_shardings=shardings)()
+    return LM(cfg, graphdef, state)

@@ -1,0 +1,107 @@
+"""The mesh ('data', 'model') and the ONE table from logical axis names to mesh axes.
+
+Megatron tensor parallelism falls out of the table: q/k/v and ffw-in are split over
+'model' on their output axis (heads, mlp), attention-out and ffw-out on their input
+axis, so each block needs one all-reduce after attention and one after the ffw.
+Embedding and logits are vocab-parallel. The KV cache follows the kv heads, and is
+replicated when there are fewer kv heads than 'model' devices (MQA/GQA).
+"""
+from __future__ import annotations
+
+import math
+from typing import Sequence
+
+import jax
+from flax import nnx
+from jax.sharding import AxisType, NamedSharding, PartitionSpec as P
+
+from specjax.config import ConfigError, MeshConfig, ModelConfig
+
+AXES = ("data", "model")
+
+RULES: dict[str, str | None] = {
+    "batch": "data",
+    "embed": None,
+    "heads": "model",
+    "kv_heads": "model",
+    "head_dim": None,
+    "mlp": "model",
+    "vocab": "model",
+    "layers": None,
+    "cache_seq": None,
+}
+
+
+def make_mesh(mesh_cfg: MeshConfig = MeshConfig(), devices: Sequence[jax.Device] | None = None) -> jax.sharding.Mesh:
+    """Explicit axis types (Auto: XLA propagates shardings from the params, as Megatron needs)."""
+    devices = list(devices if devices is not None else jax.devices())
+    data = mesh_cfg.data
+    model = mesh_cfg.model if mesh_cfg.model != -1 else len(devices) // max(data, 1)
+    if data * model != len(devices) or model < 1:
+        raise ConfigError(f"mesh {data}x{model} (data x model) needs {data * model} devices, "
+                          f"but {len(devices)} are available")
+    return jax.make_mesh((data, model), AXES, axis_types=(AxisType.Auto, AxisType.Auto),
+                         devices=devices)
+
+
+def check_divisible(cfg: ModelConfig, mesh: jax.sharding.Mesh, what: str = "model") -> None:
+    """Fail at start-up, naming the numbers, when a tensor-parallel axis does not split."""
+    m = mesh.shape["model"]
+    for field in ("num_heads", "d_ff", "vocab_size"):
+        value = getattr(cfg, field)
+        if value % m:
+            raise ConfigError(f"{what}.{field}={value} is not divisible by the 'model' mesh axis "
+                              f"of size {m} (mesh {mesh.shape['data']}x{m}); choose a mesh whose "
+                              f"model axis divides it")
+    kv = cfg.num_kv_heads
+    if kv % m and m % kv:
+        raise ConfigError(f"{what}.num_kv_heads={kv} neither divides nor is a multiple of the 'model' "
+                          f"mesh axis of size {m}")
+
+
+def logical_to_spec(names: Sequence[str | None], shape: Sequence[int] | None = None,
+                    mesh: jax.sharding.Mesh | None = None) -> P:
+    """Map logical names through RULES. An axis that does not divide its dimension is
+    replicated (kv heads under MQA/GQA, a batch smaller than 'data'); params are checked
+    beforehand by `check_divisible`, so nothing big is replicated silently."""
+    out, used = [], set()
+    for i, name in enumerate(names):
+        if name is not None and name not in RULES:
+            raise ValueError(f"logical axis {name!r} is not in the sharding table {sorted(RULES)}")
+        axis = RULES.get(name) if name else None
+        if axis is not None and mesh is not None and shape is not None and shape[i] % mesh.shape[axis]:
+            axis = None
+        if axis is not None and axis in used:
+            raise ValueError(f"logical axes {tuple(names)} map mesh axis {axis!r} twice")
+        if axis is not None:
+            used.add(axis)
+        out.append(axis)
+    return P(*out)
+
+
+def _logical_names(variable: nnx.Variable) -> tuple:
+    names = tuple(variable.get_metadata().get("logical", ()))
+    extra = variable.value.ndim - len(names)
+    return ("layers",) * extra + names  # stacked (scanned) layers carry a leading layer axis
+
+
+def param_shardings(state: nnx.State, mesh: jax.sharding.Mesh):
+    """NamedShardings for every parameter of an nnx State, from its logical names."""
+    def one(v):
+        return NamedSharding(mesh, logical_to_spec(_logical_names(v), v.value.shape, mesh))
+    return jax.tree.map(one, state, is_leaf=lambda x: isinstance(x, nnx.Variable))
+
+
+def named(mesh: jax.sharding.Mesh, names: Sequence[str | None], shape: Sequence[int]) -> NamedSharding:
+    return NamedSharding(mesh, logical_to_spec(names, shape, mesh))
+
+
+def shard_fraction(array: jax.Array) -> float:
+    """Fraction of an array's elements each device holds (1.0 = replicated)."""
+    shard = array.sharding.shard_shape(array.shape)
+    return math.prod(shard) / max(1, math.prod(array.shape))
+
+
+def replicated(mesh: jax.sharding.Mesh) -> NamedSharding:
+    return NamedSharding(mesh, P())
+
