@@ -1,0 +1,263 @@
+"""Checkpoints: orbax steps with the params, the optimiser state and a JSON record of
+the model config, plus the tokenizer the model was trained with.
+
+Layout of a checkpoint directory (the trainer's workdir, by default
+`cache_dir()/checkpoints/CONFIG_NAME`, where `specjax.sample` looks):
+
+    DIR/tokenizer.model      SentencePiece model (configs with tokenizer_vocab > 0)
+    DIR/metrics.jsonl        training metrics, one JSON record a line
+    DIR/<step>/params/       nnx.State of the params (orbax StandardSave)
+    DIR/<step>/opt_state/    optax state (trainer checkpoints only)
+    DIR/<step>/meta/         JSON: config name, ModelConfig, TrainConfig, step, seed
+
+The data position and every random choice of the trainer are pure functions of
+(seed, step), so the step in `meta` is all the data-loader/RNG state there is.
+
+Restores go straight onto the caller's mesh: the target is an abstract tree whose
+leaves carry `sharding.param_shardings` of that mesh, so a checkpoint written on a 1x8
+mesh loads on 2x4 or on one device. Every failure a user can cause (no directory, no
+step, another config, wrong shapes, a damaged step) is a `UsageError` with a one-line
+message; nothing here deletes or rewrites an existing step.
+"""
+from __future__ import annotations
+
+import dataclasses
+import pathlib
+import shutil
+from typing import Any, Mapping
+
+import jax
+import orbax.checkpoint as ocp
+
+from specjax import sharding
+from specjax.config import ModelConfig, UsageError, cache_dir
+from flax import nnx
+
+from specjax.model import LM, abstract_lm
+
+FORMAT = 1
+TOKENIZER_FILE = "tokenizer.model"
+# Fields that do not change what the saved arrays mean: a checkpoint loads whatever
+# they are set to (sampling may keep or compute in bfloat16, or use a longer cache;
+# orbax casts the saved arrays to the requested param dtype).
+RUNTIME_FIELDS = frozenset({"init_seed", "max_seq_len", "compute_dtype", "param_dtype"})
+
+
+def default_dir(config_name: str) -> pathlib.Path:
+    """Where `python -m specjax.train --config=NAME` writes and `specjax.sample` reads."""
+    return cache_dir() / "checkpoints" / config_name
+
+
+def tokenizer_path(directory) -> pathlib.Path | None:
+    path = pathlib.Path(directory) / TOKENIZER_FILE
+    return path if path.is_file() else None
+
+
+def save_tokenizer(directory, source) -> pathlib.Path:
+    """Copy a SentencePiece model next to the checkpoints (atomically: a reader never
+    sees half a file). Returns the copy's path."""
+    target = pathlib.Path(directory) / TOKENIZER_FILE
+    target.parent.mkdir(parents=True, exist_ok=True)
+    tmp = target.with_name(TOKENIZER_FILE + ".tmp")
+    shutil.copyfile(source, tmp)
+    tmp.replace(target)
+    return target
+
+
+def config_differences(saved: Mapping[str, Any], cfg: ModelConfig) -> list[str]:
+    """'field=saved (checkpoint) vs now (config)' for every field that matters."""
+    now = dataclasses.asdict(cfg)
+    out = []
+    for name in sorted(set(saved) | set(now)):
+        if name in RUNTIME_FIELDS:
+            continue
+        if saved.get(name, "<absent>") != now.get(name, "<absent>"):
+            out.append(f"{name}={saved.get(name, '<absent>')!r} (checkpoint) vs {now.get(name, '<absent>')!r} (config)")
+    return out
+
+
+def _keyed(tree) -> dict[str, Any]:
+    """{path: leaf} with Variable wrappers and orbax's '.value' nodes ignored, so the
+    saved tree and an nnx.State name their params the same way."""
+    out = {}
+    for path, leaf in jax.tree_util.tree_flatten_with_path(tree)[0]:
+        keys = [str(getattr(k, "key", getattr(k, "idx", getattr(k, "name", k)))) for k in path]
+        if keys and keys[-1] == "value":
+            keys = keys[:-1]
+        out["/".join(keys)] = leaf
+    return out
+
+
+class Checkpoints:
+    """The orbax CheckpointManager of one directory, with our items and checks.
+
+    `keep` is how many of the newest steps survive a save (None: all). `read_only`
+    managers (used by `load_lm`) never create, clean up or delete anything."""
+
+    def __init__(self, directory, keep: int | None = None, read_only: bool = False,
+                 async_save: bool = True):
+        self.directory = pathlib.Path(directory).absolute()
+        options = ocp.CheckpointManagerOptions(
+            max_to_keep=keep, create=not read_only, read_only=read_only,
+            # Half-written steps of a killed run (orbax's *.orbax-checkpoint-tmp dirs);
+            # finished steps are never touched.
+            cleanup_tmp_directories=not read_only,
+            enable_async_checkpointing=async_save and not read_only)
+        self.manager = ocp.CheckpointManager(
+            self.directory, options=options,
+            item_handlers={"params": ocp.StandardCheckpointHandler(),
+                           "opt_state": ocp.StandardCheckpointHandler(),
+                           "meta": ocp.JsonCheckpointHandler()})
+
+    # ----------------------------------------------------------------- reading
+
+    def steps(self) -> list[int]:
+        return sorted(self.manager.all_steps())
+
+    def latest_step(self) -> int | None:
+        steps = self.steps()
+        return steps[-1] if steps else None
+
+    def _damaged(self, step: int, error: BaseException) -> UsageError:
+        first = (str(error).strip().splitlines() or [type(error).__name__])[0][:300]
+        earlier = [s for s in self.steps() if s < step]
+        hint = (f"; earlier steps {earlier} are untouched: load one with step=N, or move "
+                f"{self.directory / str(step)} away to resume from step {earlier[-1]}"
+                if earlier else "")
+        return UsageError(f"checkpoint step {step} in {self.directory} is damaged or unreadable "
+                          f"({type(error).__name__}: {first}){hint}")
+
+    def meta(self, step: int) -> dict:
+        try:
+            restored = self.manager.restore(step, args=ocp.args.Composite(meta=ocp.args.JsonRestore()))
+            meta = dict(restored["meta"])
+        except Exception as e:  # noqa: BLE001 (any read failure means a damaged step)
+            raise self._damaged(step, e) from e
+        if not isinstance(meta.get("model"), dict):
+            raise self._damaged(step, ValueError("meta has no 'model' record"))
+        return meta
+
+    def has_item(self, step: int, item: str) -> bool:
+        return (self.directory / str(step) / item).is_dir()
+
+    def check_compatible(self, step: int, cfg: ModelConfig, config_name: str = "",
+                         abstract_params=None) -> dict:
+        """Raise UsageError unless step `step` holds params for `cfg`; returns its meta."""
+        meta = self.meta(step)
+        diffs = config_differences(meta["model"], cfg)
+        if diffs:
+            saved_name = meta.get("config_name") or "?"
+            raise UsageError(
+                f"checkpoint step {step} in {self.directory} was trained with config {saved_name!r}, whose "
+                f"model differs from {config_name or 'the requested config'}'s: {'; '.join(diffs)}")
+        if abstract_params is not None:
+            self._check_shapes(step, abstract_params)
+        return meta
+
+    def _check_shapes(self, step: int, abstract_params) -> None:
+        try:
+            saved = self.manager.item_metadata(step)["params"]
+        except Exception as e:  # noqa: BLE001
+            raise self._damaged(step, e) from e
+        if saved is None:
+            raise self._damaged(step, ValueError("no params item"))
+        saved, wanted = _keyed(saved), _keyed(abstract_params)
+        missing, extra = sorted(set(wanted) - set(saved)), sorted(set(saved) - set(wanted))
+        if missing or extra:
+            raise UsageError(f"checkpoint step {step} in {self.directory} has other params than the model: "
+                             f"missing {missing[:5]}, unexpected {extra[:5]}")
+        bad = [f"{k}: {tuple(saved[k].shape)} (checkpoint) vs {tuple(wanted[k].shape)} (model)"
+               for k in wanted if tuple(saved[k].shape) != tuple(wanted[k].shape)]
+        if bad:
+            raise UsageError(f"checkpoint step {step} in {self.directory} has wrong shapes: {'; '.join(bad[:5])}"
+                             + (f" and {len(bad) - 5} more" if len(bad) > 5 else ""))
+
+    def restore(self, step: int, abstract_params, abstract_opt_state=None):
+        """(params, opt_state or None), placed as the abstract leaves' shardings say."""
+        items = {"params": ocp.args.StandardRestore(abstract_params)}
+        if abstract_opt_state is not None:
+            if not self.has_item(step, "opt_state"):
+                raise UsageError(f"checkpoint step {step} in {self.directory} holds params only (no "
+                                 f"optimizer state), so training cannot resume from it")
+            items["opt_state"] = ocp.args.StandardRestore(abstract_opt_state)
+        try:
+            restored = self.manager.restore(step, args=ocp.args.Composite(**items))
+        except Exception as e:  # noqa: BLE001
+            raise self._damaged(step, e) from e
+        return restored["params"], restored.get("opt_state") if abstract_opt_state is not None else None
+
+    # ----------------------------------------------------------------- writing
+
+    def save(self, step: int, params, meta: Mapping[str, Any], opt_state=None) -> bool:
+        """Start writing step `step` (asynchronously: device buffers are copied before
+        this returns, so the caller may donate them). A step that already exists is left
+        alone. Orbax writes into a temporary directory and renames it when complete, so
+        a process killed mid-save leaves every finished step as it was."""
+        if step in self.manager.all_steps():
+            return False
+        items = {"params": ocp.args.StandardSave(params),
+                 "meta": ocp.args.JsonSave({"format": FORMAT, "step": step, **meta})}
+        if opt_state is not None:
+            items["opt_state"] = ocp.args.StandardSave(opt_state)
+        return self.manager.save(step, args=ocp.args.Composite(**items), force=True)
+
+    def wait(self) -> None:
+        self.manager.wait_until_finished()
+
+    def close(self) -> None:
+        self.manager.close()
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        self.close()
+
+
+def abstract_params(cfg: ModelConfig, mesh: jax.sharding.Mesh):
+    """(graphdef, params as ShapeDtypeStructs carrying `mesh`'s shardings): the restore
+    target. Nothing is allocated."""
+    abstract = abstract_lm(cfg)
+    shardings = sharding.param_shardings(abstract.params, mesh)
+    params = jax.tree.map(
+        lambda v, sh: v.replace(jax.ShapeDtypeStruct(v.value.shape, v.value.dtype, sharding=sh)),
+        abstract.params, shardings, is_leaf=lambda x: isinstance(x, nnx.Variable))
+    return abstract.graphdef, params
+
+
+def model_meta(cfg: ModelConfig, config_name: str, **extra) -> dict:
+    return {"config_name": config_name, "model": dataclasses.asdict(cfg), **extra}
+
+
+def save_lm(lm: LM, directory, step: int = 0, config_name: str = "") -> None:
+    """Write `lm`'s params as step `step` (no optimizer state) and wait for it."""
+    with Checkpoints(directory, async_save=False) as ckpt:
+        ckpt.save(step, lm.params, model_meta(lm.cfg, config_name))
+        ckpt.wait()
+
+
+def load_lm(model_cfg: ModelConfig, mesh: jax.sharding.Mesh, directory, step: int | None = None,
+            config_name: str | None = None) -> LM:
+    """The params of `step` (default: the newest) restored directly onto `mesh`.
+
+    `config_name` (default: the directory's name) only words the messages."""
+    directory = pathlib.Path(directory).expanduser()
+    name = config_name or directory.name
+    if not directory.is_dir():
+        raise UsageError(f"no checkpoint directory {directory}: train one with "
+                         f"`python -m specjax.train --config={name}` (or set $SPECJAX_CACHE / "
+                         f"pass the directory that holds it)")
+    sharding.check_divisible(model_cfg, mesh)
+    with Checkpoints(directory, read_only=True) as ckpt:
+        steps = ckpt.steps()
+        if not steps:
+            raise UsageError(f"{directory} holds no finished checkpoint: train one with "
+                             f"`python -m specjax.train --config={name} --workdir={directory}`")
+        if step is None:
+            step = steps[-1]
+        elif step not in steps:
+            raise UsageError(f"{directory} has no checkpoint for step {step}; it has steps {steps}")
+        graphdef, abstract = abstract_params(model_cfg, mesh)
+        ckpt.check_compatible(step, model_cfg, name, abstract)
+        params, _ = ckpt.restore(step, abstract)
+    return LM(model_cfg, graphdef, params)

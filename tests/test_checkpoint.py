@@ -1,0 +1,210 @@
+"""Checkpoints restore onto any mesh, and every bad checkpoint is a clear UsageError
+that leaves the good steps alone.
+
+Params are random numpy arrays placed with the model's shardings (no init compile);
+the reference for "identical" is that numpy copy, never the code under test.
+"""
+import dataclasses
+import hashlib
+import json
+import pathlib
+
+import jax
+import numpy as np
+import pytest
+from flax import nnx
+
+from conftest import mesh_for
+from specjax import checkpoint, sharding
+from specjax.config import UsageError
+from specjax.model import LM
+
+
+def random_lm(cfg, mesh, seed=0) -> tuple[LM, dict]:
+    """An LM with random params on `mesh`, and a {path: numpy array} copy of them."""
+    graphdef, abstract = checkpoint.abstract_params(cfg, mesh)
+    rng = np.random.default_rng(seed)
+    leaves, treedef = jax.tree.flatten(abstract)
+    values = [rng.standard_normal(a.shape).astype(a.dtype) for a in leaves]
+    params = jax.tree.unflatten(treedef, [jax.device_put(v, a.sharding) for v, a in zip(values, leaves)])
+    return LM(cfg, graphdef, params), numpy_params(params)
+
+
+def numpy_params(params) -> dict:
+    return {jax.tree_util.keystr(p): np.asarray(x) for p, x in jax.tree_util.tree_flatten_with_path(params)[0]}
+
+
+def tree_digest(directory: pathlib.Path) -> dict:
+    return {str(p.relative_to(directory)): hashlib.sha256(p.read_bytes()).hexdigest()
+            for p in sorted(directory.rglob("*")) if p.is_file()}
+
+
+@pytest.mark.parametrize("restore_on", ["2x4", "1x1"])
+def test_saved_on_1x8_restores_on_other_meshes_identically(tiny, tmp_path, restore_on):
+    lm, expected = random_lm(tiny.target, mesh_for("1x8"))
+    assert lm.params["layers"][0]["ffw"]["w_in"].value.sharding.spec == jax.sharding.PartitionSpec(None, "model")
+    checkpoint.save_lm(lm, tmp_path / "tiny", step=7, config_name="tiny")
+
+    mesh = mesh_for(restore_on)
+    restored = checkpoint.load_lm(tiny.target, mesh, tmp_path / "tiny")
+    got = numpy_params(restored.params)
+    assert got.keys() == expected.keys()
+    for k in expected:
+        np.testing.assert_array_equal(got[k], expected[k], err_msg=k)
+    # ... and each param lands with the sharding the table gives on the new mesh.
+    wanted = sharding.param_shardings(restored.params, mesh)
+    for path, (array, sh) in zip(expected, zip(jax.tree.leaves(restored.params), jax.tree.leaves(wanted))):
+        assert array.sharding.is_equivalent_to(sh, array.ndim), path
+    if restore_on == "2x4":  # kv heads split 4 ways on 2x4 (replicated on 1x8)
+        assert sharding.shard_fraction(restored.params["layers"][0]["attn"]["wk"].value) == 0.25
+
+
+def test_restored_lm_computes_like_the_saved_one(tiny, tmp_path):
+    """A restored model is a working model: same logits as before saving."""
+    from specjax.sampling import empty_cache
+
+    lm, _ = random_lm(tiny.target, mesh_for("1x8"), seed=3)
+    checkpoint.save_lm(lm, tmp_path / "tiny", config_name="tiny")
+    restored = checkpoint.load_lm(tiny.target, mesh_for("1x1"), tmp_path / "tiny")
+    tokens = np.arange(12, dtype=np.int32).reshape(2, 6) % tiny.target.vocab_size
+    positions = np.broadcast_to(np.arange(6, dtype=np.int32), (2, 6))
+
+    def logits(model):
+        with jax.set_mesh(model.params["embed"].value.sharding.mesh):
+            return np.asarray(jax.jit(lambda m: m(tokens, positions, empty_cache(m, 2, 6))[0])(model))
+
+    np.testing.assert_allclose(logits(restored), logits(lm), rtol=1e-5, atol=1e-5)
+
+
+def test_missing_directory_says_how_to_train(tiny, tmp_path):
+    with pytest.raises(UsageError, match=r"no checkpoint directory .*python -m specjax.train --config=tiny"):
+        checkpoint.load_lm(tiny.target, mesh_for("1x1"), tmp_path / "tiny")
+
+
+def test_directory_without_finished_step(tiny, tmp_path):
+    (tmp_path / "tiny" / "5.orbax-checkpoint-tmp-123").mkdir(parents=True)  # a killed save
+    with pytest.raises(UsageError, match=r"holds no finished checkpoint"):
+        checkpoint.load_lm(tiny.target, mesh_for("1x1"), tmp_path / "tiny")
+
+
+def test_unknown_step_lists_the_steps(tiny, tmp_path):
+    lm, _ = random_lm(tiny.target, mesh_for("1x1"))
+    checkpoint.save_lm(lm, tmp_path / "tiny", step=4, config_name="tiny")
+    with pytest.raises(UsageError, match=r"no checkpoint for step 9; it has steps \[4\]"):
+        checkpoint.load_lm(tiny.target, mesh_for("1x1"), tmp_path / "tiny", step=9)
+
+
+def test_other_config_names_the_differing_fields(tiny, tmp_path):
+    lm, expected = random_lm(tiny.target, mesh_for("1x1"))
+    checkpoint.save_lm(lm, tmp_path / "tiny", step=1, config_name="tiny")
+    before = tree_digest(tmp_path / "tiny")
+    with pytest.raises(UsageError) as err:
+        checkpoint.load_lm(tiny.draft, mesh_for("1x1"), tmp_path / "tiny", config_name="tiny_draft")
+    message = str(err.value)
+    assert "\n" not in message
+    assert "trained with config 'tiny'" in message
+    for field in ("d_model=32 (checkpoint) vs 16 (config)", "num_layers=2 (checkpoint) vs 1 (config)",
+                  "d_ff=64 (checkpoint) vs 32 (config)"):
+        assert field in message
+    assert "vocab_size" not in message  # equal fields are not listed
+    assert tree_digest(tmp_path / "tiny") == before
+    np.testing.assert_array_equal(  # and the checkpoint still loads for its own config
+        numpy_params(checkpoint.load_lm(tiny.target, mesh_for("1x1"), tmp_path / "tiny").params)["['embed'].value"],
+        expected["['embed'].value"])
+
+
+def test_runtime_fields_do_not_block_loading(tiny, tmp_path):
+    lm, expected = random_lm(tiny.target, mesh_for("1x1"))
+    checkpoint.save_lm(lm, tmp_path / "tiny", config_name="tiny")
+    cfg = dataclasses.replace(tiny.target, max_seq_len=64, init_seed=9, param_dtype="bfloat16")
+    restored = checkpoint.load_lm(cfg, mesh_for("1x1"), tmp_path / "tiny")
+    embed = restored.params["embed"].value
+    assert embed.dtype == np.dtype("bfloat16")
+    np.testing.assert_allclose(np.asarray(embed, np.float32), expected["['embed'].value"], rtol=1e-2)
+
+
+def _rewrite_meta(step_dir: pathlib.Path, **model_fields):
+    meta_file = step_dir / "meta" / "metadata"
+    meta = json.loads(meta_file.read_text())
+    meta["model"].update(model_fields)
+    meta_file.write_text(json.dumps(meta))
+
+
+def test_wrong_shapes_are_named(tiny, tmp_path):
+    """A step whose arrays do not match its recorded config (here: the record is edited
+    to claim d_ff=128) fails on the shapes, naming the param and both shapes."""
+    lm, _ = random_lm(tiny.target, mesh_for("1x1"))
+    checkpoint.save_lm(lm, tmp_path / "tiny", step=3, config_name="tiny")
+    _rewrite_meta(tmp_path / "tiny" / "3", d_ff=128)
+    cfg = dataclasses.replace(tiny.target, d_ff=128)
+    with pytest.raises(UsageError, match=r"wrong shapes: layers/0/ffw/w_in: \(32, 64\) \(checkpoint\) vs "
+                                         r"\(32, 128\) \(model\)"):
+        checkpoint.load_lm(cfg, mesh_for("1x1"), tmp_path / "tiny")
+
+
+def test_missing_params_are_named(tiny, tmp_path):
+    lm, _ = random_lm(tiny.target, mesh_for("1x1"))
+    checkpoint.save_lm(lm, tmp_path / "tiny", step=3, config_name="tiny")
+    _rewrite_meta(tmp_path / "tiny" / "3", num_layers=3)
+    cfg = dataclasses.replace(tiny.target, num_layers=3)
+    with pytest.raises(UsageError, match=r"other params than the model: missing \['layers/2/"):
+        checkpoint.load_lm(cfg, mesh_for("1x1"), tmp_path / "tiny")
+
+
+@pytest.mark.parametrize("damage", ["truncate_arrays", "delete_meta"])
+def test_damaged_step_is_reported_and_earlier_step_survives(tiny, tmp_path, damage):
+    directory = tmp_path / "tiny"
+    good, good_values = random_lm(tiny.target, mesh_for("1x8"), seed=1)
+    newer, _ = random_lm(tiny.target, mesh_for("1x8"), seed=2)
+    checkpoint.save_lm(good, directory, step=10, config_name="tiny")
+    checkpoint.save_lm(newer, directory, step=20, config_name="tiny")
+    before = tree_digest(directory / "10")
+    if damage == "truncate_arrays":
+        data_files = [p for p in (directory / "20" / "params").rglob("*") if p.is_file() and "d" == p.parent.name]
+        assert data_files, sorted((directory / "20").rglob("*"))
+        for p in data_files:
+            p.write_bytes(p.read_bytes()[:7])
+    else:
+        (directory / "20" / "meta" / "metadata").unlink()
+
+    with pytest.raises(UsageError) as err:
+        checkpoint.load_lm(tiny.target, mesh_for("2x4"), directory)
+    message = str(err.value)
+    assert "\n" not in message
+    assert f"checkpoint step 20 in {directory} is damaged or unreadable" in message
+    assert "earlier steps [10] are untouched" in message
+
+    assert tree_digest(directory / "10") == before
+    restored = numpy_params(checkpoint.load_lm(tiny.target, mesh_for("2x4"), directory, step=10).params)
+    for k in good_values:
+        np.testing.assert_array_equal(restored[k], good_values[k])
+
+
+def test_trainer_refuses_a_workdir_of_another_config(tiny, tmp_path):
+    """Training into a directory that holds another model's checkpoint stops before
+    writing anything (no new step, no deletion)."""
+    from specjax import trainer
+
+    lm, _ = random_lm(tiny.draft, mesh_for("1x1"))
+    checkpoint.save_lm(lm, tmp_path / "w", step=5, config_name="tiny_draft")
+    before = tree_digest(tmp_path / "w")
+    config = dataclasses.replace(tiny, train=dataclasses.replace(tiny.train, steps=10, warmup_steps=2))
+    with pytest.raises(UsageError, match=r"trained with config 'tiny_draft', whose model differs from tiny's: "
+                                         r"d_ff=32 \(checkpoint\) vs 64 \(config\)"):
+        trainer.train(config, tmp_path / "w", progress=False, devices=jax.devices()[:1])
+    assert tree_digest(tmp_path / "w") == before
+
+
+def test_tokenizer_file_travels_with_the_checkpoints(tmp_path):
+    assert checkpoint.tokenizer_path(tmp_path) is None
+    source = tmp_path / "src.model"
+    source.write_bytes(b"sentencepiece bytes")
+    copied = checkpoint.save_tokenizer(tmp_path / "ckpt", source)
+    assert copied == tmp_path / "ckpt" / "tokenizer.model"
+    assert checkpoint.tokenizer_path(tmp_path / "ckpt") == copied
+    assert copied.read_bytes() == b"sentencepiece bytes"
+
+
+def test_default_dir_follows_the_cache(monkeypatch, tmp_path):
+    monkeypatch.setenv("SPECJAX_CACHE", str(tmp_path))
+    assert checkpoint.default_dir("mini_target") == tmp_path / "checkpoints" / "mini_target"
