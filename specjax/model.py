@@ -24,7 +24,7 @@ from flax import nnx
 
 from specjax import sharding
 from specjax.config import ModelConfig
-from specjax.kv_cache import KVCache
+from specjax.kv_cache import CACHE_AXES, KVCache
 
 MASKED = -1e30
 
@@ -82,9 +82,10 @@ class Attention(nnx.Module):
             self.u = nnx.Param(jnp.zeros((N, H), dt), logical=("heads", "head_dim"))
             self.v = nnx.Param(jnp.zeros((N, H), dt), logical=("heads", "head_dim"))
 
-    def __call__(self, x, positions, k_cache, v_cache, lengths):
-        """x [B,T,D]; k_cache/v_cache [B,S,K,H] with this step's entries already absent.
-        Returns (out [B,T,D], k_cache, v_cache) with the T new entries written."""
+    def __call__(self, x, positions, k_all, v_all, layer, lengths):
+        """x [B,T,D]; k_all/v_all: the whole stacked cache [L,B,S,K,H]. Writes this layer's
+        T new entries straight into it (an in-place scatter inside the loop: no copy of a
+        layer slice) and returns (out [B,T,D], k_all, v_all)."""
         cfg = self.cfg
         ct = jnp.dtype(cfg.compute_dtype)
         B, T, _ = x.shape
@@ -94,9 +95,16 @@ class Attention(nnx.Module):
         if cfg.pos_encoding == "rope":
             q = rotary(q, positions, cfg.rope_theta)
             k = rotary(k, positions, cfg.rope_theta)
+        # Under MQA/GQA with fewer kv heads than 'model' devices the cache is replicated:
+        # every device computes the (small) k, v itself instead of gathering them.
+        k = sharding.constrain(k, ("batch", None, "kv_heads", "head_dim"))
+        v = sharding.constrain(v, ("batch", None, "kv_heads", "head_dim"))
         rows = jnp.arange(B)[:, None]
-        k_cache = k_cache.at[rows, positions].set(k.astype(k_cache.dtype), mode="drop")
-        v_cache = v_cache.at[rows, positions].set(v.astype(v_cache.dtype), mode="drop")
+        k_all = k_all.at[layer, rows, positions].set(k.astype(k_all.dtype), mode="drop")
+        v_all = v_all.at[layer, rows, positions].set(v.astype(v_all.dtype), mode="drop")
+        k_all = sharding.constrain(k_all, CACHE_AXES)
+        v_all = sharding.constrain(v_all, CACHE_AXES)
+        k_cache, v_cache = k_all[layer], v_all[layer]
 
         S, K, N = k_cache.shape[1], cfg.num_kv_heads, cfg.num_heads
         G, H = N // K, cfg.head_dim
@@ -125,7 +133,7 @@ class Attention(nnx.Module):
         logits = jnp.where(visible[:, None, None], logits, MASKED)
         weights = jax.nn.softmax(logits, axis=-1).astype(ct)
         out = jnp.einsum("BKGTS,BSKH->BTKGH", weights, v_cache.astype(ct)).reshape(B, T, N, H)
-        return jnp.einsum("BTNH,NHD->BTD", out, self.wo.value.astype(ct)), k_cache, v_cache
+        return jnp.einsum("BTNH,NHD->BTD", out, self.wo.value.astype(ct)), k_all, v_all
 
 
 class FeedForward(nnx.Module):
@@ -155,11 +163,11 @@ class Block(nnx.Module):
         self.ffw_norm = RMSNorm(cfg)
         self.ffw = FeedForward(cfg, rngs, out_std)
 
-    def __call__(self, x, positions, k_cache, v_cache, lengths):
-        h, k_cache, v_cache = self.attn(self.attn_norm(x), positions, k_cache, v_cache, lengths)
+    def __call__(self, x, positions, k_all, v_all, layer, lengths):
+        h, k_all, v_all = self.attn(self.attn_norm(x), positions, k_all, v_all, layer, lengths)
         x = x + h
         x = x + self.ffw(self.ffw_norm(x))
-        return x, k_cache, v_cache
+        return x, k_all, v_all
 
 
 class Transformer(nnx.Module):
@@ -197,14 +205,13 @@ class Transformer(nnx.Module):
             def body(carry, layer_params):
                 x, k_all, v_all, i = carry
                 block = nnx.merge(graphdef, layer_params)
-                x, k_i, v_i = block(x, positions, k_all[i], v_all[i], lengths)
-                return (x, k_all.at[i].set(k_i), v_all.at[i].set(v_i), i + 1), None
+                x, k_all, v_all = block(x, positions, k_all, v_all, i, lengths)
+                return (x, k_all, v_all, i + 1), None
 
             (x, k_all, v_all, _), _ = jax.lax.scan(body, (x, k_all, v_all, 0), stacked)
         else:
             for i, block in enumerate(self.layers):
-                x, k_i, v_i = block(x, positions, k_all[i], v_all[i], lengths)
-                k_all, v_all = k_all.at[i].set(k_i), v_all.at[i].set(v_i)
+                x, k_all, v_all = block(x, positions, k_all, v_all, i, lengths)
         x = self.final_norm(x)
         table = self.embed.value.T if cfg.tie_embeddings else self.unembed.value
         logits = jnp.einsum("BTD,DV->BTV", x, table.astype(ct), preferred_element_type=jnp.float32)

@@ -16,9 +16,7 @@ from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
-from jax.sharding import PartitionSpec as P
-
-from specjax import sharding
+from specjax.sharding import constrain
 from specjax.kv_cache import KVCache, cache_shapes, CACHE_AXES
 from specjax.model import LM
 
@@ -64,14 +62,6 @@ def nonfinite_rows(logits: jax.Array) -> jax.Array:
 
 
 # --------------------------------------------------------------------------- shared state
-
-
-def constrain(x: jax.Array, names) -> jax.Array:
-    """Shard an in-loop value by logical names on the mesh set with `jax.set_mesh`."""
-    mesh = jax.sharding.get_abstract_mesh()
-    if mesh.empty:
-        return x
-    return jax.lax.with_sharding_constraint(x, sharding.logical_to_spec(names, x.shape, mesh))
 
 
 def empty_cache(lm: LM, batch: int, size: int) -> KVCache:

@@ -105,3 +105,12 @@ def shard_fraction(array: jax.Array) -> float:
 def replicated(mesh: jax.sharding.Mesh) -> NamedSharding:
     return NamedSharding(mesh, P())
 
+
+
+def constrain(x: jax.Array, names: Sequence[str | None]) -> jax.Array:
+    """Shard a traced value by logical names on the mesh set with `jax.set_mesh` (no-op
+    without one). Pins what XLA would otherwise guess, e.g. a replicated MQA cache."""
+    mesh = jax.sharding.get_abstract_mesh()
+    if mesh.empty:
+        return x
+    return jax.lax.with_sharding_constraint(x, logical_to_spec(names, x.shape, mesh))

@@ -1,0 +1,166 @@
+"""Foundation: cached decode == full forward, sharded == unsharded, Megatron collectives,
+params really sharded, every config instantiates abstractly at its intended size, and
+bad configs fail with messages that name the value."""
+import dataclasses
+import re
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+import specjax
+from specjax import kv_cache, model, sharding
+from specjax.config import ConfigError, MeshConfig, SamplingConfig, load_config
+from conftest import mesh_for
+
+ATOL = 2e-5  # float32: observed max |diff| ~1e-6 on these logits (magnitude ~1-10)
+
+
+def full_forward(lm, tokens):
+    """Reference: one pass over whole sequences with a fresh cache, no incremental state."""
+    B, T = tokens.shape
+    positions = jnp.broadcast_to(jnp.arange(T), (B, T))
+    logits, _ = lm(tokens, positions, kv_cache.init_cache(lm.cfg, B, T))
+    return np.asarray(logits)
+
+
+@pytest.mark.parametrize("pos_encoding", ["rope", "relative"])
+@pytest.mark.parametrize("scan_layers", [False, True])
+def test_cached_decode_equals_full_forward_ragged(tiny, pos_encoding, scan_layers):
+    cfg = dataclasses.replace(tiny.target, pos_encoding=pos_encoding, scan_layers=scan_layers)
+    lm = model.init_lm(cfg, mesh_for("1x1"))
+    B, T = 3, 20
+    tokens = jax.random.randint(jax.random.key(1), (B, T), 0, cfg.vocab_size)
+    ref = full_forward(lm, tokens)
+    prompt_lens = np.array([3, 9, 14])
+    # Prefill ragged prompts (right-padded with junk that must be masked), then decode one
+    # token per step at each row's own position.
+    width = prompt_lens.max()
+    padded = np.where(np.arange(width)[None] < prompt_lens[:, None], np.asarray(tokens[:, :width]), 7)
+    positions = np.broadcast_to(np.arange(width), (B, width))
+    step = jax.jit(lambda lm, t, p, c: lm(t, p, c))
+    logits, cache = step(lm, jnp.asarray(padded), jnp.asarray(positions), kv_cache.init_cache(cfg, B, T + 4))
+    for b in range(B):
+        np.testing.assert_allclose(np.asarray(logits)[b, :prompt_lens[b]], ref[b, :prompt_lens[b]], atol=ATOL)
+    cache = cache.with_lengths(jnp.asarray(prompt_lens))
+    pos = prompt_lens.copy()
+    while pos.min() < T:
+        p = np.minimum(pos, T - 1)
+        logits, cache = step(lm, tokens[np.arange(B), p][:, None], jnp.asarray(p)[:, None], cache)
+        for b in range(B):
+            if pos[b] < T:
+                np.testing.assert_allclose(np.asarray(logits)[b, 0], ref[b, pos[b]], atol=ATOL)
+        pos += 1
+
+
+def test_scoring_k_plus_1_equals_single_steps(tiny):
+    lm = model.init_lm(tiny.target, mesh_for("1x1"))
+    B, P, K = 2, 6, 4
+    tokens = jax.random.randint(jax.random.key(2), (B, P + K + 1), 0, 32)
+    step = jax.jit(lambda lm, t, p, c: lm(t, p, c))
+    pos = jnp.broadcast_to(jnp.arange(P + K + 1), tokens.shape)
+    _, cache = step(lm, tokens[:, :P], pos[:, :P], kv_cache.init_cache(lm.cfg, B, 16))
+    scored, _ = step(lm, tokens[:, P:], pos[:, P:], cache)
+    singles = []
+    for t in range(P, P + K + 1):
+        logits, cache = step(lm, tokens[:, t:t + 1], pos[:, t:t + 1], cache)
+        singles.append(np.asarray(logits[:, 0]))
+    np.testing.assert_allclose(np.asarray(scored), np.stack(singles, 1), atol=ATOL)
+
+
+def test_scan_and_unrolled_layers_are_the_same_model(tiny):
+    tokens = jax.random.randint(jax.random.key(3), (2, 10), 0, 32)
+    a = full_forward(model.init_lm(tiny.target, mesh_for("1x1")), tokens)
+    b = full_forward(model.init_lm(dataclasses.replace(tiny.target, scan_layers=True), mesh_for("1x1")), tokens)
+    np.testing.assert_allclose(a, b, atol=ATOL)
+
+
+@pytest.mark.parametrize("mesh_name", ["1x8", "2x4"])
+def test_sharded_logits_and_greedy_tokens_match_one_device(tiny, mesh_name):
+    tokens = jax.random.randint(jax.random.key(4), (4, 12), 0, 32)
+    one = model.init_lm(tiny.target, mesh_for("1x1"))
+    many = model.init_lm(tiny.target, mesh_for(mesh_name))
+    np.testing.assert_allclose(full_forward(one, tokens), full_forward(many, tokens), atol=ATOL)
+    prompts = [[1, 2, 3], [4, 5, 6, 7, 8, 9], [10], [11, 12]]
+    greedy = SamplingConfig(temperature=0, max_new_tokens=64)
+    a = specjax.generate(one, None, prompts, greedy)
+    b = specjax.generate(many, None, prompts, greedy)
+    assert all(len(t) == 64 for t in a.tokens)
+    assert a.tokens == b.tokens
+
+
+def count_collectives(hlo_text: str, op: str) -> int:
+    return len(re.findall(rf"\b{op}(?:-start)?\(", hlo_text))
+
+
+def test_decode_step_has_two_all_reduces_per_layer_and_params_are_sharded(tiny):
+    cfg = dataclasses.replace(tiny.target, num_layers=3)  # 3 layers: the count must scale with L
+    mesh = mesh_for("1x8")
+    lm = model.init_lm(cfg, mesh)
+    big = {"embed": lm.params["embed"].value, "unembed": lm.params["unembed"].value,
+           "wq": lm.params["layers"][0]["attn"]["wq"].value,
+           "w_in": lm.params["layers"][0]["ffw"]["w_in"].value,
+           "w_out": lm.params["layers"][0]["ffw"]["w_out"].value}
+    for name, value in big.items():
+        assert sharding.shard_fraction(value) == pytest.approx(1 / 8), name
+    cache = kv_cache.init_cache(cfg, 1, 32, mesh)
+    with jax.set_mesh(mesh):
+        compiled = jax.jit(lambda lm, t, p, c: lm(t, p, c)).lower(
+            lm, jnp.zeros((1, 1), jnp.int32), jnp.zeros((1, 1), jnp.int32), cache).compile()
+    text = compiled.as_text()
+    # 2 per layer (attention out, ffw out) + 1 for the vocab-parallel embedding lookup;
+    # logits stay vocab-sharded (no all-gather in a bare forward).
+    assert count_collectives(text, "all-reduce") == 2 * cfg.num_layers + 1
+    assert count_collectives(text, "all-gather") == 0
+
+
+INTENDED = {  # config -> (target range, draft range), in params
+    "tiny": ((1e4, 5e4), (1e3, 1e4)),
+    "mini_target": ((20e6, 40e6), None),
+    "mini_draft": ((1e6, 3e6), None),
+    "mini": ((20e6, 40e6), (1e6, 3e6)),
+    "chinchilla_70b": ((64e9, 71e9), (3.5e9, 4.5e9)),
+    "draft_4b": ((3.5e9, 4.5e9), None),
+}
+
+
+@pytest.mark.parametrize("name", sorted(INTENDED))
+def test_every_config_instantiates_abstractly_at_its_intended_size(name):
+    config = load_config(name)
+    for model_cfg, bounds in ((config.target, INTENDED[name][0]), (config.draft, INTENDED[name][1])):
+        if model_cfg is None:
+            assert bounds is None
+            continue
+        lm = model.abstract_lm(model_cfg)  # ShapeDtypeStructs only: nothing allocated
+        counted = sum(int(np.prod(x.shape)) for x in jax.tree.leaves(lm.params))
+        print(f"{name}: {counted / 1e6:,.1f}M params")
+        assert bounds[0] <= counted <= bounds[1]
+        assert counted == pytest.approx(model_cfg.num_params, rel=0.05)  # the closed form agrees
+
+
+@pytest.mark.parametrize("name", ["chinchilla_70b", "draft_4b"])
+def test_paper_configs_divide_sixteen_chips(name):
+    config = load_config(name)
+    mesh = jax.sharding.AbstractMesh((1, 16), ("data", "model"))
+    sharding.check_divisible(config.target, mesh)
+
+
+BAD = [
+    (lambda: load_config("no_such_config"), "no_such_config"),
+    (lambda: load_config("tiny", ["target.num_layerz=3"]), "num_layerz"),
+    (lambda: load_config("tiny", ["target.num_layers=-2"]), "num_layers=-2"),
+    (lambda: load_config("tiny", ["target.d_model=abc"]), "'abc'"),
+    (lambda: load_config("tiny", ["sampling.top_p=1.5"]), "top_p=1.5"),
+    (lambda: load_config("tiny", ["target.num_heads=6"]), "num_heads=6"),
+    (lambda: sharding.check_divisible(dataclasses.replace(load_config("tiny").target, num_heads=12,
+                                                          num_kv_heads=4), mesh_for("1x8")), "num_heads=12"),
+    (lambda: sharding.make_mesh(MeshConfig(2, 8)), "16 devices"),
+]
+
+
+@pytest.mark.parametrize("make,needle", BAD, ids=[b[1] for b in BAD])
+def test_bad_configs_name_the_value(make, needle):
+    with pytest.raises(ConfigError) as err:
+        make()
+    assert needle in str(err.value)
