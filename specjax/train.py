@@ -1,0 +1,48 @@
+"""Train a config's target model (the draft too: a draft config's target IS the draft).
+
+    python -m specjax.train --config=mini_target            # then:
+    python -m specjax.train --config=mini_draft             # distilled from mini_target
+    python -m specjax.train --config=tiny --workdir=/tmp/t --config.train.steps=30
+
+Checkpoints, the tokenizer and metrics.jsonl go to --workdir (default: where
+`specjax.sample` looks, $SPECJAX_CACHE/checkpoints/NAME). Running the same command again
+resumes from the newest checkpoint. SIGTERM or Ctrl-C: checkpoint, then exit 143 / 130.
+"""
+from __future__ import annotations
+
+import sys
+
+import jax
+from absl import flags, logging
+
+from specjax import cli, trainer
+from specjax.config import cache_dir
+
+flags.DEFINE_string("workdir", None, "Checkpoint + metrics directory (default: "
+                    "$SPECJAX_CACHE/checkpoints/CONFIG_NAME, where specjax.sample looks).")
+flags.DEFINE_bool("progress", True, "Show a tqdm progress bar.")
+cli.define_config_flag("mini_target")
+FLAGS = flags.FLAGS
+
+
+def main(argv):
+    if len(argv) > 1:
+        raise cli.UsageError(f"unexpected arguments {argv[1:]}")
+    if not FLAGS["verbosity"].present:
+        logging.set_verbosity(logging.WARNING)  # orbax logs every file it writes at INFO
+    # Restarts (resume after preemption) and the draft run reuse compiled programs.
+    jax.config.update("jax_compilation_cache_dir", str(cache_dir() / "xla"))
+    jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.5)
+    result = trainer.train(cli.config(), FLAGS.workdir, progress=FLAGS.progress)
+    summary = f"step {result.step} in {result.workdir}"
+    if result.val_loss is not None:
+        summary += f"; validation loss {result.val_loss:.4f}"
+    if result.tokens_per_second:
+        summary += f"; {result.tokens_per_second:,.0f} tokens/s"
+    print(summary)
+    if result.stopped_by:
+        sys.exit({"SIGTERM": 143, "SIGINT": 130}[result.stopped_by])
+
+
+if __name__ == "__main__":
+    cli.run(main)

@@ -1,0 +1,523 @@
+"""Training: AdamW with warmup + cosine decay and clipping, data parallel over 'data'
+and Megatron tensor parallel over 'model' (the same mesh and table as sampling),
+orbax checkpoints with exact resume, and distillation of a draft from a target.
+
+Exact resume needs no data-loader or RNG state: batch `s` is a pure function of
+(train.seed, s) (`data.get_batch`) and the model has no dropout, so restoring
+(step, params, optimizer state) replays an uninterrupted run bit for bit.
+
+Data: configs with `tokenizer_vocab > 0` train a SentencePiece model on `train.corpus`
+(default: the standard library's sources) and tokenise the corpus once into a cached
+array. Configs without a tokenizer (`tiny`, vocab 32) train on `synthetic_tokens`: a
+fixed random Markov chain over the vocabulary, cheap to make and far from uniform, so
+losses fall quickly and the tests have something to learn.
+
+Distillation (Chen et al.'s draft is a small model trained on the target's data;
+distilling it from the target raises acceptance): `train.teacher` names a config whose
+trained target is loaded frozen, and the loss is
+    w * T^2 * KL(teacher_T || student_T) + (1 - w) * cross-entropy,
+with T = `distill_temperature` (Hinton et al.'s T^2 keeps gradient scales comparable)
+and w = `distill_weight`.
+
+Step numbering: "step N" is the state after N updates; the record for step N holds the
+loss of batch N-1 (the one that produced it) and the checkpoint named N resumes with
+batch N.
+"""
+from __future__ import annotations
+
+import dataclasses
+import json
+import math
+import pathlib
+import signal
+import time
+from typing import Any, Callable, Optional
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+from flax import nnx
+from tqdm import tqdm
+
+from specjax import checkpoint, data, sharding
+from specjax.config import Config, ConfigError, TrainConfig, UsageError, cache_dir, load_config
+from specjax.model import LM, init_lm
+from specjax.sampling import empty_cache
+
+METRICS_FILE = "metrics.jsonl"
+SYNTHETIC_TOKENS = 1 << 20
+
+
+# --------------------------------------------------------------------------- data
+
+
+def synthetic_tokens(vocab_size: int, num_tokens: int = SYNTHETIC_TOKENS, seed: int = 0) -> np.ndarray:
+    """A token stream for configs without a tokenizer: 1024 chains of a first-order
+    Markov process whose transition rows are Dirichlet(0.1) draws (a few likely
+    successors per token, entropy well below log V), concatenated. Fixed by (vocab, seed),
+    so a teacher and its student see the same language."""
+    rng = np.random.default_rng([seed, vocab_size])
+    transitions = rng.dirichlet(np.full(vocab_size, 0.1), size=vocab_size)
+    cumulative = np.cumsum(transitions, axis=1)
+    chains, length = 1024, -(-num_tokens // 1024)
+    out = np.empty((chains, length), np.int32)
+    out[:, 0] = rng.integers(0, vocab_size, chains)
+    uniforms = rng.random((length, chains))
+    for t in range(1, length):
+        rows = cumulative[out[:, t - 1]]
+        out[:, t] = np.minimum((rows < uniforms[t][:, None]).sum(axis=1), vocab_size - 1)
+    return out.reshape(-1)[:num_tokens]
+
+
+@dataclasses.dataclass
+class Corpus:
+    train: np.ndarray
+    val: np.ndarray
+    tokenizer_file: Optional[pathlib.Path]  # None: synthetic data
+    description: str
+
+
+def load_corpus(config: Config, teacher_dir: Optional[pathlib.Path] = None) -> Corpus:
+    """Token streams for `config` (see the module docstring). With a teacher, the
+    teacher's own tokenizer is used: draft and target must share one."""
+    tc = config.train
+    vocab = config.target.vocab_size
+    if not config.tokenizer_vocab:
+        tokens = synthetic_tokens(vocab)
+        train, val = data.split_train_val(tokens, tc.val_fraction)
+        return Corpus(train, val, None, f"synthetic Markov chain, {len(tokens):,} tokens, vocab {vocab}")
+    try:
+        files = data.resolve_corpus(tc.corpus)
+    except ValueError as e:
+        raise UsageError(f"train.corpus: {e}") from e
+    store = cache_dir() / "data"
+    teacher_tok = checkpoint.tokenizer_path(teacher_dir) if teacher_dir is not None else None
+    if teacher_tok is not None:
+        from specjax.tokenizer import Tokenizer
+        tokenizer = Tokenizer(teacher_tok)
+    else:
+        tokenizer = data.build_or_load_tokenizer(files, store, config.tokenizer_vocab)
+    if tokenizer.vocab_size != vocab:
+        raise ConfigError(f"tokenizer {tokenizer.path} has {tokenizer.vocab_size} pieces but "
+                          f"target.vocab_size={vocab}")
+    tokens = data.build_token_cache(files, tokenizer, store)
+    train, val = data.split_train_val(tokens, tc.val_fraction)
+    return Corpus(train, val, pathlib.Path(tokenizer.path),
+                  f"{tc.corpus}: {len(files):,} files, {len(tokens):,} tokens, tokenizer {tokenizer.path.name}")
+
+
+def _row_block(batch_sharding, global_shape) -> tuple[int, int]:
+    """(block index, number of blocks) of the batch rows this process feeds: the rows
+    its devices hold under `batch_sharding` (all rows when 'data' does not split them)."""
+    index_map = batch_sharding.addressable_devices_indices_map(global_shape)
+    starts = [idx[0].start or 0 for idx in index_map.values()]
+    stops = [global_shape[0] if idx[0].stop is None else idx[0].stop for idx in index_map.values()]
+    lo, hi = min(starts), max(stops)
+    per = hi - lo
+    if global_shape[0] % per or lo % per:
+        raise ConfigError(f"batch of {global_shape[0]} rows cannot be split evenly over processes "
+                          f"(this process holds rows {lo}..{hi})")
+    return lo // per, global_shape[0] // per
+
+
+class Batches:
+    """Global batches as sharded device arrays, built from this process's rows only."""
+
+    def __init__(self, corpus: Corpus, tc: TrainConfig, mesh):
+        self.corpus, self.tc = corpus, tc
+        self.shape = (tc.batch_size, tc.seq_len + 1)
+        self.sharding = sharding.named(mesh, ("batch", None), self.shape)
+        self.replicated = sharding.replicated(mesh)
+        self.block, self.blocks = _row_block(self.sharding, self.shape)
+        for name, stream in (("train", corpus.train), ("validation", corpus.val)):
+            if len(stream) < tc.seq_len + 1:
+                raise UsageError(f"the {name} stream has {len(stream)} tokens, fewer than train.seq_len + 1 = "
+                                 f"{tc.seq_len + 1}: use a bigger corpus or a larger train.val_fraction")
+
+    def _device(self, local: np.ndarray) -> jax.Array:
+        return jax.make_array_from_process_local_data(self.sharding, local, self.shape)
+
+    def train(self, step: int) -> jax.Array:
+        tc = self.tc
+        return self._device(data.get_batch(self.corpus.train, step, tc.batch_size, tc.seq_len, tc.seed,
+                                           process_index=self.block, process_count=self.blocks))
+
+    def validation(self) -> list[jax.Array]:
+        tc = self.tc
+        return [self._device(b) for b in data.eval_batches(
+            self.corpus.val, tc.batch_size, tc.seq_len, tc.eval_batches,
+            process_index=self.block, process_count=self.blocks)]
+
+    def _hyper_host(self, step: int) -> dict[str, np.ndarray]:
+        return {"step": np.int32(step), "distill_weight": np.float32(self.tc.distill_weight)}
+
+    def hyper(self, step: int) -> dict[str, jax.Array]:
+        """The train step's scalar inputs, replicated."""
+        return {k: jax.make_array_from_process_local_data(self.replicated, v, ())
+                for k, v in self._hyper_host(step).items()}
+
+    def abstract(self) -> tuple[jax.ShapeDtypeStruct, dict]:
+        """(batch, hyper) as the compiled train step sees them."""
+        return (jax.ShapeDtypeStruct(self.shape, jnp.int32, sharding=self.sharding),
+                {k: jax.ShapeDtypeStruct((), v.dtype, sharding=self.replicated)
+                 for k, v in self._hyper_host(0).items()})
+
+
+# --------------------------------------------------------------------------- losses
+
+
+def cross_entropy(logits: jax.Array, targets: jax.Array) -> jax.Array:
+    """Mean next-token negative log-likelihood (nats), float32."""
+    logp = jax.nn.log_softmax(logits.astype(jnp.float32), axis=-1)
+    return -jnp.mean(jnp.take_along_axis(logp, targets[..., None], axis=-1))
+
+
+def distill_kl(teacher_logits: jax.Array, student_logits: jax.Array, temperature: float = 1.0) -> jax.Array:
+    """Mean over positions of KL(teacher_T || student_T), softmax(logits / T), float32."""
+    t = jax.nn.log_softmax(teacher_logits.astype(jnp.float32) / temperature, axis=-1)
+    s = jax.nn.log_softmax(student_logits.astype(jnp.float32) / temperature, axis=-1)
+    return jnp.mean(jnp.sum(jnp.exp(t) * (t - s), axis=-1))
+
+
+def forward(lm: LM, inputs: jax.Array) -> jax.Array:
+    """Full-sequence logits [B, T, V] through the same forward that sampling uses, with
+    a fresh cache of size T (every position sees the positions before it)."""
+    batch, length = inputs.shape
+    positions = jnp.broadcast_to(jnp.arange(length, dtype=jnp.int32), (batch, length))
+    logits, _ = lm(inputs, positions, empty_cache(lm, batch, length))
+    return logits
+
+
+def make_loss(tc: TrainConfig, distill: bool) -> Callable:
+    """loss(student LM, teacher LM or None, batch [B, T+1], distill weight) -> (loss,
+    metrics). The weight is a traced scalar: one compiled step serves every mix."""
+    temp = tc.distill_temperature
+
+    def loss_fn(student: LM, teacher: Optional[LM], batch: jax.Array, w):
+        inputs, targets = batch[:, :-1], batch[:, 1:]
+        logits = forward(student, inputs)
+        ce = cross_entropy(logits, targets)
+        metrics = {"ce": ce}
+        loss = ce
+        if distill:
+            teacher_logits = jax.lax.stop_gradient(forward(teacher, inputs))
+            kl = distill_kl(teacher_logits, logits, temp)
+            metrics["kl"] = kl if temp == 1.0 else distill_kl(teacher_logits, logits)
+            loss = w * temp ** 2 * kl + (1 - w) * ce
+        metrics["loss"] = loss
+        return loss, metrics
+
+    return loss_fn
+
+
+# --------------------------------------------------------------------------- optimiser
+
+
+def learning_rate_schedule(tc: TrainConfig) -> optax.Schedule:
+    if tc.warmup_steps >= tc.steps:
+        raise ConfigError(f"train.warmup_steps={tc.warmup_steps} must be below train.steps={tc.steps}")
+    return optax.warmup_cosine_decay_schedule(0.0, tc.learning_rate, tc.warmup_steps, tc.steps,
+                                              end_value=tc.learning_rate * 0.1)
+
+
+def make_optimizer(tc: TrainConfig) -> optax.GradientTransformation:
+    """Clip the global norm, then AdamW (Chinchilla's betas); norm scales are not decayed."""
+    decay_mask = lambda params: jax.tree.map(lambda x: x.ndim >= 2, params)  # noqa: E731
+    return optax.chain(
+        optax.clip_by_global_norm(tc.grad_clip),
+        optax.adamw(learning_rate_schedule(tc), b1=0.9, b2=0.95, eps=1e-8,
+                    weight_decay=tc.weight_decay, mask=decay_mask))
+
+
+def opt_state_shardings(optimizer, params, mesh):
+    """The optimiser state laid out like the params it tracks (Adam's mu and nu follow
+    their param's sharding); counters replicated."""
+    param_sh = sharding.param_shardings(params, mesh)
+    abstract = jax.eval_shape(optimizer.init, params)
+    return optax.tree_map_params(optimizer, lambda _, sh: sh, abstract, param_sh,
+                                 transform_non_params=lambda _: sharding.replicated(mesh),
+                                 is_leaf=lambda x: isinstance(x, nnx.Variable))
+
+
+def _with_shardings(abstract, shardings):
+    """ShapeDtypeStructs carrying `shardings` (given per leaf, or per nnx.Variable)."""
+    def one(a, sh):
+        if isinstance(a, nnx.Variable):
+            return a.replace(jax.ShapeDtypeStruct(a.value.shape, a.value.dtype, sharding=sh))
+        return jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=sh)
+    return jax.tree.map(one, abstract, shardings, is_leaf=lambda x: isinstance(x, nnx.Variable))
+
+
+# --------------------------------------------------------------------------- compiled steps
+
+
+def make_steps(student: LM, teacher: Optional[LM], optimizer, tc: TrainConfig, mesh, opt_sh):
+    """(train_step, eval_step), jitted. train_step(params, opt_state, teacher_params,
+    batch, hyper) -> (params, opt_state, metrics) with params and optimiser state donated
+    and kept on their shardings; `hyper` holds scalars ('step' feeds the logged learning
+    rate, 'distill_weight' the loss). eval_step(params, teacher_params, batch) -> {'ce',
+    'kl' (with a teacher)}."""
+    cfg, graphdef = student.cfg, student.graphdef
+    param_sh = sharding.param_shardings(student.params, mesh)
+    loss_fn = make_loss(tc, teacher is not None)
+    schedule = learning_rate_schedule(tc)
+
+    def rebuild(params, teacher_params):
+        t = None if teacher is None else LM(teacher.cfg, teacher.graphdef, teacher_params)
+        return LM(cfg, graphdef, params), t
+
+    def train_step(params, opt_state, teacher_params, batch, hyper):
+        def objective(p):
+            s, t = rebuild(p, teacher_params)
+            return loss_fn(s, t, batch, hyper["distill_weight"])
+
+        (_, metrics), grads = jax.value_and_grad(objective, has_aux=True)(params)
+        updates, opt_state = optimizer.update(grads, opt_state, params)
+        params = optax.apply_updates(params, updates)
+        return params, opt_state, dict(metrics, grad_norm=optax.global_norm(grads), lr=schedule(hyper["step"]))
+
+    def eval_step(params, teacher_params, batch):
+        s, t = rebuild(params, teacher_params)
+        metrics = loss_fn(s, t, batch, 0.0)[1]
+        return {k: v for k, v in metrics.items() if k in ("ce", "kl")}
+
+    train_jit = jax.jit(train_step, donate_argnums=(0, 1), out_shardings=(param_sh, opt_sh, None))
+    return train_jit, jax.jit(eval_step)
+
+
+# --------------------------------------------------------------------------- metrics
+
+
+class MetricsLog:
+    """Append-only JSONL; one record a line with 'kind' ('train', 'val', 'event') and
+    'step'. A resumed run appends records for steps that an interrupted run may already
+    have logged: `read_metrics` keeps the last record per (kind, step)."""
+
+    def __init__(self, path: pathlib.Path, enabled: bool = True):
+        self.path, self.enabled = path, enabled
+
+    def write(self, kind: str, step: int, **values) -> None:
+        if not self.enabled:
+            return
+        record = {"kind": kind, "step": int(step), "time": round(time.time(), 3)}
+        record.update({k: (float(v) if isinstance(v, (np.floating, np.ndarray, jax.Array)) else v)
+                       for k, v in values.items()})
+        with open(self.path, "a") as f:
+            f.write(json.dumps(record) + "\n")
+
+
+def read_metrics(workdir, kind: str = "train") -> dict[int, dict]:
+    """{step: last record of `kind` for that step} from a workdir's metrics.jsonl."""
+    out: dict[int, dict] = {}
+    path = pathlib.Path(workdir) / METRICS_FILE
+    if not path.exists():
+        return out
+    for line in path.read_text().splitlines():
+        try:
+            record = json.loads(line)
+        except json.JSONDecodeError:  # a line cut short by kill -9
+            continue
+        if record.get("kind") == kind:
+            out[record["step"]] = record
+    return dict(sorted(out.items()))
+
+
+# --------------------------------------------------------------------------- stop requests
+
+
+class StopRequest:
+    """SIGTERM (preemption) or Ctrl-C asks the loop to checkpoint and stop after the
+    current step; a second Ctrl-C aborts at once. With several processes, JAX's
+    preemption sync point makes every process stop at the same step."""
+
+    def __init__(self):
+        self.signum: Optional[int] = None
+        self._previous = {}
+
+    def __enter__(self):
+        if jax.process_count() == 1:
+            for signum in (signal.SIGTERM, signal.SIGINT):
+                self._previous[signum] = signal.signal(signum, self._handle)
+        return self
+
+    def _handle(self, signum, frame):
+        if self.signum == signal.SIGINT and signum == signal.SIGINT:
+            raise KeyboardInterrupt
+        self.signum = signum
+        tqdm.write(f"received {signal.Signals(signum).name}: saving a checkpoint after this step, then stopping"
+                   + (" (Ctrl-C again aborts)" if signum == signal.SIGINT else ""))
+
+    def __call__(self, step: int) -> bool:
+        if jax.process_count() > 1:
+            from jax.experimental import multihost_utils
+            if multihost_utils.reached_preemption_sync_point(step):
+                self.signum = signal.SIGTERM
+        return self.signum is not None
+
+    def __exit__(self, *exc):
+        for signum, handler in self._previous.items():
+            signal.signal(signum, handler)
+
+
+# --------------------------------------------------------------------------- the loop
+
+
+@dataclasses.dataclass
+class TrainResult:
+    workdir: pathlib.Path
+    step: int  # updates done (the newest checkpoint's step)
+    start_step: int  # where this run began (0, or the step it resumed from)
+    stopped_by: Optional[str]  # 'SIGTERM' / 'SIGINT' when a signal ended the run early
+    train_loss: Optional[float]
+    val_loss: Optional[float]
+    tokens_per_second: Optional[float]  # mean over this run's steps, compile excluded
+    compile_seconds: float
+
+
+def _say(message: str) -> None:
+    if jax.process_index() == 0:
+        tqdm.write(message)
+
+
+def _teacher(config: Config, mesh) -> tuple[Optional[LM], Optional[pathlib.Path]]:
+    tc = config.train
+    if not tc.teacher:
+        return None, None
+    teacher_cfg = load_config(tc.teacher).target
+    directory = pathlib.Path(tc.teacher_checkpoint).expanduser() if tc.teacher_checkpoint \
+        else checkpoint.default_dir(tc.teacher)
+    if teacher_cfg.vocab_size != config.target.vocab_size:
+        raise ConfigError(f"train.teacher={tc.teacher!r} has vocab_size={teacher_cfg.vocab_size}, the student "
+                          f"{config.target.vocab_size}: distillation needs one vocabulary")
+    return checkpoint.load_lm(teacher_cfg, mesh, directory, config_name=tc.teacher), directory
+
+
+def _train_differences(saved: dict, tc: TrainConfig) -> list[str]:
+    now = dataclasses.asdict(tc)
+    return [f"{k}: {saved[k]!r} -> {now[k]!r}" for k in sorted(now) if k in saved and saved[k] != now[k]]
+
+
+def train(config: Config, workdir=None, progress: bool = True, devices=None) -> TrainResult:
+    """Train `config.target` for `config.train.steps` updates, resuming from the newest
+    checkpoint in `workdir` (default `checkpoint.default_dir(config.name)`)."""
+    tc = config.train
+    workdir = pathlib.Path(workdir).expanduser() if workdir else checkpoint.default_dir(config.name)
+    is_main = jax.process_index() == 0
+    mesh = sharding.make_mesh(config.mesh, devices)
+    sharding.check_divisible(config.target, mesh, "target")
+    optimizer = make_optimizer(tc)
+
+    with jax.set_mesh(mesh):
+        teacher, teacher_dir = _teacher(config, mesh)
+        corpus = load_corpus(config, teacher_dir)
+        batches = Batches(corpus, tc, mesh)
+        if is_main:
+            workdir.mkdir(parents=True, exist_ok=True)
+        log = MetricsLog(workdir / METRICS_FILE, enabled=is_main)
+
+        ckpt = checkpoint.Checkpoints(workdir, keep=tc.keep_checkpoints)
+        try:
+            graphdef, abstract_params = checkpoint.abstract_params(config.target, mesh)
+            opt_sh = opt_state_shardings(optimizer, abstract_params, mesh)
+            start = ckpt.latest_step() or 0
+            if start:
+                meta = ckpt.check_compatible(start, config.target, config.name, abstract_params)
+                abstract_opt = _with_shardings(jax.eval_shape(optimizer.init, abstract_params), opt_sh)
+                params, opt_state = ckpt.restore(start, abstract_params, abstract_opt)
+                changed = _train_differences(meta.get("train", {}), tc)
+                _say(f"resuming from step {start} in {workdir}"
+                     + (f" (train settings changed since: {'; '.join(changed)})" if changed else ""))
+                log.write("event", start, event="resume")
+            else:
+                params = init_lm(config.target, mesh, seed=config.target.init_seed).params
+                opt_state = jax.jit(optimizer.init, out_shardings=opt_sh)(params)
+                log.write("event", 0, event="start", config=config.name, params=config.target.num_params)
+            student = LM(config.target, graphdef, params)
+            if corpus.tokenizer_file is not None and is_main:
+                checkpoint.save_tokenizer(workdir, corpus.tokenizer_file)
+            if start >= tc.steps:
+                _say(f"{workdir} already holds step {start} (train.steps={tc.steps}): nothing to train; "
+                     f"raise --config.train.steps to continue")
+                return TrainResult(workdir, start, start, None, None, None, None, 0.0)
+
+            teacher_params = teacher.params if teacher is not None else None
+            train_step, eval_step = make_steps(student, teacher, optimizer, tc, mesh, opt_sh)
+            t0 = time.perf_counter()
+            train_step = train_step.lower(params, opt_state, teacher_params, *batches.abstract()).compile()
+            compile_seconds = time.perf_counter() - t0
+            val_batches = batches.validation()
+            _say(f"training {config.name}: {config.target.num_params:,} params on mesh "
+                 f"{mesh.shape['data']}x{mesh.shape['model']} (data x model), batch {tc.batch_size} x "
+                 f"{tc.seq_len} tokens, steps {start}..{tc.steps}; data: {corpus.description}"
+                 + (f"; distilling from {tc.teacher} (w={tc.distill_weight}, T={tc.distill_temperature})"
+                    if teacher is not None else "") + f"; compiled in {compile_seconds:.1f}s")
+
+            def validate(step):
+                totals: dict[str, float] = {}
+                for b in val_batches:
+                    for k, v in jax.device_get(eval_step(params, teacher_params, b)).items():
+                        totals[k] = totals.get(k, 0.0) + float(v) / len(val_batches)
+                values = {"val_loss": totals["ce"], **({"val_kl": totals["kl"]} if "kl" in totals else {})}
+                log.write("val", step, **values)
+                return values
+
+            def meta(step):
+                return checkpoint.model_meta(config.target, config.name, train=dataclasses.asdict(tc),
+                                             tokens_seen=step * tc.batch_size * tc.seq_len)
+
+            step, pending, train_loss, val_loss = start, [], None, None
+            tokens_per_step = tc.batch_size * tc.seq_len
+            busy = 0.0  # seconds of training steps in this run (compile, validation, saves excluded)
+            window_start, excluded = time.perf_counter(), 0.0
+            bar = tqdm(total=tc.steps, initial=start, disable=not (progress and is_main),
+                       dynamic_ncols=True, unit="step")
+            with StopRequest() as stop:
+                while step < tc.steps and not stop(step):
+                    batch, hyper = batches.train(step), batches.hyper(step)
+                    with jax.transfer_guard("disallow"):
+                        params, opt_state, metrics = train_step(params, opt_state, teacher_params, batch, hyper)
+                    step += 1
+                    pending.append(metrics)
+                    last = step == tc.steps
+                    if step % tc.log_every == 0 or last or stop.signum is not None:
+                        fetched = jax.device_get(pending)
+                        elapsed = time.perf_counter() - window_start - excluded
+                        busy += elapsed
+                        rate = len(pending) * tokens_per_step / elapsed
+                        means = {k: float(np.mean([m[k] for m in fetched])) for k in fetched[0]}
+                        means["lr"] = float(fetched[-1]["lr"])
+                        if not all(math.isfinite(v) for v in means.values()):
+                            raise FloatingPointError(f"non-finite training metrics at step {step}: {means}")
+                        train_loss = means["loss"]
+                        log.write("train", step, tokens_per_s=rate, **means)
+                        bar.set_postfix(loss=f"{train_loss:.4f}", tok_s=f"{rate:,.0f}", refresh=False)
+                        pending, window_start, excluded = [], time.perf_counter(), 0.0
+                    bar.update(1)
+                    evaluate = step % tc.eval_every == 0 or last
+                    save = step % tc.save_every == 0 or last or stop.signum is not None
+                    if evaluate or save:
+                        jax.block_until_ready(params)  # the steps so far count as training time
+                        t = time.perf_counter()
+                        if evaluate:
+                            values = validate(step)
+                            val_loss = values["val_loss"]
+                            _say(f"step {step}: " + ", ".join(f"{k} {v:.4f}" for k, v in values.items()))
+                        if save:
+                            ckpt.save(step, params, meta(step), opt_state)
+                        excluded += time.perf_counter() - t
+            bar.close()
+            stopped_by = None
+            if stop.signum is not None and step < tc.steps:
+                stopped_by = signal.Signals(stop.signum).name
+                ckpt.save(step, params, meta(step), opt_state)
+                log.write("event", step, event="stopped", signal=stopped_by)
+                _say(f"{stopped_by}: checkpoint for step {step} in {workdir}")
+            ckpt.wait()
+            if step == tc.steps and stopped_by is None:
+                log.write("event", step, event="done")
+        finally:
+            ckpt.close()
+    done_steps = step - start
+    return TrainResult(workdir, step, start, stopped_by, train_loss, val_loss,
+                       done_steps * tokens_per_step / busy if busy and done_steps else None, compile_seconds)
