@@ -23,7 +23,7 @@ import sys
 import textwrap
 from typing import Optional, Sequence
 
-from specjax.config import Config, MeshConfig, ModelConfig, SamplingConfig, UsageError, load_config
+from specjax.config import Config, MeshConfig, ModelConfig, SamplingConfig, UsageError, cache_dir, load_config
 
 # Configs small enough that `sample` trains them itself when their checkpoint is missing
 # (in this order: the draft is distilled from the target).
@@ -65,10 +65,12 @@ class Weights:
         wanted = [("--checkpoint", checkpoint, target_name, target_dir)]
         if need_draft:
             wanted.append(("--draft_checkpoint", draft_checkpoint, draft_name, draft_dir))
-        to_train = [name for flag, given, name, d in wanted
-                    if given is None and name in AUTO_TRAIN and train_missing and not _complete(d)]
+        # The mini pair counts as present only when fully trained: an interrupted first run
+        # resumes instead of sampling from a half-trained model.
+        to_train = [name for flag, given, name, d in wanted if given is None and name in AUTO_TRAIN
+                    and train_missing and _latest_step(d) < load_config(name).train.steps]
         for flag, given, name, d in wanted:
-            if _complete(d) or name in to_train:
+            if _latest_step(d) >= 0 or name in to_train:
                 continue
             what = "holds no finished checkpoint" if d.is_dir() else "does not exist"
             if given is not None:
@@ -126,12 +128,13 @@ def _resolve(given: Optional[str], name: str) -> Optional[pathlib.Path]:
     return _checkpoint().default_dir(name) if name else None
 
 
-def _complete(directory: Optional[pathlib.Path]) -> bool:
-    """Holds at least one finished checkpoint step (an interrupted first save does not count)."""
+def _latest_step(directory: Optional[pathlib.Path]) -> int:
+    """The newest finished checkpoint step in `directory`; -1 when there is none."""
     if directory is None or not directory.is_dir():
-        return False
+        return -1
     with _checkpoint().Checkpoints(directory, read_only=True) as ckpt:
-        return bool(ckpt.steps())
+        latest = ckpt.latest_step()
+    return -1 if latest is None else latest
 
 
 def _check_compatible(directory: pathlib.Path, cfg: ModelConfig, name: str) -> None:
@@ -147,18 +150,52 @@ def train(names: Sequence[str]) -> None:
         print(f"specjax: no checkpoint for {name!r} yet; training it now ({config.train.steps} steps, "
               f"{config.target.num_params / 1e6:.1f}M params). This happens once; an interrupted run "
               f"resumes. The same by hand: {train_command(name)}", file=sys.stderr, flush=True)
-        trainer.train(config, _checkpoint().default_dir(name), progress=True)
+        result = trainer.train(config, _checkpoint().default_dir(name), progress=True)
+        if result.stopped_by:
+            print(f"specjax: training {name!r} stopped at step {result.step} of {config.train.steps} "
+                  f"({result.stopped_by}); run the same command again to resume", file=sys.stderr)
+            sys.exit(130 if result.stopped_by == "SIGINT" else 143)
+
+
+def _distributed():
+    try:
+        from specjax import distributed
+    except ModuleNotFoundError as e:
+        if e.name != "specjax.distributed":
+            raise
+        return None
+    return distributed
+
+
+def maybe_initialize_distributed() -> None:
+    """Join a multi-process run (TPU pod, local processes) when the environment asks for
+    one; must precede anything that touches a device (orbax included)."""
+    distributed = _distributed()
+    if distributed is not None:
+        distributed.maybe_initialize()
+
+
+def use_compilation_cache() -> None:
+    """Keep compiled loops across runs (the demo's second run starts in seconds) in
+    cache_dir(), unless $JAX_COMPILATION_CACHE_DIR already names a place."""
+    import os
+    import jax
+    if not os.environ.get("JAX_COMPILATION_CACHE_DIR"):
+        jax.config.update("jax_compilation_cache_dir", str(cache_dir() / "xla"))  # shared with specjax.train
+
+
+def generate(target, draft, prompts, sampling: SamplingConfig, *, seed: int):
+    """`specjax.generate`, or its multi-process twin when several processes share the mesh."""
+    import jax
+    if jax.process_count() > 1:
+        return _distributed().generate(target, draft, prompts, sampling, seed=seed)
+    from specjax import api
+    return api.generate(target, draft, prompts, sampling, seed=seed)
 
 
 def make_mesh(mesh_cfg: MeshConfig, models: dict[str, ModelConfig]):
     """The device mesh, after checking that every model splits over its 'model' axis."""
     from specjax import sharding
-    try:
-        from specjax import distributed
-    except ImportError:
-        distributed = None
-    if distributed is not None:
-        distributed.maybe_initialize()
     mesh = sharding.make_mesh(mesh_cfg)
     for what, cfg in models.items():
         sharding.check_divisible(cfg, mesh, what)
@@ -230,6 +267,8 @@ class Report:
         self.print_samples, self.out = print_samples, out
         self.totals = {m: _Totals() for m in self.modes}
         self.done_batches = 0
+        import jax
+        self.is_main = jax.process_index() == 0  # the other processes of a pod run stay quiet
 
     def text(self, tokens: Sequence[int]) -> str:
         if self.tokenizer is None:
@@ -258,7 +297,7 @@ class Report:
                 record.update(batch=batch_index, seed=seed, batch_ms_per_token=result.ms_per_token, stats=stats)
                 records.append(record)
         self.done_batches += 1
-        if self.print_samples:
+        if self.print_samples and self.is_main:
             self._print_batch(prompts, rows, results)
         return records
 
@@ -298,6 +337,8 @@ class Report:
         return lines
 
     def print_summary(self, interrupted: str = "", output: Optional[str] = None) -> None:
+        if not self.is_main:
+            return
         s = self.sampling
         print(f"\nsummary (temperature={s.temperature}, top_k={s.top_k}, top_p={s.top_p}, "
               f"max_new_tokens={s.max_new_tokens})" + (f", interrupted after {interrupted}" if interrupted else ""),

@@ -96,6 +96,8 @@ def main(argv):
     raw_ids = prompts_lib.encode([r for r in raw if r.text is None], None)
     prompts_lib.check(raw_ids, config.target.vocab_size, context, sampling.max_new_tokens)
 
+    demo.maybe_initialize_distributed()
+    demo.use_compilation_cache()
     weights = demo.Weights.locate(config, FLAGS.init, FLAGS.checkpoint, FLAGS.draft_checkpoint,
                                   need_draft="sps" in modes, train_missing=FLAGS.train_missing)
     tokenizer = weights.tokenizer()
@@ -115,8 +117,8 @@ def main(argv):
                 # Pad the last batch to the same shape: one compiled program serves every batch.
                 padded = list(itertools.islice(itertools.cycle(batch), batch_size))
                 tokens = [prompts[i].tokens for i, _ in padded]
-                results = {mode: specjax.generate(target, draft if mode == "sps" else None, tokens, sampling,
-                                                  seed=FLAGS.seed + b) for mode in modes}
+                results = {mode: demo.generate(target, draft if mode == "sps" else None, tokens, sampling,
+                                               seed=FLAGS.seed + b) for mode in modes}
                 records = report.add_batch(b, FLAGS.seed + b, prompts, batch, results)
                 writer.write(records)
         except specjax.NonFiniteLogitsError as e:

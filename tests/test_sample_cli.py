@@ -296,6 +296,49 @@ def test_prompts_file_text_is_one_prompt_per_line_and_jsonl_takes_prompt_or_toke
     assert [(r.text, r.tokens) for r in raw] == [("def f():\n    return 1", None), (None, [4, 5])]
 
 
+def test_mini_pair_is_trained_when_missing_or_unfinished_and_only_then(tmp_path, monkeypatch):
+    """The embedded default's first run trains the pair (teacher first); later runs reuse
+    it; an interrupted training resumes; --notrain_missing and other configs only explain."""
+    import jax.numpy as jnp
+    from specjax import checkpoint, demo
+    from specjax.config import UsageError, load_config
+
+    monkeypatch.setenv("SPECJAX_CACHE", str(tmp_path))
+
+    def write(name, step):  # metadata as the trainer writes it; the params' values do not matter here
+        with checkpoint.Checkpoints(checkpoint.default_dir(name), async_save=False) as ckpt:
+            ckpt.save(step, {"w": jnp.zeros(2)}, checkpoint.model_meta(load_config(name).target, name))
+            ckpt.wait()
+
+    trained = []
+    monkeypatch.setattr(demo, "train", lambda names: [(trained.append(n), write(n, load_config(n).train.steps))
+                                                      for n in names])
+    mini = load_config("mini")
+
+    def locate(**kw):
+        return demo.Weights.locate(mini, "checkpoint", None, None, need_draft=True, **kw)
+
+    with pytest.raises(UsageError, match="no checkpoint for config 'mini_target'.*python -m specjax.train "
+                                         "--config=mini_target"):
+        locate(train_missing=False)
+    assert trained == []
+    weights = locate(train_missing=True)
+    assert trained == ["mini_target", "mini_draft"]
+    assert (weights.target_dir, weights.draft_dir) == (checkpoint.default_dir("mini_target"),
+                                                       checkpoint.default_dir("mini_draft"))
+    locate(train_missing=True)
+    assert trained == ["mini_target", "mini_draft"]  # cached
+    import shutil
+    shutil.rmtree(checkpoint.default_dir("mini_target"))
+    write("mini_target", 100)  # an interrupted first training
+    locate(train_missing=True)
+    assert trained[2:] == ["mini_target"]
+    shutil.rmtree(checkpoint.default_dir("mini_target"))
+    tiny = load_config("tiny")
+    with pytest.raises(UsageError, match="no checkpoint for config 'tiny'"):  # never trained here
+        demo.Weights.locate(tiny, "checkpoint", None, None, need_draft=False, train_missing=True)
+
+
 def test_report_totals_skip_padding_rows_and_weigh_batches_by_time():
     import io
     import numpy as np
