@@ -82,18 +82,6 @@ PAPER = {
     ],
 }
 
-flags.DEFINE_string("mesh", None, "DATAxMODEL fake-device mesh, e.g. 1x16 (default: the config's mesh; "
-                    "a config with model=-1 gets 1x8).")
-flags.DEFINE_string("json", None, "Also write the report's numbers to this JSON file.")
-flags.DEFINE_integer("batch", 1, "Rows per batch.")
-flags.DEFINE_integer("prompt_len", 128, "Prompt tokens per row (the prefill).")
-flags.DEFINE_integer("cache_len", None, "KV-cache (and token buffer) length; default min(2048, max_seq_len).")
-flags.DEFINE_float("collective_latency_us", Chip.collective_latency_s * 1e6,
-                   "Fixed latency per collective in the TPU v4 roofline (microseconds).")
-flags.DEFINE_bool("licm", False, "Keep XLA's while-loop-invariant-code-motion pass (XLA:CPU then hoists "
-                  "the f32 copy of the stacked weights out of the layer loop; unrealistic temporaries).")
-
-
 # --------------------------------------------------------------------------- HLO collectives
 
 
@@ -185,7 +173,10 @@ class HloProgram:
             base = op[:-len("-start")] if op.endswith("-start") else op
             if base in COLLECTIVES:
                 shape = re.sub(r"\{[\d,]*\}", "", shape)
-                counts[Collective(base, shape, _shape_bytes(shape), _group_size(line))] += 1
+                size = _shape_bytes(shape)
+                if op.endswith("-start") and base != "all-reduce" and shape.startswith("("):
+                    size = max(_shape_bytes(a) for a in re.findall(r"\w+\[[\d,]*\]", shape))  # (in, out): out
+                counts[Collective(base, shape, size, _group_size(line))] += 1
             times = (self.trip_count(line) or 1) if op == "while" else 1
             for callee in self._callees(line):
                 for c, n in self.tally(callee).items():
@@ -572,6 +563,22 @@ def format_report(r: dict) -> str:
 # --------------------------------------------------------------------------- entry point
 
 
+def define_flags() -> None:
+    """Flags of the entry point (defined only when run as a program, so importing this
+    module next to another entry point's flags is safe)."""
+    cli.define_config_flag("chinchilla_70b")
+    flags.DEFINE_string("mesh", None, "DATAxMODEL fake-device mesh, e.g. 1x16 (default: the config's mesh; "
+                        "a config with model=-1 gets 1x8).")
+    flags.DEFINE_string("json", None, "Also write the report's numbers to this JSON file.")
+    flags.DEFINE_integer("batch", 1, "Rows per batch.")
+    flags.DEFINE_integer("prompt_len", 128, "Prompt tokens per row (the prefill).")
+    flags.DEFINE_integer("cache_len", None, "KV-cache (and token buffer) length; default min(2048, max_seq_len).")
+    flags.DEFINE_float("collective_latency_us", Chip.collective_latency_s * 1e6,
+                       "Fixed latency per collective in the TPU v4 roofline (microseconds).")
+    flags.DEFINE_bool("licm", False, "Keep XLA's while-loop-invariant-code-motion pass (XLA:CPU then hoists "
+                      "the f32 copy of the stacked weights out of the layer loop; unrealistic temporaries).")
+
+
 def parse_mesh(text: str):
     from specjax.config import UsageError
     m = re.fullmatch(r"(\d+)x(\d+)", text or "")
@@ -619,5 +626,5 @@ def main(argv):
 
 
 if __name__ == "__main__":
-    cli.define_config_flag("chinchilla_70b")
+    define_flags()
     cli.run(main)

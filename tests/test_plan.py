@@ -1,0 +1,358 @@
+"""Paper scale on paper, and Chinchilla's relative positions inside the loops.
+
+* `python -m specjax.plan --config=chinchilla_70b` (the real CLI, in a subprocess: it
+  needs 16 fake devices) compiles the real SpS and ArS programs for the 70B target and
+  the 4B draft on a 1x16 mesh; the tests read its --json: both fit a 32 GiB TPU v4 chip
+  at batch 1 with 2048-token caches, the loop has Megatron's all-reduces and nothing
+  model-sized besides, the parameter counts are the paper's.
+* The HLO collective counter is checked on a hand-written module (nested loops x trip
+  counts, the generation loop kept apart from the prefill).
+* Relative positions (Transformer-XL, as in Chinchilla): the model equals an independent
+  numpy transcription of Dai et al. 2019 eq. 4; K+1 scoring passes with rejected tails
+  rolled back equal the full forward at every position of a ragged batch; greedy SpS
+  equals greedy ArS token for token.
+"""
+import dataclasses
+import json
+import math
+import os
+import pathlib
+import subprocess
+import sys
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+import specjax
+from specjax import kv_cache, model, plan, sharding
+from specjax.config import load_config
+from conftest import mesh_for
+
+REPO = pathlib.Path(__file__).resolve().parent.parent
+GiB = 1024 ** 3
+K = 4  # chinchilla_70b's lookahead (the paper's Table 1 setting)
+TARGET_LAYERS, DRAFT_LAYERS = 80, 8
+# All-reduces per SpS loop beyond Megatron's 2 per layer per forward: K+1 vocab-parallel
+# embedding lookups (one per forward: the scoring pass and K draft steps), and at most
+# SAMPLING_ALL_REDUCES tiny ones (<= 1 KiB: softmax max/sum, top-p and argmax reductions
+# over the vocab-sharded logits, NaN checks). Measured: K+1 + 23 = 28.
+SAMPLING_ALL_REDUCES = 32
+ATOL = 1e-4  # float32 logits of magnitude ~1-10; observed max |diff| ~1e-6 (see the tests)
+
+
+# --------------------------------------------------------------------------- plan, 70B + 4B
+
+
+@pytest.fixture(scope="module")
+def chinchilla(tmp_path_factory):
+    out = tmp_path_factory.mktemp("plan") / "chinchilla_70b.json"
+    env = {k: v for k, v in os.environ.items() if k not in ("XLA_FLAGS", "JAX_PLATFORMS")}
+    proc = subprocess.run([sys.executable, "-m", "specjax.plan", "--config=chinchilla_70b", f"--json={out}"],
+                          cwd=REPO, env=env, capture_output=True, text=True, timeout=900)
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    print(proc.stdout)
+    return json.loads(out.read_text()), proc.stdout
+
+
+def test_plan_runs_the_paper_setup(chinchilla):
+    report, text = chinchilla
+    setup = report["setup"]
+    assert (setup["data"], setup["model"], setup["batch"], setup["cache_len"], setup["lookahead"]) == (1, 16, 1, 2048, K)
+    assert "while-loop-invariant-code-motion" in setup["xla_flags"]
+    assert report["programs"]["sps"]["program"] == "sps_program"
+    assert report["programs"]["ars_target"]["program"] == "ars_program"
+    for needle in ("fits TPU v4", "per SpS loop", "ms/token", "paper Table 1"):
+        assert needle in text
+
+
+def test_paper_models_have_the_paper_sizes(chinchilla):
+    models = chinchilla[0]["models"]
+    assert 64e9 <= models["target"]["params"] <= 71e9
+    assert 3.5e9 <= models["draft"]["params"] <= 4.5e9
+    assert models["target"]["pos_encoding"] == models["draft"]["pos_encoding"] == "relative"
+
+
+def test_70b_and_4b_fit_one_32gib_chip_at_batch_1(chinchilla):
+    report = chinchilla[0]
+    weights = sum(m["weight_bytes_per_device"] for m in report["models"].values())
+    # Every parameter is split 16 ways: bf16 70.3B + 4.3B params / 16 = 8.7 GiB per chip.
+    assert weights == pytest.approx(2 * (report["models"]["target"]["params"] + report["models"]["draft"]["params"])
+                                    / 16, rel=0.01)
+    sps = report["programs"]["sps"]["memory"]
+    assert sps["arguments"] == pytest.approx(weights, rel=0.01)  # the params are the arguments
+    assert sps["total"] <= 32 * GiB and report["programs"]["sps"]["fits"]
+    assert report["programs"]["ars_target"]["memory"]["total"] <= 32 * GiB
+    # Temporaries: both KV caches (0.33 GiB/chip) and activations, not a second f32 copy
+    # of the stacked weights (what XLA:CPU's loop-invariant code motion would hoist).
+    assert sps["temporaries"] < 2 * GiB
+    assert report["peak_rss_bytes"] < 3 * GiB  # nothing model-sized was allocated
+
+
+def _all_reduces(summary):
+    return {m["shape"]: m for m in summary.get("all-reduce", {}).get("messages", [])}, \
+        summary.get("all-reduce", {}).get("count", 0)
+
+
+def test_sps_loop_has_megatron_all_reduces_plus_a_small_constant(chinchilla):
+    loop = chinchilla[0]["programs"]["sps"]["collectives_per_loop"]
+    by_shape, total = _all_reduces(loop)
+    megatron = 2 * (TARGET_LAYERS + K * DRAFT_LAYERS)
+    # Target: one pass over K+1 tokens: 2 per layer + the embedding lookup.
+    assert by_shape[f"f32[1,{K + 1},8192]"]["count"] == 2 * TARGET_LAYERS + 1
+    # Draft: K steps (the first feeds 2 tokens, then K-1 scan steps of 1): 2 per layer + 1 each.
+    draft = by_shape["f32[1,2,6144]"]["count"] + by_shape["f32[1,1,6144]"]["count"]
+    assert by_shape["f32[1,2,6144]"]["count"] == 2 * DRAFT_LAYERS + 1
+    assert draft == K * (2 * DRAFT_LAYERS + 1)
+    assert megatron + (K + 1) <= total <= megatron + (K + 1) + SAMPLING_ALL_REDUCES
+    model_sized = {f"f32[1,{K + 1},8192]", "f32[1,2,6144]", "f32[1,1,6144]"}
+    assert all(m["bytes"] <= 1024 for s, m in by_shape.items() if s not in model_sized)
+    # No weight is ever gathered: the largest all-gather is the target's K+1 vocab rows.
+    gathers = loop.get("all-gather", {}).get("messages", [])
+    assert max((m["bytes"] for m in gathers), default=0) <= (K + 1) * 32000 * 4
+    assert not {"reduce-scatter", "all-to-all", "collective-permute"} & set(loop)
+
+
+def test_ars_step_has_one_forward_of_all_reduces_and_prefill_is_counted_apart(chinchilla):
+    programs = chinchilla[0]["programs"]
+    by_shape, total = _all_reduces(programs["ars_target"]["collectives_per_step"])
+    assert by_shape["f32[1,1,8192]"]["count"] == 2 * TARGET_LAYERS + 1
+    assert total <= 2 * TARGET_LAYERS + 1 + 8
+    prefill, _ = _all_reduces(programs["sps"]["outside_loop"])
+    assert prefill["f32[1,128,8192]"]["count"] >= 2 * TARGET_LAYERS  # 128-token prompt, not in the loop
+
+
+def test_roofline_is_memory_bound_and_spans_the_paper(chinchilla):
+    rf = chinchilla[0]["roofline"]
+    weights_ms = 1e3 * chinchilla[0]["models"]["target"]["weight_bytes_per_device"] / 1.2e12
+    assert weights_ms < rf["ars"]["ms_per_token"] < 14.1  # the paper's 14.1 ms is above the lower bound
+    by_alpha = {round(r["alpha"], 2): r for r in rf["sps"]["by_alpha"]}
+    assert by_alpha[1.0]["tokens_per_loop"] == K + 1
+    assert by_alpha[0.5]["ms_per_token"] > by_alpha[0.9]["ms_per_token"]
+    alphas = [row["implied_alpha"] for row in rf["table1"]]
+    assert 0.6 < alphas[0] < alphas[1] < alphas[2] < 0.95  # XSum nucleus < XSum greedy < HumanEval
+    fitted = chinchilla[0]["roofline_fitted"]
+    assert fitted["ars"]["ms_per_token"] == pytest.approx(14.1, rel=1e-6)
+
+
+def test_expected_tokens_per_loop_and_its_inverse():
+    assert plan.tokens_per_loop(0.0, 4) == 1.0
+    assert plan.tokens_per_loop(1.0, 4) == 5.0
+    assert plan.tokens_per_loop(0.5, 2) == pytest.approx(1.75)
+    for alpha in (0.1, 0.5, 0.71, 0.9):
+        assert plan.implied_alpha(plan.tokens_per_loop(alpha, 4), 4) == pytest.approx(alpha, abs=1e-9)
+
+
+# --------------------------------------------------------------------------- HLO counting
+
+HLO = """\
+HloModule toy
+
+%add (x: f32[], y: f32[]) -> f32[] {
+  ROOT %s = f32[] add(f32[] %x, f32[] %y)
+}
+
+%layer (p: (s32[], f32[1,5,64])) -> (s32[], f32[1,5,64]) {
+  %ar = f32[1,5,64]{2,1,0} all-reduce(f32[1,5,64]{2,1,0} %a), channel_id=1, replica_groups=mesh['axis_0'=1,'axis_1'=8] {'axis_1'}, use_global_device_ids=true, to_apply=%add
+  %ar2 = bf16[1,5,64]{2,1,0} all-reduce-start(bf16[1,5,64]{2,1,0} %b), channel_id=2, replica_groups=[1,8]<=[8], to_apply=%add
+  %ard = bf16[1,5,64]{2,1,0} all-reduce-done(bf16[1,5,64]{2,1,0} %ar2)
+}
+
+%layer_cond (p: (s32[], f32[1,5,64])) -> pred[] {
+  ROOT %c = pred[] constant(true)
+}
+
+%gen_body (p: (s32[], f32[1,5,64])) -> (s32[], f32[1,5,64]) {
+  %scan = (s32[], f32[1,5,64]) while((s32[], f32[1,5,64]) %t), condition=%layer_cond, body=%layer, backend_config={"known_trip_count":{"n":"3"}}
+  %f = f32[1,8]{1,0} fusion(%x), kind=kLoop, calls=%fused
+  %ag = f32[1,64]{1,0} all-gather(f32[1,8]{1,0} %f), channel_id=3, replica_groups={{0,1,2,3,4,5,6,7}}, dimensions={1}
+}
+
+%fused (x: f32[1,8]) -> f32[1,8] {
+  ROOT %n = f32[1,8]{1,0} negate(f32[1,8]{1,0} %x)
+}
+
+%gen_cond (p: (s32[], f32[1,5,64])) -> pred[] {
+  %done = pred[1]{0} all-reduce(pred[1]{0} %d), channel_id=4, replica_groups=mesh['axis_0'=2,'axis_1'=4] {'axis_0'}, to_apply=%add
+}
+
+ENTRY %main (a: f32[1,5,64]) -> f32[1,5,64] {
+  %prefill = (s32[], f32[1,5,64]) while((s32[], f32[1,5,64]) %t0), condition=%layer_cond, body=%layer, backend_config={"known_trip_count":{"n":"3"}}
+  %gen = (s32[], f32[1,5,64]) while((s32[], f32[1,5,64]) %t1), condition=%gen_cond, body=%gen_body
+  ROOT %r = f32[1,5,64]{2,1,0} get-tuple-element(%gen), index=1
+}
+"""
+
+
+def test_hlo_counter_multiplies_nested_trip_counts_and_separates_the_generation_loop():
+    per_loop, outside = plan.HloProgram(HLO).loop_and_outside()
+    loop = plan.summarize(per_loop)
+    # Body: a 3-trip layer scan with 2 all-reduces (one async) + the loop condition's 1.
+    assert loop["all-reduce"]["count"] == 3 * 2 + 1
+    shapes = {m["shape"]: (m["count"], m["bytes"], m["group"]) for m in loop["all-reduce"]["messages"]}
+    assert shapes == {"f32[1,5,64]": (3, 5 * 64 * 4, 8), "bf16[1,5,64]": (3, 5 * 64 * 2, 8), "pred[1]": (1, 1, 2)}
+    assert loop["all-gather"]["messages"] == [{"shape": "f32[1,64]", "bytes": 256, "group": 8, "count": 1}]
+    # Outside: only the prefill's layer scan.
+    assert plan.summarize(outside) == {"all-reduce": {"count": 6, "bytes": 3 * (1280 + 640), "messages": [
+        {"shape": "bf16[1,5,64]", "bytes": 640, "group": 8, "count": 3},
+        {"shape": "f32[1,5,64]", "bytes": 1280, "group": 8, "count": 3}]}}
+
+
+def test_plan_rejects_a_mesh_the_draft_does_not_divide():
+    env = {k: v for k, v in os.environ.items() if k not in ("XLA_FLAGS", "JAX_PLATFORMS")}
+    proc = subprocess.run([sys.executable, "-m", "specjax.plan", "--config=chinchilla_70b", "--mesh=1x32"],
+                          cwd=REPO, env=env, capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 2
+    assert "draft.num_heads=48" in proc.stderr and "32" in proc.stderr and "Traceback" not in proc.stderr
+
+
+# --------------------------------------------------------------------------- relative positions
+
+
+def random_lm(cfg, mesh, seed: int, noise: float = 0.0, noise_seed: int = 1):
+    """An LM with numpy-drawn params placed with their shardings (no init program to
+    compile). Unlike a fresh init, u, v and the norm scales are random too, so a mistake
+    in their terms cannot hide behind zeros and ones. `noise` perturbs every param by
+    that fraction of its scale (a draft that agrees with the target only mostly)."""
+    abstract = model.abstract_lm(cfg)
+    rng, noise_rng = np.random.default_rng(seed), np.random.default_rng(noise_seed)
+
+    def one(path, named_sharding, variable):
+        name = [p.key for p in path if isinstance(p, jax.tree_util.DictKey)][-1]
+        shape, dtype = variable.get_value().shape, variable.get_value().dtype
+        offset, std = {"scale": (1.0, 0.2), "u": (0.0, 0.5), "v": (0.0, 0.5), "embed": (0.0, 1.0)}.get(
+            name, (0.0, cfg.d_model ** -0.5))
+        value = offset + std * (rng.standard_normal(shape) + noise * noise_rng.standard_normal(shape))
+        return variable.replace(jax.device_put(value.astype(dtype), named_sharding))
+
+    params = jax.tree_util.tree_map_with_path(one, sharding.param_shardings(abstract.params, mesh), abstract.params)
+    return model.LM(cfg, abstract.graphdef, params)
+
+
+def _numpy_params(lm):
+    return {jax.tree_util.keystr(p).replace(".value", ""): np.asarray(x, np.float64)
+            for p, x in jax.tree_util.tree_leaves_with_path(lm.params)}
+
+
+def _transformer_xl_reference(p, cfg, tokens):
+    """Dai et al. 2019, eq. 4, for one pre-norm block, written out in float64 numpy:
+    A_ij = q_i.k_j + q_i.W_r R_{i-j} + u.k_j + v.W_r R_{i-j} (j <= i), R = [sin, cos]."""
+    T, D, N, K_, H = len(tokens), cfg.d_model, cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
+
+    def norm(x, scale):
+        return x / np.sqrt(np.mean(x * x, -1, keepdims=True) + cfg.norm_eps) * scale
+
+    def gelu(x):  # jax.nn.gelu's default tanh form
+        return 0.5 * x * (1 + np.tanh(np.sqrt(2 / np.pi) * (x + 0.044715 * x ** 3)))
+
+    layer = "['layers'][0]"
+    x = p["['embed']"][tokens]
+    h = norm(x, p[layer + "['attn_norm']['scale']"])
+    q = np.einsum("td,dnh->tnh", h, p[layer + "['attn']['wq']"])
+    k = np.repeat(np.einsum("td,dkh->tkh", h, p[layer + "['attn']['wk']"]), N // K_, axis=1)
+    v = np.repeat(np.einsum("td,dkh->tkh", h, p[layer + "['attn']['wv']"]), N // K_, axis=1)
+    inv = 1.0 / 10000 ** (np.arange(D // 2) / (D // 2))
+    out = np.zeros((T, N, H))
+    for i in range(T):
+        dist = i - np.arange(i + 1)
+        R = np.concatenate([np.sin(dist[:, None] * inv), np.cos(dist[:, None] * inv)], -1)  # [j, D]
+        r = np.einsum("jd,dnh->jnh", R, p[layer + "['attn']['wr']"])
+        u, w = p[layer + "['attn']['u']"], p[layer + "['attn']['v']"]
+        score = (np.einsum("nh,jnh->nj", q[i], k[:i + 1]) + np.einsum("nh,jnh->nj", q[i], r)
+                 + np.einsum("nh,jnh->nj", u, k[:i + 1]) + np.einsum("nh,jnh->nj", w, r)) / np.sqrt(H)
+        weights = np.exp(score - score.max(-1, keepdims=True))
+        weights /= weights.sum(-1, keepdims=True)
+        out[i] = np.einsum("nj,jnh->nh", weights, v[:i + 1])
+    x = x + np.einsum("tnh,nhd->td", out, p[layer + "['attn']['wo']"])
+    ffw = gelu(norm(x, p[layer + "['ffw_norm']['scale']"]) @ p[layer + "['ffw']['w_in']"]) @ p[layer + "['ffw']['w_out']"]
+    x = x + ffw
+    return norm(x, p["['final_norm']['scale']"]) @ p["['unembed']"]
+
+
+def test_relative_attention_is_transformer_xl_eq4(tiny):
+    cfg = dataclasses.replace(tiny.target, pos_encoding="relative", num_layers=1)
+    lm = random_lm(cfg, mesh_for("1x1"), seed=0)
+    tokens = np.random.default_rng(2).integers(0, cfg.vocab_size, 12)
+    logits, _ = jax.jit(lambda lm, t, p, c: lm(t, p, c))(lm, jnp.asarray(tokens)[None], jnp.arange(12)[None],
+                                                         kv_cache.init_cache(cfg, 1, 16))
+    ref = _transformer_xl_reference(_numpy_params(lm), cfg, tokens)
+    np.testing.assert_allclose(np.asarray(logits[0]), ref, atol=ATOL, rtol=1e-4)
+    # The position terms matter: dropping them (W_r := 0) changes the logits.
+    no_pos = _numpy_params(lm)
+    no_pos["['layers'][0]['attn']['wr']"] = 0 * no_pos["['layers'][0]['attn']['wr']"]
+    assert np.abs(_transformer_xl_reference(no_pos, cfg, tokens) - ref).max() > 100 * ATOL
+
+
+def test_relative_k_plus_1_scoring_with_rollback_equals_full_forward(tiny):
+    """The SpS cache pattern on a 1x8 mesh with scanned layers: each pass writes K+1 tokens
+    at each row's own positions, of which only 1 + accepted are genuine; the rejected tail
+    is junk, rolled back by setting `lengths`, and overwritten by the next pass."""
+    cfg = dataclasses.replace(tiny.target, pos_encoding="relative", scan_layers=True)
+    lm = random_lm(cfg, mesh_for("1x8"), seed=3)
+    B, T = 4, 24
+    tokens = np.random.default_rng(4).integers(0, cfg.vocab_size, (B, T))
+    step = jax.jit(lambda lm, t, p, c: lm(t, p, c))
+    with jax.set_mesh(mesh_for("1x8")):
+        ref, _ = step(lm, jnp.asarray(tokens), jnp.broadcast_to(jnp.arange(T), (B, T)), kv_cache.init_cache(cfg, B, T))
+        ref = np.asarray(ref)
+        prompt_lens = np.array([1, 5, 9, 14])
+        width, size = prompt_lens.max(), T + K + 1
+        padded = np.where(np.arange(width)[None] < prompt_lens[:, None], tokens[:, :width], 7)
+        logits, cache = step(lm, jnp.asarray(padded), jnp.broadcast_to(jnp.arange(width), (B, width)),
+                             kv_cache.init_cache(cfg, B, size))
+        worst = 0.0
+        for b in range(B):
+            worst = max(worst, np.abs(np.asarray(logits)[b, :prompt_lens[b]] - ref[b, :prompt_lens[b]]).max())
+        cache = cache.with_lengths(jnp.asarray(prompt_lens))
+        pos, rng, checked = prompt_lens.copy(), np.random.default_rng(0), 0
+        while pos.min() < T:
+            genuine = 1 + rng.integers(0, K + 1, B)  # 1 + accepted drafts; the rest were rejected
+            cols = pos[:, None] + np.arange(K + 1)[None]
+            fed = np.where(np.arange(K + 1)[None] < genuine[:, None], tokens[np.arange(B)[:, None], np.minimum(cols, T - 1)],
+                           rng.integers(0, cfg.vocab_size, (B, K + 1)))
+            logits, cache = step(lm, jnp.asarray(fed), jnp.asarray(cols), cache)
+            logits = np.asarray(logits)
+            for b in range(B):
+                for j in range(genuine[b]):
+                    if cols[b, j] < T:
+                        worst = max(worst, np.abs(logits[b, j] - ref[b, cols[b, j]]).max())
+                        checked += 1
+            pos = pos + genuine
+            cache = cache.with_lengths(jnp.asarray(pos))  # roll back the rejected tail
+    print(f"K+1 scoring with rollback: {checked} positions, max |diff| {worst:.2e}")
+    assert checked == (T - prompt_lens).sum()  # every position after the prompts was scored once
+    assert worst < ATOL
+
+
+@pytest.fixture(scope="module")
+def relative_tiny():
+    cfg = load_config("tiny", ["target.pos_encoding=relative", "sampling.temperature=0",
+                               "sampling.max_new_tokens=20"])
+    mesh = mesh_for("1x8")
+    target = random_lm(cfg.target, mesh, seed=5)
+    prompts = [[3, 1, 4], [1, 5, 9, 2, 6, 5, 3, 5, 8, 9, 7], [2], [7, 1, 8, 2, 8, 1, 8]]
+    ars = specjax.generate(target, None, prompts, cfg.sampling)
+    return cfg, mesh, target, prompts, ars
+
+
+@pytest.mark.parametrize("draft_kind", ["perturbed_target", "target_itself"])
+def test_greedy_sps_equals_greedy_ars_with_relative_positions(relative_tiny, draft_kind):
+    """Drafts with the target's shapes (one SpS compile serves both): a perturbed copy
+    accepts some drafts and rejects others mid-loop; the target itself accepts all K
+    every loop, so bonus tokens are emitted and the draft cache must hold x_K (fed again
+    in the next loop's first step)."""
+    cfg, mesh, target, prompts, ars = relative_tiny
+    draft = random_lm(cfg.target, mesh, seed=5, noise=0.1) if draft_kind == "perturbed_target" else target
+    sps = specjax.generate(target, draft, prompts, cfg.sampling)
+    print(f"{draft_kind}: acceptance {sps.acceptance_rate:.2f}, tokens/loop {sps.tokens_per_loop:.2f}, "
+          f"accepted per loop {sps.histogram.sum(0).tolist()}")
+    assert [len(t) for t in ars.tokens] == [20] * len(prompts)
+    assert len({tuple(t) for t in ars.tokens}) == len(prompts)
+    assert sps.tokens == ars.tokens
+    if draft_kind == "perturbed_target":
+        assert 0.2 < sps.acceptance_rate < 0.95
+        assert sps.histogram.sum(0)[1:K].sum() > 0  # loops that stopped after some, not all, drafts
+    else:
+        assert sps.acceptance_rate > 0.95
+        assert sps.loops.max() <= math.ceil(20 / (K + 1)) + 1
