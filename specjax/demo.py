@@ -106,6 +106,11 @@ class Weights:
         if tok.vocab_size != self.config.target.vocab_size:
             raise UsageError(f"tokenizer {path} has {tok.vocab_size} tokens but config {self.config.name!r} "
                              f"has target.vocab_size={self.config.target.vocab_size}")
+        draft_path = _checkpoint().tokenizer_path(self.draft_dir) if self.draft_dir is not None else None
+        if draft_path is not None and draft_path.read_bytes() != path.read_bytes():
+            # Same vocabulary size, other pieces: q(x)/p(x) would compare unrelated tokens.
+            raise UsageError(f"the target's tokenizer {path} and the draft's {draft_path} differ: speculative "
+                             "sampling needs a draft trained with the target's tokenizer")
         return tok
 
     def load(self, mesh, *, need_draft: bool):

@@ -98,20 +98,20 @@ def main(argv):
 
     demo.maybe_initialize_distributed()
     demo.use_compilation_cache()
-    weights = demo.Weights.locate(config, FLAGS.init, FLAGS.checkpoint, FLAGS.draft_checkpoint,
-                                  need_draft="sps" in modes, train_missing=FLAGS.train_missing)
-    tokenizer = weights.tokenizer()
-    prompts = prompts_lib.encode(raw, tokenizer, weights.no_tokenizer_reason)
-    prompts_lib.check(prompts, config.target.vocab_size, context, sampling.max_new_tokens)
-    if tokenizer is not None and sampling.eos_id == -1:
-        sampling = dataclasses.replace(sampling, eos_id=tokenizer.eos_id)
-
-    mesh = demo.make_mesh(mesh_cfg, models)  # first JAX work: all input is valid by now
-    target, draft = weights.load(mesh, need_draft="sps" in modes)
-    rows = [(i, s) for i in range(len(prompts)) for s in range(num_samples)]
-    batches = [rows[b:b + batch_size] for b in range(0, len(rows), batch_size)]
-    report = demo.Report(modes, sampling, tokenizer, print_samples=FLAGS.print_samples)
     with demo.JsonlWriter(FLAGS.output) as writer:
+        weights = demo.Weights.locate(config, FLAGS.init, FLAGS.checkpoint, FLAGS.draft_checkpoint,
+                                      need_draft="sps" in modes, train_missing=FLAGS.train_missing)
+        tokenizer = weights.tokenizer()
+        prompts = prompts_lib.encode(raw, tokenizer, weights.no_tokenizer_reason)
+        prompts_lib.check(prompts, config.target.vocab_size, context, sampling.max_new_tokens)
+        if tokenizer is not None and sampling.eos_id == -1:
+            sampling = dataclasses.replace(sampling, eos_id=tokenizer.eos_id)
+
+        mesh = demo.make_mesh(mesh_cfg, models)  # first device work: all input is valid by now
+        target, draft = weights.load(mesh, need_draft="sps" in modes)
+        rows = [(i, s) for i in range(len(prompts)) for s in range(num_samples)]
+        batches = [rows[b:b + batch_size] for b in range(0, len(rows), batch_size)]
+        report = demo.Report(modes, sampling, tokenizer, print_samples=FLAGS.print_samples)
         try:
             for b, batch in enumerate(batches):
                 # Pad the last batch to the same shape: one compiled program serves every batch.
@@ -119,8 +119,7 @@ def main(argv):
                 tokens = [prompts[i].tokens for i, _ in padded]
                 results = {mode: demo.generate(target, draft if mode == "sps" else None, tokens, sampling,
                                                seed=FLAGS.seed + b) for mode in modes}
-                records = report.add_batch(b, FLAGS.seed + b, prompts, batch, results)
-                writer.write(records)
+                writer.write(report.add_batch(b, FLAGS.seed + b, prompts, batch, results))
         except specjax.NonFiniteLogitsError as e:
             print(f"{sys.argv[0].rsplit('/', 1)[-1]}: error: {e}", file=sys.stderr)
             sys.exit(1)

@@ -33,10 +33,11 @@ from specjax.config import load_config
 
 
 def get_config():
-    """tiny's target with a 512-token vocabulary and a tokenizer, and no draft."""
+    """tiny with a 512-token vocabulary and a tokenizer."""
     tiny = load_config("tiny")
-    return dataclasses.replace(tiny, name="tiny_text", draft=None, tokenizer_vocab=512,
-                               target=dataclasses.replace(tiny.target, vocab_size=512))
+    return dataclasses.replace(tiny, name="tiny_text", tokenizer_vocab=512,
+                               target=dataclasses.replace(tiny.target, vocab_size=512),
+                               draft=dataclasses.replace(tiny.draft, vocab_size=512))
 '''
 
 
@@ -75,7 +76,7 @@ def by_row(records: list[dict], mode: str) -> dict:
 @pytest.fixture(scope="module")
 def files(tmp_path_factory):
     """Checkpoints written by the training code's `checkpoint.save_lm`, a config file
-    with a tokenizer, and bad prompt files."""
+    with tokenizers, and bad prompt files."""
     from specjax import checkpoint, sharding
     from specjax.config import MeshConfig, load_config
     from specjax.model import init_lm
@@ -93,6 +94,10 @@ def files(tmp_path_factory):
     stdlib = pathlib.Path(os.__file__).parent
     tok = train_tokenizer([stdlib / "textwrap.py", stdlib / "shlex.py"], base / "tok", 512)
     checkpoint.save_tokenizer(base / "tiny_text", tok)
+    # A draft whose tokenizer has the same size but other pieces.
+    checkpoint.save_lm(init_lm(text_cfg.draft, mesh), base / "tiny_text_draft", config_name="tiny_text_draft")
+    other_tok = train_tokenizer([stdlib / "glob.py", stdlib / "shlex.py", stdlib / "textwrap.py"], base / "tok2", 512)
+    checkpoint.save_tokenizer(base / "tiny_text_draft", other_tok)
     (base / "bad.jsonl").write_text('{"prompt": "def f():"}\n{"prompt": 3}\n')
     return base
 
@@ -235,8 +240,12 @@ BAD_INPUTS = [
                                                                           "--draft_checkpoint=DIR"]),
     ("checkpoint of another config", ["--checkpoint={files}/tiny_text", "--mode=ars"], {},
      ["'tiny_text'", "vocab_size=512 (checkpoint) vs 32 (config)"]),
+    ("draft with another tokenizer", ["--config={files}/tiny_text.py", "--checkpoint={files}/tiny_text",
+                                      "--draft_checkpoint={files}/tiny_text_draft"], {},
+     ["tokenizer", "differ", "draft trained with the target's tokenizer"]),
     ("prompts file missing", ["--prompts_file={files}/nothing.txt"], {}, ["--prompts_file=", "nothing.txt",
                                                                          "cannot read"]),
+    ("output is a directory", ["--output={files}"], {}, ["--output=", "cannot write", "directory"]),
     ("prompts file bad JSONL", ["--prompts_file={files}/bad.jsonl"], {}, ["bad.jsonl:2", "\"prompt\" (a string)"]),
     ("mesh does not divide the model", [], {"XLA_FLAGS": "--xla_force_host_platform_device_count=3"},
      ["num_heads=8", "'model' mesh axis of size 3"]),
