@@ -185,8 +185,19 @@ ENTRY %main (a: f32[1,5,64]) -> f32[1,5,64] {
 """
 
 
-def test_hlo_counter_multiplies_nested_trip_counts_and_separates_the_generation_loop():
-    per_loop, outside = plan.HloProgram(HLO).loop_and_outside()
+# The same program with the generation loop one call deeper (XLA:CPU wraps small loops in calls).
+HLO_CALLED = HLO.replace(
+    "  %gen = (s32[], f32[1,5,64]) while((s32[], f32[1,5,64]) %t1), condition=%gen_cond, body=%gen_body\n",
+    "  %gen = (s32[], f32[1,5,64]) call((s32[], f32[1,5,64]) %t1), to_apply=%wrapper\n").replace(
+    "ENTRY %main", "%wrapper (t1: (s32[], f32[1,5,64])) -> (s32[], f32[1,5,64]) {\n"
+    "  ROOT %loop = (s32[], f32[1,5,64]) while((s32[], f32[1,5,64]) %t1), condition=%gen_cond, body=%gen_body\n"
+    "}\n\nENTRY %main")
+
+
+@pytest.mark.parametrize("text", [HLO, HLO_CALLED], ids=["loop_in_entry", "loop_in_a_call"])
+def test_hlo_counter_multiplies_nested_trip_counts_and_separates_the_generation_loop(text):
+    assert text.count(" while(") == 3 and (text is HLO) != ("to_apply=%wrapper" in text)
+    per_loop, outside = plan.HloProgram(text).loop_and_outside()
     loop = plan.summarize(per_loop)
     # Body: a 3-trip layer scan with 2 all-reduces (one async) + the loop condition's 1.
     assert loop["all-reduce"]["count"] == 3 * 2 + 1
