@@ -22,12 +22,14 @@ message; nothing here deletes or rewrites an existing step.
 from __future__ import annotations
 
 import dataclasses
+import logging
 import pathlib
 import shutil
 from typing import Any, Mapping
 
 import jax
 import orbax.checkpoint as ocp
+from absl import logging as absl_logging
 
 from specjax import sharding
 from specjax.config import ModelConfig, UsageError, cache_dir
@@ -41,6 +43,16 @@ TOKENIZER_FILE = "tokenizer.model"
 # they are set to (sampling may keep or compute in bfloat16, or use a longer cache;
 # orbax casts the saved arrays to the requested param dtype).
 RUNTIME_FIELDS = frozenset({"init_seed", "max_seq_len", "compute_dtype", "param_dtype"})
+
+
+class _QuietReadOnly(logging.Filter):
+    """Orbax warns on every read-only manager (each `load_lm`); reading is what we mean."""
+
+    def filter(self, record):
+        return not record.getMessage().startswith("Given directory is read only")
+
+
+absl_logging.get_absl_logger().addFilter(_QuietReadOnly())
 
 
 def default_dir(config_name: str) -> pathlib.Path:
@@ -99,6 +111,7 @@ class Checkpoints:
         self.directory = pathlib.Path(directory).absolute()
         options = ocp.CheckpointManagerOptions(
             max_to_keep=keep, create=not read_only, read_only=read_only,
+            save_interval_steps=0 if read_only else 1,
             # Half-written steps of a killed run (orbax's *.orbax-checkpoint-tmp dirs);
             # finished steps are never touched.
             cleanup_tmp_directories=not read_only,

@@ -19,9 +19,17 @@ trained target is loaded frozen, and the loss is
 with T = `distill_temperature` (Hinton et al.'s T^2 keeps gradient scales comparable)
 and w = `distill_weight`.
 
-Step numbering: "step N" is the state after N updates; the record for step N holds the
-loss of batch N-1 (the one that produced it) and the checkpoint named N resumes with
-batch N.
+Step numbering: "step N" is the state after N updates; the 'train' record for step N
+holds the mean of the losses of the batches since the previous record (with
+log_every=1: batch N-1, the one that produced step N) and the checkpoint named N resumes
+with batch N. metrics.jsonl records: {'kind': 'train', 'step', 'loss', 'ce', 'kl'
+(distilling), 'grad_norm', 'lr', 'tokens_per_s'}, {'kind': 'val', 'step', 'val_loss',
+'val_kl'}, {'kind': 'event', 'step', 'event': start | resume | stopped | done}.
+
+Several processes: each builds only its own rows of every batch
+(`jax.make_array_from_process_local_data`), only process 0 writes metrics and the
+tokenizer copy, orbax coordinates the checkpoint writes, and JAX's preemption sync
+point makes all processes stop at the same step.
 """
 from __future__ import annotations
 
@@ -31,7 +39,7 @@ import math
 import pathlib
 import signal
 import time
-from typing import Any, Callable, Optional
+from typing import Callable, Optional
 
 import jax
 import jax.numpy as jnp
@@ -401,6 +409,7 @@ def _train_differences(saved: dict, tc: TrainConfig) -> list[str]:
 def train(config: Config, workdir=None, progress: bool = True, devices=None) -> TrainResult:
     """Train `config.target` for `config.train.steps` updates, resuming from the newest
     checkpoint in `workdir` (default `checkpoint.default_dir(config.name)`)."""
+    config = config.validate()
     tc = config.train
     workdir = pathlib.Path(workdir).expanduser() if workdir else checkpoint.default_dir(config.name)
     is_main = jax.process_index() == 0
@@ -478,6 +487,11 @@ def train(config: Config, workdir=None, progress: bool = True, devices=None) -> 
                     with jax.transfer_guard("disallow"):
                         params, opt_state, metrics = train_step(params, opt_state, teacher_params, batch, hyper)
                     step += 1
+                    if pending:
+                        # At most two steps in flight: the host prepares batch s+1 while
+                        # the device runs step s, and a stop request is served within a
+                        # step instead of after every step the host could queue.
+                        jax.block_until_ready(pending[-1])
                     pending.append(metrics)
                     last = step == tc.steps
                     if step % tc.log_every == 0 or last or stop.signum is not None:

@@ -12,7 +12,6 @@ import pathlib
 import jax
 import numpy as np
 import pytest
-from flax import nnx
 
 from conftest import mesh_for
 from specjax import checkpoint, sharding

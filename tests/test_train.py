@@ -50,15 +50,24 @@ def run_to_end(env, workdir, *extra):
 
 
 def start(env, workdir, *extra):
-    return subprocess.Popen(command(workdir, *extra), env=env, stdout=subprocess.PIPE,
-                            stderr=subprocess.STDOUT, text=True)
+    """A run in the background; its output goes to workdir.log (never a full pipe)."""
+    log = open(f"{workdir}.log", "w")
+    proc = subprocess.Popen(command(workdir, *extra), env=env, stdout=log, stderr=subprocess.STDOUT)
+    log.close()
+    proc.log = f"{workdir}.log"
+    return proc
+
+
+def output(proc) -> str:
+    with open(proc.log) as f:
+        return f.read()[-3000:]
 
 
 def wait_for(proc, condition, what):
     deadline = time.monotonic() + TIMEOUT
     while not condition():
         if proc.poll() is not None:
-            pytest.fail(f"run exited ({proc.returncode}) before {what}:\n{proc.stdout.read()[-3000:]}")
+            pytest.fail(f"run exited ({proc.returncode}) before {what}:\n{output(proc)}")
         if time.monotonic() > deadline:
             proc.kill()
             pytest.fail(f"timed out waiting for {what}")
@@ -102,14 +111,15 @@ def test_loss_falls_within_a_few_dozen_steps(reference):
     val = trainer.read_metrics(reference, "val")
     assert sorted(val) == [30, 60]
     assert val[60]["val_loss"] < 2.4 < math.log(32), val
-    assert checkpoint.Checkpoints(reference, read_only=True).steps() == [40, 50, 60]  # keep_checkpoints=3
+    with checkpoint.Checkpoints(reference, read_only=True) as ckpt:
+        assert ckpt.steps() == [40, 50, 60]  # keep_checkpoints=3
     assert [e["event"] for e in events(reference)] == ["start", "done"]
 
 
 def test_kill_9_then_same_command_resumes_exactly(env, reference, tmp_path):
     workdir = tmp_path / "run"
     proc = start(env, workdir)
-    wait_for(proc, lambda: (workdir / "20").is_dir() and last_train_step(workdir) >= 21, "checkpoint 20")
+    wait_for(proc, lambda: (workdir / "10").is_dir() and last_train_step(workdir) >= 11, "checkpoint 10")
     proc.send_signal(signal.SIGKILL)
     proc.wait()
     killed_at = last_train_step(workdir)
@@ -118,7 +128,7 @@ def test_kill_9_then_same_command_resumes_exactly(env, reference, tmp_path):
 
     run_to_end(env, workdir)
     resumed_from = [e["step"] for e in events(workdir) if e["event"] == "resume"]
-    assert len(resumed_from) == 1 and 20 <= resumed_from[0] <= killed_at, (resumed_from, killed_at)
+    assert len(resumed_from) == 1 and 10 <= resumed_from[0] <= killed_at, (resumed_from, killed_at)
 
     # Losses after the resume point equal the uninterrupted run's. Tolerance 1e-6
     # relative; the same compiled program on the same data gives bit-identical values.
@@ -136,16 +146,16 @@ def test_sigterm_leaves_a_checkpoint_for_the_step_reached(env, reference, tmp_pa
     proc = start(env, workdir, "--config.train.save_every=1000")  # no periodic checkpoint
     wait_for(proc, lambda: last_train_step(workdir) >= 5, "step 5")
     proc.send_signal(signal.SIGTERM)
-    output, _ = proc.communicate(timeout=TIMEOUT)
-    assert proc.returncode == 143, output[-3000:]
+    proc.wait(timeout=TIMEOUT)
+    assert proc.returncode == 143, output(proc)
 
     stopped = [e for e in events(workdir) if e["event"] == "stopped"]
     assert len(stopped) == 1 and stopped[0]["signal"] == "SIGTERM"
     reached = stopped[0]["step"]
     assert 5 <= reached < STEPS and reached == last_train_step(workdir)
-    ckpt = checkpoint.Checkpoints(workdir, read_only=True)
-    assert ckpt.steps() == [reached]
-    assert ckpt.meta(reached)["step"] == reached and ckpt.has_item(reached, "opt_state")
+    with checkpoint.Checkpoints(workdir, read_only=True) as ckpt:
+        assert ckpt.steps() == [reached]
+        assert ckpt.meta(reached)["step"] == reached and ckpt.has_item(reached, "opt_state")
     # The checkpoint holds the state after `reached` updates: the uninterrupted run's.
     ref_losses = trainer.read_metrics(reference)
     assert trainer.read_metrics(workdir)[reached]["loss"] == pytest.approx(ref_losses[reached]["loss"], rel=1e-6)
