@@ -36,7 +36,7 @@ def _checkpoint():
 
 
 def train_command(name: str) -> str:
-    return f"python -m specjax.train --config={name}"
+    return f"python -m specjax.train --config={name or 'DRAFT_CONFIG'}"
 
 
 @dataclasses.dataclass

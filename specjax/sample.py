@@ -4,12 +4,11 @@ With no flags it is the embedded demo: the trained mini pair (trained on first u
 cached afterwards) completes a few HumanEval prompts with ArS and SpS, side by side,
 with their ms/token. Typical use:
 
-    python -m specjax.sample --config=tiny --init=random --mode=sps --prompt_tokens=1,2,3 \
-        --temperature=0 --output=out.jsonl
-    python -m specjax.sample --prompts_file=prompts.jsonl --num_samples=4 --batch_size=4
+    python -m specjax.sample --config=tiny --init=random --mode=sps --prompt_tokens=1,2,3 --temperature=0
+    python -m specjax.sample --prompts_file=prompts.jsonl --num_samples=4 --batch_size=4 --output=out.jsonl
 
-Every input is checked before JAX touches a device; bad input is one line on stderr
-and exit code 2. `--output` gets one JSON line per sample, written and flushed per
+Every input is checked before a model is built or compiled; bad input is one line on
+stderr and exit code 2. `--output` gets one JSON line per sample, written and flushed per
 finished batch, so an interrupted run leaves only complete lines.
 """
 from __future__ import annotations
