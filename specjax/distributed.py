@@ -40,8 +40,8 @@ def maybe_initialize() -> bool:
             from specjax.config import UsageError
             raise UsageError("SPECJAX_COORDINATOR is set, so SPECJAX_NUM_PROCESSES and SPECJAX_PROCESS_ID "
                              f"must be integers too ({e})") from None
-        # CPU collectives across processes go through gloo (today's default; said explicitly
-        # because without it a CPU multi-process all-reduce fails at run time).
+        # CPU collectives across processes go through gloo: today's default, pinned so that
+        # a changed default cannot leave cross-process CPU collectives unimplemented.
         jax.config.update("jax_cpu_collectives_implementation", "gloo")
         jax.distributed.initialize(coordinator_address=coordinator, num_processes=num_processes,
                                    process_id=process_id)
