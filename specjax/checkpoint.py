@@ -30,11 +30,10 @@ from typing import Any, Mapping
 import jax
 import orbax.checkpoint as ocp
 from absl import logging as absl_logging
+from flax import nnx
 
 from specjax import sharding
 from specjax.config import ModelConfig, UsageError, cache_dir
-from flax import nnx
-
 from specjax.model import LM, abstract_lm
 
 FORMAT = 1
