@@ -116,7 +116,8 @@ def prepare(target: LM, draft: LM | None, prompts, sampling: SamplingConfig, see
     check_prompts(prompts, target.cfg.vocab_size, min(c.max_seq_len for c in lm_cfgs), sampling.max_new_tokens)
     mesh = mesh_of(target)
     lookahead = sampling.lookahead if draft is not None else 1
-    width = -(-max(len(p) for p in prompts) // pad_to) * pad_to  # bucket widths: fewer recompiles
+    longest = max(len(p) for p in prompts)
+    width = max(pad_to, 1 << (longest - 1).bit_length())  # power-of-two buckets: few recompiles
     size = width + sampling.max_new_tokens + lookahead + 1
     padded = np.zeros((len(prompts), width), np.int32)
     for i, prompt in enumerate(prompts):

@@ -29,8 +29,20 @@ from specjax.kv_cache import CACHE_AXES, KVCache
 MASKED = -1e30
 
 
-def _param(rngs: nnx.Rngs, shape, logical, std, dtype) -> nnx.Param:
-    value = std * jax.random.normal(rngs.params(), shape, jnp.float32)
+class Keys:
+    """A fresh key per parameter (fold_in of a counter). Cheaper to trace than nnx.Rngs,
+    whose per-call state update made building 80 layers take ~35 s (quadratic in L)."""
+
+    def __init__(self, seed: int):
+        self.base, self.count = jax.random.key(seed), 0
+
+    def __call__(self) -> jax.Array:
+        self.count += 1
+        return jax.random.fold_in(self.base, self.count)
+
+
+def _param(keys: Keys, shape, logical, std, dtype) -> nnx.Param:
+    value = std * jax.random.normal(keys(), shape, jnp.float32)
     return nnx.Param(value.astype(dtype), logical=logical)
 
 
@@ -68,17 +80,17 @@ def sinusoid(distances, dim):
 
 
 class Attention(nnx.Module):
-    def __init__(self, cfg: ModelConfig, rngs: nnx.Rngs, out_std: float):
+    def __init__(self, cfg: ModelConfig, keys: Keys, out_std: float):
         D, N, K, H, dt = cfg.d_model, cfg.num_heads, cfg.num_kv_heads, cfg.head_dim, cfg.param_dtype
         self.cfg = cfg
-        self.wq = _param(rngs, (D, N, H), ("embed", "heads", "head_dim"), D ** -0.5, dt)
-        self.wk = _param(rngs, (D, K, H), ("embed", "kv_heads", "head_dim"), D ** -0.5, dt)
-        self.wv = _param(rngs, (D, K, H), ("embed", "kv_heads", "head_dim"), D ** -0.5, dt)
-        self.wo = _param(rngs, (N, H, D), ("heads", "head_dim", "embed"), out_std, dt)
+        self.wq = _param(keys, (D, N, H), ("embed", "heads", "head_dim"), D ** -0.5, dt)
+        self.wk = _param(keys, (D, K, H), ("embed", "kv_heads", "head_dim"), D ** -0.5, dt)
+        self.wv = _param(keys, (D, K, H), ("embed", "kv_heads", "head_dim"), D ** -0.5, dt)
+        self.wo = _param(keys, (N, H, D), ("heads", "head_dim", "embed"), out_std, dt)
         if cfg.pos_encoding == "relative":
             # Transformer-XL (Dai et al. 2019, eq. 4): W_r projects R_{i-j}; u, v are the
             # content and position biases shared across positions.
-            self.wr = _param(rngs, (D, N, H), ("embed", "heads", "head_dim"), D ** -0.5, dt)
+            self.wr = _param(keys, (D, N, H), ("embed", "heads", "head_dim"), D ** -0.5, dt)
             self.u = nnx.Param(jnp.zeros((N, H), dt), logical=("heads", "head_dim"))
             self.v = nnx.Param(jnp.zeros((N, H), dt), logical=("heads", "head_dim"))
 
@@ -137,13 +149,13 @@ class Attention(nnx.Module):
 
 
 class FeedForward(nnx.Module):
-    def __init__(self, cfg: ModelConfig, rngs: nnx.Rngs, out_std: float):
+    def __init__(self, cfg: ModelConfig, keys: Keys, out_std: float):
         D, F, dt = cfg.d_model, cfg.d_ff, cfg.param_dtype
         self.cfg = cfg
-        self.w_in = _param(rngs, (D, F), ("embed", "mlp"), D ** -0.5, dt)
+        self.w_in = _param(keys, (D, F), ("embed", "mlp"), D ** -0.5, dt)
         if cfg.ffw == "swiglu":
-            self.w_gate = _param(rngs, (D, F), ("embed", "mlp"), D ** -0.5, dt)
-        self.w_out = _param(rngs, (F, D), ("mlp", "embed"), out_std, dt)
+            self.w_gate = _param(keys, (D, F), ("embed", "mlp"), D ** -0.5, dt)
+        self.w_out = _param(keys, (F, D), ("mlp", "embed"), out_std, dt)
 
     def __call__(self, x):
         ct = jnp.dtype(self.cfg.compute_dtype)
@@ -156,12 +168,12 @@ class FeedForward(nnx.Module):
 
 
 class Block(nnx.Module):
-    def __init__(self, cfg: ModelConfig, rngs: nnx.Rngs):
+    def __init__(self, cfg: ModelConfig, keys: Keys):
         out_std = cfg.d_model ** -0.5 / math.sqrt(2 * cfg.num_layers)
         self.attn_norm = RMSNorm(cfg)
-        self.attn = Attention(cfg, rngs, out_std)
+        self.attn = Attention(cfg, keys, out_std)
         self.ffw_norm = RMSNorm(cfg)
-        self.ffw = FeedForward(cfg, rngs, out_std)
+        self.ffw = FeedForward(cfg, keys, out_std)
 
     def __call__(self, x, positions, k_all, v_all, layer, lengths):
         h, k_all, v_all = self.attn(self.attn_norm(x), positions, k_all, v_all, layer, lengths)
@@ -171,11 +183,11 @@ class Block(nnx.Module):
 
 
 class Transformer(nnx.Module):
-    def __init__(self, cfg: ModelConfig, rngs: nnx.Rngs):
+    def __init__(self, cfg: ModelConfig, keys: Keys):
         D, V, dt = cfg.d_model, cfg.vocab_size, cfg.param_dtype
         self.cfg = cfg
-        self.embed = _param(rngs, (V, D), ("vocab", "embed"), 1.0, dt)
-        blocks = [Block(cfg, rngs) for _ in range(cfg.num_layers)]
+        self.embed = _param(keys, (V, D), ("vocab", "embed"), 1.0, dt)
+        blocks = [Block(cfg, keys) for _ in range(cfg.num_layers)]
         if cfg.scan_layers:
             # One Block whose params carry a leading layer axis; built from the same
             # per-layer inits as the unrolled list so both layouts compute the same model.
@@ -186,15 +198,19 @@ class Transformer(nnx.Module):
             self.layers = nnx.List(blocks)
         self.final_norm = RMSNorm(cfg)
         if not cfg.tie_embeddings:
-            self.unembed = _param(rngs, (D, V), ("embed", "vocab"), D ** -0.5, dt)
+            self.unembed = _param(keys, (D, V), ("embed", "vocab"), D ** -0.5, dt)
 
     def __call__(self, tokens, positions, cache: KVCache):
         cfg = self.cfg
         ct = jnp.dtype(cfg.compute_dtype)
-        # Vocab-parallel lookup as a one-hot contraction: each 'model' shard contributes
-        # its rows and one all-reduce sums them (Megatron), instead of gathering the table.
-        one_hot = jax.nn.one_hot(tokens, cfg.vocab_size, dtype=ct)
-        x = jnp.einsum("BTV,VD->BTD", one_hot, self.embed.value.astype(ct))
+        mesh = jax.sharding.get_abstract_mesh()
+        if not mesh.empty and mesh.shape.get("model", 1) > 1:
+            # Vocab-parallel lookup as a one-hot contraction: each 'model' shard contributes
+            # its rows and one all-reduce sums them (Megatron), never gathering the table.
+            one_hot = jax.nn.one_hot(tokens, cfg.vocab_size, dtype=ct)
+            x = jnp.einsum("BTV,VD->BTD", one_hot, self.embed.value.astype(ct))
+        else:  # one device holds the table: a gather costs B*T*D, not B*T*V*D
+            x = jnp.take(self.embed.value, tokens, axis=0).astype(ct)
         if cfg.tie_embeddings:
             x = x * math.sqrt(cfg.d_model)
         lengths = jnp.maximum(cache.lengths, positions[:, -1] + 1).astype(jnp.int32)
@@ -249,11 +265,12 @@ class LM:
 
 def abstract_lm(cfg: ModelConfig, mesh: jax.sharding.Mesh | None = None) -> LM:
     """Shapes (and shardings, given a mesh) of every param, without allocating any."""
-    graphdef, state = nnx.split(nnx.eval_shape(lambda: Transformer(cfg, nnx.Rngs(cfg.init_seed))))
+    graphdef, state = nnx.split(nnx.eval_shape(lambda: Transformer(cfg, Keys(cfg.init_seed))))
     if mesh is not None:
         shardings = sharding.param_shardings(state, mesh)
-        state = jax.tree.map(lambda s, sh: jax.ShapeDtypeStruct(s.shape, s.dtype, sharding=sh),
-                             state, shardings)
+        state = jax.tree.map(
+            lambda sh, v: v.replace(jax.ShapeDtypeStruct(v.value.shape, v.value.dtype, sharding=sh)),
+            shardings, state, is_leaf=lambda x: isinstance(x, nnx.Variable))
     return LM(cfg, graphdef, state)
 
 
@@ -261,7 +278,7 @@ def init_lm(cfg: ModelConfig, mesh: jax.sharding.Mesh, seed: int | None = None) 
     """Random params created already sharded (jit with out_shardings: no host copy)."""
     sharding.check_divisible(cfg, mesh)
     seed = cfg.init_seed if seed is None else seed
-    graphdef, abstract = nnx.split(nnx.eval_shape(lambda: Transformer(cfg, nnx.Rngs(seed))))
+    graphdef, abstract = nnx.split(nnx.eval_shape(lambda: Transformer(cfg, Keys(seed))))
     shardings = sharding.param_shardings(abstract, mesh)
-    state = jax.jit(lambda: nnx.split(Transformer(cfg, nnx.Rngs(seed)))[1], out_shardings=shardings)()
+    state = jax.jit(lambda: nnx.split(Transformer(cfg, Keys(seed)))[1], out_shardings=shardings)()
     return LM(cfg, graphdef, state)

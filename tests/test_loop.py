@@ -1,0 +1,113 @@
+"""The fused SpS loop: greedy SpS == greedy ArS token for token, one while loop with no host
+callbacks and the Megatron all-reduce count per loop, seeds, stopping, NaN errors."""
+import dataclasses
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+import specjax
+from specjax import api, model
+from specjax.config import SamplingConfig
+from specjax.plan import HloProgram
+from conftest import mesh_for
+
+RAGGED = [[1, 2, 3], [4, 5, 6, 7, 8, 9, 10, 11, 12], [13], [14, 15, 16, 17, 18]]
+
+
+@pytest.fixture(scope="module")
+def pairs(tiny):
+    return {name: (model.init_lm(tiny.target, mesh_for(name)), model.init_lm(tiny.draft, mesh_for(name)))
+            for name in ("1x1", "1x8")}
+
+
+@pytest.mark.parametrize("mesh_name", ["1x1", "1x8"])
+def test_greedy_sps_equals_greedy_ars(pairs, mesh_name):
+    target, draft = pairs[mesh_name]
+    greedy = SamplingConfig(temperature=0, lookahead=4, max_new_tokens=256)
+    ars = specjax.generate(target, None, RAGGED, greedy)
+    sps = specjax.generate(target, draft, RAGGED, greedy)
+    assert [len(t) for t in ars.tokens] == [256] * len(RAGGED)
+    assert sps.tokens == ars.tokens
+    assert sps.accepted.sum() > 0  # some loops really emitted accepted draft tokens
+
+
+def test_greedy_sps_equals_greedy_ars_with_a_good_draft(pairs):
+    """With draft == target every draft is accepted (K+1 tokens per loop), which exercises
+    the all-accepted path (bonus token, draft cache re-fed with the last two tokens)."""
+    target, _ = pairs["1x1"]
+    greedy = SamplingConfig(temperature=0, lookahead=3, max_new_tokens=64)
+    ars = specjax.generate(target, None, RAGGED, greedy)
+    sps = specjax.generate(target, target, RAGGED, greedy)
+    assert sps.tokens == ars.tokens
+    assert sps.acceptance_rate == 1.0
+    assert sps.tokens_per_loop == pytest.approx(4.0, abs=0.1)
+
+
+def test_one_fused_while_loop_with_megatron_all_reduces(pairs):
+    target, draft = pairs["1x8"]
+    K = 4
+    sampling = SamplingConfig(temperature=0.8, top_p=0.9, lookahead=K, max_new_tokens=32)
+    mesh, fn, args, statics, _, _ = api.prepare(target, draft, RAGGED, sampling, seed=0)
+    with jax.set_mesh(mesh):
+        text = fn.lower(*args, **statics).compile().as_text()
+    for host_op in ("outfeed", "infeed", "send(", "recv(", "host_callback", "xla_python_cpu_callback"):
+        assert host_op not in text, host_op
+    hlo = HloProgram(text)
+    hlo.generation_loop()  # raises unless ENTRY holds exactly one data-dependent while loop
+    per_loop, _ = hlo.loop_and_outside()
+
+    def all_reduces(d_model):  # activation-sized: [B, T, d_model]
+        return sum(n for c, n in per_loop.items()
+                   if c.kind == "all-reduce" and c.shape.endswith(f",{d_model}]") and c.shape.count(",") == 2)
+
+    # Megatron: 2 per layer, + 1 for the vocab-parallel embedding, per forward pass: the
+    # draft runs K forwards per loop (a 2-token first step, then K-1 single steps), the
+    # target ONE pass over K+1 tokens.
+    assert all_reduces(target.cfg.d_model) == 2 * target.cfg.num_layers + 1
+    assert all_reduces(draft.cfg.d_model) == K * (2 * draft.cfg.num_layers + 1)
+    others = {c: n for c, n in per_loop.items() if c.kind == "all-reduce" and not (
+        c.shape.count(",") == 2 and c.shape.endswith((f",{target.cfg.d_model}]", f",{draft.cfg.d_model}]")))}
+    # The rest are small reductions over vocab-sharded logits (warp's max/sum, sampling's
+    # argmax, the NaN check): stated bound 8 per forward pass, each under 1 KiB.
+    print("small all-reduces per loop:", sum(others.values()))
+    assert sum(others.values()) <= 8 * (K + 1)
+    assert all(c.bytes <= 1024 for c in others)
+
+
+def test_same_seed_same_tokens_across_meshes_and_different_seeds_differ(pairs):
+    sampling = SamplingConfig(temperature=1.0, top_k=20, lookahead=3, max_new_tokens=24)
+    one = specjax.generate(*pairs["1x1"], RAGGED, sampling, seed=5)
+    again = specjax.generate(*pairs["1x1"], RAGGED, sampling, seed=5)
+    sharded = specjax.generate(*pairs["1x8"], RAGGED, sampling, seed=5)
+    other = specjax.generate(*pairs["1x1"], RAGGED, sampling, seed=6)
+    assert one.tokens == again.tokens == sharded.tokens
+    assert one.tokens != other.tokens
+
+
+@pytest.mark.parametrize("mode", ["ars", "sps"])
+def test_rows_stop_at_end_of_sequence_and_budget(pairs, mode):
+    target, draft = pairs["1x1"]
+    draft = draft if mode == "sps" else None
+    greedy = SamplingConfig(temperature=0, lookahead=3, max_new_tokens=40)
+    free = specjax.generate(target, draft, RAGGED, greedy).tokens
+    eos = free[0][5]  # a token the first row is known to emit
+    stopped = specjax.generate(target, draft, RAGGED, dataclasses.replace(greedy, eos_id=eos)).tokens
+    for row, full in zip(stopped, free):
+        expected = full[:full.index(eos) + 1] if eos in full else full
+        assert row == expected
+    short = specjax.generate(target, draft, RAGGED, dataclasses.replace(greedy, max_new_tokens=7)).tokens
+    assert short == [row[:7] for row in free]
+
+
+def test_nan_logits_raise_a_clear_error(pairs):
+    target, draft = pairs["1x1"]
+    broken = jax.tree.map(lambda x: x, target.params)
+    broken["unembed"].value = broken["unembed"].value.at[0, 0].set(jnp.nan)
+    bad = dataclasses.replace(target, params=broken)
+    sampling = SamplingConfig(temperature=1.0, lookahead=2, max_new_tokens=8)
+    for t, d in ((bad, draft), (bad, None), (target, dataclasses.replace(draft, params=jax.tree.map(
+            lambda x: x * jnp.nan, draft.params)))):
+        with pytest.raises(specjax.NonFiniteLogitsError, match="NaN or inf"):
+            specjax.generate(t, d, RAGGED, sampling)
