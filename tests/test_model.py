@@ -25,8 +25,9 @@ def full_forward(lm, tokens):
     return np.asarray(logits)
 
 
-@pytest.mark.parametrize("pos_encoding", ["rope", "relative"])
-@pytest.mark.parametrize("scan_layers", [False, True])
+@pytest.mark.parametrize("pos_encoding,scan_layers", [
+    ("rope", False), ("relative", True),
+    pytest.param("rope", True, marks=pytest.mark.slow), pytest.param("relative", False, marks=pytest.mark.slow)])
 def test_cached_decode_equals_full_forward_ragged(tiny, pos_encoding, scan_layers):
     cfg = dataclasses.replace(tiny.target, pos_encoding=pos_encoding, scan_layers=scan_layers)
     lm = model.init_lm(cfg, mesh_for("1x1"))

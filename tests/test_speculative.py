@@ -171,7 +171,14 @@ def run_case(models, name, n=N, seed=0):
     return min(pvalues) * len(groups), result  # Bonferroni over prompt groups
 
 
-@pytest.mark.parametrize("name", sorted(CASES))
+SLOW = {"top_k_5_K5"}  # 40 s: run with `pytest -m slow` (keeps the default suite under 15 min)
+
+
+def maybe_slow(name, *rest):
+    return pytest.param(name, *rest, marks=[pytest.mark.slow] if name in SLOW else [])
+
+
+@pytest.mark.parametrize("name", [maybe_slow(n) for n in sorted(CASES)])
 def test_sps_samples_follow_the_exact_target_distribution(models, name, use_accept):
     use_accept(None)
     pvalue, result = run_case(models, name)
@@ -186,7 +193,8 @@ def test_sps_samples_follow_the_exact_target_distribution(models, name, use_acce
         assert 0.05 < result.acceptance_rate < 0.95  # p and q really differ
 
 
-@pytest.mark.parametrize("name,wrong", NEGATIVE, ids=[f"{a}-{b}" for a, b in NEGATIVE])
+@pytest.mark.parametrize("name,wrong", [maybe_slow(a, b) for a, b in NEGATIVE],
+                         ids=[f"{a}-{b}" for a, b in NEGATIVE])
 def test_negative_control_wrong_sampler_is_rejected(models, name, wrong, use_accept):
     use_accept(wrong)
     pvalue, _ = run_case(models, name, n=N_NEGATIVE)

@@ -1,0 +1,32 @@
+"""`specjax.bench` end to end on `tiny` (real CLI in a subprocess): JSON and Figure-1 PNG."""
+import json
+import os
+import subprocess
+import sys
+
+
+def test_bench_writes_json_and_png(tmp_path):
+    out, png = tmp_path / "bench.json", tmp_path / "fig1.png"
+    env = dict(os.environ, XLA_FLAGS="--xla_force_host_platform_device_count=1", JAX_PLATFORMS="cpu")
+    proc = subprocess.run([sys.executable, "-m", "specjax.bench", "--config=tiny", "--init=random",
+                           "--lookahead=1,3", "--batch_sizes=1,2", "--num_prompts=2", "--prompt_len=5",
+                           "--max_new_tokens=12", "--repeats=2", f"--json={out}", f"--plot={png}"],
+                          capture_output=True, text=True, env=env, timeout=600)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    report = json.loads(out.read_text())
+    assert [row["lookahead"] for row in report["sps"]] == [1, 3]
+    for row in report["sps"]:
+        assert 0 <= row["acceptance_rate"] <= 1
+        assert 1 <= row["tokens_per_loop"] <= row["lookahead"] + 1
+        assert row["p50"] <= row["p90"] <= row["p99"]
+        assert row["speedup"] > 0
+    assert report["ars"]["tokens_per_loop"] == 1.0  # one token per ArS step, by definition
+    assert [row["batch"] for row in report["batch"]] == [2]
+    assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+def test_bench_rejects_bad_lookahead():
+    proc = subprocess.run([sys.executable, "-m", "specjax.bench", "--config=tiny", "--init=random",
+                           "--lookahead=0,2"], capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 2
+    assert "--lookahead='0,2'" in proc.stderr and "Traceback" not in proc.stderr
