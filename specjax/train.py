@@ -15,7 +15,7 @@ import sys
 import jax
 from absl import flags, logging
 
-from specjax import cli, trainer
+from specjax import cli, distributed, trainer
 from specjax.config import cache_dir
 
 flags.DEFINE_string("workdir", None, "Checkpoint + metrics directory (default: "
@@ -28,6 +28,8 @@ FLAGS = flags.FLAGS
 def main(argv):
     if len(argv) > 1:
         raise cli.UsageError(f"unexpected arguments {argv[1:]}")
+    # Join a multi-process run (launch/multiprocess.sh, a TPU pod) before anything touches a device.
+    distributed.maybe_initialize()
     if not FLAGS["verbosity"].present:
         logging.set_verbosity(logging.WARNING)  # orbax logs every file it writes at INFO
     # Restarts (resume after preemption) and the draft run reuse compiled programs.
