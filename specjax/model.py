@@ -231,6 +231,9 @@ class Transformer(nnx.Module):
         x = self.final_norm(x)
         table = self.embed.value.T if cfg.tie_embeddings else self.unembed.value
         logits = jnp.einsum("BTD,DV->BTV", x, table.astype(ct), preferred_element_type=jnp.float32)
+        # Pinned vocab-parallel (Megatron): otherwise a consumer that wants whole rows (the
+        # sampler) can make XLA gather the [D, V] table instead of the small logits.
+        logits = sharding.constrain(logits, ("batch", None, "vocab"))
         return logits, KVCache(k_all, v_all, lengths)
 
 

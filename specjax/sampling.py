@@ -31,7 +31,9 @@ class Warp(NamedTuple):
 
 def warp(logits: jax.Array, w: Warp) -> jax.Array:
     """float32 probabilities over the last axis."""
-    logits = logits.astype(jnp.float32)
+    # Gather vocab-parallel logits once (one small all-gather) so every reduction below is
+    # local: on a pod, a dozen latency-bound all-reduces per distribution would cost more.
+    logits = constrain(logits.astype(jnp.float32), ("batch",) + (None,) * (logits.ndim - 1))
     vocab = logits.shape[-1]
     if w.temperature == 0:
         return jax.nn.one_hot(jnp.argmax(logits, axis=-1), vocab, dtype=jnp.float32)
@@ -41,14 +43,30 @@ def warp(logits: jax.Array, w: Warp) -> jax.Array:
         logits = jnp.where(logits < kth, -jnp.inf, logits)
     probs = jax.nn.softmax(logits, axis=-1)
     if w.top_p < 1.0:
-        # Keep the smallest set of most likely tokens whose mass reaches top_p: a token
-        # is kept when the mass strictly before it (in sorted order) is below top_p.
-        ordered = -jnp.sort(-probs, axis=-1)
-        before = jnp.cumsum(ordered, axis=-1) - ordered
-        threshold = jnp.min(jnp.where(before < w.top_p, ordered, jnp.inf), axis=-1, keepdims=True)
-        probs = jnp.where(probs >= threshold, probs, 0.0)
-        probs = probs / jnp.sum(probs, axis=-1, keepdims=True)
+        probs = nucleus(probs, w.top_p)
     return probs
+
+
+def nucleus(probs: jax.Array, top_p: float) -> jax.Array:
+    """Keep the smallest set of most likely tokens whose mass reaches top_p (ties at the
+    boundary kept together), renormalised. Equivalently: keep p >= t*, the largest
+    threshold whose kept mass is still >= top_p. t* is found by bisection over the bit
+    patterns of the float32 probabilities (ordered like the values, as p >= 0), so it is
+    one of the probabilities exactly, without sorting the vocabulary: 32 masked sums cost
+    ~0.3 ms where a sort of 4096 entries cost ~4.6 ms per 5 distributions on CPU."""
+    bits = jax.lax.bitcast_convert_type(probs, jnp.int32)
+    lo = jnp.zeros(probs.shape[:-1] + (1,), jnp.int32)  # keeps everything: mass 1 >= top_p
+    hi = jnp.max(bits, axis=-1, keepdims=True) + 1  # keeps nothing
+
+    def halve(_, bounds):
+        lo, hi = bounds
+        mid = lo + (hi - lo) // 2
+        enough = jnp.sum(jnp.where(bits >= mid, probs, 0.0), axis=-1, keepdims=True) >= top_p
+        return jnp.where(enough, mid, lo), jnp.where(enough, hi, mid)
+
+    threshold, _ = jax.lax.fori_loop(0, 32, halve, (lo, hi))
+    kept = jnp.where(bits >= threshold, probs, 0.0)
+    return kept / jnp.sum(kept, axis=-1, keepdims=True)
 
 
 def sample(key: jax.Array, probs: jax.Array) -> jax.Array:
