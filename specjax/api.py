@@ -147,14 +147,15 @@ def compile_cached(fn, args, statics):
 
 
 def generate(target: LM, draft: LM | None, prompts: Sequence[Sequence[int]],
-             sampling: SamplingConfig = SamplingConfig(), *, seed: int = 0) -> Result:
+             sampling: SamplingConfig = SamplingConfig(), *, seed: int = 0, pad_to: int = 16) -> Result:
     """Sample continuations of `prompts` (lists of token ids) from `target`.
 
     With a `draft`, speculative sampling with K = sampling.lookahead (Algorithm 2);
     with draft=None, plain autoregressive sampling (Algorithm 1). Both give samples
     distributed exactly as the target's (warped) distribution; greedy (temperature 0)
-    gives identical tokens."""
-    mesh, fn, args, statics, batch, width = prepare(target, draft, prompts, sampling, seed)
+    gives identical tokens. Prompts are right-padded to a power of two >= `pad_to`
+    tokens, so prompts of similar length share one compiled program."""
+    mesh, fn, args, statics, batch, width = prepare(target, draft, prompts, sampling, seed, pad_to)
     start = time.perf_counter()
     with jax.set_mesh(mesh):
         compiled = compile_cached(fn, args, statics)
