@@ -30,7 +30,6 @@ from typing import Any, Mapping
 import jax
 import orbax.checkpoint as ocp
 from absl import logging as absl_logging
-from flax import nnx
 
 from specjax import sharding
 from specjax.config import ModelConfig, UsageError, cache_dir
@@ -229,12 +228,8 @@ class Checkpoints:
 def abstract_params(cfg: ModelConfig, mesh: jax.sharding.Mesh):
     """(graphdef, params as ShapeDtypeStructs carrying `mesh`'s shardings): the restore
     target. Nothing is allocated."""
-    abstract = abstract_lm(cfg)
-    shardings = sharding.param_shardings(abstract.params, mesh)
-    params = jax.tree.map(
-        lambda v, sh: v.replace(jax.ShapeDtypeStruct(v.value.shape, v.value.dtype, sharding=sh)),
-        abstract.params, shardings, is_leaf=lambda x: isinstance(x, nnx.Variable))
-    return abstract.graphdef, params
+    abstract = abstract_lm(cfg, mesh)
+    return abstract.graphdef, abstract.params
 
 
 def model_meta(cfg: ModelConfig, config_name: str, **extra) -> dict:

@@ -364,16 +364,10 @@ def fitted_latency(report: dict, cfg, chip: Chip) -> float | None:
 
 
 def abstract_lm(cfg, mesh, what: str):
-    """`model.abstract_lm` with shardings attached: sharded ShapeDtypeStructs, no data."""
-    import jax
+    """Sharded ShapeDtypeStructs of every param (no data), after the divisibility check."""
     from specjax import model, sharding
     sharding.check_divisible(cfg, mesh, what)
-    lm = model.abstract_lm(cfg)
-    shardings = sharding.param_shardings(lm.params, mesh)
-    # `shardings` has a NamedSharding where `lm.params` has a Variable: map over it as the prefix tree.
-    params = jax.tree.map(lambda sh, v: v.replace(jax.ShapeDtypeStruct(v.get_value().shape, v.get_value().dtype,
-                                                                       sharding=sh)), shardings, lm.params)
-    return model.LM(lm.cfg, lm.graphdef, params)
+    return model.abstract_lm(cfg, mesh)
 
 
 def compile_program(target, draft, sampling, batch: int, prompt_len: int, cache_len: int) -> dict:
