@@ -11,7 +11,6 @@ import time
 from typing import Sequence
 
 import jax
-import jax.numpy as jnp
 import numpy as np
 
 from specjax import sharding

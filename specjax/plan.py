@@ -534,7 +534,7 @@ def format_report(r: dict) -> str:
                    f"{sp['flops'] / 1e9:>10.1f} {sp['score_ms'] + sp['draft_ms']:>6.2f}ms {sp['collectives']:>5} "
                    f"{sp['collective_ms']:>8.2f} {sp['loop_ms']:>8.2f} {fitted}  (per loop: score K+1 "
                    f"{sp['score_ms']:.2f} ms + K draft steps {sp['draft_ms']:.2f} ms + collectives)")
-        out += ["", f"  SpS ms/token = loop / E[tokens per loop], E = (1 - alpha^(K+1)) / (1 - alpha)",
+        out += ["", "  SpS ms/token = loop / E[tokens per loop], E = (1 - alpha^(K+1)) / (1 - alpha)",
                 f"    {'alpha':>6} {'tokens/loop':>12} {'ms/token':>9} {'speedup':>8}"
                 + (f" {'fit ms':>7} {'speedup':>8}" if fit else "")]
         for i, row in enumerate(sp["by_alpha"]):

@@ -82,7 +82,6 @@ def exact_joint(lm, prompt, w: Warp) -> np.ndarray:
     logits, _ = jax.jit(lambda lm, t, p, c: lm(t, p, c))(
         lm, jnp.asarray(seqs), jnp.broadcast_to(jnp.arange(T), (B, T)), kv_cache.init_cache(lm.cfg, B, T))
     probs = np.asarray(warp(logits[:, -3:], w), np.float64)  # [V*V, 3, V]
-    P = len(prompt)
     q1 = probs[0, 0]
     q2 = probs[::V, 1]  # rows with x2 = 0: the distribution of x2 given x1
     q3 = probs[:, 2].reshape(V, V, V)
