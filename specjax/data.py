@@ -40,11 +40,10 @@ def default_corpus_files() -> list[pathlib.Path]:
     """
     root = pathlib.Path(sysconfig.get_paths()["stdlib"])
     files = []
-    for path in root.rglob("*.py"):
-        parts = set(path.relative_to(root).parts[:-1])
-        if not parts & (_SITE_DIRS | _STDLIB_TEST_DIRS) and path.is_file():
-            files.append(path)
-    return sorted(files)
+    for here, dirs, names in os.walk(root):
+        dirs[:] = [d for d in dirs if d not in _SITE_DIRS | _STDLIB_TEST_DIRS]  # never walked into
+        files += [pathlib.Path(here, n) for n in names if n.endswith(".py")]
+    return sorted(f for f in files if f.is_file())
 
 
 def resolve_corpus(spec: str | None) -> list[pathlib.Path]:
