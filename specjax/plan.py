@@ -98,8 +98,9 @@ def _shape_bytes(shape: str) -> int:
 
 
 def _group_size(line: str) -> int:
-    """Devices per replica group, from any of the three HLO spellings."""
-    m = re.search(r"replica_groups=mesh\[([^\]]*)\]\s*\{([^}]*)\}", line)
+    """Devices per replica group, from any of the three HLO spellings (the mesh form may
+    carry `device_ids=(...)` before the axes it names)."""
+    m = re.search(r"replica_groups=mesh\[([^\]]*)\][^{]*\{([^}]*)\}", line)
     if m:
         sizes = dict(re.findall(r"'(\w+)'=(\d+)", m.group(1)))
         return math.prod(int(sizes[a]) for a in re.findall(r"'(\w+)'", m.group(2)))
@@ -372,12 +373,15 @@ def abstract_lm(cfg, mesh, what: str):
 
 def compile_program(target, draft, sampling, batch: int, prompt_len: int, cache_len: int) -> dict:
     """Lower + compile the program `generate` would run, through `api.prepare` (so the
-    arguments and static settings are exactly the ones it builds)."""
+    arguments and static settings are exactly the ones it builds). `target` and `draft`
+    (None: ArS) may be abstract (`model.abstract_lm`) or real. Returns a dict with
+    'per_loop' and 'outside_loop' (`summarize` of the collectives per SpS loop / ArS
+    step and outside it), 'memory' (bytes per device), 'compile_seconds', 'statics'."""
     import jax
     from specjax import api
     from specjax.config import UsageError
     lookahead = sampling.lookahead if draft is not None else 1
-    width = -(-prompt_len // 16) * 16  # api.prepare's bucketing (pad_to=16)
+    width = max(16, 1 << (prompt_len - 1).bit_length())  # api.prepare's power-of-two buckets (pad_to=16)
     max_new = cache_len - width - lookahead - 1  # api.prepare: size = width + max_new + K + 1
     if max_new < 1:
         raise UsageError(f"--cache_len={cache_len} leaves no room to generate after a {width}-token "

@@ -210,6 +210,15 @@ def test_hlo_counter_multiplies_nested_trip_counts_and_separates_the_generation_
         {"shape": "f32[1,5,64]", "bytes": 1280, "group": 8, "count": 3}]}}
 
 
+@pytest.mark.parametrize("groups,size", [
+    ("mesh['axis_0'=1,'axis_1'=8] {'axis_1'}", 8),
+    ("mesh['axis_0'=1,'axis_2'=4,'axis_3'=2], device_ids=([2,4]T(1,0)) {'axis_2'}", 4),  # a 2x4 mesh
+    ("mesh['axis_0'=2,'axis_1'=4] {'axis_0','axis_1'}", 8),
+    ("[2,4]<=[8]", 4), ("{{0,1},{2,3}}", 2)])
+def test_group_size_of_each_replica_group_spelling(groups, size):
+    assert plan._group_size(f"%ar = f32[4] all-reduce(f32[4] %a), replica_groups={groups}, to_apply=%add") == size
+
+
 def test_plan_rejects_a_mesh_the_draft_does_not_divide():
     env = {k: v for k, v in os.environ.items() if k not in ("XLA_FLAGS", "JAX_PLATFORMS")}
     proc = subprocess.run([sys.executable, "-m", "specjax.plan", "--config=chinchilla_70b", "--mesh=1x32"],
