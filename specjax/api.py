@@ -1,4 +1,6 @@
-"""The public Python API: `generate(target, draft, prompts, sampling, seed=...)`.
+"""The public Python API: `generate(target, draft, prompts, sampling, seed=...)`, and two
+windows into it: `explain_loop` (one SpS loop, token by token) and `next_token_probs`
+(the exact warped distributions, the reference for Theorem 1).
 
 Everything on device happens in one compiled program (prefill + one `lax.while_loop`);
 the host pads the prompts before it and checks the results after it.
@@ -11,12 +13,13 @@ import time
 from typing import Sequence
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 
-from specjax import sharding
+from specjax import sharding, speculative
 from specjax.config import SamplingConfig, UsageError
 from specjax.model import LM
-from specjax.sampling import Warp, autoregressive_generate
+from specjax.sampling import Warp, autoregressive_generate, empty_cache, warp
 from specjax.speculative import speculative_generate
 
 
@@ -174,3 +177,103 @@ def generate(target: LM, draft: LM | None, prompts: Sequence[Sequence[int]],
     return Result(generated, "sps" if draft is not None else "ars", statics.get("lookahead", 1),
                   stats.loops, stats.num_new, stats.accepted, stats.accepted_at, stats.histogram,
                   seconds, compile_seconds)
+
+
+# --------------------------------------------------------------------------- explain
+
+
+@dataclasses.dataclass
+class LoopTrace:
+    """The first SpS loop after a prompt, as `generate` with the same seed runs it."""
+
+    draft_tokens: list[int]  # x_1..x_K, sampled by the draft
+    p: np.ndarray  # [K, V] the draft's warped distributions p_1..p_K
+    q: np.ndarray  # [K+1, V] the target's q_1..q_{K+1}, from its one scoring pass
+    num_accepted: int  # n: x_1..x_n were kept
+    next_token: int  # drawn from norm(max(0, q_{n+1} - p_{n+1})), or the bonus from q_{K+1} (n == K)
+
+    @property
+    def lookahead(self) -> int:
+        return len(self.draft_tokens)
+
+    @property
+    def p_draft(self) -> np.ndarray:
+        """[K] p_j(x_j)."""
+        return self.p[np.arange(self.lookahead), self.draft_tokens]
+
+    @property
+    def q_draft(self) -> np.ndarray:
+        """[K] q_j(x_j)."""
+        return self.q[np.arange(self.lookahead), self.draft_tokens]
+
+    @property
+    def accept_prob(self) -> np.ndarray:
+        """[K] min(1, q_j(x_j) / p_j(x_j)): the chance each draft token passes its test."""
+        return np.minimum(1.0, self.q_draft / self.p_draft)
+
+    @property
+    def status(self) -> list[str]:
+        """Per draft position: 'accepted', 'rejected' (the first failed test) or 'not reached'."""
+        n = self.num_accepted
+        return ["accepted" if j < n else "rejected" if j == n else "not reached" for j in range(self.lookahead)]
+
+    @property
+    def bonus(self) -> bool:
+        """True when all K drafts were accepted and `next_token` came from q_{K+1}."""
+        return self.num_accepted == self.lookahead
+
+    @property
+    def tokens(self) -> list[int]:
+        """What the loop emits: x_1..x_n, then the residual or bonus token."""
+        return self.draft_tokens[:self.num_accepted] + [self.next_token]
+
+
+@functools.partial(jax.jit, static_argnames=("warping", "lookahead", "size"))
+def explain_program(target, draft, prompts, prompt_lens, key, *, warping, lookahead, size):
+    state = speculative.start(target, draft, prompts, prompt_lens, key, lookahead, size)
+    _, sp = speculative.speculate(target, draft, state, lookahead, warping)
+    return sp.x, sp.p, sp.q, sp.num_accepted, sp.next_token
+
+
+def explain_loop(target: LM, draft: LM, prompt: Sequence[int], sampling: SamplingConfig = SamplingConfig(),
+                 *, seed: int = 0, pad_to: int = 16) -> LoopTrace:
+    """Run the first SpS loop for one prompt and return what happened in it: the K draft
+    tokens with p and q, the accept/reject outcome and the residual or bonus token. It
+    calls the same `speculative.speculate` as the fused loop, with the same key, so
+    `trace.tokens` are the first tokens `generate(target, draft, [prompt], sampling,
+    seed=seed)` emits (when max_new_tokens allows)."""
+    mesh, _, args, statics, _, _ = prepare(target, draft, [prompt], sampling, seed, pad_to)
+    with jax.set_mesh(mesh):
+        out = explain_program(*args, warping=statics["warping"], lookahead=statics["lookahead"],
+                              size=statics["size"])
+    x, p, q, n, token = jax.device_get(out)
+    return LoopTrace(x[0].tolist(), p[0], q[0], int(n[0]), int(token[0]))
+
+
+@functools.partial(jax.jit, static_argnames=("warping",))
+def probs_program(lm, tokens, *, warping):
+    batch, length = tokens.shape
+    positions = jnp.broadcast_to(jnp.arange(length, dtype=jnp.int32), (batch, length))
+    logits, _ = lm(tokens, positions, empty_cache(lm, batch, length))
+    return warp(logits, warping)
+
+
+def next_token_probs(lm: LM, sequences: Sequence[Sequence[int]],
+                     sampling: SamplingConfig = SamplingConfig()) -> np.ndarray:
+    """probs[b, t] = the distribution of the token after sequences[b][:t+1], warped as
+    `sampling` says (temperature, top-k, top-p), float32 [B, T, V]. One full forward pass
+    of equal-length sequences; nothing is sampled. Multiplying these along enumerated
+    continuations gives the exact distribution that ArS and SpS samples follow (Theorem 1)."""
+    sampling.validate()
+    sequences = [[int(t) for t in s] for s in sequences]
+    lengths = {len(s) for s in sequences}
+    if len(lengths) > 1:
+        raise UsageError(f"sequences have different lengths {sorted(lengths)}: next_token_probs needs equal lengths")
+    check_prompts(sequences, lm.cfg.vocab_size, lm.cfg.max_seq_len, 0)
+    tokens = np.asarray(sequences, np.int32)
+    mesh = mesh_of(lm)
+    tokens = jax.device_put(tokens, sharding.named(mesh, ("batch", None), tokens.shape))
+    with jax.set_mesh(mesh):
+        probs = probs_program(lm, tokens, warping=Warp(float(sampling.temperature), int(sampling.top_k),
+                                                         float(sampling.top_p)))
+    return np.asarray(jax.device_get(probs))

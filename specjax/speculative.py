@@ -7,11 +7,14 @@ Each loop, for every row at once:
      the first rejected one is replaced by a `residual` sample from norm(max(0, q - p)),
      and if all K are kept a `bonus` token comes from q_{K+1}.
 So each loop emits 1..K+1 tokens and (Theorem 1) the output is distributed exactly as q.
+`speculate` is steps 1-3 for one loop (`api.explain_loop` shows them for the first loop);
+`speculative_generate` wraps it with the stopping rules, rollback and statistics.
 Rows are ragged: each has its own length, accepted count and stopping state.
 """
 from __future__ import annotations
 
 import dataclasses
+from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -84,38 +87,65 @@ class SpsState:
     stats: Stats
 
 
+class Speculation(NamedTuple):
+    """Steps 1-3 of one loop, for every row: what was drafted, scored and accepted."""
+
+    x: jax.Array  # [B, K] draft tokens
+    p: jax.Array  # [B, K, V] draft distributions p_1..p_K
+    q: jax.Array  # [B, K+1, V] target distributions q_1..q_{K+1}, from one scoring pass
+    num_accepted: jax.Array  # [B] n in 0..K
+    next_token: jax.Array  # [B] the residual sample at x_{n+1}, or the bonus token (n == K)
+    target_cache: KVCache
+    draft_cache: KVCache
+    nonfinite: jax.Array  # [B] NaN/inf in either model's logits
+
+
+def start(target: LM, draft: LM, prompts: jax.Array, prompt_lens: jax.Array, key: jax.Array,
+          lookahead: int, size: int) -> SpsState:
+    """The loop's state after prefilling both models' caches with the prompts."""
+    batch = prompts.shape[0]
+    return SpsState(token_buffer(prompts, size), prompt_lens, jnp.zeros((batch,), bool),
+                    prefill(target, prompts, prompt_lens, size), prefill(draft, prompts, prompt_lens, size),
+                    key, Stats.zeros(batch, lookahead))
+
+
+def speculate(target: LM, draft: LM, s: SpsState, lookahead: int, warping: Warp):
+    """Draft K tokens, score [pending, x_1..x_K] in ONE target pass, accept/reject.
+    Returns (the state's next key, Speculation)."""
+    key, draft_key, accept_key = jax.random.split(s.key, 3)
+    x, p, draft_cache, draft_bad = draft_tokens(draft, s.draft_cache, s.tokens, s.length, draft_key,
+                                                lookahead, warping)
+    pending = s.length - 1
+    scored = jnp.concatenate([gather_rows(s.tokens, pending)[:, None], x], axis=1)
+    positions = pending[:, None] + jnp.arange(lookahead + 1)[None, :]
+    logits, target_cache = target(scored, positions, s.target_cache)
+    q = warp(logits, warping)
+    num_accepted, next_token = accept(accept_key, x, p, q)
+    return key, Speculation(x, p, q, num_accepted, next_token, target_cache, draft_cache,
+                            nonfinite_rows(logits) | draft_bad)
+
+
 def speculative_generate(target: LM, draft: LM, prompts: jax.Array, prompt_lens: jax.Array,
                          key: jax.Array, *, warping: Warp, lookahead: int, max_new: int, eos_id: int,
                          size: int):
     """Algorithm 2 as one `lax.while_loop`. Returns (tokens [B, size], length [B], Stats)."""
-    batch = prompts.shape[0]
-    state = SpsState(token_buffer(prompts, size), prompt_lens, jnp.zeros((batch,), bool),
-                     prefill(target, prompts, prompt_lens, size), prefill(draft, prompts, prompt_lens, size),
-                     key, Stats.zeros(batch, lookahead))
+    state = start(target, draft, prompts, prompt_lens, key, lookahead, size)
 
     def loop(s: SpsState) -> SpsState:
-        key, draft_key, accept_key = jax.random.split(s.key, 3)
-        x, p, draft_cache, draft_bad = draft_tokens(draft, s.draft_cache, s.tokens, s.length, draft_key,
-                                                    lookahead, warping)
-        pending = s.length - 1
-        scored = jnp.concatenate([gather_rows(s.tokens, pending)[:, None], x], axis=1)
-        positions = pending[:, None] + jnp.arange(lookahead + 1)[None, :]
-        logits, target_cache = target(scored, positions, s.target_cache)
-        q = warp(logits, warping)
-        num_accepted, next_token = accept(accept_key, x, p, q)
-
+        key, sp = speculate(target, draft, s, lookahead, warping)
+        x, num_accepted = sp.x, sp.num_accepted
         # Emitted: x_1..x_n, then the residual/bonus token at index n.
         new = jnp.concatenate([x, jnp.zeros_like(x[:, :1])], axis=1)
-        new = jnp.where(jnp.arange(lookahead + 1)[None, :] == num_accepted[:, None], next_token[:, None], new)
+        new = jnp.where(jnp.arange(lookahead + 1)[None, :] == num_accepted[:, None], sp.next_token[:, None], new)
         active = ~s.done
         count, finished = stop_after(new, jnp.where(active, num_accepted + 1, 0), s.stats.num_new,
                                      max_new, eos_id)
         length = s.length + count
-        bad = (nonfinite_rows(logits) | draft_bad) & active
+        bad = sp.nonfinite & active
         # Roll back: the target holds [0, length-1) after this loop; the draft's cache may
         # lack x_K, which its next first step re-feeds at position length-2.
-        target_cache = target_cache.with_lengths(length - 1)
-        draft_cache = draft_cache.with_lengths(jnp.maximum(length - 2, 0))
+        target_cache = sp.target_cache.with_lengths(length - 1)
+        draft_cache = sp.draft_cache.with_lengths(jnp.maximum(length - 2, 0))
         live = active[:, None].astype(jnp.int32)
         st = s.stats
         stats = Stats(
