@@ -95,7 +95,7 @@ class Attention(nnx.Module):
             self.v = nnx.Param(jnp.zeros((N, H), dt), logical=("heads", "head_dim"))
 
     def __call__(self, x, positions, k_all, v_all, layer, lengths):
-        """x [B,T,D]; k_all/v_all: the whole stacked cache [L,B,S,K,H]. Writes this layer's
+        """x [B,T,D]; k_all/v_all: the whole stacked cache [L,B,K,S,H]. Writes this layer's
         T new entries straight into it (an in-place scatter inside the loop: no copy of a
         layer slice) and returns (out [B,T,D], k_all, v_all)."""
         cfg = self.cfg
@@ -111,14 +111,14 @@ class Attention(nnx.Module):
         # every device computes the (small) k, v itself instead of gathering them.
         k = sharding.constrain(k, ("batch", None, "kv_heads", "head_dim"))
         v = sharding.constrain(v, ("batch", None, "kv_heads", "head_dim"))
-        rows = jnp.arange(B)[:, None]
-        k_all = k_all.at[layer, rows, positions].set(k.astype(k_all.dtype), mode="drop")
-        v_all = v_all.at[layer, rows, positions].set(v.astype(v_all.dtype), mode="drop")
+        rows = jnp.arange(B)[:, None]  # k[b, t] goes to [layer, b, :, positions[b, t]]
+        k_all = k_all.at[layer, rows, :, positions].set(k.astype(k_all.dtype), mode="drop")
+        v_all = v_all.at[layer, rows, :, positions].set(v.astype(v_all.dtype), mode="drop")
         k_all = sharding.constrain(k_all, CACHE_AXES)
         v_all = sharding.constrain(v_all, CACHE_AXES)
         k_cache, v_cache = k_all[layer], v_all[layer]
 
-        S, K, N = k_cache.shape[1], cfg.num_kv_heads, cfg.num_heads
+        S, K, N = k_cache.shape[2], cfg.num_kv_heads, cfg.num_heads
         G, H = N // K, cfg.head_dim
         key_pos = jnp.arange(S)
         if cfg.pos_encoding == "relative":
@@ -126,7 +126,7 @@ class Attention(nnx.Module):
             qc = (q + u).reshape(B, T, K, G, H)
         else:
             qc = q.reshape(B, T, K, G, H)
-        logits = jnp.einsum("BTKGH,BSKH->BKGTS", qc, k_cache.astype(ct),
+        logits = jnp.einsum("BTKGH,BKSH->BKGTS", qc, k_cache.astype(ct),
                             preferred_element_type=jnp.float32)
         if cfg.pos_encoding == "relative":
             # Position term (q_i + v) . W_r R_{i-j}, factored as ((q_i + v) W_r^T) . R_{i-j}
@@ -144,7 +144,7 @@ class Attention(nnx.Module):
         visible = (key_pos[None, None, :] <= positions[:, :, None]) & (key_pos[None, None, :] < lengths[:, None, None])
         logits = jnp.where(visible[:, None, None], logits, MASKED)
         weights = jax.nn.softmax(logits, axis=-1).astype(ct)
-        out = jnp.einsum("BKGTS,BSKH->BTKGH", weights, v_cache.astype(ct)).reshape(B, T, N, H)
+        out = jnp.einsum("BKGTS,BKSH->BTKGH", weights, v_cache.astype(ct)).reshape(B, T, N, H)
         return jnp.einsum("BTNH,NHD->BTD", out, self.wo.value.astype(ct)), k_all, v_all
 
 

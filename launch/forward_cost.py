@@ -1,0 +1,60 @@
+"""What one cached forward costs: T tokens scored against a KV cache of S slots.
+
+    python launch/forward_cost.py --config=mini_target --tokens=1,2,5 --cache=64,512,1024
+
+Each measurement is N forwards inside one jitted `fori_loop` with the cache donated, as
+in the sampling loops (in-place cache writes), at batch 1 with the cache one third full;
+medians over repeats. T=1 is an ArS step or a draft step; T=K+1 is SpS's scoring pass.
+"""
+from __future__ import annotations
+
+import time
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from absl import app, flags
+
+from specjax import kv_cache, model, sharding
+from specjax.config import MeshConfig, load_config
+
+flags.DEFINE_string("config", "mini_target", "Config whose target model is measured.")
+flags.DEFINE_string("tokens", "1,2,5", "Tokens per forward (T).")
+flags.DEFINE_string("cache", "64,512,1024", "Cache slots (S).")
+flags.DEFINE_integer("steps", 16, "Forwards per timed loop.")
+flags.DEFINE_integer("repeats", 10, "Timed loops per setting (median).")
+FLAGS = flags.FLAGS
+
+
+def loop(lm, cache, tokens: int, steps: int):
+    def body(_, c):
+        pos = c.lengths[:, None] + jnp.arange(tokens)[None]
+        logits, c = lm(jnp.zeros((1, tokens), jnp.int32), pos, c)
+        # Advance one slot; the logits feed the carry so the forward cannot be dropped.
+        return c.with_lengths(c.lengths + 1 + (logits[0, 0, 0] > 1e30).astype(jnp.int32))
+    return jax.lax.fori_loop(0, steps, body, cache)
+
+
+def main(argv):
+    cfg = load_config(FLAGS.config).target
+    lm = model.init_lm(cfg, sharding.make_mesh(MeshConfig(1, 1), jax.devices()[:1]))
+    ts = [int(t) for t in FLAGS.tokens.split(",")]
+    print(f"{FLAGS.config}: {lm.num_params / 1e6:.1f}M params; ms per forward (median of {FLAGS.repeats})")
+    print("cache S  " + "  ".join(f"T={t:<6}" for t in ts) + "  T_max/T_1")
+    for size in (int(s) for s in FLAGS.cache.split(",")):
+        fresh = lambda: kv_cache.init_cache(cfg, 1, size).with_lengths(jnp.array([size // 3], jnp.int32))
+        progs = {t: jax.jit(loop, static_argnums=(2, 3), donate_argnums=1).lower(lm, fresh(), t, FLAGS.steps)
+                 .compile() for t in ts}
+        times = {t: [] for t in ts}
+        for _ in range(FLAGS.repeats):
+            for t, prog in progs.items():  # interleaved: machine noise hits every T alike
+                c = jax.block_until_ready(fresh())
+                start = time.perf_counter()
+                jax.block_until_ready(prog(lm, c))
+                times[t].append((time.perf_counter() - start) / FLAGS.steps * 1e3)
+        med = {t: float(np.median(v)) for t, v in times.items()}
+        print(f"{size:<8} " + "  ".join(f"{med[t]:<8.2f}" for t in ts) + f"  {med[ts[-1]] / med[ts[0]]:.2f}")
+
+
+if __name__ == "__main__":
+    app.run(main)
