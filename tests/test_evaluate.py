@@ -1,0 +1,216 @@
+"""`specjax.evaluate`: the scoring wiring against hand-computable cases, the agreement
+test with a negative control, and the real CLI end to end on a tiny text model."""
+from __future__ import annotations
+
+import concurrent.futures
+import json
+import math
+import os
+import pathlib
+import subprocess
+import sys
+
+import jax
+import numpy as np
+import pytest
+
+from specjax import evaluate
+
+ROOT = pathlib.Path(__file__).resolve().parent.parent
+
+
+# ------------------------------------------------------------------ HumanEval
+
+
+def test_truncate_completion_stops_at_the_next_top_level_statement():
+    assert evaluate.truncate_completion("    return x + 1\n\ndef g():\n    pass") == "    return x + 1\n"
+    assert evaluate.truncate_completion("    return 1\nprint(f())") == "    return 1"
+    assert evaluate.truncate_completion("    y = 2\n    return y") == "    y = 2\n    return y"
+
+
+def test_pass_at_k_matches_the_binomial_formula():
+    # 1 - C(n-c, k) / C(n, k), by hand.
+    assert evaluate.pass_at_k([True, False], 1) == pytest.approx(0.5)
+    assert evaluate.pass_at_k([True, False], 2) == pytest.approx(1.0)
+    assert evaluate.pass_at_k([False, False, False], 2) == 0.0
+    assert evaluate.pass_at_k([True, False, False, False], 2) == pytest.approx(1 - 3 / 6)
+
+
+def test_execution_passes_the_canonical_solution_and_fails_wrong_or_hanging_code():
+    problems = [it.reference for it in evaluate.humaneval_items(2)]
+    samples = [
+        {"task_id": problems[0]["task_id"], "completion": problems[0]["canonical_solution"]},
+        {"task_id": problems[0]["task_id"], "completion": "    return False\n"},  # fails a True case
+        {"task_id": problems[1]["task_id"], "completion": problems[1]["canonical_solution"]},
+        {"task_id": problems[1]["task_id"], "completion": "    while True:\n        pass\n"},
+    ]
+    assert evaluate.execute_humaneval(problems, samples, timeout=1.0) == [True, False, True, False]
+
+
+# ------------------------------------------------------------------ ROUGE and the docstring set
+
+
+def test_rouge2_on_hand_counted_bigrams():
+    # Reference bigrams: the-cat cat-sat sat-on on-the the-mat (5); prediction: the-cat cat-sat (2,
+    # both in the reference): precision 1, recall 2/5, F1 = 2 * 1 * 0.4 / 1.4.
+    assert evaluate.rouge2("the cat sat on the mat", "the cat sat") == pytest.approx(2 * 0.4 / 1.4)
+    assert evaluate.rouge2("the cat sat on the mat", "The cat sat on the mat.") == pytest.approx(1.0)
+    assert evaluate.rouge2("the cat sat on the mat", "dogs bark loudly") == 0.0
+    assert evaluate.summary_of("  Return the sum.\ndef g():") == "Return the sum."
+
+
+def test_docstring_pairs_cut_the_docstring_out_of_the_document(tmp_path):
+    src = tmp_path / "m.py"
+    src.write_text('class C:\n    @staticmethod\n    def add(a, b):\n        """Return the sum of a and b. More\n'
+                   '        text here.\n\n        Details.\n        """\n        s = a + b\n        return s\n\n'
+                   'def short():\n    """Too short."""\n    return 1\n')
+    [pair] = evaluate.docstring_pairs([src])
+    assert pair["summary"] == "Return the sum of a and b."
+    assert pair["document"] == "@staticmethod\ndef add(a, b):\n    s = a + b\n    return s"
+    assert pair["id"] == "m.py:3:add"
+
+
+def test_builtin_summarisation_set_is_deterministic_and_xsum_shaped():
+    a, b = evaluate.builtin_xsum(), evaluate.builtin_xsum()
+    assert a == b and len(a) >= 20
+    items = evaluate.xsum_items(None, 5)
+    assert len(items) == 5
+    # 1-shot: the example with its summary, then the document with an open summary line.
+    assert items[0].prompt.count("# Summary:") == 2 and items[0].prompt.endswith("# Summary: ")
+    assert a[0]["summary"] in items[0].prompt and items[0].reference == a[1]["summary"]
+
+
+# ------------------------------------------------------------------ intervals and the agreement test
+
+
+def test_mean_ci_by_hand():
+    ci = evaluate.mean_ci([0, 1, 0, 1])
+    # sd (ddof=1) of 0,1,0,1 is sqrt(1/3); half-width = 1.96 * sd / sqrt(4).
+    assert ci["mean"] == 0.5 and ci["ci95"] == pytest.approx(1.959964 * math.sqrt(1 / 3) / 2, rel=1e-5)
+
+
+def test_agreement_accepts_same_distribution_and_rejects_a_shift():
+    """alpha = 0.05, 200 paired items. Same-distribution scores (what exact SpS gives) must
+    agree; the negative control shifts one mode's scores by 0.1 (a biased sampler's effect),
+    about 7 standard errors at this n (sd of the differences ~0.14), so the test has power
+    near 1 and must report a difference."""
+    rng = np.random.default_rng(0)
+    a, b = rng.uniform(0, 0.5, 200), rng.uniform(0, 0.5, 200)
+    same = evaluate.paired_agreement(a, b)
+    assert same["agree"] and same["p_value"] > evaluate.ALPHA
+    shifted = evaluate.paired_agreement(a, b + 0.1)
+    assert not shifted["agree"] and shifted["p_value"] < 1e-6
+    identical = evaluate.paired_agreement([0.2, 0.4, 0.1], [0.2, 0.4, 0.1])  # greedy: the same outputs
+    assert identical["agree"] and identical["difference"] == 0
+
+
+# ------------------------------------------------------------------ the CLI
+
+
+TEXT_CONFIG = '''
+import dataclasses
+from specjax.config import load_config
+
+
+def get_config():
+    """tiny with a 512-token vocabulary and a tokenizer."""
+    tiny = load_config("tiny")
+    return dataclasses.replace(tiny, name="tiny_text", tokenizer_vocab=512,
+                               target=dataclasses.replace(tiny.target, vocab_size=512),
+                               draft=dataclasses.replace(tiny.draft, vocab_size=512))
+'''
+
+
+@pytest.fixture(scope="module")
+def text_pair(tmp_path_factory):
+    """A tiny target and draft (random weights) saved with one shared tokenizer."""
+    from specjax import checkpoint, sharding
+    from specjax.config import MeshConfig, load_config
+    from specjax.model import init_lm
+    from specjax.tokenizer import train_tokenizer
+
+    base = tmp_path_factory.mktemp("evaluate")
+    mesh = sharding.make_mesh(MeshConfig(1, 1), jax.devices()[:1])
+    (base / "tiny_text.py").write_text(TEXT_CONFIG)
+    cfg = load_config(str(base / "tiny_text.py"))
+    stdlib = pathlib.Path(os.__file__).parent
+    tok = train_tokenizer([stdlib / "textwrap.py", stdlib / "shlex.py"], base / "tok", 512)
+    for name, model in (("target", cfg.target), ("draft", cfg.draft)):
+        checkpoint.save_lm(init_lm(model, mesh), base / name, config_name=f"tiny_text.{name}"
+                           if name == "draft" else "tiny_text")
+        checkpoint.save_tokenizer(base / name, tok)
+    env = {**os.environ, "XLA_FLAGS": "--xla_force_host_platform_device_count=1", "JAX_PLATFORMS": "cpu",
+           "SPECJAX_CACHE": str(base / "cache"), "PYTHONPATH": str(ROOT)}
+    args = [f"--config={base / 'tiny_text.py'}", f"--checkpoint={base / 'target'}",
+            f"--draft_checkpoint={base / 'draft'}", "--noprogress"]
+    return base, env, args
+
+
+def run_evaluate(env, *args, timeout=600):
+    return subprocess.run([sys.executable, "-m", "specjax.evaluate", *args], cwd=ROOT, env=env,
+                          capture_output=True, text=True, timeout=timeout)
+
+
+def test_xsum_end_to_end_writes_the_table_and_json(text_pair):
+    base, env, args = text_pair
+    out = base / "xsum.json"
+    docs = base / "docs.jsonl"  # short documents: a small prompt bucket keeps the compiles cheap
+    docs.write_text("".join(json.dumps({"document": d, "summary": s}) + "\n" for d, s in [
+        ("def add(a, b):\n    return a + b", "Add two numbers."),
+        ("def neg(x):\n    return -x", "Negate a number."),
+        ("def first(xs):\n    return xs[0]", "The first item.")]))
+    proc = run_evaluate(env, *args, "--task=xsum", f"--xsum_file={docs}", "--limit=1", "--max_new_tokens=12",
+                        f"--output={out}")
+    assert proc.returncode == 0, proc.stderr
+    result = json.loads(out.read_text())
+    assert [s["name"] for s in result["settings"]] == ["nucleus p=0.8", "greedy"]
+    for s in result["settings"]:
+        assert s["metric"] == "ROUGE-2" and [r["id"] for r in s["samples"]] == ["docs.jsonl:2"]
+        assert s["modes"]["ars"]["tokens"] == s["modes"]["sps"]["tokens"] == 12  # no EOS in random ids
+        assert 0 <= s["modes"]["sps"]["acceptance_rate"] <= 1 and s["modes"]["ars"]["acceptance_rate"] is None
+        assert all(0 <= r[m]["rouge2"] <= 1 for r in s["samples"] for m in ("ars", "sps"))
+    greedy = result["settings"][1]
+    # Greedy SpS is ArS exactly: same text, so the same score and a zero difference.
+    assert all(r["ars"]["text"] == r["sps"]["text"] for r in greedy["samples"])
+    assert greedy["agreement"]["difference"] == 0 and greedy["agreement"]["agree"]
+    assert "ROUGE-2" in proc.stdout and "SpS" in proc.stdout and "speedup" in proc.stdout
+
+
+def test_humaneval_end_to_end_with_execution(text_pair):
+    base, env, args = text_pair
+    out = base / "humaneval.json"
+    proc = run_evaluate(env, *args, "--task=humaneval", "--limit=2", "--num_samples=2", "--pass_k=1,2",
+                        "--max_new_tokens=8", "--execute", "--timeout=2", f"--output={out}")
+    assert proc.returncode == 0, proc.stderr
+    [setting] = json.loads(out.read_text())["settings"]
+    assert setting["metric"] == "pass@2" and setting["items"] == ["HumanEval/0", "HumanEval/1"]
+    assert len(setting["samples"]) == 4
+    # Random-weight completions fail the tests, and were executed (each carries its verdict).
+    assert all(r[m]["passed"] is False for r in setting["samples"] for m in ("ars", "sps"))
+    assert setting["pass_at_k"]["sps"]["pass@1"]["mean"] == 0.0
+
+
+BAD = [
+    (["--task=humaneval", "--pass_k=3", "--num_samples=2"], ["--pass_k='3'", "between 1 and --num_samples=2"]),
+    (["--task=xsum", "--execute"], ["--execute only applies to --task=humaneval"]),
+    (["--task=xsum", "--xsum_file=/nonexistent/x.jsonl"], ["--xsum_file='/nonexistent/x.jsonl'", "cannot read"]),
+    (["--task=xsum", "--limit=0"], ["--limit=0", "positive integer"]),
+    (["--task=summarise"], ["summarise", "humaneval", "xsum"]),
+]
+
+
+@pytest.fixture(scope="module")
+def bad_runs(text_pair):
+    """All bad-input runs at once (each is a Python start-up, no JAX work)."""
+    _, env, args = text_pair
+    with concurrent.futures.ThreadPoolExecutor(len(BAD)) as pool:
+        return list(pool.map(lambda case: run_evaluate(env, *args, *case[0], timeout=120), BAD))
+
+
+@pytest.mark.parametrize("case", range(len(BAD)), ids=[" ".join(b[0]) for b in BAD])
+def test_bad_input_is_one_line_and_exit_2(bad_runs, case):
+    proc, expected = bad_runs[case], BAD[case][1]
+    assert proc.returncode == 2, proc.stderr
+    assert "Traceback" not in proc.stderr and len(proc.stderr.strip().splitlines()) == 1, proc.stderr
+    for text in expected:
+        assert text in proc.stderr, proc.stderr
