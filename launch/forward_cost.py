@@ -23,6 +23,7 @@ flags.DEFINE_string("tokens", "1,2,5", "Tokens per forward (T).")
 flags.DEFINE_string("cache", "64,512,1024", "Cache slots (S).")
 flags.DEFINE_integer("steps", 16, "Forwards per timed loop.")
 flags.DEFINE_integer("repeats", 10, "Timed loops per setting (median).")
+flags.DEFINE_integer("bandwidth_mb", 512, "Array size for the memory-bandwidth measurement (0: skip).")
 FLAGS = flags.FLAGS
 
 
@@ -35,11 +36,31 @@ def loop(lm, cache, tokens: int, steps: int):
     return jax.lax.fori_loop(0, steps, body, cache)
 
 
+def read_bandwidth(megabytes: int, repeats: int = 10) -> float:
+    """GB/s of a jitted float32 row sum over `megabytes` (far larger than the caches; 64
+    rows so that XLA:CPU can spread them over its threads)."""
+    x = jnp.ones((64, megabytes * 2**20 // 4 // 64), jnp.float32)
+    total = jax.jit(lambda a: a.sum(axis=1))
+    total(x).block_until_ready()
+    times = []
+    for _ in range(repeats):
+        start = time.perf_counter()
+        total(x).block_until_ready()
+        times.append(time.perf_counter() - start)
+    return x.nbytes / float(np.median(times)) / 1e9
+
+
 def main(argv):
     cfg = load_config(FLAGS.config).target
     lm = model.init_lm(cfg, sharding.make_mesh(MeshConfig(1, 1), jax.devices()[:1]))
     ts = [int(t) for t in FLAGS.tokens.split(",")]
-    print(f"{FLAGS.config}: {lm.num_params / 1e6:.1f}M params; ms per forward (median of {FLAGS.repeats})")
+    weight_bytes = sum(x.nbytes for x in jax.tree.leaves(lm.params))
+    print(f"{FLAGS.config}: {lm.num_params / 1e6:.1f}M params, {weight_bytes / 1e6:.1f} MB")
+    if FLAGS.bandwidth_mb:
+        gbps = read_bandwidth(FLAGS.bandwidth_mb)
+        print(f"memory read bandwidth {gbps:.1f} GB/s -> 1-token roofline {weight_bytes / gbps / 1e6:.2f} ms "
+              "(weights read once, cache ignored)")
+    print(f"ms per forward (median of {FLAGS.repeats})")
     print("cache S  " + "  ".join(f"T={t:<6}" for t in ts) + "  T_max/T_1")
     for size in (int(s) for s in FLAGS.cache.split(",")):
         fresh = lambda: kv_cache.init_cache(cfg, 1, size).with_lengths(jnp.array([size // 3], jnp.int32))
