@@ -51,7 +51,8 @@ def env(tmp_path_factory):
             "JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS": "0",
             "JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES": "0",
             "SPECJAX_CACHE": str(base / "empty_cache"),  # no default checkpoint exists
-            "PYTHONPATH": str(ROOT)}
+            "PYTHONPATH": str(ROOT),
+            "COLUMNS": "160"}  # the side-by-side columns fit the terminal: pin it (xdist workers have none)
 
 
 def command(*args: str) -> list[str]:
