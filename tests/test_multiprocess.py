@@ -11,6 +11,7 @@ import subprocess
 import sys
 
 import numpy as np
+import pytest
 
 REPO = pathlib.Path(__file__).resolve().parent.parent
 DRIVER = REPO / "launch" / "greedy_tokens.py"
@@ -50,6 +51,7 @@ def test_two_processes_give_the_tokens_of_one(tmp_path):
     assert two["sps"] == one["sps"]
 
 
+@pytest.mark.slow  # ~45 s; the default run keeps the 2-process sampling test above
 def test_two_processes_train_like_one(tmp_path):
     """`specjax.train` on two processes (mesh 2x4: each feeds its own half of every batch,
     process 0 writes metrics.jsonl, orbax writes the checkpoint from both) logs the
