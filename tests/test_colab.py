@@ -5,7 +5,6 @@ import pathlib
 import re
 
 import nbformat
-import pytest
 from nbclient import NotebookClient
 
 import specjax
