@@ -144,8 +144,9 @@ class Attention(nnx.Module):
         visible = (key_pos[None, None, :] <= positions[:, :, None]) & (key_pos[None, None, :] < lengths[:, None, None])
         logits = jnp.where(visible[:, None, None], logits, MASKED)
         weights = jax.nn.softmax(logits, axis=-1).astype(ct)
-        out = jnp.einsum("BKGTS,BKSH->BTKGH", weights, v_cache.astype(ct)).reshape(B, T, N, H)
-        return jnp.einsum("BTNH,NHD->BTD", out, self.wo.value.astype(ct)), k_all, v_all
+        out = jnp.einsum("BKGTS,BKSH->BTKGH", weights, v_cache.astype(ct)).reshape(B, T, N * H)
+        # One [N*H, D] contraction: as "BTNH,NHD" XLA:CPU transposed wo (a weight copy per step).
+        return jnp.einsum("BTF,FD->BTD", out, self.wo.value.astype(ct).reshape(N * H, -1)), k_all, v_all
 
 
 class FeedForward(nnx.Module):
