@@ -3,8 +3,8 @@
     python launch/forward_cost.py --config=mini_target --tokens=1,2,5 --cache=64,512,1024
 
 Each measurement is N forwards inside one jitted `fori_loop` with the cache donated, as
-in the sampling loops (in-place cache writes), at batch 1 with the cache one third full;
-medians over repeats. T=1 is an ArS step or a draft step; T=K+1 is SpS's scoring pass.
+in the sampling loops (in-place cache writes), at batch 1 with the cache one third full,
+compiled as `generate` compiles (api.compile_lowered); medians over repeats. T=1 is an ArS step or a draft step; T=K+1 is SpS's scoring pass.
 """
 from __future__ import annotations
 
@@ -15,7 +15,7 @@ import jax.numpy as jnp
 import numpy as np
 from absl import app, flags
 
-from specjax import kv_cache, model, sharding
+from specjax import api, kv_cache, model, sharding
 from specjax.config import MeshConfig, load_config
 
 flags.DEFINE_string("config", "mini_target", "Config whose target model is measured.")
@@ -64,8 +64,8 @@ def main(argv):
     print("cache S  " + "  ".join(f"T={t:<6}" for t in ts) + "  T_max/T_1")
     for size in (int(s) for s in FLAGS.cache.split(",")):
         fresh = lambda: kv_cache.init_cache(cfg, 1, size).with_lengths(jnp.array([size // 3], jnp.int32))
-        progs = {t: jax.jit(loop, static_argnums=(2, 3), donate_argnums=1).lower(lm, fresh(), t, FLAGS.steps)
-                 .compile() for t in ts}
+        progs = {t: api.compile_lowered(jax.jit(loop, static_argnums=(2, 3), donate_argnums=1)
+                                        .lower(lm, fresh(), t, FLAGS.steps)) for t in ts}
         times = {t: [] for t in ts}
         for _ in range(FLAGS.repeats):
             for t, prog in progs.items():  # interleaved: machine noise hits every T alike

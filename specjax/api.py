@@ -136,6 +136,26 @@ def prepare(target: LM, draft: LM | None, prompts, sampling: SamplingConfig, see
     return mesh, ars_program, (target,) + args, statics, batch, width
 
 
+# XLA:CPU (jaxlib 0.10) hands multi-row dots to YNNPACK fusions by default; for the
+# few-row matmuls of decoding they are slower than XLA's own dot emitter: mini_target's
+# 5-token scoring pass 24 -> 16 ms with them off, one token unchanged, a 128-token prefill
+# 100 -> 91 ms (BENCHMARKS.md section 5). Every program compiled here for a CPU turns them
+# off; other backends get no options.
+CPU_COMPILER_OPTIONS = {"xla_cpu_experimental_ynn_fusion_type": ""}
+
+
+def compile_lowered(lowered):
+    """Compile with CPU_COMPILER_OPTIONS on a CPU backend (without them where this jaxlib
+    does not know the option)."""
+    if jax.default_backend() == "cpu":
+        try:
+            return lowered.compile(compiler_options=CPU_COMPILER_OPTIONS)
+        except jax.errors.JaxRuntimeError as e:
+            if "No such compile option" not in str(e):
+                raise
+    return lowered.compile()
+
+
 _COMPILED: dict = {}
 
 
@@ -144,7 +164,7 @@ def compile_cached(fn, args, statics):
     leaves, treedef = jax.tree.flatten(args)
     key = (fn, treedef, tuple((x.shape, str(x.dtype), x.sharding) for x in leaves), tuple(sorted(statics.items())))
     if key not in _COMPILED:
-        _COMPILED[key] = fn.lower(*args, **statics).compile()
+        _COMPILED[key] = compile_lowered(fn.lower(*args, **statics))
     return _COMPILED[key]
 
 

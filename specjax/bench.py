@@ -54,7 +54,7 @@ def time_forward(lm, tokens: int, context: int, repeats: int) -> float:
         cache = kv_cache.init_cache(lm.cfg, 1, context + tokens + 1, mesh).with_lengths(jnp.array([context]))
         ids = jnp.zeros((1, tokens), jnp.int32)
         pos = context + jnp.arange(tokens, dtype=jnp.int32)[None]
-        step = jax.jit(lambda lm, t, p, c: lm(t, p, c)[0])
+        step = specjax.api.compile_lowered(jax.jit(lambda lm, t, p, c: lm(t, p, c)[0]).lower(lm, ids, pos, cache))
         jax.block_until_ready(step(lm, ids, pos, cache))
         times = []
         for _ in range(repeats):
