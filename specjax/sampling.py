@@ -70,8 +70,19 @@ def nucleus(probs: jax.Array, top_p: float) -> jax.Array:
 
 
 def sample(key: jax.Array, probs: jax.Array) -> jax.Array:
-    """One token per distribution over the last axis (zero-probability tokens never drawn)."""
-    return jax.random.categorical(key, jnp.log(probs), axis=-1).astype(jnp.int32)
+    """One token per distribution over the last axis (zero-probability tokens never drawn).
+
+    Inverse CDF: the first token whose cumulative mass exceeds u * total, u ~ U[0, 1).
+    One uniform per distribution; `jax.random.categorical` draws a Gumbel per vocabulary
+    entry, and generating 4096 of them cost ~0.3 ms per call on CPU (1.5 ms per K=4 loop)
+    against ~0.01 ms here. A zero-probability token repeats its predecessor's cumulative
+    mass, so it is never the first to exceed u * total; the clamp to the last token with
+    mass covers u * total rounding up to the total itself."""
+    cdf = jnp.cumsum(probs, axis=-1)
+    u = jax.random.uniform(key, probs.shape[:-1] + (1,), jnp.float32) * cdf[..., -1:]
+    first_above = jnp.sum(cdf <= u, axis=-1)
+    last_with_mass = probs.shape[-1] - 1 - jnp.argmax(jnp.flip(probs, axis=-1) > 0, axis=-1)
+    return jnp.minimum(first_above, last_with_mass).astype(jnp.int32)
 
 
 def nonfinite_rows(logits: jax.Array) -> jax.Array:
