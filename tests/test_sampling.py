@@ -6,7 +6,7 @@ import numpy as np
 import pytest
 from scipy import stats
 
-from specjax.sampling import Warp, sample, warp
+from specjax.sampling import Warp, cumulative, sample, warp
 from specjax.speculative import accept
 
 
@@ -134,3 +134,11 @@ def test_sample_one_hot_and_last_token():
         probs = jax.nn.one_hot(jnp.full((64,), hot), 50)
         draws = jax.vmap(sample)(jax.random.split(jax.random.key(hot), 64), probs)
         assert set(np.asarray(draws).tolist()) == {hot}
+
+
+@pytest.mark.parametrize("vocab", [1, 7, 64, 65, 4096, 32000])
+def test_cumulative_matches_float64_cumsum(vocab):
+    """The blocked-matmul cumsum, for sizes below, at and across the 64-entry blocks."""
+    probs = jax.random.uniform(jax.random.key(vocab), (2, 3, vocab))
+    expected = np.cumsum(np.asarray(probs, np.float64), axis=-1)
+    np.testing.assert_allclose(np.asarray(cumulative(probs)), expected, rtol=1e-5, atol=1e-5)
