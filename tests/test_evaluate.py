@@ -7,8 +7,11 @@ import json
 import math
 import os
 import pathlib
+import re
+import signal
 import subprocess
 import sys
+import time
 
 import jax
 import numpy as np
@@ -57,6 +60,26 @@ def test_rouge2_on_hand_counted_bigrams():
     assert evaluate.rouge2("the cat sat on the mat", "The cat sat on the mat.") == pytest.approx(1.0)
     assert evaluate.rouge2("the cat sat on the mat", "dogs bark loudly") == 0.0
     assert evaluate.summary_of("  Return the sum.\ndef g():") == "Return the sum."
+
+
+def test_rouge1_and_rougeL_on_hand_counted_words():
+    # "the cat sat" against "the cat sat on the mat": 3 of 3 predicted unigrams match
+    # (precision 1, recall 3/6), and the longest common subsequence is the same 3 words.
+    scores = evaluate.rouge("the cat sat on the mat", "the cat sat")
+    assert scores["rouge1"] == pytest.approx(2 * 0.5 / 1.5) and scores["rougeL"] == pytest.approx(2 * 0.5 / 1.5)
+    # Word order: "sat cat the" has the same unigrams (ROUGE-1 = 1), but its longest common
+    # subsequence with "the cat sat" is one word, so ROUGE-L = 1/3.
+    scores = evaluate.rouge("the cat sat", "sat cat the")
+    assert scores["rouge1"] == pytest.approx(1.0) and scores["rougeL"] == pytest.approx(1 / 3)
+
+
+def test_parses_checks_syntax_without_running():
+    prompt = "def f(x):\n"
+    assert evaluate.parses(prompt, "    return x + 1\n")
+    assert not evaluate.parses(prompt, "    return (x +\n")
+    assert not evaluate.parses(prompt, "")  # a def needs a body
+    # Valid syntax that would fail if it ran: parsing must not execute it.
+    assert evaluate.parses(prompt, "    raise SystemExit(3)\nf(1)\n")
 
 
 def test_docstring_pairs_cut_the_docstring_out_of_the_document(tmp_path):
@@ -166,13 +189,16 @@ def test_xsum_end_to_end_writes_the_table_and_json(text_pair):
     assert [s["name"] for s in result["settings"]] == ["nucleus p=0.8", "greedy"]
     for s in result["settings"]:
         assert s["metric"] == "ROUGE-2" and [r["id"] for r in s["samples"]] == ["docs.jsonl:2"]
-        assert s["modes"]["ars"]["tokens"] == s["modes"]["sps"]["tokens"] == 12  # no EOS in random ids
+        assert all(1 <= s["modes"][m]["tokens"] <= 12 for m in ("ars", "sps"))  # 12, or fewer after an EOS
         assert 0 <= s["modes"]["sps"]["acceptance_rate"] <= 1 and s["modes"]["ars"]["acceptance_rate"] is None
         assert all(0 <= r[m]["rouge2"] <= 1 for r in s["samples"] for m in ("ars", "sps"))
+        assert set(s["secondary"]) == {"ROUGE-1", "ROUGE-L"}
+        assert all(0 <= r[m]["rougeL"] <= 1 for r in s["samples"] for m in ("ars", "sps"))
     greedy = result["settings"][1]
     # Greedy SpS is ArS exactly: same text, so the same score and a zero difference.
     assert all(r["ars"]["text"] == r["sps"]["text"] for r in greedy["samples"])
     assert greedy["agreement"]["difference"] == 0 and greedy["agreement"]["agree"]
+    assert all(v["agreement"]["difference"] == 0 for v in greedy["secondary"].values())
     assert "ROUGE-2" in proc.stdout and "SpS" in proc.stdout and "speedup" in proc.stdout
 
 
@@ -188,6 +214,37 @@ def test_humaneval_end_to_end_with_execution(text_pair):
     # Random-weight completions fail the tests, and were executed (each carries its verdict).
     assert all(r[m]["passed"] is False for r in setting["samples"] for m in ("ars", "sps"))
     assert setting["pass_at_k"]["sps"]["pass@1"]["mean"] == 0.0
+    # The parse rate is scored from the same completions, with or without --execute.
+    prompts = {it.id: it.prompt for it in evaluate.humaneval_items(2)}
+    assert all(r[m]["parses"] == evaluate.parses(prompts[r["id"]], r[m]["completion"])
+               for r in setting["samples"] for m in ("ars", "sps"))
+    assert set(setting["secondary"]) == {"parses"}
+
+
+def test_ctrl_c_scores_the_finished_samples_and_exits_130(text_pair):
+    """SIGINT mid-run: the table and JSON cover the samples that finished, exit code 130."""
+    base, env, args = text_pair
+    out = base / "interrupted.json"
+    docs = base / "many.jsonl"  # enough short items that the run is still going when interrupted
+    docs.write_text("".join(json.dumps({"document": f"def f{i}(x):\n    return x + {i}", "summary": f"Add {i}."})
+                            + "\n" for i in range(400)))
+    proc = subprocess.Popen([sys.executable, "-m", "specjax.evaluate", *[a for a in args if a != "--noprogress"],
+                             "--task=xsum", f"--xsum_file={docs}", "--max_new_tokens=12", f"--output={out}"],
+                            cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+    seen = b""
+    deadline = time.monotonic() + 300
+    while not re.search(rb"\s[1-9]\d*/\d+ \[", seen):  # the progress bar counted a finished sample
+        assert proc.poll() is None and time.monotonic() < deadline, seen.decode(errors="replace")
+        seen += os.read(proc.stderr.fileno(), 4096)
+    proc.send_signal(signal.SIGINT)
+    stdout, stderr = proc.communicate(timeout=120)
+    assert proc.returncode == 130, (seen + stderr).decode(errors="replace")
+    result = json.loads(out.read_text())
+    assert result["interrupted"]
+    finished = sum(len(s["samples"]) for s in result["settings"])
+    assert 1 <= finished < 2 * 399, finished  # some, not all, items of the two settings
+    assert all(len(s["items"]) == len(s["samples"]) for s in result["settings"])  # scored = finished
+    assert b"interrupted" in stderr and b"ROUGE-2" in stdout
 
 
 BAD = [
