@@ -1,0 +1,114 @@
+"""Where an SpS loop's time goes: the whole loop body against its parts, each in-situ.
+
+    python launch/loop_parts.py --config=mini --lookahead=4 --prompt_len=128
+
+Each part runs N times inside one jitted `fori_loop` from the same prefilled state, as
+`generate` compiles it (api.compile_lowered), at batch 1:
+  speculate       draft K tokens, score K+1 with the target, warp, accept (one SpS loop)
+  draft_tokens    the K draft steps alone
+  target pass     one (K+1)-token target forward alone
+  target + accept the same plus the target's warp and the rejection sampling
+Per-iteration time = (time of 65 iterations - time of 5) / 60, so the prefill and the
+launch cancel; medians over repeats. If `speculate` costs more than the sum of its parts,
+the difference is interaction (both models' weights and caches sharing the caches of
+the CPU), not work: the parts do all the work the loop does. Random weights (the
+costs do not depend on their values).
+"""
+from __future__ import annotations
+
+import dataclasses
+import os
+import sys
+import time
+
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), os.pardir))
+
+import jax  # noqa: E402
+import jax.numpy as jnp  # noqa: E402
+import numpy as np  # noqa: E402
+from absl import app, flags  # noqa: E402
+
+from specjax import api, cli, demo  # noqa: E402
+from specjax import speculative as sps  # noqa: E402
+from specjax.sampling import Warp, warp  # noqa: E402
+
+cli.define_config_flag("mini")
+flags.DEFINE_integer("lookahead", 4, "K.")
+flags.DEFINE_integer("prompt_len", 128, "Prompt tokens prefilled before the timed loops.")
+flags.DEFINE_integer("cache", 400, "Cache slots.")
+flags.DEFINE_integer("repeats", 5, "Timed pairs (65 and 5 iterations) per part; medians.")
+FLAGS = flags.FLAGS
+
+
+def never(x) -> jax.Array:
+    """0, from a value XLA cannot prove constant: keeps a part's output live (no DCE)."""
+    return (x == -7).astype(jnp.int32)
+
+
+def parts(K: int, w: Warp):
+    def speculate(t, d, s):
+        key, r = sps.speculate(t, d, s, K, w)
+        return dataclasses.replace(s, key=key, target_cache=r.target_cache.with_lengths(s.length + 2),
+                                   draft_cache=r.draft_cache.with_lengths(s.length + 1),
+                                   length=s.length + 3 + never(r.num_accepted) + never(r.next_token))
+
+    def draft_tokens(t, d, s):
+        key, sub = jax.random.split(s.key)
+        x, p, cache, bad = sps.draft_tokens(d, s.draft_cache, s.tokens, s.length, sub, K, w)
+        return dataclasses.replace(s, key=key, draft_cache=cache.with_lengths(s.length + 1),
+                                   length=s.length + 3 + never(x[:, -1]) + never(p[:, -1, 0]) + bad)
+
+    def target(t, d, s, accept: bool):
+        pos = s.length[:, None] - 1 + jnp.arange(K + 1)[None]
+        logits, cache = t(s.tokens[:, :K + 1], pos, s.target_cache)
+        out = never(logits[:, 0, 0])
+        if accept:
+            q = warp(logits, w)
+            n, token = sps.accept(s.key, s.tokens[:, 1:K + 1], q[:, :K], q)
+            out = never(n) + never(token)
+        return dataclasses.replace(s, target_cache=cache.with_lengths(s.length + 2), length=s.length + 3 + out)
+
+    return {"speculate (one SpS loop)": speculate, "draft_tokens (K steps)": draft_tokens,
+            f"target pass ({K + 1} tokens)": lambda t, d, s: target(t, d, s, False),
+            "target + warp + accept": lambda t, d, s: target(t, d, s, True)}
+
+
+def main(argv):
+    if len(argv) > 1:
+        raise cli.UsageError(f"unexpected arguments {argv[1:]}")
+    config = cli.config()
+    if config.draft is None:
+        raise cli.UsageError(f"--config={config.name}: has no draft model")
+    K = FLAGS.lookahead
+    if K < 1 or FLAGS.prompt_len < K + 2 or FLAGS.cache < FLAGS.prompt_len + 3 * 65 + K + 2:
+        raise cli.UsageError(f"need --lookahead >= 1, --prompt_len >= K+2 and --cache >= prompt_len + 3*65 + K + 2 "
+                             f"(got {K}, {FLAGS.prompt_len}, {FLAGS.cache})")
+    weights = demo.Weights.locate(config, "random", None, None, need_draft=True, train_missing=False)
+    mesh = demo.make_mesh(config.mesh, {"target": config.target, "draft": config.draft})
+    target, draft = weights.load(mesh, need_draft=True)
+    s = config.sampling
+    w = Warp(float(s.temperature), int(s.top_k), float(s.top_p))
+    prompts = jnp.asarray(np.random.default_rng(0).integers(0, config.target.vocab_size, (1, FLAGS.prompt_len)),
+                          jnp.int32)
+    lens = jnp.array([FLAGS.prompt_len], jnp.int32)
+    print(f"{config.name}: K={K}, prompt {FLAGS.prompt_len}, cache {FLAGS.cache}, {w}")
+    for name, body in parts(K, w).items():
+        def program(t, d, p, n, body=body):
+            state = sps.start(t, d, p, lens, jax.random.key(0), K, FLAGS.cache)
+            return jax.lax.fori_loop(0, n, lambda i, st: body(t, d, st), state).length
+
+        with jax.set_mesh(mesh):
+            runs = {n: api.compile_lowered(jax.jit(program, static_argnums=3).lower(target, draft, prompts, n))
+                    for n in (5, 65)}
+            times = []
+            for _ in range(FLAGS.repeats):
+                start = time.perf_counter()
+                runs[65](target, draft, prompts).block_until_ready()
+                middle = time.perf_counter()
+                runs[5](target, draft, prompts).block_until_ready()
+                times.append(((middle - start) - (time.perf_counter() - middle)) / 60 * 1e3)
+        print(f"  {name:26s} {np.median(times):7.2f} ms per iteration")
+
+
+if __name__ == "__main__":
+    cli.run(main)
