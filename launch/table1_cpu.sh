@@ -31,3 +31,9 @@ mkdir -p "$OUT"
 # Figure 1: the K trade-off and batch scaling, one process.
 "$PYTHON" -m specjax.bench --config=mini --lookahead=1,2,3,4,5,6,8 --batch_sizes=1,4,16 --num_prompts=4 \
   --json="$OUT/figure1.json" --plot="$OUT/figure1.png" | tee "$OUT/figure1.txt"
+
+# Why the speedup is what it is: forward costs by tokens and cache size, the roofline,
+# and one SpS loop body against its parts (BENCHMARKS.md section 5).
+"$PYTHON" launch/forward_cost.py --config=mini_target --tokens=1,2,3,5 --cache=64,512,1024 | tee "$OUT/forward_cost_target.txt"
+"$PYTHON" launch/forward_cost.py --config=mini_draft --tokens=1,2,5 --cache=64,1024 --bandwidth_mb=0 | tee "$OUT/forward_cost_draft.txt"
+"$PYTHON" launch/loop_parts.py --config=mini --lookahead=4 | tee "$OUT/loop_parts.txt"
