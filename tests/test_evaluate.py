@@ -16,6 +16,7 @@ import time
 import jax
 import numpy as np
 import pytest
+from clitools import TEXT_CONFIG, interruptible
 
 from specjax import evaluate
 
@@ -130,20 +131,6 @@ def test_agreement_accepts_same_distribution_and_rejects_a_shift():
 # ------------------------------------------------------------------ the CLI
 
 
-TEXT_CONFIG = '''
-import dataclasses
-from specjax.config import load_config
-
-
-def get_config():
-    """tiny with a 512-token vocabulary and a tokenizer."""
-    tiny = load_config("tiny")
-    return dataclasses.replace(tiny, name="tiny_text", tokenizer_vocab=512,
-                               target=dataclasses.replace(tiny.target, vocab_size=512),
-                               draft=dataclasses.replace(tiny.draft, vocab_size=512))
-'''
-
-
 @pytest.fixture(scope="module")
 def text_pair(tmp_path_factory):
     """A tiny target and draft (random weights) saved with one shared tokenizer."""
@@ -228,8 +215,9 @@ def test_ctrl_c_scores_the_finished_samples_and_exits_130(text_pair):
     docs = base / "many.jsonl"  # enough short items that the run is still going when interrupted
     docs.write_text("".join(json.dumps({"document": f"def f{i}(x):\n    return x + {i}", "summary": f"Add {i}."})
                             + "\n" for i in range(400)))
-    proc = subprocess.Popen([sys.executable, "-m", "specjax.evaluate", *[a for a in args if a != "--noprogress"],
-                             "--task=xsum", f"--xsum_file={docs}", "--max_new_tokens=12", f"--output={out}"],
+    proc = subprocess.Popen(interruptible("specjax.evaluate", *[a for a in args if a != "--noprogress"],
+                                          "--task=xsum", f"--xsum_file={docs}", "--max_new_tokens=12",
+                                          f"--output={out}"),
                             cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE)
     seen = b""
     deadline = time.monotonic() + 300

@@ -19,6 +19,7 @@ import time
 
 import jax
 import pytest
+from clitools import TEXT_CONFIG, interruptible
 
 ROOT = pathlib.Path(__file__).resolve().parent.parent
 TINY = ["--config=tiny", "--init=random"]
@@ -26,19 +27,6 @@ TINY = ["--config=tiny", "--init=random"]
 GREEDY = ["--temperature=0", "--prompt_tokens=1,2,3", "--prompt_tokens=4,5,6,7,8", "--num_samples=2",
           "--batch_size=2", "--noprint_samples"]
 MAX_NEW = 16  # tiny's sampling.max_new_tokens
-
-TEXT_CONFIG = '''
-import dataclasses
-from specjax.config import load_config
-
-
-def get_config():
-    """tiny with a 512-token vocabulary and a tokenizer."""
-    tiny = load_config("tiny")
-    return dataclasses.replace(tiny, name="tiny_text", tokenizer_vocab=512,
-                               target=dataclasses.replace(tiny.target, vocab_size=512),
-                               draft=dataclasses.replace(tiny.draft, vocab_size=512))
-'''
 
 
 @pytest.fixture(scope="module")
@@ -192,7 +180,8 @@ def test_humaneval_prompts_are_encoded_and_outputs_decoded(env, files, tmp_path)
 def test_ctrl_c_leaves_only_complete_lines(env, greedy, tmp_path):
     out = tmp_path / "long.jsonl"
     args = [a for a in GREEDY if not a.startswith("--num_samples")]
-    proc = subprocess.Popen(command(*TINY, "--mode=sps", *args, "--num_samples=5000", f"--output={out}"),
+    proc = subprocess.Popen(interruptible("specjax.sample", *TINY, "--mode=sps", *args, "--num_samples=5000",
+                                          f"--output={out}"),
                             cwd=ROOT, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
     try:
         deadline = time.monotonic() + 180
