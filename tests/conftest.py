@@ -17,6 +17,18 @@ def mesh_for(name: str):
     return make_mesh(cfg, jax.devices()[: cfg.data * cfg.model])
 
 
+# Longest files first. `--dist loadfile` hands whole files to the two workers in collection
+# order, and alphabetical order put the two longest (test_speculative, test_train) last,
+# leaving one worker idle for minutes at the end.
+LONGEST_FIRST = ["test_speculative.py", "test_sample_cli.py", "test_train.py", "test_loop.py", "test_model.py",
+                 "test_evaluate.py", "test_colab.py"]
+
+
+def pytest_collection_modifyitems(config, items):
+    rank = {name: i for i, name in enumerate(LONGEST_FIRST)}
+    items.sort(key=lambda item: rank.get(item.path.name, len(rank)))  # stable: a file's own order is kept
+
+
 def pytest_configure(config):
     config.addinivalue_line("markers", "slow: takes minutes; run with `pytest -m slow`")
 
