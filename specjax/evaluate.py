@@ -213,7 +213,7 @@ def parses(prompt: str, completion: str) -> bool:
     secondary HumanEval metric that is not degenerate for a small model (pass@k is 0)."""
     try:
         ast.parse(prompt + completion)
-    except (SyntaxError, ValueError):
+    except (SyntaxError, ValueError, RecursionError, MemoryError):  # null bytes; absurd nesting
         return False
     return True
 
@@ -350,7 +350,6 @@ def score_setting(task: str, items: Sequence[Item], records: list[dict], ks: lis
     metric = None
     # Secondary metrics: same paired test. Not the paper's, but not all-zero for a small
     # model, so the agreement test has something to detect (BENCHMARKS.md section 4).
-    secondary = {}
     if task == "xsum":
         metric = "ROUGE-2"
         secondary = {"ROUGE-1": {"ars": [], "sps": []}, "ROUGE-L": {"ars": [], "sps": []}}

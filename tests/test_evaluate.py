@@ -79,6 +79,7 @@ def test_parses_checks_syntax_without_running():
     assert evaluate.parses(prompt, "    return x + 1\n")
     assert not evaluate.parses(prompt, "    return (x +\n")
     assert not evaluate.parses(prompt, "")  # a def needs a body
+    assert not evaluate.parses(prompt, "    return " + "(" * 100_000)  # absurd nesting: False, no crash
     # Valid syntax that would fail if it ran: parsing must not execute it.
     assert evaluate.parses(prompt, "    raise SystemExit(3)\nf(1)\n")
 
