@@ -29,6 +29,7 @@ from __future__ import annotations
 
 import ast
 import dataclasses
+import functools
 import json
 import math
 import pathlib
@@ -197,10 +198,15 @@ def xsum_items(path: Optional[str], limit: Optional[int]) -> list[Item]:
 ROUGE_TYPES = ("rouge1", "rouge2", "rougeL")
 
 
+@functools.cache
+def _rouge_scorer():
+    from rouge_score import rouge_scorer
+    return rouge_scorer.RougeScorer(list(ROUGE_TYPES), use_stemmer=True)
+
+
 def rouge(reference: str, prediction: str) -> dict[str, float]:
     """ROUGE-1/2/L F1 (the paper reports ROUGE-2; 1 and L are the secondary metrics)."""
-    from rouge_score import rouge_scorer
-    scores = rouge_scorer.RougeScorer(list(ROUGE_TYPES), use_stemmer=True).score(reference, prediction)
+    scores = _rouge_scorer().score(reference, prediction)
     return {t: scores[t].fmeasure for t in ROUGE_TYPES}
 
 
