@@ -4,7 +4,8 @@
 
 Each measurement is N forwards inside one jitted `fori_loop` with the cache donated, as
 in the sampling loops (in-place cache writes), at batch 1 with the cache one third full,
-compiled as `generate` compiles (api.compile_lowered); medians over repeats. T=1 is an ArS step or a draft step; T=K+1 is SpS's scoring pass.
+compiled as `generate` compiles (api.compile_lowered); medians over repeats. T=1 is an
+ArS step or a draft step; T=K+1 is SpS's scoring pass.
 """
 from __future__ import annotations
 
