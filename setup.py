@@ -6,7 +6,8 @@ setup(
     version="0.1.0",
     description="Accelerating LLM decoding with speculative sampling, in JAX/Flax NNX.",
     packages=find_packages(include=["specjax", "specjax.*"]),
-    python_requires=">=3.10",
+    package_data={"specjax": ["configs/*.py"]},
+    python_requires=">=3.11",
     install_requires=[
         "jax>=0.10",
         "flax>=0.12",

@@ -4,7 +4,7 @@
 
 Each measurement is N forwards inside one jitted `fori_loop` with the cache donated, as
 in the sampling loops (in-place cache writes), at batch 1 with the cache one third full,
-compiled as `generate` compiles (api.compile_lowered); medians over repeats. T=1 is an
+compiled as `generate` compiles (program.compile_lowered); medians over repeats. T=1 is an
 ArS step or a draft step; T=K+1 is SpS's scoring pass.
 """
 from __future__ import annotations
@@ -16,7 +16,8 @@ import jax.numpy as jnp
 import numpy as np
 from absl import app, flags
 
-from specjax import api, kv_cache, model, sharding
+from specjax import kv_cache, model, sharding
+from specjax.decode import program
 from specjax.config import MeshConfig, load_config
 
 flags.DEFINE_string("config", "mini_target", "Config whose target model is measured.")
@@ -65,7 +66,7 @@ def main(argv):
     print("cache S  " + "  ".join(f"T={t:<6}" for t in ts) + "  T_max/T_1")
     for size in (int(s) for s in FLAGS.cache.split(",")):
         fresh = lambda: kv_cache.init_cache(cfg, 1, size).with_lengths(jnp.array([size // 3], jnp.int32))
-        progs = {t: api.compile_lowered(jax.jit(loop, static_argnums=(2, 3), donate_argnums=1)
+        progs = {t: program.compile_lowered(jax.jit(loop, static_argnums=(2, 3), donate_argnums=1)
                                         .lower(lm, fresh(), t, FLAGS.steps)) for t in ts}
         times = {t: [] for t in ts}
         for _ in range(FLAGS.repeats):

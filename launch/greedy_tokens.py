@@ -3,11 +3,10 @@
     python launch/greedy_tokens.py --config=tiny --mesh=2x4 --local_devices=8 --output=out.json
     launch/multiprocess.sh launch/greedy_tokens.py --config=tiny --mesh=2x4 --output=out.json
 
-One process uses the public `specjax.generate`; with SPECJAX_COORDINATOR etc. set (see
-specjax/distributed.py) every process runs `distributed.generate` on the global mesh,
-feeding only its own batch rows, and process 0 writes the JSON. Same config, seed and
-prompts give the same tokens either way (DESIGN invariant 7); tests/test_multiprocess.py
-checks exactly that.
+Every process runs the same `specjax.generate` on the global mesh (with
+SPECJAX_COORDINATOR etc. set, see specjax/distributed.py, each feeds only its own batch
+rows) and process 0 writes the JSON. Same config, seed and prompts give the same tokens
+on one process or several; tests/test_multiprocess.py checks exactly that.
 """
 from __future__ import annotations
 
@@ -20,14 +19,18 @@ sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), os.p
 
 from absl import flags  # noqa: E402
 
-from specjax import cli  # noqa: E402
+from specjax.app import cli  # noqa: E402
 
-flags.DEFINE_string("mesh", "1x8", "DATAxMODEL over all processes' devices.")
-flags.DEFINE_integer("local_devices", None, "Fake CPU devices in this process (default: all of the mesh / processes).")
-flags.DEFINE_enum("mode", "both", ["sps", "ars", "both"], "Which loop(s) to run.")
-flags.DEFINE_integer("batch", 4, "Prompts (ragged lengths 3, 9, 17, 5, ...).")
-flags.DEFINE_integer("max_new_tokens", 12, "Tokens per row.")
-flags.DEFINE_string("output", None, "JSON file written by process 0 (default: stdout).")
+
+def define_flags() -> None:
+    cli.define_config_flag("tiny")
+    flags.DEFINE_string("mesh", "1x8", "DATAxMODEL over all processes' devices.")
+    flags.DEFINE_integer("local_devices", None, "Fake CPU devices in this process (default: all of the mesh / "
+                         "processes).")
+    flags.DEFINE_enum("mode", "both", ["sps", "ars", "both"], "Which loop(s) to run.")
+    flags.DEFINE_integer("batch", 4, "Prompts (ragged lengths 3, 9, 17, 5, ...).")
+    flags.DEFINE_integer("max_new_tokens", 12, "Tokens per row.")
+    flags.DEFINE_string("output", None, "JSON file written by process 0 (default: stdout).")
 
 
 def prompts(batch: int, vocab: int) -> list[list[int]]:
@@ -38,9 +41,9 @@ def prompts(batch: int, vocab: int) -> list[list[int]]:
 
 
 def main(argv):
-    from specjax.config import MeshConfig, UsageError
-    from specjax.plan import parse_mesh
-    data, model = parse_mesh(flags.FLAGS.mesh)
+    from specjax.config import UsageError
+    mesh_cfg = cli.parse_mesh(flags.FLAGS.mesh, None)
+    data, model = mesh_cfg.data, mesh_cfg.model
     processes = int(os.environ.get("SPECJAX_NUM_PROCESSES", "1"))
     local = flags.FLAGS.local_devices or data * model // processes
     os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "") + f" --xla_force_host_platform_device_count={local}")
@@ -52,20 +55,17 @@ def main(argv):
     import specjax
     from specjax.model import init_lm
     from specjax.sharding import make_mesh
-    if argv[1:]:
-        raise UsageError(f"unexpected arguments {argv[1:]}")
     cfg = cli.config()
-    mesh = make_mesh(MeshConfig(data, model))
+    mesh = make_mesh(mesh_cfg)
     target = init_lm(cfg.target, mesh)
     draft = init_lm(cfg.draft, mesh) if cfg.draft is not None else None
     sampling = dataclasses.replace(cfg.sampling, temperature=0.0, max_new_tokens=flags.FLAGS.max_new_tokens)
     rows = prompts(flags.FLAGS.batch, cfg.target.vocab_size)
-    run = specjax.generate if jax.process_count() == 1 else distributed.generate
     out = {"processes": jax.process_count(), "devices": jax.device_count(), "mesh": [data, model], "prompts": rows}
     for mode in (["sps", "ars"] if flags.FLAGS.mode == "both" else [flags.FLAGS.mode]):
         if mode == "sps" and draft is None:
             raise UsageError(f"config {cfg.name} has no draft model; use --mode=ars")
-        result = run(target, draft if mode == "sps" else None, rows, sampling, seed=0)
+        result = specjax.generate(target, draft if mode == "sps" else None, rows, sampling, seed=0)
         out[mode] = result.tokens
         out[f"{mode}_loops"] = result.loops.tolist()
     if distributed.is_main():
@@ -78,5 +78,5 @@ def main(argv):
 
 
 if __name__ == "__main__":
-    cli.define_config_flag("tiny")
+    define_flags()
     cli.run(main)

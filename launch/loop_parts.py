@@ -28,16 +28,21 @@ import jax.numpy as jnp  # noqa: E402
 import numpy as np  # noqa: E402
 from absl import flags  # noqa: E402
 
-from specjax import api, cli, demo  # noqa: E402
-from specjax import speculative as sps  # noqa: E402
-from specjax.sampling import Warp, warp  # noqa: E402
+from specjax import sharding  # noqa: E402
+from specjax.app import cli  # noqa: E402
+from specjax.app.locate import Weights  # noqa: E402
+from specjax.decode import program as program_lib, speculative as sps  # noqa: E402
+from specjax.decode.sampling import Warp, warp  # noqa: E402
 
-cli.define_config_flag("mini")
-flags.DEFINE_integer("lookahead", 4, "K.")
-flags.DEFINE_integer("prompt_len", 128, "Prompt tokens prefilled before the timed loops.")
-flags.DEFINE_integer("cache", 400, "Cache slots.")
-flags.DEFINE_integer("repeats", 5, "Timed pairs (65 and 5 iterations) per part; medians.")
 FLAGS = flags.FLAGS
+
+
+def define_flags() -> None:
+    cli.define_config_flag("mini")
+    flags.DEFINE_integer("lookahead", 4, "K.")
+    flags.DEFINE_integer("prompt_len", 128, "Prompt tokens prefilled before the timed loops.")
+    flags.DEFINE_integer("cache", 400, "Cache slots.")
+    flags.DEFINE_integer("repeats", 5, "Timed pairs (65 and 5 iterations) per part; medians.")
 
 
 def never(x) -> jax.Array:
@@ -74,8 +79,6 @@ def parts(K: int, w: Warp):
 
 
 def main(argv):
-    if len(argv) > 1:
-        raise cli.UsageError(f"unexpected arguments {argv[1:]}")
     config = cli.config()
     if config.draft is None:
         raise cli.UsageError(f"--config={config.name}: has no draft model")
@@ -83,11 +86,10 @@ def main(argv):
     if K < 1 or FLAGS.prompt_len < K + 2 or FLAGS.cache < FLAGS.prompt_len + 3 * 65 + K + 2:
         raise cli.UsageError(f"need --lookahead >= 1, --prompt_len >= K+2 and --cache >= prompt_len + 3*65 + K + 2 "
                              f"(got {K}, {FLAGS.prompt_len}, {FLAGS.cache})")
-    weights = demo.Weights.locate(config, "random", None, None, need_draft=True, train_missing=False)
-    mesh = demo.make_mesh(config.mesh, {"target": config.target, "draft": config.draft})
+    weights = Weights.locate(config, "random", None, None, need_draft=True, train_missing=False)
+    mesh = sharding.make_checked_mesh(config.mesh, {"target": config.target, "draft": config.draft})
     target, draft = weights.load(mesh, need_draft=True)
-    s = config.sampling
-    w = Warp(float(s.temperature), int(s.top_k), float(s.top_p))
+    w = program_lib.warping_of(config.sampling)
     prompts = jnp.asarray(np.random.default_rng(0).integers(0, config.target.vocab_size, (1, FLAGS.prompt_len)),
                           jnp.int32)
     lens = jnp.array([FLAGS.prompt_len], jnp.int32)
@@ -98,7 +100,7 @@ def main(argv):
             return jax.lax.fori_loop(0, n, lambda i, st: body(t, d, st), state).length
 
         with jax.set_mesh(mesh):
-            runs = {n: api.compile_lowered(jax.jit(program, static_argnums=3).lower(target, draft, prompts, n))
+            runs = {n: program_lib.compile_lowered(jax.jit(program, static_argnums=3).lower(target, draft, prompts, n))
                     for n in (5, 65)}
             times = []
             for _ in range(FLAGS.repeats):
@@ -111,4 +113,5 @@ def main(argv):
 
 
 if __name__ == "__main__":
+    define_flags()
     cli.run(main)

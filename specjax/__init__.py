@@ -1,9 +1,26 @@
-"""specjax: speculative sampling (Chen et al. 2023) in JAX/Flax NNX."""
+"""specjax: speculative sampling (Chen et al. 2023) in JAX/Flax NNX.
 
-from specjax.api import LoopTrace, NonFiniteLogitsError, Result, explain_loop, generate, next_token_probs
+The public API; everything else is importable from its own module:
+  specjax.decode     the loops (ArS, SpS) and `generate`
+  specjax.weights    checkpoints and tokenizers
+  specjax.training   data, losses, the trainer
+  specjax.analysis   HLO collectives, roofline, `plan`'s compile, timing
+  specjax.evaluation Table-1 tasks, metrics, the paired test
+  specjax.app        what the command-line entry points share
+"""
+
 from specjax.config import Config, ModelConfig, SamplingConfig, UsageError, load_config
+from specjax.decode.api import (LoopTrace, NonFiniteLogitsError, Result, Totals, explain_loop, generate,
+                                next_token_probs)
 from specjax.model import LM, init_lm
 from specjax.sharding import make_mesh
 
 __all__ = ["Config", "LM", "LoopTrace", "ModelConfig", "NonFiniteLogitsError", "Result", "SamplingConfig",
-           "UsageError", "explain_loop", "generate", "init_lm", "load_config", "make_mesh", "next_token_probs"]
+           "Totals", "UsageError", "explain_loop", "generate", "init_lm", "load_config", "load_lm", "make_mesh",
+           "next_token_probs"]
+
+
+def load_lm(*args, **kwargs):
+    """`specjax.weights.checkpoint.load_lm` (imported on first use: it pulls in orbax)."""
+    from specjax.weights.checkpoint import load_lm as load
+    return load(*args, **kwargs)

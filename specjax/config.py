@@ -14,7 +14,7 @@ import pathlib
 import typing
 from typing import Any, Optional
 
-CONFIG_DIR = pathlib.Path(__file__).resolve().parent.parent / "configs"
+CONFIG_DIR = pathlib.Path(__file__).resolve().parent / "configs"
 
 
 class UsageError(ValueError):

@@ -15,7 +15,6 @@ Environment read by `maybe_initialize()`:
 from __future__ import annotations
 
 import os
-import time
 
 import jax
 import numpy as np
@@ -89,54 +88,3 @@ def fetch(tree):
             return multihost_utils.process_allgather(x, tiled=True)
         return np.asarray(jax.device_get(x))
     return jax.tree.map(one, tree)
-
-
-def replicated_key(seed: int, mesh: jax.sharding.Mesh) -> jax.Array:
-    """A PRNG key on every device of `mesh` (a device_put of a key that already lives on
-    one local device cannot target other processes' devices)."""
-    from specjax import sharding
-    return jax.jit(lambda: jax.random.key(seed), out_shardings=sharding.replicated(mesh))()
-
-
-def generate(target, draft, prompts, sampling, *, seed: int = 0, pad_to: int = 16):
-    """`specjax.generate` that also works with several processes (same arguments and
-    `Result`; every process passes the same prompts and gets the same Result).
-
-    It differs from `api.generate` only where multi-process needs it: inputs are built
-    with `put` (process-local rows) and `replicated_key`, outputs read with `fetch`."""
-    from specjax import api, sharding
-    from specjax.sampling import Warp
-    sampling.validate()
-    lm_cfgs = [target.cfg] + ([draft.cfg] if draft is not None else [])
-    api.check_prompts(prompts, target.cfg.vocab_size, min(c.max_seq_len for c in lm_cfgs), sampling.max_new_tokens)
-    mesh = api.mesh_of(target)
-    lookahead = sampling.lookahead if draft is not None else 1
-    width = -(-max(len(p) for p in prompts) // pad_to) * pad_to
-    size = width + sampling.max_new_tokens + lookahead + 1
-    padded = np.zeros((len(prompts), width), np.int32)
-    for i, prompt in enumerate(prompts):
-        padded[i, :len(prompt)] = prompt
-    lens = np.array([len(p) for p in prompts], np.int32)
-    args = (put(padded, sharding.named(mesh, ("batch", None), padded.shape)),
-            put(lens, sharding.named(mesh, ("batch",), lens.shape)), replicated_key(seed, mesh))
-    warping = Warp(float(sampling.temperature), int(sampling.top_k), float(sampling.top_p))
-    statics = dict(warping=warping, max_new=sampling.max_new_tokens, eos_id=sampling.eos_id, size=size)
-    if draft is not None:
-        fn, args, statics = api.sps_program, (target, draft) + args, dict(statics, lookahead=lookahead)
-    else:
-        fn, args = api.ars_program, (target,) + args
-    start = time.perf_counter()
-    with jax.set_mesh(mesh):
-        compiled = api.compile_cached(fn, args, statics)
-        compile_seconds = time.perf_counter() - start
-        start = time.perf_counter()
-        out = compiled(*args)
-        jax.block_until_ready(out)
-    seconds = time.perf_counter() - start
-    tokens, length, stats = fetch(out)
-    if stats.nonfinite.any():
-        rows = np.flatnonzero(stats.nonfinite).tolist()
-        raise api.NonFiniteLogitsError(f"the model produced NaN or inf logits for batch rows {rows}")
-    generated = [tokens[i, len(p):length[i]].tolist() for i, p in enumerate(prompts)]
-    return api.Result(generated, "sps" if draft is not None else "ars", lookahead, stats.loops, stats.num_new,
-                      stats.accepted, stats.accepted_at, stats.histogram, seconds, compile_seconds)

@@ -49,10 +49,17 @@ def cache_shardings(cfg: ModelConfig, batch: int, size: int, mesh: jax.sharding.
     return KVCache(kv, kv, sharding.named(mesh, ("batch",), (batch,)))
 
 
-def init_cache(cfg: ModelConfig, batch: int, size: int, mesh: jax.sharding.Mesh | None = None) -> KVCache:
-    """An empty cache, created directly with its sharding when a mesh is given."""
+def empty(cfg: ModelConfig, batch: int, size: int) -> KVCache:
+    """An empty cache inside a traced function, sharded by logical names on the mesh set
+    with `jax.set_mesh` (a replicated MQA/GQA cache is pinned, not guessed)."""
     shapes = cache_shapes(cfg, batch, size)
-    make = lambda: jax.tree.map(lambda s: jnp.zeros(s.shape, s.dtype), shapes)
+    k = sharding.constrain(jnp.zeros(shapes.k.shape, shapes.k.dtype), CACHE_AXES)
+    v = sharding.constrain(jnp.zeros(shapes.v.shape, shapes.v.dtype), CACHE_AXES)
+    return KVCache(k, v, jnp.zeros((batch,), jnp.int32))
+
+
+def init_cache(cfg: ModelConfig, batch: int, size: int, mesh: jax.sharding.Mesh | None = None) -> KVCache:
+    """An empty cache as arrays, created directly with its sharding when a mesh is given."""
     if mesh is None:
-        return make()
-    return jax.jit(make, out_shardings=cache_shardings(cfg, batch, size, mesh))()
+        return empty(cfg, batch, size)
+    return jax.jit(lambda: empty(cfg, batch, size), out_shardings=cache_shardings(cfg, batch, size, mesh))()

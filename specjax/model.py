@@ -22,7 +22,7 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
-from specjax import sharding
+from specjax import kv_cache, sharding
 from specjax.config import ModelConfig
 from specjax.kv_cache import CACHE_AXES, KVCache
 
@@ -271,10 +271,7 @@ def abstract_lm(cfg: ModelConfig, mesh: jax.sharding.Mesh | None = None) -> LM:
     """Shapes (and shardings, given a mesh) of every param, without allocating any."""
     graphdef, state = nnx.split(nnx.eval_shape(lambda: Transformer(cfg, Keys(cfg.init_seed))))
     if mesh is not None:
-        shardings = sharding.param_shardings(state, mesh)
-        state = jax.tree.map(
-            lambda sh, v: v.replace(jax.ShapeDtypeStruct(v.value.shape, v.value.dtype, sharding=sh)),
-            shardings, state, is_leaf=lambda x: isinstance(x, nnx.Variable))
+        state = sharding.with_shardings(state, sharding.param_shardings(state, mesh))
     return LM(cfg, graphdef, state)
 
 
@@ -286,3 +283,13 @@ def init_lm(cfg: ModelConfig, mesh: jax.sharding.Mesh, seed: int | None = None) 
     shardings = sharding.param_shardings(abstract, mesh)
     state = jax.jit(lambda: nnx.split(Transformer(cfg, Keys(seed)))[1], out_shardings=shardings)()
     return LM(cfg, graphdef, state)
+
+
+def full_forward(lm: LM, tokens: jax.Array) -> jax.Array:
+    """Logits [B, T, V] of whole sequences through the same forward that sampling uses,
+    with a fresh cache of size T (every position sees the positions before it): the
+    training loss and the exact reference distributions both come from here."""
+    batch, length = tokens.shape
+    positions = jnp.broadcast_to(jnp.arange(length, dtype=jnp.int32), (batch, length))
+    logits, _ = lm(tokens, positions, kv_cache.empty(lm.cfg, batch, length))
+    return logits

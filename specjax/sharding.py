@@ -59,6 +59,15 @@ def check_divisible(cfg: ModelConfig, mesh: jax.sharding.Mesh, what: str = "mode
                           f"mesh axis of size {m}")
 
 
+def make_checked_mesh(mesh_cfg: MeshConfig, models: dict[str, ModelConfig]) -> jax.sharding.Mesh:
+    """The device mesh, after checking that every model ({'target': cfg, ...}) splits over
+    its 'model' axis (the message names the model, the field and the numbers)."""
+    mesh = make_mesh(mesh_cfg)
+    for what, cfg in models.items():
+        check_divisible(cfg, mesh, what)
+    return mesh
+
+
 def logical_to_spec(names: Sequence[str | None], shape: Sequence[int] | None = None,
                     mesh: jax.sharding.Mesh | None = None) -> P:
     """Map logical names through RULES. An axis that does not divide its dimension is
@@ -105,6 +114,16 @@ def shard_fraction(array: jax.Array) -> float:
 def replicated(mesh: jax.sharding.Mesh) -> NamedSharding:
     return NamedSharding(mesh, P())
 
+
+def with_shardings(abstract, shardings):
+    """`abstract` (a pytree of arrays or ShapeDtypeStructs, or of nnx.Variables holding
+    them) as ShapeDtypeStructs carrying `shardings` (a matching tree): the form AOT
+    compiles and orbax restores take. Nothing is allocated."""
+    def one(a, sh):
+        if isinstance(a, nnx.Variable):
+            return a.replace(jax.ShapeDtypeStruct(a.value.shape, a.value.dtype, sharding=sh))
+        return jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=sh)
+    return jax.tree.map(one, abstract, shardings, is_leaf=lambda x: isinstance(x, nnx.Variable))
 
 
 def constrain(x: jax.Array, names: Sequence[str | None]) -> jax.Array:

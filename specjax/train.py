@@ -12,29 +12,28 @@ from __future__ import annotations
 
 import sys
 
-import jax
 from absl import flags, logging
 
-from specjax import cli, distributed, trainer
-from specjax.config import cache_dir
+from specjax import distributed
+from specjax.app import cli
+from specjax.training import trainer
 
-flags.DEFINE_string("workdir", None, "Checkpoint + metrics directory (default: "
-                    "$SPECJAX_CACHE/checkpoints/CONFIG_NAME, where specjax.sample looks).")
-flags.DEFINE_bool("progress", True, "Show a tqdm progress bar.")
-cli.define_config_flag("mini_target")
 FLAGS = flags.FLAGS
 
 
+def define_flags() -> None:
+    flags.DEFINE_string("workdir", None, "Checkpoint + metrics directory (default: "
+                        "$SPECJAX_CACHE/checkpoints/CONFIG_NAME, where specjax.sample looks).")
+    flags.DEFINE_bool("progress", True, "Show a tqdm progress bar.")
+    cli.define_config_flag("mini_target")
+
+
 def main(argv):
-    if len(argv) > 1:
-        raise cli.UsageError(f"unexpected arguments {argv[1:]}")
     # Join a multi-process run (launch/multiprocess.sh, a TPU pod) before anything touches a device.
     distributed.maybe_initialize()
     if not FLAGS["verbosity"].present:
         logging.set_verbosity(logging.WARNING)  # orbax logs every file it writes at INFO
-    # Restarts (resume after preemption) and the draft run reuse compiled programs.
-    jax.config.update("jax_compilation_cache_dir", str(cache_dir() / "xla"))
-    jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.5)
+    cli.use_compilation_cache()  # restarts (resume after preemption) and the draft run reuse compiled programs
     result = trainer.train(cli.config(), FLAGS.workdir, progress=FLAGS.progress)
     summary = f"step {result.step} in {result.workdir}"
     if result.val_loss is not None:
@@ -47,4 +46,5 @@ def main(argv):
 
 
 if __name__ == "__main__":
+    define_flags()
     cli.run(main)

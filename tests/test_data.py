@@ -7,8 +7,8 @@ import numpy as np
 import pytest
 import sentencepiece as spm
 
-from specjax import data
-from specjax.tokenizer import Tokenizer, TokenizerError, train_tokenizer
+from specjax.training import data
+from specjax.weights.tokenizer import Tokenizer, TokenizerError, train_tokenizer
 
 STDLIB = pathlib.Path(sysconfig.get_paths()["stdlib"])
 TRAIN_FILES = [STDLIB / name for name in

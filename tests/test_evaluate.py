@@ -18,7 +18,7 @@ import numpy as np
 import pytest
 from clitools import TEXT_CONFIG, interruptible
 
-from specjax import evaluate
+from specjax.evaluation import metrics, stats, tasks
 
 ROOT = pathlib.Path(__file__).resolve().parent.parent
 
@@ -27,28 +27,28 @@ ROOT = pathlib.Path(__file__).resolve().parent.parent
 
 
 def test_truncate_completion_stops_at_the_next_top_level_statement():
-    assert evaluate.truncate_completion("    return x + 1\n\ndef g():\n    pass") == "    return x + 1\n"
-    assert evaluate.truncate_completion("    return 1\nprint(f())") == "    return 1"
-    assert evaluate.truncate_completion("    y = 2\n    return y") == "    y = 2\n    return y"
+    assert tasks.truncate_completion("    return x + 1\n\ndef g():\n    pass") == "    return x + 1\n"
+    assert tasks.truncate_completion("    return 1\nprint(f())") == "    return 1"
+    assert tasks.truncate_completion("    y = 2\n    return y") == "    y = 2\n    return y"
 
 
 def test_pass_at_k_matches_the_binomial_formula():
     # 1 - C(n-c, k) / C(n, k), by hand.
-    assert evaluate.pass_at_k([True, False], 1) == pytest.approx(0.5)
-    assert evaluate.pass_at_k([True, False], 2) == pytest.approx(1.0)
-    assert evaluate.pass_at_k([False, False, False], 2) == 0.0
-    assert evaluate.pass_at_k([True, False, False, False], 2) == pytest.approx(1 - 3 / 6)
+    assert metrics.pass_at_k([True, False], 1) == pytest.approx(0.5)
+    assert metrics.pass_at_k([True, False], 2) == pytest.approx(1.0)
+    assert metrics.pass_at_k([False, False, False], 2) == 0.0
+    assert metrics.pass_at_k([True, False, False, False], 2) == pytest.approx(1 - 3 / 6)
 
 
 def test_execution_passes_the_canonical_solution_and_fails_wrong_or_hanging_code():
-    problems = [it.reference for it in evaluate.humaneval_items(2)]
+    problems = [it.reference for it in tasks.humaneval_items(2)]
     samples = [
         {"task_id": problems[0]["task_id"], "completion": problems[0]["canonical_solution"]},
         {"task_id": problems[0]["task_id"], "completion": "    return False\n"},  # fails a True case
         {"task_id": problems[1]["task_id"], "completion": problems[1]["canonical_solution"]},
         {"task_id": problems[1]["task_id"], "completion": "    while True:\n        pass\n"},
     ]
-    assert evaluate.execute_humaneval(problems, samples, timeout=1.0) == [True, False, True, False]
+    assert metrics.execute_humaneval(problems, samples, timeout=1.0) == [True, False, True, False]
 
 
 # ------------------------------------------------------------------ ROUGE and the docstring set
@@ -57,31 +57,31 @@ def test_execution_passes_the_canonical_solution_and_fails_wrong_or_hanging_code
 def test_rouge2_on_hand_counted_bigrams():
     # Reference bigrams: the-cat cat-sat sat-on on-the the-mat (5); prediction: the-cat cat-sat (2,
     # both in the reference): precision 1, recall 2/5, F1 = 2 * 1 * 0.4 / 1.4.
-    assert evaluate.rouge2("the cat sat on the mat", "the cat sat") == pytest.approx(2 * 0.4 / 1.4)
-    assert evaluate.rouge2("the cat sat on the mat", "The cat sat on the mat.") == pytest.approx(1.0)
-    assert evaluate.rouge2("the cat sat on the mat", "dogs bark loudly") == 0.0
-    assert evaluate.summary_of("  Return the sum.\ndef g():") == "Return the sum."
+    assert metrics.rouge2("the cat sat on the mat", "the cat sat") == pytest.approx(2 * 0.4 / 1.4)
+    assert metrics.rouge2("the cat sat on the mat", "The cat sat on the mat.") == pytest.approx(1.0)
+    assert metrics.rouge2("the cat sat on the mat", "dogs bark loudly") == 0.0
+    assert metrics.summary_of("  Return the sum.\ndef g():") == "Return the sum."
 
 
 def test_rouge1_and_rougeL_on_hand_counted_words():
     # "the cat sat" against "the cat sat on the mat": 3 of 3 predicted unigrams match
     # (precision 1, recall 3/6), and the longest common subsequence is the same 3 words.
-    scores = evaluate.rouge("the cat sat on the mat", "the cat sat")
+    scores = metrics.rouge("the cat sat on the mat", "the cat sat")
     assert scores["rouge1"] == pytest.approx(2 * 0.5 / 1.5) and scores["rougeL"] == pytest.approx(2 * 0.5 / 1.5)
     # Word order: "sat cat the" has the same unigrams (ROUGE-1 = 1), but its longest common
     # subsequence with "the cat sat" is one word, so ROUGE-L = 1/3.
-    scores = evaluate.rouge("the cat sat", "sat cat the")
+    scores = metrics.rouge("the cat sat", "sat cat the")
     assert scores["rouge1"] == pytest.approx(1.0) and scores["rougeL"] == pytest.approx(1 / 3)
 
 
 def test_parses_checks_syntax_without_running():
     prompt = "def f(x):\n"
-    assert evaluate.parses(prompt, "    return x + 1\n")
-    assert not evaluate.parses(prompt, "    return (x +\n")
-    assert not evaluate.parses(prompt, "")  # a def needs a body
-    assert not evaluate.parses(prompt, "    return " + "(" * 100_000)  # absurd nesting: False, no crash
+    assert metrics.parses(prompt, "    return x + 1\n")
+    assert not metrics.parses(prompt, "    return (x +\n")
+    assert not metrics.parses(prompt, "")  # a def needs a body
+    assert not metrics.parses(prompt, "    return " + "(" * 100_000)  # absurd nesting: False, no crash
     # Valid syntax that would fail if it ran: parsing must not execute it.
-    assert evaluate.parses(prompt, "    raise SystemExit(3)\nf(1)\n")
+    assert metrics.parses(prompt, "    raise SystemExit(3)\nf(1)\n")
 
 
 def test_docstring_pairs_cut_the_docstring_out_of_the_document(tmp_path):
@@ -89,16 +89,16 @@ def test_docstring_pairs_cut_the_docstring_out_of_the_document(tmp_path):
     src.write_text('class C:\n    @staticmethod\n    def add(a, b):\n        """Return the sum of a and b. More\n'
                    '        text here.\n\n        Details.\n        """\n        s = a + b\n        return s\n\n'
                    'def short():\n    """Too short."""\n    return 1\n')
-    [pair] = evaluate.docstring_pairs([src])
+    [pair] = tasks.docstring_pairs([src])
     assert pair["summary"] == "Return the sum of a and b."
     assert pair["document"] == "@staticmethod\ndef add(a, b):\n    s = a + b\n    return s"
     assert pair["id"] == "m.py:3:add"
 
 
 def test_builtin_summarisation_set_is_deterministic_and_xsum_shaped():
-    a, b = evaluate.builtin_xsum(), evaluate.builtin_xsum()
+    a, b = tasks.builtin_xsum(), tasks.builtin_xsum()
     assert a == b and len(a) >= 20
-    items = evaluate.xsum_items(None, 5)
+    items = tasks.xsum_items(None, 5)
     assert len(items) == 5
     # 1-shot: the example with its summary, then the document with an open summary line.
     assert items[0].prompt.count("# Summary:") == 2 and items[0].prompt.endswith("# Summary: ")
@@ -109,7 +109,7 @@ def test_builtin_summarisation_set_is_deterministic_and_xsum_shaped():
 
 
 def test_mean_ci_by_hand():
-    ci = evaluate.mean_ci([0, 1, 0, 1])
+    ci = stats.mean_ci([0, 1, 0, 1])
     # sd (ddof=1) of 0,1,0,1 is sqrt(1/3); half-width = 1.96 * sd / sqrt(4).
     assert ci["mean"] == 0.5 and ci["ci95"] == pytest.approx(1.959964 * math.sqrt(1 / 3) / 2, rel=1e-5)
 
@@ -121,11 +121,11 @@ def test_agreement_accepts_same_distribution_and_rejects_a_shift():
     near 1 and must report a difference."""
     rng = np.random.default_rng(0)
     a, b = rng.uniform(0, 0.5, 200), rng.uniform(0, 0.5, 200)
-    same = evaluate.paired_agreement(a, b)
-    assert same["agree"] and same["p_value"] > evaluate.ALPHA
-    shifted = evaluate.paired_agreement(a, b + 0.1)
+    same = stats.paired_agreement(a, b)
+    assert same["agree"] and same["p_value"] > stats.ALPHA
+    shifted = stats.paired_agreement(a, b + 0.1)
     assert not shifted["agree"] and shifted["p_value"] < 1e-6
-    identical = evaluate.paired_agreement([0.2, 0.4, 0.1], [0.2, 0.4, 0.1])  # greedy: the same outputs
+    identical = stats.paired_agreement([0.2, 0.4, 0.1], [0.2, 0.4, 0.1])  # greedy: the same outputs
     assert identical["agree"] and identical["difference"] == 0
 
 
@@ -135,10 +135,11 @@ def test_agreement_accepts_same_distribution_and_rejects_a_shift():
 @pytest.fixture(scope="module")
 def text_pair(tmp_path_factory):
     """A tiny target and draft (random weights) saved with one shared tokenizer."""
-    from specjax import checkpoint, sharding
+    from specjax import sharding
+    from specjax.weights import checkpoint
     from specjax.config import MeshConfig, load_config
     from specjax.model import init_lm
-    from specjax.tokenizer import train_tokenizer
+    from specjax.weights.tokenizer import train_tokenizer
 
     base = tmp_path_factory.mktemp("evaluate")
     mesh = sharding.make_mesh(MeshConfig(1, 1), jax.devices()[:1])
@@ -203,8 +204,8 @@ def test_humaneval_end_to_end_with_execution(text_pair):
     assert all(r[m]["passed"] is False for r in setting["samples"] for m in ("ars", "sps"))
     assert setting["pass_at_k"]["sps"]["pass@1"]["mean"] == 0.0
     # The parse rate is scored from the same completions, with or without --execute.
-    prompts = {it.id: it.prompt for it in evaluate.humaneval_items(2)}
-    assert all(r[m]["parses"] == evaluate.parses(prompts[r["id"]], r[m]["completion"])
+    prompts = {it.id: it.prompt for it in tasks.humaneval_items(2)}
+    assert all(r[m]["parses"] == metrics.parses(prompts[r["id"]], r[m]["completion"])
                for r in setting["samples"] for m in ("ars", "sps"))
     assert set(setting["secondary"]) == {"parses"}
 

@@ -5,7 +5,8 @@ import numpy as np
 import pytest
 
 import specjax
-from specjax import model, plan
+from specjax import model
+from specjax.analysis import compile as plan
 from specjax.config import SamplingConfig
 from conftest import mesh_for
 

@@ -7,9 +7,10 @@ import jax.numpy as jnp
 import pytest
 
 import specjax
-from specjax import api, model
+from specjax import model
+from specjax.decode import program
 from specjax.config import SamplingConfig
-from specjax.plan import HloProgram
+from specjax.analysis.hlo import HloProgram
 from conftest import mesh_for
 
 RAGGED = [[1, 2, 3], [4, 5, 6, 7, 8, 9, 10, 11, 12], [13], [14, 15, 16, 17, 18]]
@@ -48,9 +49,7 @@ def test_one_fused_while_loop_with_megatron_all_reduces(pairs):
     target, draft = pairs["1x8"]
     K = 4
     sampling = SamplingConfig(temperature=0.8, top_p=0.9, lookahead=K, max_new_tokens=32)
-    mesh, fn, args, statics, _, _ = api.prepare(target, draft, RAGGED, sampling, seed=0)
-    with jax.set_mesh(mesh):
-        text = fn.lower(*args, **statics).compile().as_text()
+    text = program.build(target, draft, RAGGED, sampling, seed=0).compile().as_text()
     for host_op in ("outfeed", "infeed", "send(", "recv(", "host_callback", "xla_python_cpu_callback"):
         assert host_op not in text, host_op
     hlo = HloProgram(text)

@@ -57,7 +57,7 @@ def test_two_processes_train_like_one(tmp_path):
     process 0 writes metrics.jsonl, orbax writes the checkpoint from both) logs the
     per-step losses of one process with 8 devices. Fails if the processes fed the same
     rows twice, or skipped rows: each half-batch has its own loss."""
-    from specjax import trainer
+    from specjax.training import trainer
     steps = 6
     common = ["-m", "specjax.train", "--config=tiny", "--noprogress", f"--config.train.steps={steps}",
               "--config.train.seq_len=32", "--config.train.batch_size=8", "--config.train.warmup_steps=2",

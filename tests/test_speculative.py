@@ -22,10 +22,11 @@ import pytest
 from scipy import stats as scipy_stats
 
 import specjax
-from specjax import api, kv_cache, model, speculative
+from specjax import kv_cache, model
+from specjax.decode import program, speculative
 from specjax.config import SamplingConfig
-from specjax.sampling import Warp, sample, warp
-from specjax.speculative import accept as correct_accept
+from specjax.decode.sampling import Warp, sample, warp
+from specjax.decode.speculative import accept as correct_accept
 from conftest import mesh_for
 
 ALPHA = 1e-3
@@ -131,11 +132,11 @@ def use_accept(monkeypatch):
     def swap(name):
         if name is not None:
             monkeypatch.setattr(speculative, "accept", WRONG[name])
-        api._COMPILED.clear()
+        program._COMPILED.clear()
         jax.clear_caches()
     yield swap
     monkeypatch.undo()
-    api._COMPILED.clear()
+    program._COMPILED.clear()
     jax.clear_caches()
 
 

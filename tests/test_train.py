@@ -18,7 +18,8 @@ import jax
 import numpy as np
 import pytest
 
-from specjax import checkpoint, trainer
+from specjax.training import trainer
+from specjax.weights import checkpoint
 from specjax.config import load_config
 
 STEPS = 60

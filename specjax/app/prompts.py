@@ -23,6 +23,7 @@ import pathlib
 from typing import Optional, Protocol, Sequence
 
 from specjax.config import UsageError
+from specjax.decode.program import check_prompts
 
 
 class TextCodec(Protocol):
@@ -117,10 +118,6 @@ def gather(texts: Sequence[str] = (), prompts_file: Optional[str] = None,
     return raw or humaneval(humaneval_n)
 
 
-def needs_tokenizer(raw: Sequence[_Raw]) -> bool:
-    return any(r.text is not None for r in raw)
-
-
 def encode(raw: Sequence[_Raw], tokenizer: Optional[TextCodec], no_tokenizer_reason: str = "") -> list[Prompt]:
     out = []
     for r in raw:
@@ -138,19 +135,6 @@ def encode(raw: Sequence[_Raw], tokenizer: Optional[TextCodec], no_tokenizer_rea
 
 
 def check(prompts: Sequence[Prompt], vocab_size: int, context: int, max_new_tokens: int) -> None:
-    """Fail on the first bad prompt, naming its source and the allowed values.
-    (The same rules as `api.check_prompts`, with messages in the command line's words.)"""
-    if max_new_tokens >= context:
-        raise UsageError(f"--max_new_tokens={max_new_tokens}: must be below the model's context of {context} "
-                         "tokens (max_seq_len), which also holds the prompt")
-    for p in prompts:
-        if not p.tokens:
-            raise UsageError(f"{p.source} is empty: every prompt needs at least one token")
-        bad = next((t for t in p.tokens if not 0 <= t < vocab_size), None)
-        if bad is not None:
-            raise UsageError(f"{p.source}: token id {bad} is outside the vocabulary: allowed ids are "
-                             f"0..{vocab_size - 1}")
-        if len(p.tokens) + max_new_tokens > context:
-            raise UsageError(f"{p.source} has {len(p.tokens)} tokens; with --max_new_tokens={max_new_tokens} "
-                             f"that is {len(p.tokens) + max_new_tokens} positions, more than the model's "
-                             f"context of {context} (at most {context - max_new_tokens} prompt tokens)")
+    """`program.check_prompts` (the one prompt check), in the command line's words."""
+    check_prompts([p.tokens for p in prompts], vocab_size, context, max_new_tokens, [p.source for p in prompts],
+                  budget="--max_new_tokens")

@@ -20,7 +20,7 @@ from collections.abc import Sequence
 import numpy as np
 from tqdm import tqdm
 
-from specjax.tokenizer import (TRAINER_OPTIONS, Tokenizer, atomic_write_bytes,
+from specjax.weights.tokenizer import (TRAINER_OPTIONS, Tokenizer, atomic_write_bytes,
                                read_document, train_tokenizer)
 
 # Extensions picked up when the corpus spec is a directory.

@@ -19,10 +19,10 @@ from typing import NamedTuple
 import jax
 import jax.numpy as jnp
 
+from specjax.decode.sampling import Warp, nonfinite_rows, sample, warp
+from specjax.decode.state import Stats, gather_rows, prefill, stop_after, token_buffer, write_rows
 from specjax.kv_cache import KVCache
 from specjax.model import LM
-from specjax.sampling import (Stats, Warp, gather_rows, nonfinite_rows, prefill, sample, stop_after,
-                              token_buffer, warp, write_rows)
 
 
 def draft_tokens(draft: LM, cache: KVCache, tokens: jax.Array, length: jax.Array, key: jax.Array,
@@ -31,7 +31,7 @@ def draft_tokens(draft: LM, cache: KVCache, tokens: jax.Array, length: jax.Array
 
     The first step feeds the last TWO tokens (positions length-2, length-1): when the
     previous loop accepted all K drafts, x_K was never fed to the draft, and this keeps
-    its cache complete without a data-dependent shape (DESIGN invariant 4)."""
+    its cache complete without a data-dependent shape."""
     before = jnp.maximum(length - 2, 0)
     first = jnp.stack([gather_rows(tokens, before), gather_rows(tokens, length - 1)], axis=1)
     logits, cache = draft(first, jnp.stack([before, length - 1], axis=1), cache)

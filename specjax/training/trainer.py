@@ -39,7 +39,7 @@ import math
 import pathlib
 import signal
 import time
-from typing import Callable, Optional
+from typing import Optional
 
 import jax
 import jax.numpy as jnp
@@ -48,10 +48,13 @@ import optax
 from flax import nnx
 from tqdm import tqdm
 
-from specjax import checkpoint, data, sharding
+from specjax import sharding
+from specjax.training import data
+from specjax.training.losses import make_loss
+from specjax.weights import checkpoint
 from specjax.config import Config, ConfigError, TrainConfig, UsageError, cache_dir, load_config
 from specjax.model import LM, init_lm
-from specjax.sampling import empty_cache
+from specjax.weights.tokenizer import Tokenizer
 
 METRICS_FILE = "metrics.jsonl"
 SYNTHETIC_TOKENS = 1 << 20
@@ -102,7 +105,6 @@ def load_corpus(config: Config, teacher_dir: Optional[pathlib.Path] = None) -> C
     store = cache_dir() / "data"
     teacher_tok = checkpoint.tokenizer_path(teacher_dir) if teacher_dir is not None else None
     if teacher_tok is not None:
-        from specjax.tokenizer import Tokenizer
         tokenizer = Tokenizer(teacher_tok)
     else:
         tokenizer = data.build_or_load_tokenizer(files, store, config.tokenizer_vocab)
@@ -172,53 +174,6 @@ class Batches:
                  for k, v in self._hyper_host(0).items()})
 
 
-# --------------------------------------------------------------------------- losses
-
-
-def cross_entropy(logits: jax.Array, targets: jax.Array) -> jax.Array:
-    """Mean next-token negative log-likelihood (nats), float32."""
-    logp = jax.nn.log_softmax(logits.astype(jnp.float32), axis=-1)
-    return -jnp.mean(jnp.take_along_axis(logp, targets[..., None], axis=-1))
-
-
-def distill_kl(teacher_logits: jax.Array, student_logits: jax.Array, temperature: float = 1.0) -> jax.Array:
-    """Mean over positions of KL(teacher_T || student_T), softmax(logits / T), float32."""
-    t = jax.nn.log_softmax(teacher_logits.astype(jnp.float32) / temperature, axis=-1)
-    s = jax.nn.log_softmax(student_logits.astype(jnp.float32) / temperature, axis=-1)
-    return jnp.mean(jnp.sum(jnp.exp(t) * (t - s), axis=-1))
-
-
-def forward(lm: LM, inputs: jax.Array) -> jax.Array:
-    """Full-sequence logits [B, T, V] through the same forward that sampling uses, with
-    a fresh cache of size T (every position sees the positions before it)."""
-    batch, length = inputs.shape
-    positions = jnp.broadcast_to(jnp.arange(length, dtype=jnp.int32), (batch, length))
-    logits, _ = lm(inputs, positions, empty_cache(lm, batch, length))
-    return logits
-
-
-def make_loss(tc: TrainConfig, distill: bool) -> Callable:
-    """loss(student LM, teacher LM or None, batch [B, T+1], distill weight) -> (loss,
-    metrics). The weight is a traced scalar: one compiled step serves every mix."""
-    temp = tc.distill_temperature
-
-    def loss_fn(student: LM, teacher: Optional[LM], batch: jax.Array, w):
-        inputs, targets = batch[:, :-1], batch[:, 1:]
-        logits = forward(student, inputs)
-        ce = cross_entropy(logits, targets)
-        metrics = {"ce": ce}
-        loss = ce
-        if distill:
-            teacher_logits = jax.lax.stop_gradient(forward(teacher, inputs))
-            kl = distill_kl(teacher_logits, logits, temp)
-            metrics["kl"] = kl if temp == 1.0 else distill_kl(teacher_logits, logits)
-            loss = w * temp ** 2 * kl + (1 - w) * ce
-        metrics["loss"] = loss
-        return loss, metrics
-
-    return loss_fn
-
-
 # --------------------------------------------------------------------------- optimiser
 
 
@@ -246,15 +201,6 @@ def opt_state_shardings(optimizer, params, mesh):
     return optax.tree_map_params(optimizer, lambda _, sh: sh, abstract, param_sh,
                                  transform_non_params=lambda _: sharding.replicated(mesh),
                                  is_leaf=lambda x: isinstance(x, nnx.Variable))
-
-
-def _with_shardings(abstract, shardings):
-    """ShapeDtypeStructs carrying `shardings` (given per leaf, or per nnx.Variable)."""
-    def one(a, sh):
-        if isinstance(a, nnx.Variable):
-            return a.replace(jax.ShapeDtypeStruct(a.value.shape, a.value.dtype, sharding=sh))
-        return jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=sh)
-    return jax.tree.map(one, abstract, shardings, is_leaf=lambda x: isinstance(x, nnx.Variable))
 
 
 # --------------------------------------------------------------------------- compiled steps
@@ -432,7 +378,7 @@ def train(config: Config, workdir=None, progress: bool = True, devices=None) -> 
             start = ckpt.latest_step() or 0
             if start:
                 meta = ckpt.check_compatible(start, config.target, config.name, abstract_params)
-                abstract_opt = _with_shardings(jax.eval_shape(optimizer.init, abstract_params), opt_sh)
+                abstract_opt = sharding.with_shardings(jax.eval_shape(optimizer.init, abstract_params), opt_sh)
                 params, opt_state = ckpt.restore(start, abstract_params, abstract_opt)
                 changed = _train_differences(meta.get("train", {}), tc)
                 _say(f"resuming from step {start} in {workdir}"

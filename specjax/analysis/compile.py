@@ -1,0 +1,104 @@
+"""Compile THE programs `generate` runs for a config at any scale, without weights.
+
+Every parameter is a sharded `jax.ShapeDtypeStruct` (`model.abstract_lm`), the program
+is built by `program.build` (the path `generate` takes) and compiled the way `generate`
+compiles it; the report holds bytes per device (`memory_analysis`), collectives per SpS
+loop / ArS step and outside it (`hlo`), and the roofline (`roofline`).
+"""
+from __future__ import annotations
+
+import dataclasses
+import os
+import resource
+import time
+from typing import Any
+
+import jax
+
+from specjax import kv_cache, sharding
+from specjax.analysis.hlo import HloProgram, summarize
+from specjax.analysis.roofline import Chip, fitted_latency, is_paper_scale, roofline, shard_bytes
+from specjax.config import MeshConfig, UsageError
+from specjax.decode import program as program_lib
+from specjax.model import abstract_lm
+
+
+def compile_program(target, draft, sampling, batch: int, prompt_len: int, cache_len: int) -> dict:
+    """Lower + compile the program `generate` would run for `batch` prompts of
+    `prompt_len` tokens and a cache of `cache_len` slots, built by `program.build` and
+    compiled by `program.compile_lowered` as `generate` does. `target` and `draft` (None:
+    ArS) may be abstract (`model.abstract_lm`) or real. Returns a dict with 'per_loop'
+    and 'outside_loop' (`summarize` of the collectives per SpS loop / ArS step and outside
+    it), 'memory' (bytes per device), 'compile_seconds', 'statics', 'fingerprint'."""
+    lookahead = sampling.lookahead if draft is not None else 1
+    width = program_lib.bucket(prompt_len)
+    max_new = cache_len - program_lib.cache_size(width, 0, lookahead)
+    if max_new < 1:
+        raise UsageError(f"--cache_len={cache_len} leaves no room to generate after a {width}-token "
+                         f"(padded) prompt and K+1={lookahead + 1} scoring slots")
+    sampling = dataclasses.replace(sampling, max_new_tokens=max_new)
+    prog = program_lib.build(target, draft, [[1] * prompt_len for _ in range(batch)], sampling, seed=0)
+    start = time.perf_counter()
+    lowered = prog.lower()
+    lower_s = time.perf_counter() - start
+    with jax.set_mesh(prog.mesh):
+        compiled = program_lib.compile_lowered(lowered)
+    compile_s = time.perf_counter() - start - lower_s
+    mem = compiled.memory_analysis()
+    text = compiled.as_text()
+    per_loop, outside = HloProgram(text).loop_and_outside()
+    total = mem.argument_size_in_bytes + mem.output_size_in_bytes + mem.temp_size_in_bytes - mem.alias_size_in_bytes
+    return {"program": prog.fn.__name__, "fingerprint": program_lib.fingerprint(compiled),
+            "statics": {k: (v._asdict() if hasattr(v, "_asdict") else v) for k, v in prog.statics},
+            "lower_seconds": lower_s, "compile_seconds": compile_s,
+            "memory": {"arguments": mem.argument_size_in_bytes, "outputs": mem.output_size_in_bytes,
+                       "temporaries": mem.temp_size_in_bytes, "aliased": mem.alias_size_in_bytes, "total": total},
+            "per_loop": summarize(per_loop), "outside_loop": summarize(outside)}
+
+
+def plan(cfg, data: int, model: int, batch: int = 1, prompt_len: int = 128, cache_len: int | None = None,
+         chip: Chip = Chip()) -> dict:
+    """Compile SpS (when the config has a draft), ArS for the target, and ArS for the
+    draft alone on a data x model mesh of the process's (fake CPU) devices."""
+    devices = jax.devices()
+    if len(devices) < data * model:
+        raise UsageError(f"mesh {data}x{model} needs {data * model} devices, this process has {len(devices)}")
+    mesh = sharding.make_mesh(MeshConfig(data, model), devices[:data * model])
+    models = {"target": cfg.target} | ({"draft": cfg.draft} if cfg.draft is not None else {})
+    max_len = min(c.max_seq_len for c in models.values())
+    cache_len = min(2048, max_len) if cache_len is None else cache_len
+    if cache_len > max_len:
+        raise UsageError(f"--cache_len={cache_len} exceeds the models' max_seq_len={max_len}")
+    for name, c in models.items():  # fail on a bad mesh before the (slow) abstract models are built
+        sharding.check_divisible(c, mesh, name)
+    lms = {name: abstract_lm(c, mesh) for name, c in models.items()}
+    report: dict[str, Any] = {
+        "config": cfg.name,
+        "setup": {"data": data, "model": model, "devices": data * model, "batch": batch, "prompt_len": prompt_len,
+                  "cache_len": cache_len, "lookahead": cfg.sampling.lookahead,
+                  "sampling": dataclasses.asdict(cfg.sampling),
+                  "xla_flags": os.environ.get("XLA_FLAGS", "")},
+        "models": {}, "programs": {}}
+    for name, lm in lms.items():
+        cache = sharding.with_shardings(kv_cache.cache_shapes(lm.cfg, batch, cache_len),
+                                        kv_cache.cache_shardings(lm.cfg, batch, cache_len, mesh))
+        report["models"][name] = {"params": lm.num_params, "param_dtype": lm.cfg.param_dtype,
+                                  "weight_bytes_per_device": shard_bytes(lm.params),
+                                  "cache_bytes_per_device": shard_bytes(cache), "layers": lm.cfg.num_layers,
+                                  "pos_encoding": lm.cfg.pos_encoding}
+    runs = [("ars_target", lms["target"], None)]
+    if "draft" in lms:
+        runs = [("sps", lms["target"], lms["draft"])] + runs + [("ars_draft", lms["draft"], None)]
+    for name, target, draft in runs:
+        result = compile_program(target, draft, cfg.sampling, batch, prompt_len, cache_len)
+        per = "collectives_per_loop" if name == "sps" else "collectives_per_step"
+        result[per] = result.pop("per_loop")
+        result["fits"] = result["memory"]["total"] <= chip.hbm_bytes
+        report["programs"][name] = result
+    report["roofline"] = roofline(report, cfg, chip)
+    # Fit only where the paper measured: the 70B target on 16 chips.
+    fit = fitted_latency(report, cfg, chip) if is_paper_scale(cfg) and (data, model) == (1, 16) else None
+    if fit is not None:
+        report["roofline_fitted"] = roofline(report, cfg, dataclasses.replace(chip, collective_latency_s=fit))
+    report["peak_rss_bytes"] = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+    return report

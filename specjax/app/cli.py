@@ -1,0 +1,146 @@
+"""What every entry point shares: `--config=NAME` with `--config.a.b=value` overrides,
+flag checks, the compile-cache policy, and ONE mapping from failures to exit codes:
+
+    UsageError (bad input of any kind)        one line on stderr, exit 2
+    RunError (a failure while running)        one line on stderr, exit 1
+    NonFiniteLogitsError                      one line on stderr, exit 1
+    Ctrl-C                                    "interrupted", exit 130
+
+    def define_flags(): cli.define_config_flag("mini"); flags.DEFINE_...
+    def main(argv): config = cli.config(); ...
+    if __name__ == "__main__": define_flags(); cli.run(main)
+
+Flags are defined only when a module runs as the program, so two entry points imported
+in one process do not clash.
+"""
+from __future__ import annotations
+
+import math
+import os
+import re
+import sys
+from typing import Callable, Optional
+
+from absl import app, flags, logging
+
+from specjax.config import Config, MeshConfig, UsageError, cache_dir, load_config
+
+FLAGS = flags.FLAGS
+_OVERRIDES: list[str] = []
+
+
+class RunError(RuntimeError):
+    """A run failed for a reason outside the inputs (a full disk, a failed subprocess)."""
+
+
+def define_config_flag(default: str) -> None:
+    flags.DEFINE_string("config", default, "Config name (specjax/configs/NAME.py) or path to a config file. "
+                        "Override fields with --config.FIELD.SUB=VALUE, e.g. --config.sampling.lookahead=3.")
+
+
+def _parse(argv: list[str]) -> list[str]:
+    rest = [argv[0]]
+    for arg in argv[1:]:
+        if arg.startswith("--config."):
+            _OVERRIDES.append(arg[len("--config."):])
+        else:
+            rest.append(arg)
+    try:
+        return FLAGS(rest)
+    except flags.Error as e:
+        fail(str(e))
+
+
+def fail(message: str, code: int = 2) -> None:
+    print(f"{sys.argv[0].rsplit('/', 1)[-1]}: error: {message}", file=sys.stderr)
+    sys.exit(code)
+
+
+def config() -> Config:
+    """The run's Config: FLAGS.config plus the command line's overrides, validated."""
+    return load_config(FLAGS.config, _OVERRIDES)
+
+
+def run(main: Callable[[list[str]], None], extra_args_hint: str = "") -> None:
+    """app.run(main) with the exit-code mapping above; positional arguments are refused."""
+    def guarded(argv):
+        from specjax.decode.api import NonFiniteLogitsError
+        try:
+            if len(argv) > 1:
+                raise UsageError(f"unexpected arguments {argv[1:]}" + (f"; {extra_args_hint}" if extra_args_hint else ""))
+            if not FLAGS["verbosity"].present:
+                logging.set_verbosity(logging.ERROR)  # library INFO/WARNING lines (no TPU, orbax) drown the output
+            main(argv)
+        except UsageError as e:
+            fail(str(e))
+        except (RunError, NonFiniteLogitsError) as e:
+            fail(str(e), 1)
+        except KeyboardInterrupt:
+            print("interrupted", file=sys.stderr)
+            sys.exit(130)
+
+    app.run(guarded, flags_parser=_parse)
+
+
+# --------------------------------------------------------------------------- flag values
+
+
+def positive(name: str, value: Optional[int], limit: Optional[int] = None) -> Optional[int]:
+    """A positive-integer flag (None passes through: "not given"), at most `limit`."""
+    if value is None:
+        return None
+    if value < 1:
+        raise UsageError(f"--{name}={value}: must be a positive integer")
+    if limit is not None and value > limit:
+        raise UsageError(f"--{name}={value}: at most {limit} is allowed")
+    return value
+
+
+def seed(name: str, value: int) -> int:
+    """A seed flag: any integer in [0, 2**63), each with its own random stream."""
+    if not 0 <= value < 2 ** 63:
+        raise UsageError(f"--{name}={value}: seeds are integers in [0, 2**63)")
+    return value
+
+
+def int_list(name: str, text: str) -> list[int]:
+    """'1,2,4' -> [1, 2, 4]: positive integers, at least one."""
+    try:
+        values = [int(v) for v in text.split(",") if v.strip()]
+    except ValueError:
+        values = []
+    if not values or min(values) < 1:
+        raise UsageError(f"--{name}={text!r}: expected comma-separated positive integers, e.g. 1,2,4")
+    return values
+
+
+def finite(name: str, value: float, low: float = -math.inf, high: float = math.inf) -> float:
+    if not (math.isfinite(value) and low <= value <= high):
+        raise UsageError(f"--{name}={value}: must be a finite number in [{low}, {high}]")
+    return value
+
+
+def parse_mesh(value: Optional[str], default: MeshConfig) -> MeshConfig:
+    """--mesh=DATAxMODEL, e.g. 1x8 or 2x4 (None: `default`)."""
+    if value is None:
+        return default
+    match = re.fullmatch(r"\s*(\d+)\s*x\s*(\d+)\s*", value)
+    if not match or int(match[1]) < 1 or int(match[2]) < 1:
+        raise UsageError(f"--mesh={value!r}: expected DATAxMODEL with positive integers, e.g. 1x8 or 2x4")
+    return MeshConfig(int(match[1]), int(match[2])).validate()
+
+
+def mesh_size(mesh_cfg: MeshConfig, devices: int) -> tuple[int, int]:
+    """(data, model) of a mesh config on `devices` devices (model=-1 takes the rest)."""
+    return mesh_cfg.data, (mesh_cfg.model if mesh_cfg.model != -1 else max(1, devices // mesh_cfg.data))
+
+
+def use_compilation_cache() -> None:
+    """THE compile-cache policy of every entry point: keep compiled programs across runs
+    (a second run starts in seconds) in cache_dir()/xla, unless $JAX_COMPILATION_CACHE_DIR
+    names another place."""
+    import jax
+    if not os.environ.get("JAX_COMPILATION_CACHE_DIR"):
+        jax.config.update("jax_compilation_cache_dir", str(cache_dir() / "xla"))
+    jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.5)
+

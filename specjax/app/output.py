@@ -1,0 +1,129 @@
+"""Output files: checked before any work, touched only once there is something to write,
+and never lost.
+
+* `check_writable(path)`: fails at start-up (UsageError, exit 2) when a path cannot be
+  written, without creating or truncating anything.
+* `JsonlWriter`: one JSON line per sample, the file opened (truncated) only when the
+  first batch is done, each batch written and flushed with SIGINT and SIGTERM held off,
+  so an interrupted run leaves only complete lines.
+* `save`: a report (text or bytes) written at the end of a run; if that write fails (a
+  full disk), it goes to a temporary file instead and the error names it, so the run's
+  result is kept.
+Only process 0 writes (the other processes of a pod run compute the same thing).
+"""
+from __future__ import annotations
+
+import json
+import os
+import pathlib
+import signal
+import tempfile
+from typing import Optional, Sequence
+
+import jax
+
+from specjax.app.cli import RunError
+from specjax.config import UsageError
+
+
+def check_writable(path: Optional[str], flag: str = "--output", not_same_as: Sequence[Optional[str]] = ()) -> None:
+    """Raise UsageError unless `path` could be written (created with its directories, or
+    overwritten); `not_same_as` names input files it must not replace. Creates nothing."""
+    if path is None:
+        return
+    p = pathlib.Path(path).expanduser()
+    if not str(path).strip():
+        raise UsageError(f"{flag}={path!r}: empty file name")
+    if p.is_dir():
+        raise UsageError(f"{flag}={path!r}: cannot write it, it is a directory; give a file name")
+    for other in not_same_as:
+        if other and p.exists() and pathlib.Path(other).expanduser().exists() and os.path.samefile(p, pathlib.Path(other).expanduser()):
+            raise UsageError(f"{flag}={path!r}: is the input file {other!r}; writing it would destroy the input")
+    if p.exists():
+        if not os.access(p, os.W_OK):
+            raise UsageError(f"{flag}={path!r}: the file exists and is not writable")
+        return
+    parent = p.parent
+    while not parent.exists():
+        parent = parent.parent
+    if not parent.is_dir():
+        raise UsageError(f"{flag}={path!r}: {parent} is not a directory")
+    if not os.access(parent, os.W_OK | os.X_OK):
+        raise UsageError(f"{flag}={path!r}: cannot create it, the directory {parent} is not writable")
+
+
+def _held(write) -> None:
+    """Run `write` with SIGINT/SIGTERM held, so a Ctrl-C lands before or after it."""
+    held = signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGINT, signal.SIGTERM})
+    try:
+        write()
+    finally:
+        signal.pthread_sigmask(signal.SIG_SETMASK, held)
+
+
+class JsonlWriter:
+    """Whole batches of JSON lines. `path` is checked at construction and opened at the
+    first `write`, so a run that fails before its first batch leaves an existing file as
+    it was."""
+
+    def __init__(self, path: Optional[str], not_same_as: Sequence[Optional[str]] = ()):
+        check_writable(path, "--output", not_same_as)
+        self.path = pathlib.Path(path).expanduser() if path is not None else None
+        self.file = None
+        self.lines = 0
+        self.enabled = path is not None and jax.process_index() == 0
+
+    def write(self, records: Sequence[dict]) -> None:
+        if not self.enabled:
+            return
+        data = "".join(json.dumps(r) + "\n" for r in records)
+
+        def write():
+            if self.file is None:
+                self.path.parent.mkdir(parents=True, exist_ok=True)
+                self.file = open(self.path, "w", encoding="utf-8")
+            self.file.write(data)
+            self.file.flush()
+
+        try:
+            _held(write)
+        except OSError as e:
+            raise RunError(f"--output={str(self.path)!r}: writing failed after {self.lines} lines "
+                           f"({e.strerror or e}); the samples are printed above") from None
+        self.lines += len(records)
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        if self.file is not None:
+            try:
+                self.file.close()
+            except OSError:
+                pass
+
+
+def save(path: str, data: str | bytes, flag: str = "--output") -> None:
+    """Write `data` to `path` (atomically where `path` is a regular file), on process 0.
+    On failure the data is saved to a temporary file and RunError names it."""
+    if jax.process_index() != 0:
+        return
+    p = pathlib.Path(path).expanduser()
+    raw = data.encode("utf-8") if isinstance(data, str) else data
+    try:
+        p.parent.mkdir(parents=True, exist_ok=True)
+        if p.exists() and not p.is_file():  # /dev/stdout and friends: no temporary next to them
+            _held(lambda: p.write_bytes(raw))
+            return
+        tmp = p.with_name(f".{p.name}.{os.getpid()}.tmp")
+        try:
+            tmp.write_bytes(raw)
+            tmp.replace(p)
+        finally:
+            tmp.unlink(missing_ok=True)
+    except OSError as e:
+        fd, fallback = tempfile.mkstemp(prefix="specjax-", suffix="-" + p.name)
+        with os.fdopen(fd, "wb") as f:
+            f.write(raw)
+        raise RunError(f"{flag}={path!r}: cannot write it ({e.strerror or e}); the results are saved in "
+                       f"{fallback} instead") from None

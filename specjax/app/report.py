@@ -1,0 +1,114 @@
+"""What `specjax.sample` prints: samples as they finish (ArS and SpS side by side in
+--mode=both) and the summary (ms/token, tokens per loop, acceptance rate, speedup), and
+the JSONL record of every sample."""
+from __future__ import annotations
+
+import itertools
+import shutil
+import sys
+import textwrap
+from typing import Optional, Sequence
+
+from specjax.config import SamplingConfig
+from specjax.decode.api import Totals
+
+
+LABEL = {"ars": "ArS", "sps": "SpS"}
+
+
+class Report:
+    """Collects per-batch results into JSONL records, prints samples and the summary."""
+
+    def __init__(self, modes: Sequence[str], sampling: SamplingConfig, tokenizer, print_samples: bool = True,
+                 out=sys.stdout):
+        self.modes, self.sampling, self.tokenizer = list(modes), sampling, tokenizer
+        self.print_samples, self.out = print_samples, out
+        self.totals = {m: Totals() for m in self.modes}
+        self.done_batches = 0
+        import jax
+        self.is_main = jax.process_index() == 0  # the other processes of a pod run stay quiet
+
+    def text(self, tokens: Sequence[int]) -> str:
+        if self.tokenizer is None:
+            return " ".join(map(str, tokens))
+        return self.tokenizer.decode([t for t in tokens if t != self.tokenizer.eos_id])
+
+    def add_batch(self, batch_index: int, seed: int, prompts, rows, results: dict) -> list[dict]:
+        records = []
+        for mode, result in results.items():
+            self.totals[mode].add(result, rows=len(rows))  # rows past len(rows) pad the batch: not reported
+            for j, (i, s) in enumerate(rows):
+                stats = result.row_stats(j)
+                record = {"mode": mode, "prompt_index": i, "sample_index": s, "source": prompts[i].source,
+                          "prompt": prompts[i].text, "prompt_tokens": prompts[i].tokens,
+                          "tokens": result.tokens[j]}
+                if self.tokenizer is not None:
+                    record["text"] = self.text(result.tokens[j])
+                record.update(batch=batch_index, seed=seed, batch_ms_per_token=result.ms_per_token, stats=stats)
+                records.append(record)
+        self.done_batches += 1
+        if self.print_samples and self.is_main:
+            self._print_batch(prompts, rows, results)
+        return records
+
+    def _header(self, mode: str, result) -> str:
+        head = f"{LABEL[mode]}{f' K={result.lookahead}' if mode == 'sps' else ''}: {result.ms_per_token:.2f} ms/token"
+        if mode == "sps":
+            head += f", acceptance {result.acceptance_rate:.2f}"
+        return head
+
+    def _print_batch(self, prompts, rows, results: dict) -> None:
+        width = shutil.get_terminal_size((160, 24)).columns
+        for j, (i, s) in enumerate(rows):
+            p = prompts[i]
+            print(f"\n=== {p.source}" + (f" sample {s}" if s else "") + " ===", file=self.out)
+            print(p.text if p.text is not None else f"prompt tokens: {' '.join(map(str, p.tokens))}", file=self.out)
+            if len(results) == 1:
+                (mode, result), = results.items()
+                print(f"--- {self._header(mode, result)}", file=self.out)
+                print(self.text(result.tokens[j]), file=self.out, flush=True)
+                continue
+            print(side_by_side([(self._header(m, r), self.text(r.tokens[j])) for m, r in results.items()],
+                               width), file=self.out, flush=True)
+
+    def summary_lines(self) -> list[str]:
+        lines = []
+        for mode, t in self.totals.items():
+            line = (f"{LABEL[mode]}: {t.rows} samples, {t.tokens} tokens, {t.ms_per_token:.2f} ms/token, "
+                    f"{t.tokens / max(1, t.loops):.2f} tokens/loop")
+            if mode == "sps":
+                line += f", acceptance rate {t.acceptance_rate:.3f} (K={self.sampling.lookahead})"
+            line += f"; {t.seconds:.2f} s sampling, {t.compile_seconds:.1f} s compiling"
+            lines.append(line)
+        if {"ars", "sps"} <= set(self.totals) and self.totals["sps"].steps:
+            speedup = self.totals["ars"].ms_per_token / self.totals["sps"].ms_per_token
+            lines.append(f"SpS speedup over ArS: {speedup:.2f}x (ms/token)")
+        return lines
+
+    def print_summary(self, interrupted: str = "", output: Optional[str] = None) -> None:
+        if not self.is_main:
+            return
+        s = self.sampling
+        print(f"\nsummary (temperature={s.temperature}, top_k={s.top_k}, top_p={s.top_p}, "
+              f"max_new_tokens={s.max_new_tokens})" + (f", interrupted after {interrupted}" if interrupted else ""),
+              file=self.out)
+        for line in self.summary_lines():
+            print(line, file=self.out)
+        if output:
+            print(f"samples written to {output}", file=self.out)
+        self.out.flush()
+
+
+def side_by_side(columns: Sequence[tuple[str, str]], width: int) -> str:
+    """Columns of (header, text) next to each other, long lines wrapped, indentation kept."""
+    col = max(30, (width - 3 * (len(columns) - 1)) // len(columns))
+
+    def cell_lines(header: str, text: str) -> list[str]:
+        out = [header[:col], "-" * min(col, len(header))]
+        for line in text.expandtabs(4).split("\n"):
+            out += textwrap.wrap(line, col, drop_whitespace=False, replace_whitespace=False) or [""]
+        return out
+
+    cells = [cell_lines(h, t) for h, t in columns]
+    rows = itertools.zip_longest(*cells, fillvalue="")
+    return "\n".join(" | ".join(c.ljust(col) for c in row).rstrip() for row in rows)

@@ -1,0 +1,258 @@
+"""The public Python API: `generate(target, draft, prompts, sampling, seed=...)`, and two
+windows into it: `explain_loop` (one SpS loop, token by token) and `next_token_probs`
+(the exact warped distributions, the reference for Theorem 1).
+
+Everything on device happens in one compiled program (`program.build`: prefill + one
+`lax.while_loop`); the host pads the prompts before it and checks the results after it.
+"""
+from __future__ import annotations
+
+import dataclasses
+import functools
+import math
+from typing import Sequence
+
+import jax
+import numpy as np
+
+from specjax import distributed, model, sharding
+from specjax.config import SamplingConfig, UsageError
+from specjax.decode import program as program_lib, speculative
+from specjax.decode.sampling import warp
+from specjax.model import LM
+
+
+class NonFiniteLogitsError(FloatingPointError):
+    """A model produced NaN or inf logits; no token from such a step is returned."""
+
+
+@dataclasses.dataclass
+class Result:
+    """What `generate` returns. `tokens[i]` holds row i's generated ids (prompt excluded)."""
+
+    tokens: list[list[int]]
+    mode: str  # 'sps' or 'ars'
+    lookahead: int
+    loops: np.ndarray  # [B] loops (ArS: steps) per row
+    num_new: np.ndarray  # [B]
+    accepted: np.ndarray  # [B] draft tokens accepted (SpS)
+    accepted_at: np.ndarray  # [B, K] per draft position
+    histogram: np.ndarray  # [B, K+1] loops by number of accepted drafts
+    seconds: float  # device time of the run (compile excluded)
+    compile_seconds: float
+
+    @property
+    def total_tokens(self) -> int:
+        return int(self.num_new.sum())
+
+    @property
+    def steps(self) -> int:
+        """The longest row's new tokens: what the batch's time paid for."""
+        return int(self.num_new.max(initial=0))
+
+    @property
+    def ms_per_token(self) -> float:
+        """Wall time per generated token of the batch (batch 1: the paper's ms/token)."""
+        return ms_per_token(self.seconds, self.steps)
+
+    @property
+    def tokens_per_loop(self) -> float:
+        return float(self.num_new.sum() / max(1, self.loops.sum()))
+
+    @property
+    def proposed(self) -> int:
+        return int(self.loops.sum()) * self.lookahead if self.mode == "sps" else 0
+
+    @property
+    def acceptance_rate(self) -> float:
+        """Accepted / proposed draft tokens (SpS); nan for ArS."""
+        return float(self.accepted.sum() / self.proposed) if self.proposed else math.nan
+
+    def row_stats(self, i: int) -> dict:
+        out = {"num_new": int(self.num_new[i]), "loops": int(self.loops[i])}
+        if self.mode == "sps":
+            out.update(accepted=int(self.accepted[i]), proposed=int(self.loops[i] * self.lookahead),
+                       accepted_histogram=self.histogram[i].tolist())
+        return out
+
+    def summary(self) -> dict:
+        out = {"mode": self.mode, "rows": len(self.tokens), "tokens": self.total_tokens,
+               "seconds": self.seconds, "compile_seconds": self.compile_seconds,
+               "ms_per_token": self.ms_per_token, "tokens_per_loop": self.tokens_per_loop}
+        if self.mode == "sps":
+            out.update(lookahead=self.lookahead, acceptance_rate=self.acceptance_rate,
+                       acceptance_by_position=(self.accepted_at.sum(0) / max(1, self.loops.sum())).tolist(),
+                       accepted_histogram=self.histogram.sum(0).tolist())
+        return out
+
+
+def ms_per_token(seconds: float, steps: int) -> float:
+    """THE ms/token: wall time over sequential token steps (a batch's longest row; at
+    batch 1, the paper's ms/token). nan before anything was generated."""
+    return 1000.0 * seconds / steps if steps else math.nan
+
+
+@dataclasses.dataclass
+class Totals:
+    """Several `Result`s of one mode added up, with the same definitions as `Result`."""
+
+    runs: int = 0
+    rows: int = 0
+    tokens: int = 0
+    steps: int = 0
+    loops: int = 0
+    accepted: int = 0
+    proposed: int = 0
+    seconds: float = 0.0
+    compile_seconds: float = 0.0
+
+    def add(self, result: Result, rows: int | None = None) -> None:
+        """Add a run; `rows` counts only its first rows (the others padded the batch)."""
+        n = len(result.tokens) if rows is None else rows
+        self.runs += 1
+        self.rows += n
+        self.tokens += int(result.num_new[:n].sum())
+        self.loops += int(result.loops[:n].sum())
+        self.accepted += int(result.accepted[:n].sum())
+        self.proposed += int(result.loops[:n].sum()) * result.lookahead if result.mode == "sps" else 0
+        self.steps += result.steps
+        self.seconds += result.seconds
+        self.compile_seconds += result.compile_seconds
+
+    @property
+    def ms_per_token(self) -> float:
+        return ms_per_token(self.seconds, self.steps)
+
+    @property
+    def tokens_per_loop(self) -> float:
+        return self.tokens / self.loops if self.loops else math.nan
+
+    @property
+    def acceptance_rate(self) -> float:
+        return self.accepted / self.proposed if self.proposed else math.nan
+
+    def as_dict(self) -> dict:
+        return {"seconds": self.seconds, "tokens": self.tokens, "steps": self.steps, "loops": self.loops,
+                "ms_per_token": self.ms_per_token, "tokens_per_loop": self.tokens_per_loop,
+                "acceptance_rate": None if math.isnan(self.acceptance_rate) else self.acceptance_rate}
+
+
+def generate(target: LM, draft: LM | None, prompts: Sequence[Sequence[int]],
+             sampling: SamplingConfig = SamplingConfig(), *, seed: int = 0, pad_to: int = program_lib.PAD_TO,
+             names: Sequence[str] | None = None) -> Result:
+    """Sample continuations of `prompts` (lists of token ids) from `target`.
+
+    With a `draft`, speculative sampling with K = sampling.lookahead (Algorithm 2);
+    with draft=None, plain autoregressive sampling (Algorithm 1). Both give samples
+    distributed exactly as the target's (warped) distribution; greedy (temperature 0)
+    gives identical tokens. Prompts are right-padded to a power of two >= `pad_to`
+    tokens, so prompts of similar length share one compiled program. With several
+    processes, every process passes the same prompts and gets the same Result."""
+    prog = program_lib.build(target, draft, prompts, sampling, seed, pad_to, names)
+    (tokens, length, stats), seconds, compile_seconds = prog.run()
+    if stats.nonfinite.any():
+        rows = np.flatnonzero(stats.nonfinite).tolist()
+        raise NonFiniteLogitsError(f"the model produced NaN or inf logits for batch rows {rows}; "
+                                   "check the checkpoint and dtype (no tokens from those steps were used)")
+    generated = [tokens[i, n:length[i]].tolist() for i, n in enumerate(prog.prompt_lens)]
+    return Result(generated, prog.mode, prog.lookahead, stats.loops, stats.num_new, stats.accepted,
+                  stats.accepted_at, stats.histogram, seconds, compile_seconds)
+
+
+# --------------------------------------------------------------------------- explain
+
+
+@dataclasses.dataclass
+class LoopTrace:
+    """The first SpS loop after a prompt, as `generate` with the same seed runs it."""
+
+    draft_tokens: list[int]  # x_1..x_K, sampled by the draft
+    p: np.ndarray  # [K, V] the draft's warped distributions p_1..p_K
+    q: np.ndarray  # [K+1, V] the target's q_1..q_{K+1}, from its one scoring pass
+    num_accepted: int  # n: x_1..x_n were kept
+    next_token: int  # drawn from norm(max(0, q_{n+1} - p_{n+1})), or the bonus from q_{K+1} (n == K)
+
+    @property
+    def lookahead(self) -> int:
+        return len(self.draft_tokens)
+
+    @property
+    def p_draft(self) -> np.ndarray:
+        """[K] p_j(x_j)."""
+        return self.p[np.arange(self.lookahead), self.draft_tokens]
+
+    @property
+    def q_draft(self) -> np.ndarray:
+        """[K] q_j(x_j)."""
+        return self.q[np.arange(self.lookahead), self.draft_tokens]
+
+    @property
+    def accept_prob(self) -> np.ndarray:
+        """[K] min(1, q_j(x_j) / p_j(x_j)): the chance each draft token passes its test."""
+        return np.minimum(1.0, self.q_draft / self.p_draft)
+
+    @property
+    def status(self) -> list[str]:
+        """Per draft position: 'accepted', 'rejected' (the first failed test) or 'not reached'."""
+        n = self.num_accepted
+        return ["accepted" if j < n else "rejected" if j == n else "not reached" for j in range(self.lookahead)]
+
+    @property
+    def bonus(self) -> bool:
+        """True when all K drafts were accepted and `next_token` came from q_{K+1}."""
+        return self.num_accepted == self.lookahead
+
+    @property
+    def tokens(self) -> list[int]:
+        """What the loop emits: x_1..x_n, then the residual or bonus token."""
+        return self.draft_tokens[:self.num_accepted] + [self.next_token]
+
+
+@functools.partial(jax.jit, static_argnames=("warping", "lookahead", "size"))
+def explain_program(target, draft, prompts, prompt_lens, seed, *, warping, lookahead, size):
+    state = speculative.start(target, draft, prompts, prompt_lens, program_lib.seed_key(seed), lookahead, size)
+    _, sp = speculative.speculate(target, draft, state, lookahead, warping)
+    return sp.x, sp.p, sp.q, sp.num_accepted, sp.next_token
+
+
+def explain_loop(target: LM, draft: LM, prompt: Sequence[int], sampling: SamplingConfig = SamplingConfig(),
+                 *, seed: int = 0, pad_to: int = program_lib.PAD_TO) -> LoopTrace:
+    """Run the first SpS loop for one prompt and return what happened in it: the K draft
+    tokens with p and q, the accept/reject outcome and the residual or bonus token. It
+    calls the same `speculative.speculate` as the fused loop, with the same key, so
+    `trace.tokens` are the first tokens `generate(target, draft, [prompt], sampling,
+    seed=seed)` emits (when max_new_tokens allows)."""
+    if draft is None:
+        raise UsageError("explain_loop shows one speculative loop and needs a draft model (got draft=None)")
+    prog = program_lib.build(target, draft, [prompt], sampling, seed, pad_to)
+    with jax.set_mesh(prog.mesh):
+        out = explain_program(*prog.args, warping=prog.settings["warping"], lookahead=prog.lookahead,
+                              size=prog.size)
+    x, p, q, n, token = distributed.fetch(out)
+    return LoopTrace(x[0].tolist(), p[0], q[0], int(n[0]), int(token[0]))
+
+
+@functools.partial(jax.jit, static_argnames=("warping",))
+def probs_program(lm, tokens, *, warping):
+    return warp(model.full_forward(lm, tokens), warping)
+
+
+def next_token_probs(lm: LM, sequences: Sequence[Sequence[int]],
+                     sampling: SamplingConfig = SamplingConfig()) -> np.ndarray:
+    """probs[b, t] = the distribution of the token after sequences[b][:t+1], warped as
+    `sampling` says (temperature, top-k, top-p), float32 [B, T, V]. One full forward pass
+    of equal-length sequences; nothing is sampled. Multiplying these along enumerated
+    continuations gives the exact distribution that ArS and SpS samples follow (Theorem 1)."""
+    sampling.validate()
+    program_lib.check_models(lm, None)
+    sequences = program_lib.as_token_lists(sequences)
+    lengths = {len(s) for s in sequences}
+    if len(lengths) > 1:
+        raise UsageError(f"sequences have different lengths {sorted(lengths)}: next_token_probs needs equal lengths")
+    program_lib.check_prompts(sequences, lm.cfg.vocab_size, lm.cfg.max_seq_len + 1, 0)
+    tokens = np.asarray(sequences, np.int32)
+    mesh = program_lib.mesh_of(lm)
+    tokens = distributed.put(tokens, sharding.named(mesh, ("batch", None), tokens.shape))
+    with jax.set_mesh(mesh):
+        probs = probs_program(lm, tokens, warping=program_lib.warping_of(sampling))
+    return distributed.fetch(probs)

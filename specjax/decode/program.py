@@ -1,0 +1,264 @@
+"""The one generation path: (models, prompts, sampling, seed) -> a `Program`.
+
+A `Program` is the frozen description of what runs on device: the jitted loop (prefill
+plus ONE `lax.while_loop`), its static settings, its arguments already placed on the
+mesh, the bucketed prompt width and the cache size. `generate`, `explain_loop`, `bench`,
+`evaluate`, `plan` and multi-process runs all build theirs with `build`, so the program
+`plan` compiles is the one `generate` runs, on one process or many: every process passes
+the same global prompts and feeds only the rows its own devices hold
+(`distributed.put`); results are gathered on every process (`distributed.fetch`).
+"""
+from __future__ import annotations
+
+import dataclasses
+import functools
+import hashlib
+import operator
+import time
+from typing import Any, Callable, Sequence
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from specjax import distributed, sharding
+from specjax.config import SamplingConfig, UsageError
+from specjax.decode.ars import autoregressive_generate
+from specjax.decode.sampling import Warp
+from specjax.decode.speculative import speculative_generate
+from specjax.model import LM
+
+PAD_TO = 16  # the narrowest prompt bucket
+SEED_LIMIT = 2 ** 63  # seeds are integers in [0, SEED_LIMIT)
+
+
+def bucket(longest: int, pad_to: int = PAD_TO) -> int:
+    """Prompt width for a batch whose longest prompt has `longest` tokens: the next power
+    of two (at least `pad_to`), so prompts of similar length share one compiled program."""
+    return max(pad_to, 1 << (longest - 1).bit_length())
+
+
+def cache_size(width: int, max_new: int, lookahead: int) -> int:
+    """Token-buffer and KV-cache slots: the prompt bucket, the new tokens, and room for a
+    last loop's K+1 scored positions past the budget."""
+    return width + max_new + lookahead + 1
+
+
+def seed_key(seed: jax.Array) -> jax.Array:
+    """A PRNG key from a seed split into uint32 (low, high) words. Seeds below 2**32 give
+    `jax.random.key(seed)` itself; larger ones fold the high word in, so every seed in
+    [0, 2**63) has its own stream without 64-bit mode."""
+    low = jax.random.key(seed[0])
+    data = jnp.where(seed[1] == 0, jax.random.key_data(low), jax.random.key_data(jax.random.fold_in(low, seed[1])))
+    return jax.random.wrap_key_data(data)
+
+
+@functools.partial(jax.jit, static_argnames=("warping", "lookahead", "max_new", "eos_id", "size"))
+def sps_program(target, draft, prompts, prompt_lens, seed, *, warping, lookahead, max_new, eos_id, size):
+    return speculative_generate(target, draft, prompts, prompt_lens, seed_key(seed), warping=warping,
+                                lookahead=lookahead, max_new=max_new, eos_id=eos_id, size=size)
+
+
+@functools.partial(jax.jit, static_argnames=("warping", "max_new", "eos_id", "size"))
+def ars_program(target, prompts, prompt_lens, seed, *, warping, max_new, eos_id, size):
+    return autoregressive_generate(target, prompts, prompt_lens, seed_key(seed), warping=warping,
+                                   max_new=max_new, eos_id=eos_id, size=size)
+
+
+# --------------------------------------------------------------------------- input checks
+
+
+def check_seed(seed) -> int:
+    if isinstance(seed, bool) or not isinstance(seed, (int, np.integer)):
+        raise UsageError(f"seed={seed!r}: must be an integer in [0, 2**63)")
+    if not 0 <= int(seed) < SEED_LIMIT:
+        raise UsageError(f"seed={int(seed)}: must be in [0, 2**63)")
+    return int(seed)
+
+
+def as_token_lists(prompts, names: Sequence[str] | None = None) -> list[list[int]]:
+    """Prompts as lists of Python ints: a sequence of sequences of integers (lists,
+    tuples, 1-D integer arrays, or a 2-D integer array of equal-length rows). Floats,
+    bools and strings are refused rather than truncated or coerced."""
+    if isinstance(prompts, np.ndarray):
+        if prompts.ndim != 2:
+            raise UsageError(f"prompts: an array of prompts must be 2-D [rows, tokens], got shape {prompts.shape}")
+        prompts = list(prompts)
+    if isinstance(prompts, (str, bytes)) or not isinstance(prompts, Sequence) and not isinstance(prompts, np.ndarray):
+        raise UsageError(f"prompts: expected a list of token-id lists, got {type(prompts).__name__}")
+    out = []
+    for i, prompt in enumerate(prompts):
+        name = names[i] if names else f"prompt {i}"
+        if isinstance(prompt, np.ndarray):
+            if prompt.ndim != 1 or not (np.issubdtype(prompt.dtype, np.integer) or prompt.size == 0):
+                raise UsageError(f"{name}: expected a 1-D array of integer token ids, got {prompt.dtype} "
+                                 f"shape {prompt.shape}")
+            prompt = prompt.tolist()
+        if isinstance(prompt, (str, bytes)) or not isinstance(prompt, Sequence):
+            raise UsageError(f"{name}: expected a list of integer token ids, got {type(prompt).__name__}")
+        bad = next((t for t in prompt if isinstance(t, bool) or not isinstance(t, (int, np.integer))), None)
+        if bad is not None:
+            raise UsageError(f"{name}: token id {bad!r} is not an integer")
+        out.append([int(t) for t in prompt])
+    return out
+
+
+def check_prompts(prompts: Sequence[Sequence[int]], vocab_size: int, context: int, max_new_tokens: int,
+                  names: Sequence[str] | None = None, budget: str = "max_new_tokens") -> None:
+    """Fail on the first bad prompt, naming it (`names[i]`, e.g. "--prompt #1" or
+    "p.jsonl:3"; default "prompt i") and the allowed values; `budget` is what the
+    caller calls max_new_tokens (the command line says "--max_new_tokens")."""
+    if not prompts:
+        raise UsageError("no prompts given")
+    if max_new_tokens >= context:
+        raise UsageError(f"{budget}={max_new_tokens}: must be below the model's context of {context} "
+                         "tokens (max_seq_len), which also holds the prompt")
+    for i, prompt in enumerate(prompts):
+        name = names[i] if names else f"prompt {i}"
+        if len(prompt) == 0:
+            raise UsageError(f"{name} is empty: every prompt needs at least one token")
+        bad = next((t for t in prompt if not 0 <= t < vocab_size), None)
+        if bad is not None:
+            raise UsageError(f"{name}: token id {bad} is outside the vocabulary: allowed ids are 0..{vocab_size - 1}")
+        if len(prompt) + max_new_tokens > context:
+            raise UsageError(f"{name} has {len(prompt)} tokens; with {budget}={max_new_tokens} that is "
+                             f"{len(prompt) + max_new_tokens} positions, more than the model's context of "
+                             f"{context} (at most {context - max_new_tokens} prompt tokens)")
+
+
+def context_of(target: LM, draft: LM | None) -> int:
+    return min(lm.cfg.max_seq_len for lm in (target, draft) if lm is not None)
+
+
+# --------------------------------------------------------------------------- the program
+
+
+# XLA:CPU (jaxlib 0.10) hands multi-row dots to YNNPACK fusions by default; for the
+# few-row matmuls of decoding they are slower than XLA's own dot emitter (BENCHMARKS.md
+# section 5). Every program compiled here for a CPU turns them off; other backends get
+# no options.
+CPU_COMPILER_OPTIONS = {"xla_cpu_experimental_ynn_fusion_type": ""}
+
+
+def compile_lowered(lowered):
+    """Compile with CPU_COMPILER_OPTIONS on a CPU backend (without them where this jaxlib
+    does not know the option)."""
+    if jax.default_backend() == "cpu":
+        try:
+            return lowered.compile(compiler_options=CPU_COMPILER_OPTIONS)
+        except jax.errors.JaxRuntimeError as e:
+            if "No such compile option" not in str(e):
+                raise
+    return lowered.compile()
+
+
+_COMPILED: dict = {}
+
+
+@dataclasses.dataclass(frozen=True)
+class Program:
+    """Everything one generation run is on device. `args` are placed on `mesh` (the run
+    needs no host<->device transfer); `statics` are the jit's static settings."""
+
+    fn: Callable
+    args: tuple
+    statics: tuple  # sorted (name, value) pairs
+    mesh: jax.sharding.Mesh
+    batch: int
+    width: int  # bucketed prompt width
+    size: int  # cache / token-buffer slots
+    mode: str  # 'sps' | 'ars'
+    prompt_lens: tuple[int, ...]  # tokens per prompt, on the host
+
+    @property
+    def settings(self) -> dict[str, Any]:
+        return dict(self.statics)
+
+    @property
+    def lookahead(self) -> int:
+        return self.settings.get("lookahead", 1)
+
+    def lower(self):
+        with jax.set_mesh(self.mesh):
+            return self.fn.lower(*self.args, **self.settings)
+
+    def compile(self):
+        """AOT-compiled once per (program, shapes, shardings, settings), so timings exclude compiles."""
+        leaves, treedef = jax.tree.flatten(self.args)
+        key = (self.fn, treedef, tuple((x.shape, str(x.dtype), x.sharding) for x in leaves), self.statics)
+        if key not in _COMPILED:
+            _COMPILED[key] = compile_lowered(self.lower())
+        return _COMPILED[key]
+
+    def run(self) -> tuple[Any, float, float]:
+        """(outputs as numpy on every process, run seconds, compile seconds). The run
+        happens under a transfer guard: a silent host<->device copy inside it fails."""
+        start = time.perf_counter()
+        compiled = self.compile()
+        compile_seconds = time.perf_counter() - start
+        with jax.set_mesh(self.mesh):
+            start = time.perf_counter()
+            with jax.transfer_guard("disallow"):
+                out = compiled(*self.args)
+                jax.block_until_ready(out)
+            seconds = time.perf_counter() - start
+        return distributed.fetch(out), seconds, compile_seconds
+
+
+def fingerprint(compiled) -> str:
+    """A short hash of a compiled program's HLO text: equal programs, equal fingerprints."""
+    return hashlib.sha256(compiled.as_text().encode()).hexdigest()[:16]
+
+
+def mesh_of(lm: LM) -> jax.sharding.Mesh:
+    return jax.tree.leaves(lm.params)[0].sharding.mesh
+
+
+def warping_of(sampling: SamplingConfig) -> Warp:
+    return Warp(float(sampling.temperature), int(sampling.top_k), float(sampling.top_p))
+
+
+def check_models(target: LM, draft: LM | None) -> None:
+    if not isinstance(target, LM):
+        raise UsageError(f"target: expected a specjax LM (specjax.init_lm, specjax.load_lm), got "
+                         f"{type(target).__name__}")
+    if draft is None:
+        return
+    if not isinstance(draft, LM):
+        raise UsageError(f"draft: expected a specjax LM or None (ArS), got {type(draft).__name__}")
+    if draft.cfg.vocab_size != target.cfg.vocab_size:
+        raise UsageError(f"the draft's vocabulary has {draft.cfg.vocab_size} tokens and the target's "
+                         f"{target.cfg.vocab_size}: speculative sampling needs one shared vocabulary")
+
+
+def build(target: LM, draft: LM | None, prompts, sampling: SamplingConfig, seed: int = 0,
+          pad_to: int = PAD_TO, names: Sequence[str] | None = None) -> Program:
+    """Validate everything, bucket and place the prompts: the program that generates
+    continuations of `prompts` with SpS (a draft) or ArS (draft=None)."""
+    sampling.validate()
+    check_models(target, draft)
+    seed = check_seed(seed)
+    prompts = as_token_lists(prompts, names)
+    context = context_of(target, draft)
+    check_prompts(prompts, target.cfg.vocab_size, context, sampling.max_new_tokens, names)
+    lookahead = sampling.lookahead if draft is not None else 1
+    if lookahead >= context:
+        raise UsageError(f"lookahead={lookahead}: must be below the model's context of {context} tokens")
+    mesh = mesh_of(target)
+    width = bucket(max(len(p) for p in prompts), pad_to)
+    size = cache_size(width, sampling.max_new_tokens, lookahead)
+    padded = np.zeros((len(prompts), width), np.int32)
+    for i, prompt in enumerate(prompts):
+        padded[i, :len(prompt)] = prompt
+    lens = np.array([len(p) for p in prompts], np.int32)
+    words = np.array([seed & 0xFFFFFFFF, seed >> 32], np.uint32)
+    args = (distributed.put(padded, sharding.named(mesh, ("batch", None), padded.shape)),
+            distributed.put(lens, sharding.named(mesh, ("batch",), lens.shape)),
+            distributed.put(words, sharding.replicated(mesh)))
+    statics = dict(warping=warping_of(sampling), max_new=sampling.max_new_tokens, eos_id=sampling.eos_id, size=size)
+    if draft is not None:
+        fn, args, statics, mode = sps_program, (target, draft) + args, dict(statics, lookahead=lookahead), "sps"
+    else:
+        fn, args, mode = ars_program, (target,) + args, "ars"
+    return Program(fn, args, tuple(sorted(statics.items(), key=operator.itemgetter(0))), mesh, len(prompts),
+                   width, size, mode, tuple(int(n) for n in lens))

@@ -1,0 +1,96 @@
+"""Logits -> probabilities (temperature, top-k, top-p) and one draw from them.
+
+`warp` is the ONE place logits become a distribution; draft and target go through it
+identically, so the speculative ratio q(x)/p(x) compares like with like. The order is
+temperature, then top-k, then top-p; temperature 0 is greedy (a one-hot argmax).
+"""
+from __future__ import annotations
+
+from typing import NamedTuple
+
+import jax
+import jax.numpy as jnp
+
+from specjax.sharding import constrain
+
+
+class Warp(NamedTuple):
+    """Static (hashable) sampling settings: each distinct value compiles its own loop."""
+
+    temperature: float = 1.0
+    top_k: int = 0
+    top_p: float = 1.0
+
+
+def warp(logits: jax.Array, w: Warp) -> jax.Array:
+    """float32 probabilities over the last axis."""
+    # Gather vocab-parallel logits once (one small all-gather) so every reduction below is
+    # local: on a pod, a dozen latency-bound all-reduces per distribution would cost more.
+    logits = constrain(logits.astype(jnp.float32), ("batch",) + (None,) * (logits.ndim - 1))
+    vocab = logits.shape[-1]
+    if w.temperature == 0:
+        return jax.nn.one_hot(jnp.argmax(logits, axis=-1), vocab, dtype=jnp.float32)
+    logits = logits / w.temperature
+    if 0 < w.top_k < vocab:
+        kth = jax.lax.top_k(logits, w.top_k)[0][..., -1:]
+        logits = jnp.where(logits < kth, -jnp.inf, logits)
+    probs = jax.nn.softmax(logits, axis=-1)
+    if w.top_p < 1.0:
+        probs = nucleus(probs, w.top_p)
+    return probs
+
+
+def nucleus(probs: jax.Array, top_p: float) -> jax.Array:
+    """Keep the smallest set of most likely tokens whose mass reaches top_p (ties at the
+    boundary kept together), renormalised. Equivalently: keep p >= t*, the largest
+    threshold whose kept mass is still >= top_p. t* is found by bisection over the bit
+    patterns of the float32 probabilities (ordered like the values, as p >= 0), so it is
+    one of the probabilities exactly, without sorting the vocabulary: 32 masked sums cost
+    ~0.3 ms where a sort of 4096 entries cost ~4.6 ms per 5 distributions on CPU."""
+    bits = jax.lax.bitcast_convert_type(probs, jnp.int32)
+    lo = jnp.zeros(probs.shape[:-1] + (1,), jnp.int32)  # keeps everything: mass 1 >= top_p
+    hi = jnp.max(bits, axis=-1, keepdims=True) + 1  # keeps nothing
+
+    def halve(_, bounds):
+        lo, hi = bounds
+        mid = lo + (hi - lo) // 2
+        enough = jnp.sum(jnp.where(bits >= mid, probs, 0.0), axis=-1, keepdims=True) >= top_p
+        return jnp.where(enough, mid, lo), jnp.where(enough, hi, mid)
+
+    threshold, _ = jax.lax.fori_loop(0, 32, halve, (lo, hi))
+    kept = jnp.where(bits >= threshold, probs, 0.0)
+    return kept / jnp.sum(kept, axis=-1, keepdims=True)
+
+
+def cumulative(probs: jax.Array, block: int = 64) -> jax.Array:
+    """cumsum over the last axis as two small triangular matmuls (within blocks of 64,
+    then the block offsets): 14 us for 4096 entries on CPU where `jnp.cumsum` took 47 us;
+    same float32 error (~1e-7). `highest` keeps TPUs from rounding the operands to bf16."""
+    V = probs.shape[-1]
+    n = -(-V // block)
+    blocks = jnp.pad(probs, [(0, 0)] * (probs.ndim - 1) + [(0, n * block - V)]).reshape(probs.shape[:-1] + (n, block))
+    upper = lambda m, k: jnp.triu(jnp.ones((m, m), probs.dtype), k)
+    within = jnp.einsum("...nb,bc->...nc", blocks, upper(block, 0), precision="highest")
+    offsets = jnp.einsum("...n,nm->...m", within[..., -1], upper(n, 1), precision="highest")
+    return (within + offsets[..., None]).reshape(probs.shape[:-1] + (n * block,))[..., :V]
+
+
+def sample(key: jax.Array, probs: jax.Array) -> jax.Array:
+    """One token per distribution over the last axis (zero-probability tokens never drawn).
+
+    Inverse CDF: the first token whose cumulative mass exceeds u * total, u ~ U[0, 1).
+    One uniform per distribution; `jax.random.categorical` draws a Gumbel per vocabulary
+    entry, and generating 4096 of them cost ~0.38 ms per call on CPU (5 calls per K=4
+    loop) against ~0.02 ms here. A zero-probability token repeats its predecessor's cumulative
+    mass, so it is never the first to exceed u * total; the clamp to the last token with
+    mass covers u * total rounding up to the total itself."""
+    cdf = cumulative(probs)
+    u = jax.random.uniform(key, probs.shape[:-1] + (1,), jnp.float32) * cdf[..., -1:]
+    first_above = jnp.sum(cdf <= u, axis=-1)
+    last_with_mass = probs.shape[-1] - 1 - jnp.argmax(jnp.flip(probs, axis=-1) > 0, axis=-1)
+    return jnp.minimum(first_above, last_with_mass).astype(jnp.int32)
+
+
+def nonfinite_rows(logits: jax.Array) -> jax.Array:
+    """[B] True where a row's logits hold NaN or inf (reported at the host boundary)."""
+    return ~jnp.all(jnp.isfinite(logits), axis=tuple(range(1, logits.ndim)))

@@ -1,0 +1,82 @@
+"""Generation state shared by ArS and SpS.
+
+A token buffer [B, S] holds prompt + output; per row, `length` counts the tokens in the
+buffer (the last one is "pending": not yet in any KV cache), and `Stats` the loops and
+accepted drafts. Rows are ragged: every row has its own length and stops on its own
+(end-of-sequence or max_new_tokens), never a min over rows.
+"""
+from __future__ import annotations
+
+import dataclasses
+
+import jax
+import jax.numpy as jnp
+
+from specjax import kv_cache
+from specjax.kv_cache import KVCache
+from specjax.model import LM
+from specjax.sharding import constrain
+
+
+def prefill(lm: LM, prompts: jax.Array, prompt_lens: jax.Array, size: int) -> KVCache:
+    """Write every prompt token into a fresh cache. Each row's last prompt token is left
+    'pending' (the next step feeds it again and samples from its logits), so ragged rows
+    need no per-row logit gather here; entries past a row's length are masked."""
+    batch, width = prompts.shape
+    positions = jnp.broadcast_to(jnp.arange(width, dtype=jnp.int32), (batch, width))
+    _, cache = lm(prompts, positions, kv_cache.empty(lm.cfg, batch, size))
+    return cache.with_lengths(prompt_lens - 1)
+
+
+def token_buffer(prompts: jax.Array, size: int) -> jax.Array:
+    batch, width = prompts.shape
+    buf = jnp.zeros((batch, size), jnp.int32).at[:, :width].set(prompts)
+    return constrain(buf, ("batch", None))
+
+
+def gather_rows(buf: jax.Array, index: jax.Array) -> jax.Array:
+    """buf[b, index[b]] for every row b."""
+    return jnp.take_along_axis(buf, index[:, None], axis=1)[:, 0]
+
+
+def write_rows(buf: jax.Array, start: jax.Array, values: jax.Array, count: jax.Array) -> jax.Array:
+    """buf[b, start[b] + j] = values[b, j] for j < count[b]; other writes are dropped."""
+    batch, width = values.shape
+    j = jnp.arange(width)[None, :]
+    cols = jnp.where(j < count[:, None], start[:, None] + j, buf.shape[1])  # out of range = dropped
+    return buf.at[jnp.arange(batch)[:, None], cols].set(values, mode="drop")
+
+
+def stop_after(new_tokens: jax.Array, count: jax.Array, num_new: jax.Array, max_new: int,
+               eos_id: int):
+    """Clip each row's `count` new tokens at the token budget and just after end-of-sequence.
+    Returns (emitted count, row finished)."""
+    count = jnp.minimum(count, max_new - num_new)
+    finished = num_new + count >= max_new
+    if eos_id >= 0:
+        j = jnp.arange(new_tokens.shape[1])[None, :]
+        is_eos = (new_tokens == eos_id) & (j < count[:, None])
+        first = jnp.argmax(is_eos, axis=1)
+        hit = jnp.any(is_eos, axis=1)
+        count = jnp.where(hit, first + 1, count)
+        finished = finished | hit
+    return count, finished
+
+
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass
+class Stats:
+    """Per-row counters, returned with the tokens."""
+
+    loops: jax.Array  # [B] loops (ArS: steps) while the row was active
+    num_new: jax.Array  # [B] tokens generated
+    accepted: jax.Array  # [B] draft tokens accepted (SpS)
+    accepted_at: jax.Array  # [B, K] loops in which draft position j was accepted
+    histogram: jax.Array  # [B, K+1] loops that accepted exactly n draft tokens
+    nonfinite: jax.Array  # [B] a NaN/inf logit was seen
+
+    @classmethod
+    def zeros(cls, batch: int, lookahead: int) -> "Stats":
+        z = jnp.zeros((batch,), jnp.int32)
+        return cls(z, z, z, jnp.zeros((batch, lookahead), jnp.int32),
+                   jnp.zeros((batch, lookahead + 1), jnp.int32), jnp.zeros((batch,), bool))

@@ -1,0 +1,1 @@
+"""Table 1 in miniature: tasks, metrics, the paired ArS/SpS agreement test, the run."""

@@ -1,0 +1,1 @@
+"""Training: the corpus and its batches (`data`), losses with distillation, the trainer."""

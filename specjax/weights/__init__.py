@@ -1,0 +1,1 @@
+"""What a model is made of on disk: orbax checkpoints (`checkpoint`) and tokenizers."""
