@@ -275,6 +275,15 @@ def apply_override(config: Config, item: str) -> Config:
     return set_in(config, parts, "")
 
 
+def user_path(text: str | os.PathLike):
+    """A path the user gave (a checkpoint, an HF directory, a prompts file, an output):
+    an `etils.epath.Path`, so `gs://bucket/...` works wherever epath (and orbax) support
+    it; `~` is expanded for local paths."""
+    from etils import epath
+    path = epath.Path(text)
+    return path if str(text).startswith("gs://") else path.expanduser()
+
+
 def cache_dir() -> pathlib.Path:
     """Where trained checkpoints, tokenizers and token caches live ($SPECJAX_CACHE overrides)."""
     return pathlib.Path(os.environ.get("SPECJAX_CACHE", pathlib.Path.home() / ".cache" / "specjax"))

@@ -15,6 +15,8 @@ Environment read by `maybe_initialize()`:
 from __future__ import annotations
 
 import os
+import pickle
+from typing import Any, Callable
 
 import jax
 import numpy as np
@@ -88,3 +90,66 @@ def fetch(tree):
             return multihost_utils.process_allgather(x, tiled=True)
         return np.asarray(jax.device_get(x))
     return jax.tree.map(one, tree)
+
+
+def broadcast_bytes(data: bytes) -> bytes:
+    """Process 0's `data` on every process (the others pass anything, e.g. b"")."""
+    if jax.process_count() == 1:
+        return data
+    size = multihost_utils.broadcast_one_to_all(np.array([len(data)], np.int64))
+    buf = np.zeros(int(size[0]), np.uint8)
+    if jax.process_index() == 0:
+        buf[:] = np.frombuffer(data, np.uint8)
+    return np.asarray(multihost_utils.broadcast_one_to_all(buf)).tobytes()
+
+
+def agreed(fn: Callable[[], Any]) -> Any:
+    """`fn()` run on process 0 only, its result (or its UsageError) on every process.
+
+    Everything that reads host inputs (prompt files, tokenizers, checkpoint directories,
+    output paths) goes through here, so a file that only worker 0 can read, or a bad
+    input, ends every process the same way instead of one exiting while the others wait
+    in a collective until the coordinator times out."""
+    from specjax.config import UsageError
+    if jax.process_count() == 1:
+        return fn()
+    payload = ("ok", None)
+    if jax.process_index() == 0:
+        try:
+            payload = ("ok", fn())
+        except UsageError as e:
+            payload = ("usage", str(e))
+        except Exception as e:  # noqa: BLE001 (told to every process, then raised here)
+            payload = ("error", f"{type(e).__name__}: {e}")
+            error = e
+    kind, value = pickle.loads(broadcast_bytes(pickle.dumps(payload) if jax.process_index() == 0 else b""))
+    if kind == "usage":
+        raise UsageError(value)
+    if kind == "error":
+        if jax.process_index() == 0:
+            raise error
+        raise RuntimeError(f"process 0 failed while reading the inputs: {value}")
+    return value
+
+
+def everywhere(fn: Callable[[], Any], message_bytes: int = 2048) -> Any:
+    """`fn()` run on every process; if it raised UsageError on any of them, the same
+    UsageError (naming the process) on all of them. `fn` must not itself synchronise
+    processes: it is the check that comes BEFORE anything that does (orbax managers,
+    collectives), so that no process is left waiting for one that already exited."""
+    from specjax.config import UsageError
+    if jax.process_count() == 1:
+        return fn()
+    result, message = None, b""
+    try:
+        result = fn()
+    except UsageError as e:
+        message = str(e).encode("utf-8")[:message_bytes] or b"error"
+    buf = np.zeros(message_bytes + 1, np.uint8)
+    buf[0], buf[1:1 + len(message)] = len(message) > 0, np.frombuffer(message, np.uint8)
+    gathered = np.asarray(multihost_utils.process_allgather(buf))
+    for process, row in enumerate(gathered):
+        if row[0]:
+            text = row[1:].tobytes().rstrip(b"\0").decode("utf-8", errors="replace")
+            raise UsageError(text if process == jax.process_index() else f"on process {process}: {text}")
+    return result

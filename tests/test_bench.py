@@ -4,6 +4,8 @@ import os
 import subprocess
 import sys
 
+import pytest
+
 
 def test_bench_writes_json_and_png(tmp_path):
     out, png = tmp_path / "bench.json", tmp_path / "fig1.png"
@@ -25,8 +27,15 @@ def test_bench_writes_json_and_png(tmp_path):
     assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
 
 
-def test_bench_rejects_bad_lookahead():
-    proc = subprocess.run([sys.executable, "-m", "specjax.bench", "--config=tiny", "--init=random",
-                           "--lookahead=0,2"], capture_output=True, text=True, timeout=300)
-    assert proc.returncode == 2
-    assert "--lookahead='0,2'" in proc.stderr and "Traceback" not in proc.stderr
+@pytest.mark.parametrize("args, fragment", [
+    (["--lookahead=0,2"], "--lookahead='0,2'"),
+    (["--num_prompts=0"], "--num_prompts=0: must be a positive integer"),
+    (["--repeats=0"], "--repeats=0: must be a positive integer"),
+    (["--json=/"], "--json='/': cannot write it, it is a directory"),
+    (["--plot=/"], "--plot='/': cannot write it, it is a directory"),
+])
+def test_bench_rejects_bad_input_before_any_work(args, fragment):
+    proc = subprocess.run([sys.executable, "-m", "specjax.bench", "--config=tiny", "--init=random", *args],
+                          capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 2, proc.stderr
+    assert fragment in proc.stderr and "Traceback" not in proc.stderr and proc.stdout == "", proc.stderr

@@ -243,6 +243,9 @@ BAD = [
     (["--task=xsum", "--xsum_file=/nonexistent/x.jsonl"], ["--xsum_file='/nonexistent/x.jsonl'", "cannot read"]),
     (["--task=xsum", "--limit=0"], ["--limit=0", "positive integer"]),
     (["--task=summarise"], ["summarise", "humaneval", "xsum"]),
+    (["--task=xsum", "--max_new_tokens=600"], ["--max_new_tokens=600", "context of 512"]),
+    (["--task=xsum", "--output=/"], ["--output='/'", "it is a directory"]),
+    (["--task=humaneval", "--timeout=nan"], ["--timeout=nan", "finite"]),
 ]
 
 

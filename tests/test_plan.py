@@ -228,6 +228,20 @@ def test_plan_rejects_a_mesh_the_draft_does_not_divide():
     assert "draft.num_heads=48" in proc.stderr and "32" in proc.stderr and "Traceback" not in proc.stderr
 
 
+@pytest.mark.parametrize("args, fragment", [
+    (["--collective_latency_us=nan"], "--collective_latency_us=nan: must be a finite number"),
+    (["--collective_latency_us=-1"], "--collective_latency_us=-1.0: must be a finite number in [0.0,"),
+    (["--json=/"], "--json='/': cannot write it, it is a directory"),
+    (["--mesh=1x"], "--mesh='1x': expected DATAxMODEL"),
+    (["--batch=0"], "--batch=0: must be a positive integer"),
+])
+def test_plan_rejects_bad_flags_before_compiling(args, fragment):
+    proc = subprocess.run([sys.executable, "-m", "specjax.plan", "--config=tiny", *args], cwd=REPO,
+                          capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 2, proc.stderr
+    assert fragment in proc.stderr and "Traceback" not in proc.stderr and proc.stdout == "", proc.stderr
+
+
 # --------------------------------------------------------------------------- relative positions
 
 

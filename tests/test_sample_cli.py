@@ -89,6 +89,8 @@ def files(tmp_path_factory):
     other_tok = train_tokenizer([stdlib / "glob.py", stdlib / "shlex.py", stdlib / "textwrap.py"], base / "tok2", 512)
     checkpoint.save_tokenizer(base / "tiny_text_draft", other_tok)
     (base / "bad.jsonl").write_text('{"prompt": "def f():"}\n{"prompt": 3}\n')
+    (base / "surrogate.jsonl").write_text('{"prompt": "\\ud800"}\n')  # a JSON escape no UTF-8 can hold
+    (base / "tokens.jsonl").write_text('{"prompt_tokens": [1, 2, 3]}\n')
     return base
 
 
@@ -245,7 +247,50 @@ BAD_INPUTS = [
     ("sps without a draft", ["--config=mini_target"], {}, ["--mode=sps", "no", "draft", "--mode=ars"]),
     ("num_samples 0", ["--num_samples=0"], {}, ["--num_samples=0", "positive integer"]),
     ("stray argument", ["oops"], {}, ["unexpected arguments ['oops']"]),
+    ("lookahead beyond context", ["--lookahead=100000000"], {}, ["--lookahead=100000000", "context of 512"]),
+    ("rows beyond the limit", ["--num_samples=1000000000"], {}, ["= 1000000000 rows", "at most 1000000"]),
+    ("prompts file without end", ["--prompts_file=/dev/zero"], {}, ["--prompts_file='/dev/zero'", "larger than"]),
+    ("prompt not UTF-8", [os.fsdecode(b"--prompt=\xff\xfe")], {}, ["--prompt #1", "not valid UTF-8"]),
+    ("JSONL prompt with a lone surrogate", ["--prompts_file={files}/surrogate.jsonl"], {},
+     ["surrogate.jsonl:1", "not valid UTF-8"]),
+    ("seed negative", ["--seed=-1"], {}, ["--seed=-1", "[0, 2**63)"]),
+    ("seed beyond 63 bits", ["--seed=9223372036854775808"], {}, ["--seed=9223372036854775808", "[0, 2**63)"]),
+    ("output is the prompts file", ["--prompts_file={files}/tokens.jsonl", "--output={files}/tokens.jsonl"], {},
+     ["--output=", "tokens.jsonl", "destroy the input"]),
+    ("output under a regular file", ["--output={files}/bad.jsonl/out.jsonl"], {}, ["--output=", "not a directory"]),
+    ("checkpoint with random init", ["--init=random", "--checkpoint={files}/tiny_seed7"], {},
+     ["--checkpoint", "no effect with --init=random"]),
 ]
+
+
+def test_failed_runs_leave_an_existing_output_file_untouched(env, files, tmp_path):
+    """Every check passes before the output is opened: a run that fails, at any check,
+    leaves what was there (and the prompts file is never the output, see BAD_INPUTS)."""
+    out = tmp_path / "old.jsonl"
+    out.write_text("x\n")
+    cases = [["--mesh=3x3"], ["--init=checkpoint", "--mode=ars"], [f"--checkpoint={files}/nothing", "--mode=ars"],
+             ["--prompt=def f():"]]
+    for args in cases:
+        proc = sample(env, *with_defaults(args), f"--output={out}", timeout=120)
+        assert proc.returncode == 2, (args, proc.stderr)
+        assert out.read_text() == "x\n", args
+
+
+def test_a_failing_output_write_is_one_line_and_exit_1(env):
+    proc = sample(env, *TINY, "--mode=ars", *GREEDY, "--output=/dev/full")
+    assert proc.returncode == 1, proc.stderr
+    lines = [line for line in proc.stderr.splitlines() if line.strip()]
+    assert len(lines) == 1 and "Traceback" not in proc.stderr, proc.stderr
+    assert "--output='/dev/full'" in lines[0] and "No space left on device" in lines[0], lines[0]
+
+
+def test_jsonl_prompts_file_may_start_with_a_bom(env, tmp_path):
+    prompts = tmp_path / "bom.jsonl"
+    prompts.write_bytes(b"\xef\xbb\xbf" + b'{"prompt_tokens": [1, 2, 3]}\n')
+    proc = sample(env, *TINY, "--mode=ars", "--temperature=0", f"--prompts_file={prompts}", "--noprint_samples",
+                  f"--output={tmp_path / 'out.jsonl'}")
+    assert proc.returncode == 0, proc.stderr
+    assert [r["prompt_tokens"] for r in read_jsonl(tmp_path / "out.jsonl")] == [[1, 2, 3]]
 
 
 def with_defaults(args: list[str]) -> list[str]:

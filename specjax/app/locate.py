@@ -12,6 +12,9 @@ import pathlib
 import sys
 from typing import Optional, Sequence
 
+import jax
+
+from specjax import distributed
 from specjax.config import Config, ModelConfig, UsageError, load_config
 from specjax.model import init_lm
 from specjax.training import trainer
@@ -56,17 +59,17 @@ class Weights:
             wanted.append(("--draft_checkpoint", draft_checkpoint, draft_name, draft_dir))
         # The mini pair counts as present only when fully trained: an interrupted first run
         # resumes instead of sampling from a half-trained model.
+        # Training on one process of many would leave the others waiting: only single-process runs train.
+        train_missing = train_missing and jax.process_count() == 1
         to_train = [name for flag, given, name, d in wanted if given is None and name in AUTO_TRAIN
                     and train_missing and _latest_step(d) < load_config(name).train.steps]
+        # Every process must see the directories before any opens them with orbax, whose
+        # managers synchronise all processes: a directory on worker 0 only would otherwise
+        # leave the others waiting.
+        distributed.everywhere(lambda: _check_visible(wanted, to_train))
         for flag, given, name, d in wanted:
-            if _latest_step(d) >= 0 or name in to_train:
-                continue
-            what = "holds no finished checkpoint" if d.is_dir() else "does not exist"
-            if given is not None:
-                raise UsageError(f"{flag}={given!r}: no checkpoint there (the directory {what}); create one "
-                                 f"with `{train_command(name)} --workdir={given}`, or use --init=random")
-            raise UsageError(f"no checkpoint for config {name!r}: {d} {what}; create it with "
-                             f"`{train_command(name)}`, pass {flag}=DIR, or use --init=random")
+            if _latest_step(d) < 0 and name not in to_train:
+                _missing(flag, given, name, d, "holds no finished checkpoint" if d.is_dir() else "does not exist")
         if to_train:
             train([n for n in AUTO_TRAIN if n in to_train])  # the draft's teacher first
         # A checkpoint of another model fails here, from its metadata, before any JAX work.
@@ -111,6 +114,20 @@ class Weights:
         draft = (ckpt_lib.load_lm(c.draft, mesh, self.draft_dir, config_name=c.draft_from or f"{c.name}.draft")
                  if need_draft else None)
         return target, draft
+
+
+def _check_visible(wanted, to_train) -> None:
+    for flag, given, name, d in wanted:
+        if not d.is_dir() and name not in to_train:
+            _missing(flag, given, name, d, "does not exist")
+
+
+def _missing(flag: str, given: Optional[str], name: str, directory, what: str) -> None:
+    if given is not None:
+        raise UsageError(f"{flag}={given!r}: no checkpoint there (the directory {what}); create one "
+                         f"with `{train_command(name)} --workdir={given}`, or use --init=random")
+    raise UsageError(f"no checkpoint for config {name!r}: {directory} {what}; create it with "
+                     f"`{train_command(name)}`, pass {flag}=DIR, or use --init=random")
 
 
 def _resolve(given: Optional[str], name: str) -> Optional[pathlib.Path]:

@@ -23,7 +23,17 @@ from typing import Optional, Sequence
 import jax
 
 from specjax.app.cli import RunError
-from specjax.config import UsageError
+from specjax.config import UsageError, user_path
+
+
+def is_remote(path: str) -> bool:
+    return str(path).startswith("gs://")
+
+
+def _path(path: str):
+    """pathlib for local paths (epath calls a device file such as /dev/full a regular
+    file, and an atomic replace would then swap the device for a file), epath for gs://."""
+    return user_path(path) if is_remote(path) else pathlib.Path(path).expanduser()
 
 
 def check_writable(path: Optional[str], flag: str = "--output", not_same_as: Sequence[Optional[str]] = ()) -> None:
@@ -31,13 +41,16 @@ def check_writable(path: Optional[str], flag: str = "--output", not_same_as: Seq
     overwritten); `not_same_as` names input files it must not replace. Creates nothing."""
     if path is None:
         return
-    p = pathlib.Path(path).expanduser()
     if not str(path).strip():
         raise UsageError(f"{flag}={path!r}: empty file name")
+    p = _path(path)
     if p.is_dir():
         raise UsageError(f"{flag}={path!r}: cannot write it, it is a directory; give a file name")
+    if is_remote(path):
+        return  # no permission bits to read on gs://: a write failure at the end is kept (see `save`)
     for other in not_same_as:
-        if other and p.exists() and pathlib.Path(other).expanduser().exists() and os.path.samefile(p, pathlib.Path(other).expanduser()):
+        if other and not is_remote(other) and p.exists() and _path(other).exists() and os.path.samefile(
+                p, _path(other)):
             raise UsageError(f"{flag}={path!r}: is the input file {other!r}; writing it would destroy the input")
     if p.exists():
         if not os.access(p, os.W_OK):
@@ -62,13 +75,12 @@ def _held(write) -> None:
 
 
 class JsonlWriter:
-    """Whole batches of JSON lines. `path` is checked at construction and opened at the
-    first `write`, so a run that fails before its first batch leaves an existing file as
-    it was."""
+    """Whole batches of JSON lines. `path` (checked by `check_writable` at start-up) is
+    opened at the first `write`, so a run that fails before its first batch leaves an
+    existing file as it was."""
 
-    def __init__(self, path: Optional[str], not_same_as: Sequence[Optional[str]] = ()):
-        check_writable(path, "--output", not_same_as)
-        self.path = pathlib.Path(path).expanduser() if path is not None else None
+    def __init__(self, path: Optional[str]):
+        self.path = _path(path) if path is not None else None
         self.file = None
         self.lines = 0
         self.enabled = path is not None and jax.process_index() == 0
@@ -81,7 +93,7 @@ class JsonlWriter:
         def write():
             if self.file is None:
                 self.path.parent.mkdir(parents=True, exist_ok=True)
-                self.file = open(self.path, "w", encoding="utf-8")
+                self.file = self.path.open("w", encoding="utf-8")
             self.file.write(data)
             self.file.flush()
 
@@ -108,14 +120,14 @@ def save(path: str, data: str | bytes, flag: str = "--output") -> None:
     On failure the data is saved to a temporary file and RunError names it."""
     if jax.process_index() != 0:
         return
-    p = pathlib.Path(path).expanduser()
+    p = _path(path)
     raw = data.encode("utf-8") if isinstance(data, str) else data
     try:
         p.parent.mkdir(parents=True, exist_ok=True)
-        if p.exists() and not p.is_file():  # /dev/stdout and friends: no temporary next to them
+        if is_remote(path) or p.exists() and not p.is_file():  # gs://, /dev/stdout: no temporary next to them
             _held(lambda: p.write_bytes(raw))
             return
-        tmp = p.with_name(f".{p.name}.{os.getpid()}.tmp")
+        tmp = p.with_name(f".{p.name}.{os.getpid()}.tmp")  # a reader never sees half a report
         try:
             tmp.write_bytes(raw)
             tmp.replace(p)

@@ -22,7 +22,7 @@ import json
 import pathlib
 from typing import Optional, Protocol, Sequence
 
-from specjax.config import UsageError
+from specjax.config import UsageError, user_path
 from specjax.decode.program import check_prompts
 
 
@@ -62,19 +62,46 @@ def _is_jsonl(path: pathlib.Path, lines: list[str]) -> bool:
     return first.lstrip().startswith("{")
 
 
-def read_prompts_file(path: str) -> list[_Raw]:
-    p = pathlib.Path(path).expanduser()
+MAX_FILE_BYTES = 256 * 2 ** 20  # a prompts file is read whole; beyond this it is not a prompts file
+
+
+def read_text_file(path: str, flag: str, expected: str) -> str:
+    """The UTF-8 text of a user's input file (a BOM at the start is dropped), or a
+    UsageError naming `flag`: unreadable, not UTF-8, or larger than MAX_FILE_BYTES
+    (`/dev/zero` included: at most MAX_FILE_BYTES + 1 bytes are ever read)."""
     try:
-        content = p.read_text(encoding="utf-8")
-    except UnicodeDecodeError as e:
-        raise UsageError(f"--prompts_file={path!r}: not UTF-8 text ({e.reason} at byte {e.start})") from None
+        with user_path(path).open("rb") as f:
+            data = f.read(MAX_FILE_BYTES + 1)
     except OSError as e:
-        raise UsageError(f"--prompts_file={path!r}: cannot read it ({e.strerror or e}); expected a text file "
-                         "with one prompt per line, or JSONL with a \"prompt\" field per line") from None
+        raise UsageError(f"{flag}={path!r}: cannot read it ({e.strerror or e}); expected {expected}") from None
+    if len(data) > MAX_FILE_BYTES:
+        raise UsageError(f"{flag}={path!r}: larger than {MAX_FILE_BYTES >> 20} MiB; expected {expected}")
+    try:
+        return data.decode("utf-8-sig")
+    except UnicodeDecodeError as e:
+        raise UsageError(f"{flag}={path!r}: not UTF-8 text ({e.reason} at byte {e.start})") from None
+
+
+def check_text(text: str, where: str) -> str:
+    """Text a tokenizer can encode: no lone surrogates (what undecodable bytes in argv, or
+    a JSON escape such as \\ud800, turn into)."""
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError as e:
+        raise UsageError(f"{where} is not valid UTF-8 text (an undecodable character at position {e.start}); "
+                         "give prompts as UTF-8") from None
+    return text
+
+
+def read_prompts_file(path: str) -> list[_Raw]:
+    p = user_path(path)
+    content = read_text_file(path, "--prompts_file", "a text file with one prompt per line, or JSONL with a "
+                             "\"prompt\" field per line")
     lines = content.splitlines()
     out = []
     if not _is_jsonl(p, lines):
-        return [_Raw(f"{path}:{n}", text=line) for n, line in enumerate(lines, 1) if line.strip()]
+        return [_Raw(f"{path}:{n}", text=check_text(line, f"{path}:{n}")) for n, line in enumerate(lines, 1)
+                if line.strip()]
     for n, line in enumerate(lines, 1):
         if not line.strip():
             continue
@@ -85,7 +112,7 @@ def read_prompts_file(path: str) -> list[_Raw]:
             raise UsageError(f"{where}: not valid JSON ({e.msg}); each line of a JSONL prompts file must be "
                              "an object such as {\"prompt\": \"def f(x):\"}") from None
         if isinstance(obj, dict) and isinstance(obj.get("prompt"), str):
-            out.append(_Raw(where, text=obj["prompt"]))
+            out.append(_Raw(where, text=check_text(obj["prompt"], where)))
         elif (isinstance(obj, dict) and isinstance(obj.get("prompt_tokens"), list)
               and all(isinstance(t, int) and not isinstance(t, bool) for t in obj["prompt_tokens"])):
             out.append(_Raw(where, tokens=obj["prompt_tokens"]))
@@ -107,7 +134,7 @@ def humaneval(n: int) -> list[_Raw]:
 def gather(texts: Sequence[str] = (), prompts_file: Optional[str] = None,
            token_lists: Sequence[str] = (), humaneval_n: int = 3) -> list[_Raw]:
     """Every prompt the flags name, not yet tokenised (no tokenizer or JAX needed)."""
-    raw = [_Raw(f"--prompt #{i + 1}", text=t) for i, t in enumerate(texts)]
+    raw = [_Raw(f"--prompt #{i + 1}", text=check_text(t, f"--prompt #{i + 1}")) for i, t in enumerate(texts)]
     if prompts_file is not None:
         from_file = read_prompts_file(prompts_file)
         if not from_file:

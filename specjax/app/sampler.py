@@ -10,7 +10,7 @@ from typing import Optional, Sequence
 from specjax import distributed, sharding
 from specjax.app import cli, prompts as prompts_lib
 from specjax.app.locate import Weights
-from specjax.app.output import JsonlWriter
+from specjax.app.output import JsonlWriter, check_writable
 from specjax.app.report import Report
 from specjax.config import Config, MeshConfig, SamplingConfig, UsageError
 from specjax.decode import api
@@ -40,56 +40,84 @@ class Request:
     print_samples: bool = True
 
 
-def run(req: Request) -> None:
-    config, modes, sampling = req.config, list(req.modes), req.sampling
-    need_draft = "sps" in modes
-    if need_draft and config.draft is None:
-        raise UsageError(f"--mode={'both' if len(modes) == 2 else 'sps'} needs a draft model, and config "
+@dataclasses.dataclass(frozen=True)
+class Inputs:
+    """Everything read from the host for a run: the same on every process."""
+
+    prompts: list  # prompts_lib.Prompt, tokenised
+    sampling: SamplingConfig  # with the tokenizer's eos_id
+    batch_size: int
+    batches: int
+
+
+def check(req: Request) -> None:
+    """The checks that need neither files nor devices."""
+    config, sampling = req.config, req.sampling
+    if "sps" in req.modes and config.draft is None:
+        raise UsageError(f"--mode={'both' if len(req.modes) == 2 else 'sps'} needs a draft model, and config "
                          f"{config.name!r} has none; use --mode=ars or a config with a draft")
     if req.init == "random" and (req.checkpoint or req.draft_checkpoint):
         raise UsageError("--checkpoint/--draft_checkpoint have no effect with --init=random: drop one of them")
-    models = {"target": config.target, **({"draft": config.draft} if need_draft else {})}
-    context = min(m.max_seq_len for m in models.values())
+    context = min(m.max_seq_len for m in models(req).values())
     if sampling.lookahead >= context:
         raise UsageError(f"--lookahead={sampling.lookahead}: must be below the model's context of {context} tokens")
-    token_prompts = prompts_lib.encode([r for r in req.raw_prompts if r.text is None], None)
-    if token_prompts:  # checked now; text prompts once the tokenizer is found
-        prompts_lib.check(token_prompts, config.target.vocab_size, context, sampling.max_new_tokens)
     rows = len(req.raw_prompts) * req.num_samples
     if rows > MAX_ROWS:
         raise UsageError(f"{len(req.raw_prompts)} prompts x --num_samples={req.num_samples} = {rows} rows; at most "
                          f"{MAX_ROWS} rows per run")
-    batch_size = min(req.batch_size, rows)  # a bigger batch would only compute padding rows
-    batches = -(-rows // batch_size)
+    batches = -(-rows // min(req.batch_size, rows))
     if req.seed + batches > SEED_LIMIT:
         raise UsageError(f"--seed={req.seed}: batch i uses seed + i, and the {batches} batches need seeds below "
-                         f"2**63")
+                         "2**63")
+    token_prompts = prompts_lib.encode([r for r in req.raw_prompts if r.text is None], None)
+    if token_prompts:  # checked now; text prompts once the tokenizer is found
+        prompts_lib.check(token_prompts, config.target.vocab_size, context, sampling.max_new_tokens)
 
+
+def models(req: Request) -> dict:
+    return {"target": req.config.target, **({"draft": req.config.draft} if "sps" in req.modes else {})}
+
+
+def read_inputs(req: Request, weights: Weights) -> Inputs:
+    """Tokenise the prompts with the checkpoint's tokenizer and check them (process 0)."""
+    tokenizer = weights.tokenizer()
+    prompts = prompts_lib.encode(req.raw_prompts, tokenizer, weights.no_tokenizer_reason)
+    context = min(m.max_seq_len for m in models(req).values())
+    prompts_lib.check(prompts, req.config.target.vocab_size, context, req.sampling.max_new_tokens)
+    sampling = req.sampling
+    if tokenizer is not None and sampling.eos_id == -1:
+        sampling = dataclasses.replace(sampling, eos_id=tokenizer.eos_id)
+    rows = len(prompts) * req.num_samples
+    batch_size = min(req.batch_size, rows)  # a bigger batch would only compute padding rows
+    return Inputs(prompts, sampling, batch_size, -(-rows // batch_size))
+
+
+def run(req: Request) -> None:
+    check(req)
     distributed.maybe_initialize()
     cli.use_compilation_cache()
-    with JsonlWriter(req.output, not_same_as=[req.prompts_file]) as writer:
-        weights = Weights.locate(config, req.init, req.checkpoint, req.draft_checkpoint, need_draft=need_draft,
-                                 train_missing=req.train_missing)
-        tokenizer = weights.tokenizer()
-        prompts = prompts_lib.encode(req.raw_prompts, tokenizer, weights.no_tokenizer_reason)
-        prompts_lib.check(prompts, config.target.vocab_size, context, sampling.max_new_tokens)
-        if tokenizer is not None and sampling.eos_id == -1:
-            sampling = dataclasses.replace(sampling, eos_id=tokenizer.eos_id)
-
-        mesh = sharding.make_checked_mesh(req.mesh, models)  # first device work: all input is valid by now
-        target, draft = weights.load(mesh, need_draft=need_draft)
-        row_ids = [(i, s) for i in range(len(prompts)) for s in range(req.num_samples)]
-        report = Report(modes, sampling, tokenizer, print_samples=req.print_samples)
+    # Host inputs are read by process 0 and shared: one answer (or one error) everywhere.
+    distributed.agreed(lambda: check_writable(req.output, "--output", [req.prompts_file]))
+    weights = Weights.locate(req.config, req.init, req.checkpoint, req.draft_checkpoint,
+                             need_draft="sps" in req.modes, train_missing=req.train_missing)
+    inputs = distributed.agreed(lambda: read_inputs(req, weights))
+    mesh = sharding.make_checked_mesh(req.mesh, models(req))  # first device work: all input is valid by now
+    target, draft = weights.load(mesh, need_draft="sps" in req.modes)
+    report = Report(req.modes, inputs.sampling, weights.tokenizer() if distributed.is_main() else None,
+                    print_samples=req.print_samples)
+    row_ids = [(i, s) for i in range(len(inputs.prompts)) for s in range(req.num_samples)]
+    with JsonlWriter(req.output) as writer:
         try:
-            for b in range(batches):
-                batch = row_ids[b * batch_size:(b + 1) * batch_size]
+            for b in range(inputs.batches):
+                batch = row_ids[b * inputs.batch_size:(b + 1) * inputs.batch_size]
                 # Pad the last batch to the same shape: one compiled program serves every batch.
-                padded = list(itertools.islice(itertools.cycle(batch), batch_size))
-                tokens = [prompts[i].tokens for i, _ in padded]
-                results = {mode: api.generate(target, draft if mode == "sps" else None, tokens, sampling,
-                                              seed=req.seed + b) for mode in modes}
-                writer.write(report.add_batch(b, req.seed + b, prompts, batch, results))
+                padded = list(itertools.islice(itertools.cycle(batch), inputs.batch_size))
+                tokens = [inputs.prompts[i].tokens for i, _ in padded]
+                results = {mode: api.generate(target, draft if mode == "sps" else None, tokens, inputs.sampling,
+                                              seed=req.seed + b) for mode in req.modes}
+                writer.write(report.add_batch(b, req.seed + b, inputs.prompts, batch, results))
         except KeyboardInterrupt:
-            report.print_summary(interrupted=f"{report.done_batches} of {batches} batches", output=req.output)
+            report.print_summary(interrupted=f"{report.done_batches} of {inputs.batches} batches",
+                                 output=req.output)
             raise
     report.print_summary(output=req.output)

@@ -17,7 +17,8 @@ import pathlib
 import re
 from typing import Optional, Sequence
 
-from specjax.config import SamplingConfig, UsageError
+from specjax.app.prompts import read_text_file
+from specjax.config import SamplingConfig, UsageError, user_path
 
 # Codex paper (Chen et al. 2021): a HumanEval completion ends where the next top-level
 # statement begins.
@@ -58,12 +59,9 @@ def truncate_completion(text: str) -> str:
 
 
 def read_xsum(path: str) -> list[dict]:
-    p = pathlib.Path(path).expanduser()
-    try:
-        lines = p.read_text(encoding="utf-8").splitlines()
-    except (OSError, UnicodeDecodeError) as e:
-        raise UsageError(f"--xsum_file={path!r}: cannot read it ({e}); expected JSONL with "
-                         "{\"document\": ..., \"summary\": ...} per line") from None
+    p = user_path(path)
+    lines = read_text_file(path, "--xsum_file", "JSONL with {\"document\": ..., \"summary\": ...} per line"
+                           ).splitlines()
     out = []
     for n, line in enumerate(lines, 1):
         if not line.strip():
