@@ -6,7 +6,9 @@
 Every process runs the same `specjax.generate` on the global mesh (with
 SPECJAX_COORDINATOR etc. set, see specjax/distributed.py, each feeds only its own batch
 rows) and process 0 writes the JSON. Same config, seed and prompts give the same tokens
-on one process or several; tests/test_multiprocess.py checks exactly that.
+on one process or several; tests/test_multiprocess.py checks exactly that, and that
+the compiled programs are the ones `plan.compile_program` compiles (HLO fingerprints)
+and that prompts of other lengths in the same bucket reuse them.
 """
 from __future__ import annotations
 
@@ -53,6 +55,8 @@ def main(argv):
     from specjax import distributed
     distributed.maybe_initialize()
     import specjax
+    from specjax.analysis import compile as compile_lib
+    from specjax.decode import program
     from specjax.model import init_lm
     from specjax.sharding import make_mesh
     cfg = cli.config()
@@ -62,12 +66,21 @@ def main(argv):
     sampling = dataclasses.replace(cfg.sampling, temperature=0.0, max_new_tokens=flags.FLAGS.max_new_tokens)
     rows = prompts(flags.FLAGS.batch, cfg.target.vocab_size)
     out = {"processes": jax.process_count(), "devices": jax.device_count(), "mesh": [data, model], "prompts": rows}
+    # Other prompt lengths in the same bucket: the same compiled program must serve them.
+    same_bucket = [r + r[:1] for r in rows]
     for mode in (["sps", "ars"] if flags.FLAGS.mode == "both" else [flags.FLAGS.mode]):
         if mode == "sps" and draft is None:
             raise UsageError(f"config {cfg.name} has no draft model; use --mode=ars")
-        result = specjax.generate(target, draft if mode == "sps" else None, rows, sampling, seed=0)
+        d = draft if mode == "sps" else None
+        result = specjax.generate(target, d, rows, sampling, seed=0)
         out[mode] = result.tokens
         out[f"{mode}_loops"] = result.loops.tolist()
+        specjax.generate(target, d, same_bucket, sampling, seed=1)
+        prog = program.build(target, d, rows, sampling, seed=0)
+        out[f"{mode}_fingerprint"] = program.fingerprint(prog.compile())
+        out[f"{mode}_plan_fingerprint"] = compile_lib.compile_program(
+            target, d, sampling, batch=len(rows), prompt_len=max(len(r) for r in rows), cache_len=prog.size)["fingerprint"]
+    out["compiled_programs"] = len(program._COMPILED)
     if distributed.is_main():
         text = json.dumps(out)
         if flags.FLAGS.output:

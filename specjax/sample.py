@@ -17,7 +17,7 @@ import dataclasses
 
 from absl import flags
 
-from specjax.app import cli, locate, prompts, sampler
+from specjax.app import cli, locate, sampler
 
 FLAGS = flags.FLAGS
 SAMPLING_FLAGS = ("lookahead", "temperature", "top_k", "top_p", "max_new_tokens")
@@ -62,11 +62,12 @@ def main(argv):
     sampling = dataclasses.replace(config.sampling, **overrides).validate()
     sampler.run(sampler.Request(
         config, ["ars", "sps"] if FLAGS.mode == "both" else [FLAGS.mode], sampling,
-        prompts.gather(FLAGS.prompt, FLAGS.prompts_file, FLAGS.prompt_tokens, FLAGS.humaneval),
+        dict(texts=FLAGS.prompt, prompts_file=FLAGS.prompts_file, token_lists=FLAGS.prompt_tokens,
+             humaneval_n=FLAGS.humaneval),
         cli.parse_mesh(FLAGS.mesh, config.mesh), num_samples=cli.positive("num_samples", FLAGS.num_samples),
         batch_size=cli.positive("batch_size", FLAGS.batch_size), seed=cli.seed("seed", FLAGS.seed),
         init=FLAGS.init, checkpoint=FLAGS.checkpoint, draft_checkpoint=FLAGS.draft_checkpoint,
-        output=FLAGS.output, prompts_file=FLAGS.prompts_file, train_missing=FLAGS.train_missing,
+        output=FLAGS.output, train_missing=FLAGS.train_missing,
         print_samples=FLAGS.print_samples))
 
 

@@ -1,9 +1,13 @@
-"""Multi-process sampling: two JAX processes on 127.0.0.1 (jax.distributed, gloo CPU
+"""Multi-process runs: two JAX processes on 127.0.0.1 (jax.distributed, gloo CPU
 collectives, 4 fake devices each) give exactly the greedy tokens of one process with 8
-fake devices (DESIGN invariant 7), through launch/multiprocess.sh and launch/greedy_tokens.py
-(one process: `specjax.generate`; two: `distributed.generate`, which feeds each process's
-own rows with jax.make_array_from_process_local_data and gathers with process_allgather),
-and `specjax.train` on two processes logs the per-step losses of one process."""
+fake devices, through launch/multiprocess.sh and launch/greedy_tokens.py (the same
+`specjax.generate` either way: each process feeds its own rows with
+jax.make_array_from_process_local_data, outputs are gathered with process_allgather),
+compile the program `plan.compile_program` compiles, and reuse it for other prompt
+lengths of the same bucket; `specjax.sample` on two processes where only process 0 can
+read an input either works (prompt files: read once, shared) or ends both processes with
+the same message (checkpoints), never a hang; `specjax.train` on two processes logs the
+per-step losses of one process."""
 import json
 import os
 import pathlib
@@ -27,7 +31,7 @@ def _env(**extra):
 
 
 def test_two_processes_give_the_tokens_of_one(tmp_path):
-    common = ["--config=tiny", "--mode=sps", "--batch=4", "--max_new_tokens=12"]
+    common = ["--config=tiny", "--mode=both", "--batch=4", "--max_new_tokens=12"]
     # Mesh 2x4 across two processes: 'data' splits the batch between the processes (each
     # feeds only its own rows), 'model' shards every layer within a process.
     multi = subprocess.Popen(
@@ -48,7 +52,61 @@ def test_two_processes_give_the_tokens_of_one(tmp_path):
     assert (two["processes"], two["devices"]) == (2, 8)
     assert two["prompts"] == one["prompts"] and len({len(p) for p in one["prompts"]}) > 1  # ragged rows
     assert [len(t) for t in one["sps"]] == [12] * 4
-    assert two["sps"] == one["sps"]
+    assert two["sps"] == one["sps"] and two["ars"] == one["ars"] == one["sps"]  # greedy SpS == ArS
+    for out in (one, two):
+        for mode in ("sps", "ars"):  # plan compiles exactly the program generate runs, on 1 process and 2
+            assert out[f"{mode}_fingerprint"] == out[f"{mode}_plan_fingerprint"], (out["processes"], mode)
+        assert out["compiled_programs"] == 2  # one per mode: other lengths in the bucket reused it
+
+
+def _start(tmp_path, cwds, *args, port):
+    """`python -m specjax.sample ARGS` as process i of len(cwds), each in its own working directory."""
+    procs = []
+    for i, cwd in enumerate(cwds):
+        env = _env(SPECJAX_COORDINATOR=f"127.0.0.1:{port}", SPECJAX_NUM_PROCESSES=str(len(cwds)),
+                   SPECJAX_PROCESS_ID=str(i), PYTHONPATH=str(REPO), SPECJAX_CACHE=str(tmp_path / "cache"))
+        env["XLA_FLAGS"] += " --xla_force_host_platform_device_count=2"
+        procs.append(subprocess.Popen([sys.executable, "-m", "specjax.sample", *args], cwd=cwd, env=env,
+                                      stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True))
+    try:
+        return [(p.wait(timeout=300), *p.communicate()) for p in procs]
+    finally:
+        for p in procs:
+            p.kill()
+
+
+def test_an_input_only_process_0_can_read_is_shared_or_refused_on_every_process(tmp_path):
+    """Relative paths, and each process in its own directory: only process 0's holds the
+    prompts file and the checkpoint. The prompts are read once and shared, so the run
+    works; the checkpoint must be visible to every process (orbax restores it on each),
+    so both processes stop with one message naming the process that cannot see it."""
+    import random
+    cwds = [tmp_path / "p0", tmp_path / "p1"]
+    for d in cwds:
+        d.mkdir()
+    (cwds[0] / "prompts.jsonl").write_text('{"prompt_tokens": [1, 2, 3]}\n{"prompt_tokens": [4, 5]}\n')
+    common = ["--config=tiny", "--mesh=1x4", "--mode=sps", "--max_new_tokens=4", "--noprint_samples"]
+    runs = _start(tmp_path, cwds, *common, "--init=random", "--prompts_file=prompts.jsonl", "--batch_size=2",
+                  port=random.randint(20000, 40000))
+    for rc, out, err in runs:
+        assert rc == 0, err[-3000:]
+    # Process 0 reports, the other stays quiet (but for gloo, the CPU collectives, announcing its connections).
+    assert "SpS: 2 samples" in runs[0][1]
+    assert [line for line in runs[1][1].splitlines() if not line.startswith("[Gloo]")] == []
+
+    from specjax.model import init_lm
+    from specjax.weights import checkpoint
+    from specjax.config import load_config
+    from conftest import mesh_for
+    checkpoint.save_lm(init_lm(load_config("tiny").target, mesh_for("1x1")), cwds[0] / "ckpt", config_name="tiny")
+    runs = _start(tmp_path, cwds, *common, "--mode=ars", "--checkpoint=ckpt", "--prompt_tokens=1,2",
+                  port=random.randint(20000, 40000))
+    for i, (rc, out, err) in enumerate(runs):
+        # gloo (the CPU collectives) announces its connections on stderr; a TPU pod has no such lines.
+        lines = [line for line in err.splitlines() if line.strip() and not line.startswith("[Gloo]")]
+        assert rc == 2 and len(lines) == 1 and "Traceback" not in err, (i, err[-3000:])
+        assert "--checkpoint='ckpt': no checkpoint there (the directory does not exist)" in lines[0], lines[0]
+        assert ("on process 1: " in lines[0]) == (i == 0), lines[0]
 
 
 @pytest.mark.slow  # ~45 s; the default run keeps the 2-process sampling test above

@@ -26,7 +26,7 @@ class Request:
     config: Config
     modes: Sequence[str]  # 'ars', 'sps' or both, in that order
     sampling: SamplingConfig
-    raw_prompts: Sequence  # prompts_lib.gather(...): not yet tokenised
+    prompt_flags: dict  # prompts_lib.gather's arguments: texts, prompts_file, token_lists, humaneval_n
     mesh: MeshConfig
     num_samples: int = 1
     batch_size: int = 1
@@ -35,7 +35,6 @@ class Request:
     checkpoint: Optional[str] = None
     draft_checkpoint: Optional[str] = None
     output: Optional[str] = None
-    prompts_file: Optional[str] = None
     train_missing: bool = True
     print_samples: bool = True
 
@@ -61,27 +60,32 @@ def check(req: Request) -> None:
     context = min(m.max_seq_len for m in models(req).values())
     if sampling.lookahead >= context:
         raise UsageError(f"--lookahead={sampling.lookahead}: must be below the model's context of {context} tokens")
-    rows = len(req.raw_prompts) * req.num_samples
+
+
+def check_rows(req: Request, raw_prompts) -> None:
+    """Row and seed budgets, and the prompts given as token ids (text waits for the tokenizer)."""
+    rows = len(raw_prompts) * req.num_samples
     if rows > MAX_ROWS:
-        raise UsageError(f"{len(req.raw_prompts)} prompts x --num_samples={req.num_samples} = {rows} rows; at most "
+        raise UsageError(f"{len(raw_prompts)} prompts x --num_samples={req.num_samples} = {rows} rows; at most "
                          f"{MAX_ROWS} rows per run")
     batches = -(-rows // min(req.batch_size, rows))
     if req.seed + batches > SEED_LIMIT:
         raise UsageError(f"--seed={req.seed}: batch i uses seed + i, and the {batches} batches need seeds below "
                          "2**63")
-    token_prompts = prompts_lib.encode([r for r in req.raw_prompts if r.text is None], None)
-    if token_prompts:  # checked now; text prompts once the tokenizer is found
-        prompts_lib.check(token_prompts, config.target.vocab_size, context, sampling.max_new_tokens)
+    token_prompts = prompts_lib.encode([r for r in raw_prompts if r.text is None], None)
+    if token_prompts:
+        context = min(m.max_seq_len for m in models(req).values())
+        prompts_lib.check(token_prompts, req.config.target.vocab_size, context, req.sampling.max_new_tokens)
 
 
 def models(req: Request) -> dict:
     return {"target": req.config.target, **({"draft": req.config.draft} if "sps" in req.modes else {})}
 
 
-def read_inputs(req: Request, weights: Weights) -> Inputs:
+def read_inputs(req: Request, raw_prompts, weights: Weights) -> Inputs:
     """Tokenise the prompts with the checkpoint's tokenizer and check them (process 0)."""
     tokenizer = weights.tokenizer()
-    prompts = prompts_lib.encode(req.raw_prompts, tokenizer, weights.no_tokenizer_reason)
+    prompts = prompts_lib.encode(raw_prompts, tokenizer, weights.no_tokenizer_reason)
     context = min(m.max_seq_len for m in models(req).values())
     prompts_lib.check(prompts, req.config.target.vocab_size, context, req.sampling.max_new_tokens)
     sampling = req.sampling
@@ -92,15 +96,22 @@ def read_inputs(req: Request, weights: Weights) -> Inputs:
     return Inputs(prompts, sampling, batch_size, -(-rows // batch_size))
 
 
+def gather_and_check(req: Request):
+    raw = prompts_lib.gather(**req.prompt_flags)
+    check_rows(req, raw)
+    check_writable(req.output, "--output", [req.prompt_flags.get("prompts_file")])
+    return raw
+
+
 def run(req: Request) -> None:
     check(req)
     distributed.maybe_initialize()
     cli.use_compilation_cache()
     # Host inputs are read by process 0 and shared: one answer (or one error) everywhere.
-    distributed.agreed(lambda: check_writable(req.output, "--output", [req.prompts_file]))
+    raw_prompts = distributed.agreed(lambda: gather_and_check(req))
     weights = Weights.locate(req.config, req.init, req.checkpoint, req.draft_checkpoint,
                              need_draft="sps" in req.modes, train_missing=req.train_missing)
-    inputs = distributed.agreed(lambda: read_inputs(req, weights))
+    inputs = distributed.agreed(lambda: read_inputs(req, raw_prompts, weights))
     mesh = sharding.make_checked_mesh(req.mesh, models(req))  # first device work: all input is valid by now
     target, draft = weights.load(mesh, need_draft="sps" in req.modes)
     report = Report(req.modes, inputs.sampling, weights.tokenizer() if distributed.is_main() else None,
