@@ -10,15 +10,21 @@
 # Steps (STEPS, space-separated, default "create install run fetch"):
 #   create   reuse $TPU_NAME if it exists in $ZONE, else create a $ACCELERATOR TPU VM slice;
 #   install  copy this checkout (git archive of HEAD plus uncommitted tracked changes) to
-#            every worker (--worker=all) and pip-install it with jax[tpu]==$JAX_VERSION;
-#   run      run `python -m specjax.sample --config=$CONFIG --init=random ...` on all workers
-#            at once; SPECJAX_DISTRIBUTED=auto makes specjax.distributed.maybe_initialize()
-#            call jax.distributed.initialize() (coordinator and ids from the TPU metadata);
+#            every worker (--worker=all); there, install uv, a Python $PYTHON_VERSION with it
+#            (the stock TPU images ship Python 3.10, and jax 0.10 needs >= 3.11) and a
+#            venv with jax[tpu]==$JAX_VERSION and specjax;
+#   run      run `python -m specjax.sample --config=$CONFIG ...` on all workers at once:
+#            random weights, or with CHECKPOINT (and DRAFT_CHECKPOINT) the checkpoint
+#            directories, which must be one path every worker sees (gs://bucket/...: a 70B
+#            checkpoint does not fit a worker's disk, and orbax restores on every host);
+#            SPECJAX_DISTRIBUTED=auto makes specjax.distributed.maybe_initialize() call
+#            jax.distributed.initialize() (coordinator and ids from the TPU metadata);
 #            process 0 writes $REMOTE_OUTPUT, the others stay quiet;
 #   fetch    copy $REMOTE_OUTPUT from worker 0 to $OUTPUT;
 #   delete   delete the slice.
-# Random weights: Chinchilla's are not public. The timings (ms/token ArS vs SpS) are what
-# this run is for; `python -m specjax.plan --config=chinchilla_70b` predicts them.
+# Without CHECKPOINT: random weights (Chinchilla's are not public); the timings (ms/token
+# ArS vs SpS) are what that run is for, and `python -m specjax.plan --config=$CONFIG`
+# predicts them.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 
@@ -29,6 +35,9 @@ RUNTIME=${RUNTIME:-tpu-ubuntu2204-base}
 PROJECT=${PROJECT:-}
 SPOT=${SPOT:-0}                               # 1: --spot (cheaper, preemptible)
 CONFIG=${CONFIG:-chinchilla_70b}
+PYTHON_VERSION=${PYTHON_VERSION:-3.11}       # jax 0.10 needs >= 3.11; the TPU images have 3.10
+CHECKPOINT=${CHECKPOINT:-}                   # e.g. gs://bucket/chinchilla_70b (seen by every worker)
+DRAFT_CHECKPOINT=${DRAFT_CHECKPOINT:-}
 JAX_VERSION=${JAX_VERSION:-$( (.venv/bin/python -c 'import jax; print(jax.__version__)' 2>/dev/null) || echo 0.10.2)}
 STEPS=${STEPS:-create install run fetch}
 REMOTE_DIR=${REMOTE_DIR:-specjax}
@@ -38,8 +47,14 @@ DRY_RUN=${DRY_RUN:-0}
 
 # Sample flags (specjax.sample): a 128-token prompt of fixed ids, 128 new tokens, both loops.
 PROMPT=$(seq -s, 1 128)
-SAMPLE_FLAGS=(--config="$CONFIG" --init=random --mode=both --prompt_tokens="$PROMPT"
-              --max_new_tokens=128 --output="$REMOTE_OUTPUT")
+SAMPLE_FLAGS=(--config="$CONFIG" --mode=both --prompt_tokens="$PROMPT" --max_new_tokens=128
+              --output="$REMOTE_OUTPUT")
+if [ -n "$CHECKPOINT" ]; then
+  SAMPLE_FLAGS+=(--checkpoint="$CHECKPOINT")
+  [ -n "$DRAFT_CHECKPOINT" ] && SAMPLE_FLAGS+=(--draft_checkpoint="$DRAFT_CHECKPOINT")
+else
+  SAMPLE_FLAGS+=(--init=random)
+fi
 if [ "${1:-}" = "--" ]; then shift; fi
 SAMPLE_FLAGS+=("$@")
 
@@ -69,10 +84,13 @@ step_install() {
   rev=$(git stash create 2>/dev/null || true)
   git archive --format=tar.gz -o "$tarball" "${rev:-HEAD}"
   gc compute tpus tpu-vm scp "$tarball" "$TPU_NAME":specjax.tar.gz --zone="$ZONE" --worker=all
+  # uv brings its own Python build: no python3-venv package or PPA needed on the image.
   on_all "set -e; rm -rf ~/$REMOTE_DIR; mkdir -p ~/$REMOTE_DIR; tar xzf ~/specjax.tar.gz -C ~/$REMOTE_DIR; \
-cd ~/$REMOTE_DIR; python3 -m venv .venv; .venv/bin/pip install -q -U pip; \
-.venv/bin/pip install -q 'jax[tpu]==$JAX_VERSION' -f https://storage.googleapis.com/jax-releases/libtpu_releases.html; \
-.venv/bin/pip install -q -e .; .venv/bin/python -c 'import jax, specjax; print(\"specjax on jax\", jax.__version__)'"
+cd ~/$REMOTE_DIR; command -v uv >/dev/null || curl -LsSf https://astral.sh/uv/install.sh | sh; \
+export PATH=\$HOME/.local/bin:\$PATH; uv venv --python $PYTHON_VERSION .venv; \
+uv pip install --python .venv/bin/python 'jax[tpu]==$JAX_VERSION' -f https://storage.googleapis.com/jax-releases/libtpu_releases.html; \
+uv pip install --python .venv/bin/python .; \
+.venv/bin/python -c 'import sys, jax, specjax; print(\"specjax on jax\", jax.__version__, \"python\", sys.version.split()[0])'"
   rm -f "$tarball"
 }
 
