@@ -141,7 +141,7 @@ def roofline(report: dict, cfg, chip: Chip) -> dict:
     K = setup["lookahead"]
     out["draft"] = step("draft", cfg.draft, "ars_draft")
     score_cost, score = forward_s("target", cfg.target, K + 1)
-    first_cost, first = forward_s("draft", cfg.draft, 2)  # the first draft step feeds two tokens (invariant 4)
+    first_cost, first = forward_s("draft", cfg.draft, 2)  # the first draft step re-feeds the last two tokens
     rest_cost, rest = forward_s("draft", cfg.draft, 1)
     count, wire = collective_load(programs["sps"]["collectives_per_loop"], chip)
     coll = count * chip.collective_latency_s + wire
