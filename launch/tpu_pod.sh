@@ -19,6 +19,9 @@
 #   delete   delete the slice.
 # Random weights: Chinchilla's are not public. The timings (ms/token ArS vs SpS) are what
 # this run is for; `python -m specjax.plan --config=chinchilla_70b` predicts them.
+# Real weights: HF_TARGET / HF_DRAFT name Hugging Face directories that every worker can
+# read (gs://... needs gcsfs: `pip install 'etils[epath-gcs]'`, or a copy on each host),
+#   CONFIG=llama3_70b_1b HF_TARGET=gs://B/Llama-3.1-70B HF_DRAFT=gs://B/Llama-3.2-1B launch/tpu_pod.sh
 set -euo pipefail
 cd "$(dirname "$0")/.."
 
@@ -38,7 +41,9 @@ DRY_RUN=${DRY_RUN:-0}
 
 # Sample flags (specjax.sample): a 128-token prompt of fixed ids, 128 new tokens, both loops.
 PROMPT=$(seq -s, 1 128)
-SAMPLE_FLAGS=(--config="$CONFIG" --init=random --mode=both --prompt_tokens="$PROMPT"
+WEIGHTS=(--init=random)
+if [ -n "${HF_TARGET:-}" ]; then WEIGHTS=(--hf_target="$HF_TARGET" ${HF_DRAFT:+--hf_draft="$HF_DRAFT"}); fi
+SAMPLE_FLAGS=(--config="$CONFIG" "${WEIGHTS[@]}" --mode=both --prompt_tokens="$PROMPT"
               --max_new_tokens=128 --output="$REMOTE_OUTPUT")
 if [ "${1:-}" = "--" ]; then shift; fi
 SAMPLE_FLAGS+=("$@")

@@ -9,7 +9,7 @@ from typing import Optional, Sequence
 
 from specjax import distributed, sharding
 from specjax.app import cli, prompts as prompts_lib
-from specjax.app.locate import Weights
+from specjax.app.locate import Weights, with_hf_models
 from specjax.app.output import JsonlWriter
 from specjax.app.report import Report
 from specjax.config import Config, MeshConfig, SamplingConfig, UsageError
@@ -36,13 +36,20 @@ class Request:
     draft_checkpoint: Optional[str] = None
     output: Optional[str] = None
     prompts_file: Optional[str] = None
+    hf_target: Optional[str] = None  # Hugging Face model directories (instead of checkpoints)
+    hf_draft: Optional[str] = None
     train_missing: bool = True
     print_samples: bool = True
 
 
 def run(req: Request) -> None:
-    config, modes, sampling = req.config, list(req.modes), req.sampling
+    config = with_hf_models(req.config, req.hf_target, req.hf_draft, init=req.init, checkpoint=req.checkpoint,
+                            draft_checkpoint=req.draft_checkpoint)
+    modes, sampling = list(req.modes), req.sampling
     need_draft = "sps" in modes
+    if need_draft and req.hf_target is not None and req.hf_draft is None:
+        raise UsageError(f"--mode={'both' if len(modes) == 2 else 'sps'} needs a draft: pass --hf_draft=DIR (a model "
+                         "with the target's tokenizer), or use --mode=ars")
     if need_draft and config.draft is None:
         raise UsageError(f"--mode={'both' if len(modes) == 2 else 'sps'} needs a draft model, and config "
                          f"{config.name!r} has none; use --mode=ars or a config with a draft")
@@ -69,12 +76,13 @@ def run(req: Request) -> None:
     cli.use_compilation_cache()
     with JsonlWriter(req.output, not_same_as=[req.prompts_file]) as writer:
         weights = Weights.locate(config, req.init, req.checkpoint, req.draft_checkpoint, need_draft=need_draft,
-                                 train_missing=req.train_missing)
+                                 train_missing=req.train_missing, hf_target=req.hf_target, hf_draft=req.hf_draft)
         tokenizer = weights.tokenizer()
         prompts = prompts_lib.encode(req.raw_prompts, tokenizer, weights.no_tokenizer_reason)
         prompts_lib.check(prompts, config.target.vocab_size, context, sampling.max_new_tokens)
-        if tokenizer is not None and sampling.eos_id == -1:
-            sampling = dataclasses.replace(sampling, eos_id=tokenizer.eos_id)
+        stop = weights.stop_ids(tokenizer)
+        if stop and sampling.eos_id == -1:
+            sampling = dataclasses.replace(sampling, eos_id=stop[0] if len(stop) == 1 else stop)
 
         mesh = sharding.make_checked_mesh(req.mesh, models)  # first device work: all input is valid by now
         target, draft = weights.load(mesh, need_draft=need_draft)

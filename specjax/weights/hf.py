@@ -39,6 +39,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import math
+import os
 from typing import Any, Callable, Optional
 
 import jax
@@ -75,6 +76,12 @@ PARAMS = {
 }
 # In some older checkpoints, derived from the config: no weight.
 IGNORED_SUFFIXES = (".rotary_emb.inv_freq",)
+
+
+def as_path(directory) -> epath.Path:
+    """A local path ('~' expanded) or any etils.epath path (gs://...)."""
+    text = os.fspath(directory)
+    return epath.Path(text if "://" in text else os.path.expanduser(text))
 
 
 # --------------------------------------------------------------------------- config
@@ -178,7 +185,7 @@ def model_config(raw: dict, where: str = "config.json", *, param_dtype: Optional
 def read_config(directory, *, param_dtype: Optional[str] = None, compute_dtype: Optional[str] = None,
                 scan_layers: bool = False) -> HFModel:
     """The directory's model and generation ids, from its JSON files alone (no weights read)."""
-    directory = epath.Path(directory)
+    directory = as_path(directory)
     raw = _read_json(directory / "config.json", "config.json describes the model")
     cfg, arch = model_config(raw, str(directory / "config.json"), param_dtype=param_dtype,
                              compute_dtype=compute_dtype, scan_layers=scan_layers)
@@ -195,7 +202,7 @@ def read_config(directory, *, param_dtype: Optional[str] = None, compute_dtype: 
 def tokenizer(directory) -> Optional[HFTokenizer]:
     """The directory's tokenizer (None without tokenizer files); bad files are UsageErrors."""
     try:
-        return load_hf_tokenizer(directory)
+        return load_hf_tokenizer(as_path(directory))
     except TokenizerError as e:
         raise UsageError(str(e)) from None
 
@@ -284,7 +291,7 @@ class WeightFiles:
     """The safetensors files of a directory and which tensor lives in which file."""
 
     def __init__(self, directory, *, local: Optional[bool] = None):
-        directory = epath.Path(directory)
+        directory = as_path(directory)
         index = directory / "model.safetensors.index.json"
         if index.exists():
             weight_map = _read_json(index, "").get("weight_map")
@@ -463,7 +470,7 @@ def export(lm: LM, directory, *, tokenizer_dir=None, bos_id: Optional[int] = Non
     writes. An untied model's input-embedding scale is folded into the table."""
     cfg = lm.cfg
     exportable(cfg)
-    directory = epath.Path(directory)
+    directory = as_path(directory)
     dtype = np.dtype(jax.numpy.dtype(cfg.param_dtype))
     source = {}  # HF name -> (param array, layer of a stacked param or None, layout, specjax key)
     for path, v in jax.tree_util.tree_flatten_with_path(lm.params, is_leaf=_is_variable)[0]:
@@ -514,7 +521,7 @@ def export(lm: LM, directory, *, tokenizer_dir=None, bos_id: Optional[int] = Non
         json.dumps({k: v for k, v in generation.items() if v is not None}, indent=2) + "\n")
     if tokenizer_dir is not None:
         for fname in TOKENIZER_FILES:
-            src = epath.Path(tokenizer_dir) / fname
+            src = as_path(tokenizer_dir) / fname
             if src.exists():
                 src.copy(directory / fname, overwrite=True)
     return directory
