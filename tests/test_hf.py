@@ -199,6 +199,26 @@ def test_import_export_import_gives_identical_params(name, scan, shard_bytes, tm
         assert tok.vocabulary() == HFTokenizer(src).vocabulary()
 
 
+def test_bf16_stays_bf16(tiny, tmp_path):
+    cfg = dataclasses.replace(tiny.target, ffw="swiglu", param_dtype="bfloat16", compute_dtype="bfloat16")
+    lm = model.init_lm(cfg, mesh_for("1x1"))
+    hf.export(lm, tmp_path)
+    assert {str(t.dtype) for t in read_tensors(tmp_path).values()} == {"bfloat16"}
+    again, _ = hf.load(tmp_path, mesh_for("2x4"))  # the stored dtype, unless asked otherwise
+    assert again.cfg.param_dtype == "bfloat16" and equal_params(again, lm)
+    assert {str(x.dtype) for x in jax.tree.leaves(again.params)} == {"bfloat16"}
+
+
+def test_ranged_reads_give_what_the_memory_map_gives(monkeypatch):
+    """The reader for non-local paths (gs://), run on the local fixture with a chunk of a
+    few rows: the same params, sharded on 2x4."""
+    from specjax.weights import safetensors_io
+    monkeypatch.setattr(safetensors_io, "REMOTE_CHUNK_BYTES", 300)
+    mapped, _ = hf.load(FIXTURES / "llama_tp", mesh_for("2x4"))
+    ranged, _ = hf.load(FIXTURES / "llama_tp", mesh_for("2x4"), local=False)
+    assert equal_params(mapped, ranged)
+
+
 def test_export_folds_an_untied_embedding_scale_into_the_table(tiny, tmp_path):
     cfg = dataclasses.replace(tiny.target, ffw="swiglu", embed_scale=2.5)
     lm = model.init_lm(cfg, mesh_for("1x1"))
