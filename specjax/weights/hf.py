@@ -372,22 +372,18 @@ def load_params(cfg: ModelConfig, mesh: jax.sharding.Mesh, files: WeightFiles) -
         key, layer = _param_key(path)
         name, layout = PARAMS[key]
         shape = tuple(v.value.shape)
-        done: dict[tuple, np.ndarray] = {}  # devices holding the same slice (replicated) read it once
 
         def one_layer(i, layer_shape, index):
             tensor = name.format(i=i)
             return from_hf(layout, lambda hf_index: files.read(tensor, hf_index), layer_shape, index)
 
-        def callback(index):
-            key_ = tuple(s.indices(n)[:2] for s, n in zip(index, shape))
-            if key_ not in done:
-                if cfg.scan_layers and name.startswith("model.layers."):
-                    layers = range(*index[0].indices(shape[0]))
-                    block = np.stack([one_layer(i, shape[1:], index[1:]) for i in layers])
-                else:
-                    block = one_layer(layer, shape, index)
-                done[key_] = np.ascontiguousarray(block.astype(dtype, copy=False))
-            return done[key_]
+        def callback(index):  # JAX asks once per distinct slice: replicated ones are read once
+            if cfg.scan_layers and name.startswith("model.layers."):
+                layers = range(*index[0].indices(shape[0]))
+                block = np.stack([one_layer(i, shape[1:], index[1:]) for i in layers])
+            else:
+                block = one_layer(layer, shape, index)
+            return np.ascontiguousarray(block.astype(dtype, copy=False))
 
         return v.replace(jax.make_array_from_callback(shape, v.value.sharding, callback))
 
