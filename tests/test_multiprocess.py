@@ -3,7 +3,8 @@ collectives, 4 fake devices each) give exactly the greedy tokens of one process 
 fake devices (DESIGN invariant 7), through launch/multiprocess.sh and launch/greedy_tokens.py
 (one process: `specjax.generate`; two: `distributed.generate`, which feeds each process's
 own rows with jax.make_array_from_process_local_data and gathers with process_allgather),
-and `specjax.train` on two processes logs the per-step losses of one process."""
+`specjax.train` on two processes logs the per-step losses of one process, and a sharded
+Hugging Face import reads only each process's own slices (launch/hf_load.py)."""
 import json
 import os
 import pathlib
@@ -49,6 +50,36 @@ def test_two_processes_give_the_tokens_of_one(tmp_path):
     assert two["prompts"] == one["prompts"] and len({len(p) for p in one["prompts"]}) > 1  # ragged rows
     assert [len(t) for t in one["sps"]] == [12] * 4
     assert two["sps"] == one["sps"]
+
+
+def test_two_processes_load_a_sharded_import_reading_only_their_own_slices(tmp_path):
+    """launch/hf_load.py loads llama_tp (4 safetensors shards) onto a 1x8 mesh whose 'model'
+    axis spans both processes (4 devices each): each process reads exactly its half of
+    every tensor split over 'model', plus the whole of each replicated one (norms; k/v,
+    whose 4 kv heads do not split 8 ways), and the logits equal transformers'."""
+    from safetensors import safe_open
+    fixture = REPO / "tests" / "fixtures" / "hf" / "llama_tp"
+    ref = np.load(fixture / "reference.npz")
+    ids = ",".join(map(str, ref["input_ids"][0]))
+    proc = subprocess.run(
+        ["bash", str(REPO / "launch" / "multiprocess.sh"), str(REPO / "launch" / "hf_load.py"), f"--hf={fixture}",
+         "--mesh=1x8", f"--logits_of={ids}", f"--output={tmp_path / 'load.json'}"],
+        cwd=REPO, env=_env(NUM_PROCESSES="2", LOCAL_DEVICES="4", LOG_DIR=str(tmp_path / "logs"),
+                           PYTHON=sys.executable),
+        capture_output=True, text=True, timeout=TIMEOUT)
+    assert proc.returncode == 0, (proc.stdout + proc.stderr)[-3000:]
+    out = json.loads((tmp_path / "load.json").read_text())
+    total = replicated = 0
+    for f in fixture.glob("*.safetensors"):
+        with safe_open(str(f), framework="numpy") as st:
+            for name in st.keys():
+                nbytes = st.get_tensor(name).nbytes
+                total += nbytes
+                if name.endswith(("norm.weight", "k_proj.weight", "v_proj.weight")):
+                    replicated += nbytes
+    assert (out["processes"], out["devices"], out["file_bytes"]) == (2, 8, total)
+    assert out["bytes_read"] == [replicated + (total - replicated) // 2] * 2
+    np.testing.assert_allclose(np.array(out["logits"])[0], ref["logits"][0], rtol=0, atol=2e-5)
 
 
 @pytest.mark.slow  # ~45 s; the default run keeps the 2-process sampling test above
