@@ -100,8 +100,10 @@ def main(argv):
     seconds = time.perf_counter() - start
     rss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
     from jax.experimental import multihost_utils
-    mine = np.array([stats["bytes_read"], rss, int(seconds * 1e6)], np.int64)
-    every = np.asarray(multihost_utils.process_allgather(mine)).reshape(-1, 3)
+    # int32 words (high, low): without 64-bit mode an allgather would truncate int64 counts.
+    mine = np.array([divmod(v, 1 << 30) for v in (stats["bytes_read"], rss, int(seconds * 1e6))], np.int32)
+    words = np.asarray(multihost_utils.process_allgather(mine)).reshape(-1, 3, 2).astype(np.int64)
+    every = words[..., 0] * (1 << 30) + words[..., 1]
     out = {"processes": jax.process_count(), "devices": jax.device_count(), "mesh": [mesh_cfg.data, mesh_cfg.model],
            "params": lm.num_params, "param_dtype": lm.cfg.param_dtype, "file_bytes": stats["file_bytes"],
            "bytes_read": every[:, 0].tolist(), "peak_rss_bytes": every[:, 1].tolist(),

@@ -77,6 +77,26 @@ def test_logits_equal_transformers(name, mesh_name, scan):
     np.testing.assert_allclose(logits_of(lm, ref["input_ids"]), ref["logits"], rtol=0, atol=ATOL)
 
 
+@pytest.mark.parametrize("layout,shape,spec", [
+    ("heads_out", (32, 8, 4), (None, "model", None)), ("heads_in", (8, 4, 32), ("model", None, None)),
+    ("transpose", (32, 64), (None, "model")), ("transpose", (64, 32), ("model", None)),
+    ("heads_out", (3, 32, 8, 4), (None, None, "model", None))])
+def test_params_are_rearranged_on_the_devices_without_collectives(layout, shape, spec):
+    """Each device's slice of the HF tensor (partitioned by `hf_spec`) holds exactly its
+    own shard of the specjax param: the on-device transpose moves nothing between devices."""
+    from jax.sharding import NamedSharding, PartitionSpec as P
+    mesh = mesh_for("2x4")
+    stacked = len(shape) == 4
+    inner = shape[1:] if stacked else shape
+    hf_shape = {"heads_out": lambda: (inner[1] * inner[2], inner[0]), "transpose": lambda: inner[::-1],
+                "heads_in": lambda: (inner[2], inner[0] * inner[1])}[layout]()
+    spec_hf = ((None,) + hf.hf_spec(layout, spec[1:])) if stacked else hf.hf_spec(layout, spec)
+    x = jax.ShapeDtypeStruct(((3,) if stacked else ()) + hf_shape, jnp.float32,
+                             sharding=NamedSharding(mesh, P(*spec_hf)))
+    text = hf._on_device(layout, shape, jnp.float32, NamedSharding(mesh, P(*spec))).lower(x).compile().as_text()
+    assert not [op for op in ("all-reduce", "all-gather", "all-to-all", "collective-permute") if op in text]
+
+
 @pytest.mark.parametrize("name", ["llama3_scaled", "llama_tp", "mistral", "llama_gqa"])
 def test_rope_frequencies_equal_transformers_inv_freq(name):
     """llama3 scaling: llama3_scaled's frequencies fall in all three bands (kept,
@@ -90,7 +110,8 @@ def test_rope_frequencies_equal_transformers_inv_freq(name):
 @pytest.mark.parametrize("name", MODELS)
 def test_old_and_new_config_layouts_give_the_same_model(name, tmp_path):
     shutil.copy(FIXTURES / name / "config_other_layout.json", tmp_path / "config.json")
-    new, old = json.loads((FIXTURES / name / "config.json").read_text()), json.loads((tmp_path / "config.json").read_text())
+    new = json.loads((FIXTURES / name / "config.json").read_text())
+    old = json.loads((tmp_path / "config.json").read_text())
     assert "rope_parameters" in new and "rope_parameters" not in old and "rope_theta" in old
     assert hf.read_config(tmp_path).model == hf.read_config(FIXTURES / name).model
 

@@ -28,15 +28,18 @@ attention scale H^-0.5, query head n reads kv head n // (N/K), SwiGLU down(silu(
 up x), no biases, RMSNorm with its weight applied after the cast (norm_weight_after_cast).
 
 Loading: every parameter is created directly as a sharded `jax.Array` with
-`jax.make_array_from_callback`; the callback turns the device's index into the slice of
-the HF tensor that holds it and reads only that slice from the safetensors file. So each
-process (one or many) reads the slices its own devices hold and no host ever builds a
-whole parameter, let alone the model. Weights keep their stored dtype unless the caller
-asks for another (bf16 stays bf16). Paths are local or any `etils.epath` path (gs://).
+`jax.make_array_from_callback`, in the HF tensor's layout but partitioned so that each
+device gets exactly the elements of its own shard of the specjax param (`hf_spec`); the
+callback reads only that slice from the safetensors file, and one jitted transpose per
+param rearranges the shards in place on the devices (no collective). So each process (one
+or many) reads the slices its own devices hold and no host ever builds a whole
+parameter, let alone the model. Weights keep their stored dtype unless the caller asks
+for another (bf16 stays bf16). Paths are local or any `etils.epath` path (gs://).
 """
 from __future__ import annotations
 
 import dataclasses
+import functools
 import json
 import math
 import os
@@ -46,6 +49,7 @@ import jax
 import numpy as np
 from etils import epath
 from flax import nnx
+from jax.sharding import NamedSharding, PartitionSpec as P
 
 from specjax import distributed, sharding
 from specjax.config import ConfigError, ModelConfig, UsageError
@@ -235,23 +239,31 @@ def to_hf(layout: str, x: np.ndarray) -> np.ndarray:
     return x.reshape(-1, x.shape[-1]).T
 
 
-def from_hf(layout: str, read: Callable[[tuple], np.ndarray], shape: tuple[int, ...], index: tuple) -> np.ndarray:
-    """specjax_param[index] for a param of `shape`, reading only the part of the HF tensor
-    that holds it (`read(hf_index)` returns hf_tensor[hf_index])."""
-    index = tuple(slice(*s.indices(n)) for s, n in zip(index, shape))
+def hf_spec(layout: str, spec: tuple) -> tuple:
+    """The partition of the HF tensor that puts on each device the elements of its shard
+    of the specjax param (head_dim is never split, so splitting heads of [N*H, ...]
+    splits whole heads)."""
     if layout == "same":
-        return read(index)
+        return spec
     if layout == "transpose":
-        return read(index[::-1]).T
-    if layout == "heads_out":
-        d, n, h = index
-        H = shape[2]  # rows n*H .. (n+1)*H of the HF tensor are head n
-        block = read((slice(n.start * H, n.stop * H), d))
-        return block.T.reshape(d.stop - d.start, n.stop - n.start, H)[:, :, h]
-    n, h, d = index
-    H = shape[1]
-    block = read((d, slice(n.start * H, n.stop * H)))
-    return block.T.reshape(n.stop - n.start, H, d.stop - d.start)[:, h, :]
+        return spec[::-1]
+    if layout == "heads_out":  # [D, N, H] <- [N*H, D]
+        return (spec[1], spec[0])
+    return (spec[2], spec[0])  # heads_in: [N, H, D] <- [D, N*H]
+
+
+def from_hf(layout: str, x, shape: tuple[int, ...]):
+    """The specjax param of `shape` from the HF tensor `x` (numpy or jax, one layer or a
+    leading layer axis): every layout but 'same' is the transpose of the last two axes,
+    then a reshape that splits N*H into (N, H)."""
+    return x if layout == "same" else x.swapaxes(-1, -2).reshape(shape)
+
+
+@functools.lru_cache(maxsize=None)
+def _on_device(layout: str, shape: tuple[int, ...], dtype, out: jax.sharding.Sharding):
+    # Transposing on the devices, shard by shard, is 4x faster than numpy on the host and
+    # needs no collective: each device's HF slice holds exactly its own shard's elements.
+    return jax.jit(lambda x: from_hf(layout, x, shape).astype(dtype), out_shardings=out)
 
 
 def _param_key(path) -> tuple[str, Optional[int]]:
@@ -363,29 +375,31 @@ def check_weights(directory, cfg: ModelConfig) -> None:
 
 
 def load_params(cfg: ModelConfig, mesh: jax.sharding.Mesh, files: WeightFiles) -> LM:
-    """The LM whose params are the files' tensors, each created sharded on `mesh` from the
-    slices this process's devices hold."""
+    """The LM whose params are the files' tensors. Each is created sharded on `mesh` in
+    the HF layout from the slices this process's devices hold (JAX asks once per distinct
+    slice: a replicated tensor is read once per process), then rearranged on the devices."""
     abstract = abstract_lm(cfg, mesh)
-    dtype = np.dtype(jax.numpy.dtype(cfg.param_dtype))
+    hf_shapes = expected_tensors(dataclasses.replace(cfg, scan_layers=False))
 
     def make(path, v):
         key, layer = _param_key(path)
         name, layout = PARAMS[key]
-        shape = tuple(v.value.shape)
+        shape, sharding_ = tuple(v.value.shape), v.value.sharding
+        spec = tuple(sharding_.spec) + (None,) * (len(shape) - len(sharding_.spec))
+        stacked = cfg.scan_layers and name.startswith("model.layers.")
+        if stacked:
+            layers = cfg.num_layers
+            hf_shape, spec_hf = (layers,) + hf_shapes[name.format(i=0)], (spec[0],) + hf_spec(layout, spec[1:])
+        else:
+            hf_shape, spec_hf = hf_shapes[name.format(i=layer)], hf_spec(layout, spec)
 
-        def one_layer(i, layer_shape, index):
-            tensor = name.format(i=i)
-            return from_hf(layout, lambda hf_index: files.read(tensor, hf_index), layer_shape, index)
+        def callback(index):
+            if not stacked:
+                return files.read(name.format(i=layer), index)
+            return np.stack([files.read(name.format(i=i), index[1:]) for i in range(*index[0].indices(layers))])
 
-        def callback(index):  # JAX asks once per distinct slice: replicated ones are read once
-            if cfg.scan_layers and name.startswith("model.layers."):
-                layers = range(*index[0].indices(shape[0]))
-                block = np.stack([one_layer(i, shape[1:], index[1:]) for i in layers])
-            else:
-                block = one_layer(layer, shape, index)
-            return np.ascontiguousarray(block.astype(dtype, copy=False))
-
-        return v.replace(jax.make_array_from_callback(shape, v.value.sharding, callback))
+        raw = jax.make_array_from_callback(hf_shape, NamedSharding(mesh, P(*spec_hf)), callback)
+        return v.replace(_on_device(layout, shape, jax.numpy.dtype(cfg.param_dtype), sharding_)(raw))
 
     params = jax.tree_util.tree_map_with_path(make, abstract.params, is_leaf=_is_variable)
     return LM(cfg, abstract.graphdef, params)

@@ -107,8 +107,16 @@ class SafetensorsFile:
         if self.local:
             out = np.array(self._view(info)[index])
             self.bytes_read += out.nbytes
+            self._release(info)
             return out
         return self._read_rows(info, index)
+
+    def _release(self, info: TensorInfo) -> None:
+        """Drop the tensor's mapped pages from this process (the OS page cache keeps them):
+        otherwise every page a slice touched counts in the process's memory until the
+        file is closed, doubling a load's peak RSS."""
+        start = info.offset - info.offset % mmap.PAGESIZE
+        self._mmap.madvise(mmap.MADV_DONTNEED, start, min(len(self._mmap), info.offset + info.nbytes) - start)
 
     def _read_rows(self, info: TensorInfo, index: tuple) -> np.ndarray:
         if not info.shape:
