@@ -78,6 +78,17 @@ def test_sharded_over_a_1x8_mesh(env, tmp_path):
     assert records(tmp_path / "out.jsonl")[0]["tokens"] == expected
 
 
+def test_bench_measures_an_imported_pair(env, tmp_path):
+    proc = subprocess.run([sys.executable, "-m", "specjax.bench", f"--hf_target={FIXTURES / 'pair_target'}",
+                           f"--hf_draft={FIXTURES / 'pair_draft'}", "--lookahead=2", "--num_prompts=2",
+                           "--prompt_len=4", "--max_new_tokens=8", "--repeats=2", f"--json={tmp_path / 'b.json'}"],
+                          cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    report = json.loads((tmp_path / "b.json").read_text())
+    assert report["hf_target"].endswith("pair_target") and report["ars"]["ms_per_token"] > 0
+    assert [r["lookahead"] for r in report["sps"]] == [2] and 0 <= report["sps"][0]["acceptance_rate"] <= 1
+
+
 # ------------------------------------------------------------------ bad input
 
 
