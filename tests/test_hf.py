@@ -369,6 +369,25 @@ def test_draft_distilled_from_an_imported_target_exports_and_imports(tmp_path):
     assert hf.read_config(tmp_path / "hf").eos_ids == (1,)  # the teacher's generation ids
 
 
+def test_text_corpus_is_tokenised_by_the_imported_teachers_tokenizer(tmp_path, monkeypatch):
+    """train.teacher_hf with a text corpus: the token stream is the teacher tokenizer's
+    (document text, then its EOS), and the student trains on it."""
+    from specjax.training import trainer
+    monkeypatch.setenv("SPECJAX_CACHE", str(tmp_path / "cache"))
+    corpus = tmp_path / "corpus.py"
+    corpus.write_text((pathlib.Path(os.__file__).parent / "textwrap.py").read_text())
+    config = load_config("tiny", ["target.ffw=swiglu", "target.vocab_size=304", "draft=none", "tokenizer_vocab=304",
+                                  f"train.teacher_hf={FIXTURES / 'llama_gqa'}", f"train.corpus={corpus}",
+                                  "train.steps=2", "train.seq_len=32", "train.batch_size=8", "train.warmup_steps=1",
+                                  "train.eval_every=2", "train.eval_batches=1", "mesh.model=1"])
+    data = trainer.load_corpus(config, HFTokenizer(FIXTURES / "llama_gqa"))
+    tok = HFTokenizer(FIXTURES / "llama_gqa")
+    expected = tok.encode(corpus.read_text()) + [tok.eos_id]
+    assert np.concatenate([data.train, data.val]).tolist() == expected
+    result = trainer.train(config, tmp_path / "work", progress=False, devices=jax.devices()[:1])
+    assert result.step == 2 and not (tmp_path / "work" / "tokenizer.model").exists()
+
+
 # ------------------------------------------------------------------ transformers loads an export (slow)
 
 
