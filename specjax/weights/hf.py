@@ -43,7 +43,7 @@ import functools
 import json
 import math
 import os
-from typing import Any, Callable, Optional
+from typing import Any, Optional
 
 import jax
 import numpy as np

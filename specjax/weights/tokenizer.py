@@ -1,4 +1,7 @@
-"""SentencePiece tokenizer trained on our own corpus (Python source by default).
+"""Tokenizers: SentencePiece trained on our own corpus (Python source by default), and
+the tokenizers of Hugging Face model directories (`HFTokenizer`, at the end), which give
+the ids transformers gives. Both offer encode, encode_prompt, decode, bos_id, eos_id,
+stop_ids, vocab_size and vocabulary.
 
 The models are trained on code, so the tokenizer must be lossless on code: indentation,
 blank lines, tabs and trailing spaces all carry meaning. Three settings make
