@@ -395,9 +395,13 @@ def test_text_corpus_is_tokenised_by_the_imported_teachers_tokenizer(tmp_path, m
 def test_transformers_loads_an_export_to_the_same_logits(tiny, tmp_path):
     """A specjax-made Llama (random init: GQA, llama3 rope, explicit head_dim) exported,
     then loaded by transformers in a Python that has torch: the same logits."""
-    python = os.environ.get("SPECJAX_TORCH_PYTHON")
+    import importlib.util
+    import sys
+    here = all(importlib.util.find_spec(m) for m in ("torch", "transformers"))
+    python = os.environ.get("SPECJAX_TORCH_PYTHON") or (sys.executable if here else None)
     if not python:
-        pytest.skip("set SPECJAX_TORCH_PYTHON to a Python with torch and transformers to run this check")
+        pytest.skip("no torch and transformers in this Python: set SPECJAX_TORCH_PYTHON to a Python that has "
+                    "them to run this check")
     cfg = dataclasses.replace(tiny.target, ffw="swiglu", rope_scaling="llama3", rope_original_max_len=16,
                               rope_theta=500000.0, head_dim=12, norm_eps=1e-5)
     for tied in (False, True):

@@ -78,7 +78,7 @@ PARAMS = {
     "ffw/w_in": ("model.layers.{i}.mlp.up_proj.weight", "transpose"),
     "ffw/w_out": ("model.layers.{i}.mlp.down_proj.weight", "transpose"),
 }
-# In some older checkpoints, derived from the config: no weight.
+# Saved by some older transformers versions though computed from the config: not a weight.
 IGNORED_SUFFIXES = (".rotary_emb.inv_freq",)
 
 
@@ -103,11 +103,12 @@ class HFModel:
     eos_ids: tuple[int, ...]  # generation_config.json's eos_token_id (any of them ends a row)
 
 
-def _read_json(path: epath.Path, what: str) -> dict:
+def _read_json(path: epath.Path, what: str = "") -> dict:
     try:
         value = json.loads(path.read_text(encoding="utf-8"))
     except FileNotFoundError:
-        raise UsageError(f"{path.parent}: no {path.name}: not a Hugging Face model directory ({what})") from None
+        raise UsageError(f"{path.parent}: no {path.name}: not a Hugging Face model directory"
+                         + (f" ({what})" if what else "")) from None
     except (UnicodeDecodeError, json.JSONDecodeError) as e:
         raise UsageError(f"{path}: not valid JSON ({e})") from None
     if not isinstance(value, dict):
@@ -195,7 +196,7 @@ def read_config(directory, *, param_dtype: Optional[str] = None, compute_dtype: 
                              compute_dtype=compute_dtype, scan_layers=scan_layers)
     generation = {}
     if (directory / "generation_config.json").exists():
-        generation = _read_json(directory / "generation_config.json", "")
+        generation = _read_json(directory / "generation_config.json")
     eos = generation.get("eos_token_id", raw.get("eos_token_id"))
     eos_ids = tuple(eos) if isinstance(eos, list) else (eos,) if isinstance(eos, int) else ()
     bos = generation.get("bos_token_id", raw.get("bos_token_id"))
@@ -306,7 +307,7 @@ class WeightFiles:
         directory = as_path(directory)
         index = directory / "model.safetensors.index.json"
         if index.exists():
-            weight_map = _read_json(index, "").get("weight_map")
+            weight_map = _read_json(index).get("weight_map")
             if not isinstance(weight_map, dict) or not weight_map:
                 raise UsageError(f"{index}: has no weight_map")
             names = sorted(set(weight_map.values()))
