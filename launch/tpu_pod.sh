@@ -22,9 +22,12 @@
 #            process 0 writes $REMOTE_OUTPUT, the others stay quiet;
 #   fetch    copy $REMOTE_OUTPUT from worker 0 to $OUTPUT;
 #   delete   delete the slice.
-# Without CHECKPOINT: random weights (Chinchilla's are not public); the timings (ms/token
-# ArS vs SpS) are what that run is for, and `python -m specjax.plan --config=$CONFIG`
-# predicts them.
+# Without weights: random ones (Chinchilla's are not public); the timings (ms/token ArS
+# vs SpS) are what that run is for, and `python -m specjax.plan --config=$CONFIG`
+# predicts them. Real weights, in directories every worker can read (gs://... needs
+# gcsfs for Hugging Face directories: `pip install 'etils[epath-gcs]'`; orbax reads gs://
+# itself): HF_TARGET / HF_DRAFT (Hugging Face), or CHECKPOINT / DRAFT_CHECKPOINT (specjax's),
+#   CONFIG=llama3_70b_1b HF_TARGET=gs://B/Llama-3.1-70B HF_DRAFT=gs://B/Llama-3.2-1B launch/tpu_pod.sh
 set -euo pipefail
 cd "$(dirname "$0")/.."
 
@@ -47,14 +50,14 @@ DRY_RUN=${DRY_RUN:-0}
 
 # Sample flags (specjax.sample): a 128-token prompt of fixed ids, 128 new tokens, both loops.
 PROMPT=$(seq -s, 1 128)
-SAMPLE_FLAGS=(--config="$CONFIG" --mode=both --prompt_tokens="$PROMPT" --max_new_tokens=128
-              --output="$REMOTE_OUTPUT")
-if [ -n "$CHECKPOINT" ]; then
-  SAMPLE_FLAGS+=(--checkpoint="$CHECKPOINT")
-  [ -n "$DRAFT_CHECKPOINT" ] && SAMPLE_FLAGS+=(--draft_checkpoint="$DRAFT_CHECKPOINT")
-else
-  SAMPLE_FLAGS+=(--init=random)
+WEIGHTS=(--init=random)
+if [ -n "${HF_TARGET:-}" ]; then
+  WEIGHTS=(--hf_target="$HF_TARGET" ${HF_DRAFT:+--hf_draft="$HF_DRAFT"})
+elif [ -n "$CHECKPOINT" ]; then
+  WEIGHTS=(--checkpoint="$CHECKPOINT" ${DRAFT_CHECKPOINT:+--draft_checkpoint="$DRAFT_CHECKPOINT"})
 fi
+SAMPLE_FLAGS=(--config="$CONFIG" "${WEIGHTS[@]}" --mode=both --prompt_tokens="$PROMPT" --max_new_tokens=128
+              --output="$REMOTE_OUTPUT")
 if [ "${1:-}" = "--" ]; then shift; fi
 SAMPLE_FLAGS+=("$@")
 

@@ -2,7 +2,7 @@
 
 The public API; everything else is importable from its own module:
   specjax.decode     the loops (ArS, SpS) and `generate`
-  specjax.weights    checkpoints and tokenizers
+  specjax.weights    checkpoints, tokenizers, Hugging Face import/export (weights.hf)
   specjax.training   data, losses, the trainer
   specjax.analysis   HLO collectives, roofline, `plan`'s compile, timing
   specjax.evaluation Table-1 tasks, metrics, the paired test
@@ -16,11 +16,18 @@ from specjax.model import LM, init_lm
 from specjax.sharding import make_mesh
 
 __all__ = ["Config", "LM", "LoopTrace", "ModelConfig", "NonFiniteLogitsError", "Result", "SamplingConfig",
-           "Totals", "UsageError", "explain_loop", "generate", "init_lm", "load_config", "load_lm", "make_mesh",
-           "next_token_probs"]
+           "Totals", "UsageError", "explain_loop", "generate", "init_lm", "load_config", "load_hf", "load_lm",
+           "make_mesh", "next_token_probs"]
 
 
 def load_lm(*args, **kwargs):
     """`specjax.weights.checkpoint.load_lm` (imported on first use: it pulls in orbax)."""
     from specjax.weights.checkpoint import load_lm as load
+    return load(*args, **kwargs)
+
+
+def load_hf(*args, **kwargs):
+    """`specjax.weights.hf.load(directory, mesh)`: a Hugging Face Llama-family directory as
+    (LM sharded on the mesh, tokenizer or None)."""
+    from specjax.weights.hf import load
     return load(*args, **kwargs)

@@ -20,7 +20,7 @@ from absl import flags
 from specjax import sharding
 from specjax.analysis import timing
 from specjax.app import cli, output, prompts as prompts_lib
-from specjax.app.locate import Weights
+from specjax.app.locate import Weights, with_hf_models
 from specjax.config import UsageError
 
 FLAGS = flags.FLAGS
@@ -34,6 +34,8 @@ def define_flags() -> None:
     flags.DEFINE_integer("prompt_len", 64, "Random-id prompt length when there is no tokenizer.")
     flags.DEFINE_integer("max_new_tokens", 128, "Tokens per sequence (Figure 1 uses 128).")
     flags.DEFINE_enum("init", "checkpoint", ["checkpoint", "random"], "random: random weights.")
+    flags.DEFINE_string("hf_target", None, "Hugging Face model directory holding the target (with --hf_draft).")
+    flags.DEFINE_string("hf_draft", None, "Hugging Face model directory holding the draft.")
     flags.DEFINE_string("json", None, "Write the results here.")
     flags.DEFINE_string("plot", None, "Write the Figure-1 panels (PNG) here.")
     flags.DEFINE_integer("seed", 0, "Sampling seed.")
@@ -47,10 +49,14 @@ def main(argv):
     prompt_len = cli.positive("prompt_len", FLAGS.prompt_len)
     output.check_writable(FLAGS.json, "--json")
     output.check_writable(FLAGS.plot, "--plot")
-    config = cli.config()
+    if FLAGS.hf_target and not FLAGS.hf_draft:
+        raise UsageError("--hf_target needs --hf_draft: bench compares ArS with SpS")
+    config = with_hf_models(cli.config(), FLAGS.hf_target, FLAGS.hf_draft, init=FLAGS.init, checkpoint=None,
+                            draft_checkpoint=None)
     if config.draft is None:
         raise UsageError(f"--config={FLAGS.config}: has no draft model; bench compares ArS with SpS")
-    weights = Weights.locate(config, FLAGS.init, None, None, need_draft=True, train_missing=False)
+    weights = Weights.locate(config, FLAGS.init, None, None, need_draft=True, train_missing=False,
+                             hf_target=FLAGS.hf_target, hf_draft=FLAGS.hf_draft)
     tokenizer = weights.tokenizer()
     if tokenizer is not None:
         prompts = [p.tokens for p in prompts_lib.encode(prompts_lib.humaneval(num_prompts), tokenizer)]
@@ -62,7 +68,9 @@ def main(argv):
                       config.target.vocab_size, min(config.target.max_seq_len, config.draft.max_seq_len), max_new)
     mesh = sharding.make_checked_mesh(config.mesh, {"target": config.target, "draft": config.draft})
     target, draft = weights.load(mesh, need_draft=True)
-    report = {"config": config.name, "machine": f"{jax.device_count()}x {jax.devices()[0].device_kind}",
+    report = {"config": config.name, **({"hf_target": FLAGS.hf_target, "hf_draft": FLAGS.hf_draft} if FLAGS.hf_target
+                                         else {}),
+              "machine": f"{jax.device_count()}x {jax.devices()[0].device_kind}",
               "init": FLAGS.init, **timing.bench(target, draft, prompts, base, ks, batch_sizes, repeats, seed)}
     sys.stdout.flush()
     if FLAGS.json:

@@ -9,10 +9,11 @@ from __future__ import annotations
 
 import dataclasses
 import importlib.util
+import math
 import os
 import pathlib
 import typing
-from typing import Any, Optional
+from typing import Any, Optional, Union
 
 CONFIG_DIR = pathlib.Path(__file__).resolve().parent / "configs"
 
@@ -60,12 +61,35 @@ class ModelConfig:
     scan_layers: bool = False  # unrolled layers decode faster on CPU; scan keeps 80-layer compiles small
     norm_eps: float = 1e-6
     init_seed: int = 0
+    # Llama 3.1's rotary frequency scaling ('llama3': long wavelengths divided by the
+    # factor, short ones kept, a smooth blend between; 'none': plain rotary).
+    rope_scaling: str = "none"
+    rope_scaling_factor: float = 8.0
+    rope_low_freq_factor: float = 1.0
+    rope_high_freq_factor: float = 4.0
+    rope_original_max_len: int = 8192
+    # Input embeddings are multiplied by this; None: sqrt(d_model) with tied embeddings
+    # (Gemma-style), else 1. Llama-family models use 1 whether tied or not.
+    embed_scale: Optional[float] = None
+    # RMSNorm as transformers' Llama: normalise in float32, cast to the activation dtype,
+    # then multiply by the weight (the same numbers in float32, one rounding apart in bf16).
+    norm_weight_after_cast: bool = False
 
     def validate(self) -> "ModelConfig":
         _positive(self, "vocab_size", "d_model", "num_layers", "num_heads", "num_kv_heads",
                   "head_dim", "d_ff", "max_seq_len")
         _choice(self, "ffw", {"gelu", "swiglu"})
         _choice(self, "pos_encoding", {"rope", "relative"})
+        _choice(self, "rope_scaling", {"none", "llama3"})
+        if self.rope_scaling == "llama3":
+            _positive(self, "rope_original_max_len")
+            if not (self.rope_scaling_factor > 0 and 0 < self.rope_low_freq_factor < self.rope_high_freq_factor):
+                raise ConfigError(f"ModelConfig rope_scaling='llama3' needs rope_scaling_factor > 0 and "
+                                  f"0 < rope_low_freq_factor < rope_high_freq_factor, got "
+                                  f"{self.rope_scaling_factor}, {self.rope_low_freq_factor}, "
+                                  f"{self.rope_high_freq_factor}")
+        if self.embed_scale is not None and not self.embed_scale > 0:
+            raise ConfigError(f"ModelConfig.embed_scale={self.embed_scale!r}: must be > 0 (or None)")
         _choice(self, "param_dtype", {"float32", "bfloat16", "float16"})
         _choice(self, "compute_dtype", {"float32", "bfloat16", "float16"})
         if self.num_heads % self.num_kv_heads:
@@ -74,6 +98,12 @@ class ModelConfig:
         if self.pos_encoding == "rope" and self.head_dim % 2:
             raise ConfigError(f"ModelConfig.head_dim={self.head_dim}: rotary positions need an even head_dim")
         return self
+
+    @property
+    def input_embedding_scale(self) -> float:
+        if self.embed_scale is not None:
+            return float(self.embed_scale)
+        return math.sqrt(self.d_model) if self.tie_embeddings else 1.0
 
     @property
     def num_params(self) -> int:
@@ -109,7 +139,8 @@ class SamplingConfig:
     top_p: float = 1.0  # 1 = off
     lookahead: int = 4  # K, draft tokens per loop
     max_new_tokens: int = 128
-    eos_id: int = -1  # -1 = never stop early
+    # -1 = never stop early; a tuple stops at any of its ids (Llama 3 lists several).
+    eos_id: Union[int, tuple[int, ...]] = -1
 
     def validate(self) -> "SamplingConfig":
         if not self.temperature >= 0:
@@ -122,7 +153,18 @@ class SamplingConfig:
             raise ConfigError(f"lookahead={self.lookahead}: must be an integer >= 1")
         if not isinstance(self.max_new_tokens, int) or self.max_new_tokens < 1:
             raise ConfigError(f"max_new_tokens={self.max_new_tokens}: must be an integer >= 1")
+        ids = self.eos_id if isinstance(self.eos_id, tuple) else (self.eos_id,)
+        if (not ids or any(isinstance(i, bool) or not isinstance(i, int) for i in ids)
+                or min(ids) < (0 if isinstance(self.eos_id, tuple) else -1)):
+            raise ConfigError(f"eos_id={self.eos_id!r}: must be a token id, -1 (never stop early) or a "
+                              "tuple of token ids")
         return self
+
+    @property
+    def stop_ids(self) -> tuple[int, ...]:
+        """The token ids that end a row (empty: only max_new_tokens does)."""
+        ids = self.eos_id if isinstance(self.eos_id, tuple) else (self.eos_id,)
+        return tuple(i for i in ids if i >= 0)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -145,6 +187,7 @@ class TrainConfig:
     # Distillation (draft from a trained target): teacher names a config; empty = plain LM loss.
     teacher: str = ""
     teacher_checkpoint: str = ""  # empty = the teacher config's default checkpoint dir
+    teacher_hf: str = ""  # or: a Hugging Face model directory (specjax.weights.hf) as the teacher
     distill_temperature: float = 1.0
     distill_weight: float = 1.0  # loss = w * KL(teacher || student) + (1 - w) * LM loss
 
@@ -157,6 +200,9 @@ class TrainConfig:
             raise ConfigError(f"TrainConfig.distill_weight={self.distill_weight}: must be in [0, 1]")
         if not self.distill_temperature > 0:
             raise ConfigError(f"TrainConfig.distill_temperature={self.distill_temperature}: must be > 0")
+        if self.teacher and self.teacher_hf:
+            raise ConfigError(f"TrainConfig.teacher={self.teacher!r} and teacher_hf={self.teacher_hf!r}: give one "
+                              "teacher (a config's checkpoint or a Hugging Face directory)")
         return self
 
 
@@ -175,6 +221,9 @@ class Config:
     # Configs whose checkpoints hold the target / draft weights ('' = this config / none).
     target_from: str = ""
     draft_from: str = ""
+    # The weights come from Hugging Face directories (--hf_target / --hf_draft), not from
+    # specjax checkpoints; the config gives the shapes `plan` uses, dtypes, mesh, sampling.
+    hf_weights: bool = False
 
     def validate(self) -> "Config":
         self.target.validate()

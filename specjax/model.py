@@ -20,6 +20,7 @@ from typing import Any
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 from flax import nnx
 
 from specjax import kv_cache, sharding
@@ -54,18 +55,39 @@ class RMSNorm(nnx.Module):
     def __init__(self, cfg: ModelConfig):
         self.scale = _ones((cfg.d_model,), ("embed",), cfg.param_dtype)
         self.eps = cfg.norm_eps
+        self.weight_after_cast = cfg.norm_weight_after_cast
 
     def __call__(self, x):
         x32 = x.astype(jnp.float32)
         y = x32 * jax.lax.rsqrt(jnp.mean(x32 * x32, axis=-1, keepdims=True) + self.eps)
+        if self.weight_after_cast:
+            return y.astype(x.dtype) * self.scale.value.astype(x.dtype)
         return (y * self.scale.value.astype(jnp.float32)).astype(x.dtype)
 
 
-def rotary(x, positions, theta):
-    """Rotate pairs (x[..., :H/2], x[..., H/2:]) by position-dependent angles. x: [B,T,N,H]."""
+def rope_frequencies(cfg: ModelConfig) -> np.ndarray:
+    """The H/2 rotary frequencies theta^(-i/(H/2)), float32, with Llama 3.1's scaling
+    when cfg.rope_scaling == 'llama3': wavelengths longer than original_max_len /
+    low_freq_factor are stretched by the factor, shorter than original_max_len /
+    high_freq_factor kept, and the band between blends the two. Computed in float64 on
+    the host: a constant of the compiled program."""
+    half = cfg.head_dim // 2
+    inv = cfg.rope_theta ** (-np.arange(half, dtype=np.float64) / half)
+    if cfg.rope_scaling == "llama3":
+        factor, low, high, old = (cfg.rope_scaling_factor, cfg.rope_low_freq_factor, cfg.rope_high_freq_factor,
+                                  cfg.rope_original_max_len)
+        wavelen = 2 * np.pi / inv
+        smooth = (old / wavelen - low) / (high - low)
+        blended = (1 - smooth) * inv / factor + smooth * inv
+        inv = np.where(wavelen > old / low, inv / factor, np.where(wavelen < old / high, inv, blended))
+    return inv.astype(np.float32)
+
+
+def rotary(x, positions, freqs):
+    """Rotate pairs (x[..., :H/2], x[..., H/2:]) by positions * freqs (`rope_frequencies`),
+    the layout transformers' Llama uses too (rotate_half). x: [B,T,N,H]."""
     half = x.shape[-1] // 2
-    freqs = theta ** (-jnp.arange(half, dtype=jnp.float32) / half)
-    angles = positions.astype(jnp.float32)[:, :, None, None] * freqs  # [B,T,1,H/2]
+    angles = positions.astype(jnp.float32)[:, :, None, None] * jnp.asarray(freqs)  # [B,T,1,H/2]
     sin, cos = jnp.sin(angles), jnp.cos(angles)
     x1, x2 = x[..., :half].astype(jnp.float32), x[..., half:].astype(jnp.float32)
     return jnp.concatenate([x1 * cos - x2 * sin, x2 * cos + x1 * sin], axis=-1).astype(x.dtype)
@@ -105,8 +127,9 @@ class Attention(nnx.Module):
         k = jnp.einsum("BTD,DKH->BTKH", x, self.wk.value.astype(ct))
         v = jnp.einsum("BTD,DKH->BTKH", x, self.wv.value.astype(ct))
         if cfg.pos_encoding == "rope":
-            q = rotary(q, positions, cfg.rope_theta)
-            k = rotary(k, positions, cfg.rope_theta)
+            freqs = rope_frequencies(cfg)
+            q = rotary(q, positions, freqs)
+            k = rotary(k, positions, freqs)
         # Under MQA/GQA with fewer kv heads than 'model' devices the cache is replicated:
         # every device computes the (small) k, v itself instead of gathering them.
         k = sharding.constrain(k, ("batch", None, "kv_heads", "head_dim"))
@@ -212,8 +235,8 @@ class Transformer(nnx.Module):
             x = jnp.einsum("BTV,VD->BTD", one_hot, self.embed.value.astype(ct))
         else:  # one device holds the table: a gather costs B*T*D, not B*T*V*D
             x = jnp.take(self.embed.value, tokens, axis=0).astype(ct)
-        if cfg.tie_embeddings:
-            x = x * math.sqrt(cfg.d_model)
+        if cfg.input_embedding_scale != 1.0:
+            x = x * cfg.input_embedding_scale
         lengths = jnp.maximum(cache.lengths, positions[:, -1] + 1).astype(jnp.int32)
         k_all, v_all = cache.k, cache.v
         if cfg.scan_layers:

@@ -6,6 +6,7 @@ with their ms/token. Typical use:
 
     python -m specjax.sample --config=tiny --init=random --mode=sps --prompt_tokens=1,2,3 --temperature=0
     python -m specjax.sample --prompts_file=prompts.jsonl --num_samples=4 --batch_size=4 --output=out.jsonl
+    python -m specjax.sample --hf_target=SmolLM2-360M --hf_draft=SmolLM2-135M --prompt="def fib(n):"
 
 Every input is checked before a model is built or compiled; bad input is one line on
 stderr and exit code 2. `--output` gets one JSON line per sample, written and flushed per
@@ -47,6 +48,11 @@ def define_flags() -> None:
                         "`python -m specjax.train --config=<target config>` writes).")
     flags.DEFINE_string("draft_checkpoint", None, "Draft checkpoint directory (default: where the draft "
                         "config's training writes).")
+    flags.DEFINE_string("hf_target", None, "Hugging Face model directory (config.json, safetensors, tokenizer) "
+                        "holding the target: Llama or Mistral architecture; the config still gives dtypes, mesh "
+                        "and sampling settings.")
+    flags.DEFINE_string("hf_draft", None, "Hugging Face model directory holding the draft (same tokenizer as "
+                        "the target; not needed for --mode=ars).")
     flags.DEFINE_enum("init", "checkpoint", ["checkpoint", "random"],
                       "random: random weights (speed measurements before a checkpoint exists).")
     flags.DEFINE_string("mesh", None, "DATAxMODEL, e.g. 1x8 or 2x4 (default: the config's mesh).")
@@ -67,8 +73,8 @@ def main(argv):
         cli.parse_mesh(FLAGS.mesh, config.mesh), num_samples=cli.positive("num_samples", FLAGS.num_samples),
         batch_size=cli.positive("batch_size", FLAGS.batch_size), seed=cli.seed("seed", FLAGS.seed),
         init=FLAGS.init, checkpoint=FLAGS.checkpoint, draft_checkpoint=FLAGS.draft_checkpoint,
-        output=FLAGS.output, train_missing=FLAGS.train_missing,
-        print_samples=FLAGS.print_samples))
+        output=FLAGS.output, train_missing=FLAGS.train_missing, print_samples=FLAGS.print_samples,
+        hf_target=FLAGS.hf_target, hf_draft=FLAGS.hf_draft))
 
 
 if __name__ == "__main__":

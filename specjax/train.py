@@ -3,6 +3,7 @@
     python -m specjax.train --config=mini_target            # then:
     python -m specjax.train --config=mini_draft             # distilled from mini_target
     python -m specjax.train --config=tiny --workdir=/tmp/t --config.train.steps=30
+    python -m specjax.train --config=MY_DRAFT --config.train.teacher_hf=HF_DIR --export_hf=OUT_DIR
 
 Checkpoints, the tokenizer and metrics.jsonl go to --workdir (default: where
 `specjax.sample` looks, $SPECJAX_CACHE/checkpoints/NAME). Running the same command again
@@ -25,6 +26,8 @@ def define_flags() -> None:
     flags.DEFINE_string("workdir", None, "Checkpoint + metrics directory (default: "
                         "$SPECJAX_CACHE/checkpoints/CONFIG_NAME, where specjax.sample looks).")
     flags.DEFINE_bool("progress", True, "Show a tqdm progress bar.")
+    flags.DEFINE_string("export_hf", None, "After training, write the model as a Hugging Face Llama directory "
+                        "here (with the tokenizer of --config.train.teacher_hf when distilled from one).")
     cli.define_config_flag("mini_target")
 
 
@@ -34,7 +37,11 @@ def main(argv):
     if not FLAGS["verbosity"].present:
         logging.set_verbosity(logging.WARNING)  # orbax logs every file it writes at INFO
     cli.use_compilation_cache()  # restarts (resume after preemption) and the draft run reuse compiled programs
-    result = trainer.train(cli.config(), FLAGS.workdir, progress=FLAGS.progress)
+    config = cli.config()
+    if FLAGS.export_hf:
+        from specjax.weights import hf
+        hf.exportable(config.target)  # refused before training, not after it
+    result = trainer.train(config, FLAGS.workdir, progress=FLAGS.progress)
     summary = f"step {result.step} in {result.workdir}"
     if result.val_loss is not None:
         summary += f"; validation loss {result.val_loss:.4f}"
@@ -43,6 +50,8 @@ def main(argv):
     print(summary)
     if result.stopped_by:
         sys.exit({"SIGTERM": 143, "SIGINT": 130}[result.stopped_by])
+    if FLAGS.export_hf:
+        print(f"exported to {trainer.export_hf(config, result.workdir, FLAGS.export_hf)}")
 
 
 if __name__ == "__main__":

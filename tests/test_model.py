@@ -125,6 +125,7 @@ INTENDED = {  # config -> (target range, draft range), in params
     "mini": ((20e6, 40e6), (1e6, 3e6)),
     "chinchilla_70b": ((64e9, 71e9), (3.5e9, 4.5e9)),
     "draft_4b": ((3.5e9, 4.5e9), None),
+    "llama3_70b_1b": ((70.4e9, 70.7e9), (1.2e9, 1.3e9)),  # Meta's counts: 70.55B and 1.24B
 }
 
 
@@ -142,11 +143,13 @@ def test_every_config_instantiates_abstractly_at_its_intended_size(name):
         assert counted == pytest.approx(model_cfg.num_params, rel=0.05)  # the closed form agrees
 
 
-@pytest.mark.parametrize("name", ["chinchilla_70b", "draft_4b"])
+@pytest.mark.parametrize("name", ["chinchilla_70b", "draft_4b", "llama3_70b_1b"])
 def test_paper_configs_divide_sixteen_chips(name):
     config = load_config(name)
     mesh = jax.sharding.AbstractMesh((1, 16), ("data", "model"))
-    sharding.check_divisible(config.target, mesh)
+    for model_cfg in (config.target, config.draft):
+        if model_cfg is not None:
+            sharding.check_divisible(model_cfg, mesh)
 
 
 BAD = [

@@ -7,7 +7,8 @@ compile the program `plan.compile_program` compiles, and reuse it for other prom
 lengths of the same bucket; `specjax.sample` on two processes where only process 0 can
 read an input either works (prompt files: read once, shared) or ends both processes with
 the same message (checkpoints), never a hang; `specjax.train` on two processes logs the
-per-step losses of one process."""
+per-step losses of one process; a sharded Hugging Face import reads only each process's
+own slices (launch/hf_load.py)."""
 import json
 import os
 import pathlib
@@ -107,6 +108,36 @@ def test_an_input_only_process_0_can_read_is_shared_or_refused_on_every_process(
         assert rc == 2 and len(lines) == 1 and "Traceback" not in err, (i, err[-3000:])
         assert "--checkpoint='ckpt': no checkpoint there (the directory does not exist)" in lines[0], lines[0]
         assert ("on process 1: " in lines[0]) == (i == 0), lines[0]
+
+
+def test_two_processes_load_a_sharded_import_reading_only_their_own_slices(tmp_path):
+    """launch/hf_load.py loads llama_tp (4 safetensors shards) onto a 1x8 mesh whose 'model'
+    axis spans both processes (4 devices each): each process reads exactly its half of
+    every tensor split over 'model', plus the whole of each replicated one (norms; k/v,
+    whose 4 kv heads do not split 8 ways), and the logits equal transformers'."""
+    from safetensors import safe_open
+    fixture = REPO / "tests" / "fixtures" / "hf" / "llama_tp"
+    ref = np.load(fixture / "reference.npz")
+    ids = ",".join(map(str, ref["input_ids"][0]))
+    proc = subprocess.run(
+        ["bash", str(REPO / "launch" / "multiprocess.sh"), str(REPO / "launch" / "hf_load.py"), f"--hf={fixture}",
+         "--mesh=1x8", f"--logits_of={ids}", f"--output={tmp_path / 'load.json'}"],
+        cwd=REPO, env=_env(NUM_PROCESSES="2", LOCAL_DEVICES="4", LOG_DIR=str(tmp_path / "logs"),
+                           PYTHON=sys.executable),
+        capture_output=True, text=True, timeout=TIMEOUT)
+    assert proc.returncode == 0, (proc.stdout + proc.stderr)[-3000:]
+    out = json.loads((tmp_path / "load.json").read_text())
+    total = replicated = 0
+    for f in fixture.glob("*.safetensors"):
+        with safe_open(str(f), framework="numpy") as st:
+            for name in st.keys():
+                nbytes = st.get_tensor(name).nbytes
+                total += nbytes
+                if name.endswith(("norm.weight", "k_proj.weight", "v_proj.weight")):
+                    replicated += nbytes
+    assert (out["processes"], out["devices"], out["file_bytes"]) == (2, 8, total)
+    assert out["bytes_read"] == [replicated + (total - replicated) // 2] * 2
+    np.testing.assert_allclose(np.array(out["logits"])[0], ref["logits"][0], rtol=0, atol=2e-5)
 
 
 @pytest.mark.slow  # ~45 s; the default run keeps the 2-process sampling test above

@@ -95,6 +95,7 @@ def plan(cfg, data: int, model: int, batch: int = 1, prompt_len: int = 128, cach
         result["fits"] = result["memory"]["total"] <= chip.hbm_bytes
         report["programs"][name] = result
     report["roofline"] = roofline(report, cfg, chip)
+    report["paper_scale"] = is_paper_scale(cfg)
     # Fit only where the paper measured: the 70B target on 16 chips.
     fit = fitted_latency(report, cfg, chip) if is_paper_scale(cfg) and (data, model) == (1, 16) else None
     if fit is not None:

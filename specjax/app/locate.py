@@ -1,9 +1,10 @@
 """Where the target and draft weights come from, found before any device work.
 
 A checkpoint directory (by default the one `python -m specjax.train --config=NAME`
-writes) or random init; every missing directory is reported before JAX starts. The mini
-pair is small enough to train on a laptop, so its missing checkpoints are trained here on
-first use (progress bar; cached afterwards, resumable if interrupted).
+writes), a Hugging Face model directory (--hf_target / --hf_draft), or random init;
+every missing directory is reported before JAX starts. The mini pair is small enough to
+train on a laptop, so its missing checkpoints are trained here on first use (progress
+bar; cached afterwards, resumable if interrupted).
 """
 from __future__ import annotations
 
@@ -31,17 +32,62 @@ def train_command(name: str) -> str:
     return f"python -m specjax.train --config={name or 'DRAFT_CONFIG'}"
 
 
+RUNTIME_FIELDS = ("param_dtype", "compute_dtype", "scan_layers")
+
+
+def with_hf_models(config: Config, hf_target: Optional[str], hf_draft: Optional[str], *, init: str,
+                   checkpoint: Optional[str], draft_checkpoint: Optional[str]) -> Config:
+    """`config` with its target (and draft) replaced by the Hugging Face directories'
+    models, read from their config.json alone; the config still gives the dtypes,
+    scan_layers, mesh and sampling. Conflicting weight flags fail here."""
+    if hf_target is None:
+        if hf_draft is not None:
+            raise UsageError("--hf_draft needs --hf_target: the target's weights come from a Hugging Face "
+                             "directory too (pass --hf_target=DIR)")
+        return config
+    for flag, value in (("--checkpoint", checkpoint), ("--draft_checkpoint", draft_checkpoint)):
+        if value is not None:
+            raise UsageError(f"--hf_target and {flag} both name weights: pass Hugging Face directories "
+                             "(--hf_target/--hf_draft) or specjax checkpoints, not both")
+    if init == "random":
+        raise UsageError("--init=random ignores --hf_target: drop one of them")
+    from specjax.weights import hf
+
+    def model(directory, base):
+        return hf.read_config(directory, **{f: getattr(base, f) for f in RUNTIME_FIELDS}).model
+
+    target = model(hf_target, config.target)
+    draft = model(hf_draft, config.draft or config.target) if hf_draft is not None else None
+    return dataclasses.replace(config, target=target, draft=draft, tokenizer_vocab=0, target_from="",
+                               draft_from="").validate()
+
+
 @dataclasses.dataclass
 class Weights:
     config: Config
-    init: str  # 'checkpoint' | 'random'
+    init: str  # 'checkpoint' | 'random' | 'hf'
     target_dir: Optional[pathlib.Path]
     draft_dir: Optional[pathlib.Path]
 
     @classmethod
     def locate(cls, config: Config, init: str, checkpoint: Optional[str], draft_checkpoint: Optional[str],
-               *, need_draft: bool, train_missing: bool) -> "Weights":
-        """Find (and for the mini pair, train) the checkpoint directories; no JAX work."""
+               *, need_draft: bool, train_missing: bool, hf_target: Optional[str] = None,
+               hf_draft: Optional[str] = None) -> "Weights":
+        """Find (and for the mini pair, train) the checkpoint directories; no JAX work.
+        With `hf_target`, `config` comes from `with_hf_models`."""
+        if hf_target is not None:
+            from specjax.weights import hf
+
+            def check():  # every process reads its own slices: every process must see the files
+                hf.check_weights(hf_target, config.target)
+                if need_draft:
+                    hf.check_weights(hf_draft, config.draft)
+
+            distributed.everywhere(check)
+            return cls(config, "hf", pathlib.Path(hf_target), pathlib.Path(hf_draft) if need_draft else None)
+        if config.hf_weights and init == "checkpoint":
+            raise UsageError(f"config {config.name!r} takes its weights from Hugging Face directories: pass "
+                             "--hf_target=DIR (and --hf_draft=DIR for SpS), or use --init=random")
         target_name = config.target_from or config.name
         draft_name = config.draft_from
         target_dir = _resolve(checkpoint, target_name)
@@ -80,11 +126,23 @@ class Weights:
 
     @property
     def no_tokenizer_reason(self) -> str:
+        if self.init == "hf":
+            return f"{self.target_dir} has no tokenizer (neither tokenizer.json nor tokenizer.model)"
         return (f"config {self.config.name!r} has no tokenizer"
                 + (f" (none in {self.target_dir})" if self.target_dir else ""))
 
     def tokenizer(self):
-        """The tokenizer saved with the target's checkpoint, if there is one."""
+        """The tokenizer saved with the target's checkpoint or in its Hugging Face
+        directory, if there is one; a draft's tokenizer must be the same."""
+        if self.init == "hf":
+            from specjax.weights import hf
+            tok = hf.tokenizer(self.target_dir)
+            if self.draft_dir is not None:
+                hf.same_vocabulary(self.target_dir, self.draft_dir)
+            if tok is not None and tok.vocab_size > self.config.target.vocab_size:
+                raise UsageError(f"tokenizer {tok.path} has {tok.vocab_size} tokens, more than the model's "
+                                 f"vocab_size={self.config.target.vocab_size}")
+            return tok
         if self.target_dir is None or not self.target_dir.is_dir():
             return None
         path = ckpt_lib.tokenizer_path(self.target_dir)
@@ -104,7 +162,25 @@ class Weights:
                              "sampling needs a draft trained with the target's tokenizer")
         return tok
 
+    def stop_ids(self, tokenizer) -> tuple[int, ...]:
+        """The ids that end a sample: the tokenizer's, or a Hugging Face directory's
+        generation_config.json when it has no tokenizer."""
+        if tokenizer is not None:
+            return tuple(tokenizer.stop_ids)
+        if self.init == "hf":
+            from specjax.weights import hf
+            return hf.read_config(self.target_dir).eos_ids
+        return ()
+
     def load(self, mesh, *, need_draft: bool):
+        if self.init == "hf":
+            from specjax.weights import hf
+
+            def one(directory, cfg):
+                lm, _ = hf.load(directory, mesh, **{f: getattr(cfg, f) for f in RUNTIME_FIELDS})
+                return lm
+            return one(self.target_dir, self.config.target), (one(self.draft_dir, self.config.draft)
+                                                               if need_draft else None)
         if self.init == "random":
             target = init_lm(self.config.target, mesh)
             draft = init_lm(self.config.draft, mesh) if need_draft else None

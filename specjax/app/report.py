@@ -31,7 +31,7 @@ class Report:
     def text(self, tokens: Sequence[int]) -> str:
         if self.tokenizer is None:
             return " ".join(map(str, tokens))
-        return self.tokenizer.decode([t for t in tokens if t != self.tokenizer.eos_id])
+        return self.tokenizer.decode([t for t in tokens if t not in self.tokenizer.stop_ids])
 
     def add_batch(self, batch_index: int, seed: int, prompts, rows, results: dict) -> list[dict]:
         records = []

@@ -9,7 +9,7 @@ from typing import Optional, Sequence
 
 from specjax import distributed, sharding
 from specjax.app import cli, prompts as prompts_lib
-from specjax.app.locate import Weights
+from specjax.app.locate import Weights, with_hf_models
 from specjax.app.output import JsonlWriter, check_writable
 from specjax.app.report import Report
 from specjax.config import Config, MeshConfig, SamplingConfig, UsageError
@@ -35,6 +35,8 @@ class Request:
     checkpoint: Optional[str] = None
     draft_checkpoint: Optional[str] = None
     output: Optional[str] = None
+    hf_target: Optional[str] = None  # Hugging Face model directories (instead of checkpoints)
+    hf_draft: Optional[str] = None
     train_missing: bool = True
     print_samples: bool = True
 
@@ -50,8 +52,11 @@ class Inputs:
 
 
 def check(req: Request) -> None:
-    """The checks that need neither files nor devices."""
+    """The checks that need neither files nor devices (`req.config` has its HF models)."""
     config, sampling = req.config, req.sampling
+    if "sps" in req.modes and req.hf_target is not None and req.hf_draft is None:
+        raise UsageError(f"--mode={'both' if len(req.modes) == 2 else 'sps'} needs a draft: pass --hf_draft=DIR (a "
+                         "model with the target's tokenizer), or use --mode=ars")
     if "sps" in req.modes and config.draft is None:
         raise UsageError(f"--mode={'both' if len(req.modes) == 2 else 'sps'} needs a draft model, and config "
                          f"{config.name!r} has none; use --mode=ars or a config with a draft")
@@ -88,9 +93,9 @@ def read_inputs(req: Request, raw_prompts, weights: Weights) -> Inputs:
     prompts = prompts_lib.encode(raw_prompts, tokenizer, weights.no_tokenizer_reason)
     context = min(m.max_seq_len for m in models(req).values())
     prompts_lib.check(prompts, req.config.target.vocab_size, context, req.sampling.max_new_tokens)
-    sampling = req.sampling
-    if tokenizer is not None and sampling.eos_id == -1:
-        sampling = dataclasses.replace(sampling, eos_id=tokenizer.eos_id)
+    sampling, stop = req.sampling, weights.stop_ids(tokenizer)
+    if stop and sampling.eos_id == -1:
+        sampling = dataclasses.replace(sampling, eos_id=stop[0] if len(stop) == 1 else stop)
     rows = len(prompts) * req.num_samples
     batch_size = min(req.batch_size, rows)  # a bigger batch would only compute padding rows
     return Inputs(prompts, sampling, batch_size, -(-rows // batch_size))
@@ -104,13 +109,19 @@ def gather_and_check(req: Request):
 
 
 def run(req: Request) -> None:
-    check(req)
     distributed.maybe_initialize()
+    # Every process reads the Hugging Face directories itself (each loads its own slices
+    # of the weights), so every process checks them, and all stop if one cannot.
+    req = dataclasses.replace(req, config=distributed.everywhere(lambda: with_hf_models(
+        req.config, req.hf_target, req.hf_draft, init=req.init, checkpoint=req.checkpoint,
+        draft_checkpoint=req.draft_checkpoint)))
+    check(req)
     cli.use_compilation_cache()
     # Host inputs are read by process 0 and shared: one answer (or one error) everywhere.
     raw_prompts = distributed.agreed(lambda: gather_and_check(req))
     weights = Weights.locate(req.config, req.init, req.checkpoint, req.draft_checkpoint,
-                             need_draft="sps" in req.modes, train_missing=req.train_missing)
+                             need_draft="sps" in req.modes, train_missing=req.train_missing,
+                             hf_target=req.hf_target, hf_draft=req.hf_draft)
     inputs = distributed.agreed(lambda: read_inputs(req, raw_prompts, weights))
     mesh = sharding.make_checked_mesh(req.mesh, models(req))  # first device work: all input is valid by now
     target, draft = weights.load(mesh, need_draft="sps" in req.modes)

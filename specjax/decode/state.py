@@ -48,14 +48,16 @@ def write_rows(buf: jax.Array, start: jax.Array, values: jax.Array, count: jax.A
 
 
 def stop_after(new_tokens: jax.Array, count: jax.Array, num_new: jax.Array, max_new: int,
-               eos_id: int):
-    """Clip each row's `count` new tokens at the token budget and just after end-of-sequence.
+               eos_id: int | tuple[int, ...]):
+    """Clip each row's `count` new tokens at the token budget and just after end-of-sequence
+    (`eos_id`: one id, -1 for none, or a tuple of ids any of which ends a row).
     Returns (emitted count, row finished)."""
     count = jnp.minimum(count, max_new - num_new)
     finished = num_new + count >= max_new
-    if eos_id >= 0:
+    stop_ids = [i for i in (eos_id if isinstance(eos_id, tuple) else (eos_id,)) if i >= 0]
+    if stop_ids:
         j = jnp.arange(new_tokens.shape[1])[None, :]
-        is_eos = (new_tokens == eos_id) & (j < count[:, None])
+        is_eos = jnp.isin(new_tokens, jnp.asarray(stop_ids, new_tokens.dtype)) & (j < count[:, None])
         first = jnp.argmax(is_eos, axis=1)
         hit = jnp.any(is_eos, axis=1)
         count = jnp.where(hit, first + 1, count)

@@ -14,7 +14,9 @@ losses fall quickly and the tests have something to learn.
 
 Distillation (Chen et al.'s draft is a small model trained on the target's data;
 distilling it from the target raises acceptance): `train.teacher` names a config whose
-trained target is loaded frozen, and the loss is
+trained target is loaded frozen (or `train.teacher_hf` a Hugging Face model directory,
+whose tokenizer then tokenises the corpus; `export_hf` writes the result back as one),
+and the loss is
     w * T^2 * KL(teacher_T || student_T) + (1 - w) * cross-entropy,
 with T = `distill_temperature` (Hinton et al.'s T^2 keeps gradient scales comparable)
 and w = `distill_weight`.
@@ -39,7 +41,7 @@ import math
 import pathlib
 import signal
 import time
-from typing import Optional
+from typing import Any, Optional
 
 import jax
 import jax.numpy as jnp
@@ -89,7 +91,7 @@ class Corpus:
     description: str
 
 
-def load_corpus(config: Config, teacher_dir: Optional[pathlib.Path] = None) -> Corpus:
+def load_corpus(config: Config, teacher_tokenizer=None) -> Corpus:
     """Token streams for `config` (see the module docstring). With a teacher, the
     teacher's own tokenizer is used: draft and target must share one."""
     tc = config.train
@@ -103,9 +105,8 @@ def load_corpus(config: Config, teacher_dir: Optional[pathlib.Path] = None) -> C
     except ValueError as e:
         raise UsageError(f"train.corpus: {e}") from e
     store = cache_dir() / "data"
-    teacher_tok = checkpoint.tokenizer_path(teacher_dir) if teacher_dir is not None else None
-    if teacher_tok is not None:
-        tokenizer = Tokenizer(teacher_tok)
+    if teacher_tokenizer is not None:
+        tokenizer = teacher_tokenizer
     else:
         tokenizer = data.build_or_load_tokenizer(files, store, config.tokenizer_vocab)
     if tokenizer.vocab_size != vocab:
@@ -113,7 +114,9 @@ def load_corpus(config: Config, teacher_dir: Optional[pathlib.Path] = None) -> C
                           f"target.vocab_size={vocab}")
     tokens = data.build_token_cache(files, tokenizer, store)
     train, val = data.split_train_val(tokens, tc.val_fraction)
-    return Corpus(train, val, pathlib.Path(tokenizer.path),
+    # A Hugging Face teacher's tokenizer stays in its directory (an export copies it from there).
+    own = isinstance(tokenizer, Tokenizer)
+    return Corpus(train, val, pathlib.Path(tokenizer.path) if own else None,
                   f"{tc.corpus}: {len(files):,} files, {len(tokens):,} tokens, tokenizer {tokenizer.path.name}")
 
 
@@ -334,17 +337,46 @@ def _say(message: str) -> None:
         tqdm.write(message)
 
 
-def _teacher(config: Config, mesh) -> tuple[Optional[LM], Optional[pathlib.Path]]:
+def _teacher(config: Config, mesh) -> tuple[Optional[LM], Any]:
+    """(teacher LM, its tokenizer or None), or (None, None) without a teacher."""
     tc = config.train
-    if not tc.teacher:
+    if tc.teacher_hf:
+        from specjax.weights import hf
+        teacher_cfg = hf.read_config(tc.teacher_hf, param_dtype=config.target.param_dtype,
+                                     compute_dtype=config.target.compute_dtype).model
+        name, load = f"train.teacher_hf={tc.teacher_hf!r}", lambda: hf.load(
+            tc.teacher_hf, mesh, param_dtype=teacher_cfg.param_dtype, compute_dtype=teacher_cfg.compute_dtype)
+    elif tc.teacher:
+        teacher_cfg = load_config(tc.teacher).target
+        directory = pathlib.Path(tc.teacher_checkpoint).expanduser() if tc.teacher_checkpoint \
+            else checkpoint.default_dir(tc.teacher)
+
+        def load():
+            tok = checkpoint.tokenizer_path(directory)
+            return (checkpoint.load_lm(teacher_cfg, mesh, directory, config_name=tc.teacher),
+                    Tokenizer(tok) if tok is not None else None)
+        name = f"train.teacher={tc.teacher!r}"
+    else:
         return None, None
-    teacher_cfg = load_config(tc.teacher).target
-    directory = pathlib.Path(tc.teacher_checkpoint).expanduser() if tc.teacher_checkpoint \
-        else checkpoint.default_dir(tc.teacher)
     if teacher_cfg.vocab_size != config.target.vocab_size:
-        raise ConfigError(f"train.teacher={tc.teacher!r} has vocab_size={teacher_cfg.vocab_size}, the student "
+        raise ConfigError(f"{name} has vocab_size={teacher_cfg.vocab_size}, the student "
                           f"{config.target.vocab_size}: distillation needs one vocabulary")
-    return checkpoint.load_lm(teacher_cfg, mesh, directory, config_name=tc.teacher), directory
+    return load()
+
+
+def export_hf(config: Config, workdir, directory, devices=None) -> pathlib.Path:
+    """Write the newest checkpoint in `workdir` as a Hugging Face Llama directory, with
+    the Hugging Face teacher's tokenizer and generation ids when it was distilled from one."""
+    from specjax.weights import hf
+    workdir = pathlib.Path(workdir).expanduser() if workdir else checkpoint.default_dir(config.name)
+    mesh = sharding.make_mesh(config.mesh, devices)
+    hf.exportable(config.target)
+    lm = checkpoint.load_lm(config.target, mesh, workdir, config_name=config.name)
+    teacher = config.train.teacher_hf
+    info = hf.read_config(teacher) if teacher else None
+    with jax.set_mesh(mesh):
+        return hf.export(lm, directory, tokenizer_dir=teacher or None, bos_id=info.bos_id if info else None,
+                         eos_ids=info.eos_ids if info else ())
 
 
 def _train_differences(saved: dict, tc: TrainConfig) -> list[str]:
@@ -364,8 +396,8 @@ def train(config: Config, workdir=None, progress: bool = True, devices=None) -> 
     optimizer = make_optimizer(tc)
 
     with jax.set_mesh(mesh):
-        teacher, teacher_dir = _teacher(config, mesh)
-        corpus = load_corpus(config, teacher_dir)
+        teacher, teacher_tokenizer = _teacher(config, mesh)
+        corpus = load_corpus(config, teacher_tokenizer)
         batches = Batches(corpus, tc, mesh)
         if is_main:
             workdir.mkdir(parents=True, exist_ok=True)
@@ -405,7 +437,8 @@ def train(config: Config, workdir=None, progress: bool = True, devices=None) -> 
             _say(f"training {config.name}: {config.target.num_params:,} params on mesh "
                  f"{mesh.shape['data']}x{mesh.shape['model']} (data x model), batch {tc.batch_size} x "
                  f"{tc.seq_len} tokens, steps {start}..{tc.steps}; data: {corpus.description}"
-                 + (f"; distilling from {tc.teacher} (w={tc.distill_weight}, T={tc.distill_temperature})"
+                 + (f"; distilling from {tc.teacher or tc.teacher_hf} (w={tc.distill_weight}, "
+                    f"T={tc.distill_temperature})"
                     if teacher is not None else "") + f"; compiled in {compile_seconds:.1f}s")
 
             def validate(step):

@@ -75,8 +75,12 @@ def save_tokenizer(directory, source) -> pathlib.Path:
 
 
 def config_differences(saved: Mapping[str, Any], cfg: ModelConfig) -> list[str]:
-    """'field=saved (checkpoint) vs now (config)' for every field that matters."""
+    """'field=saved (checkpoint) vs now (config)' for every field that matters. A field
+    the checkpoint does not record (it was added to ModelConfig later) counts as its
+    default, which keeps the meaning older checkpoints were trained with."""
     now = dataclasses.asdict(cfg)
+    defaults = {f.name: f.default for f in dataclasses.fields(ModelConfig)}
+    saved = {**{k: v for k, v in defaults.items() if k in now}, **saved}
     out = []
     for name in sorted(set(saved) | set(now)):
         if name in RUNTIME_FIELDS:

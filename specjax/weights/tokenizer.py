@@ -1,4 +1,7 @@
-"""SentencePiece tokenizer trained on our own corpus (Python source by default).
+"""Tokenizers: SentencePiece trained on our own corpus (Python source by default), and
+the tokenizers of Hugging Face model directories (`HFTokenizer`, at the end), which give
+the ids transformers gives. Both offer encode, encode_prompt, decode, bos_id, eos_id,
+stop_ids, vocab_size and vocabulary.
 
 The models are trained on code, so the tokenizer must be lossless on code: indentation,
 blank lines, tabs and trailing spaces all carry meaning. Three settings make
@@ -12,11 +15,14 @@ single piece, which matters for token counts on Python.
 """
 from __future__ import annotations
 
+import dataclasses
 import io
+import json
 import os
 import pathlib
 import tempfile
 from collections.abc import Iterable, Sequence
+from typing import Optional
 
 import numpy as np
 import sentencepiece as spm
@@ -144,15 +150,196 @@ class Tokenizer:
     def pad_id(self) -> int:
         return self._sp.pad_id()
 
+    @property
+    def stop_ids(self) -> tuple[int, ...]:
+        return (self.eos_id,)
+
     def encode(self, text: str) -> list[int]:
         return self._sp.encode(text)
+
+    def encode_prompt(self, text: str) -> list[int]:
+        """A prompt as the models trained on this tokenizer saw every document start: the
+        corpus separates documents with EOS, so a prompt starts with EOS."""
+        return [self.eos_id] + self.encode(text)
 
     def decode(self, ids: Iterable[int]) -> str:
         # Accepts numpy / jax arrays too: SentencePiece wants plain Python ints.
         return self._sp.decode([int(i) for i in ids])
+
+    def vocabulary(self) -> dict[str, int]:
+        return {self._sp.id_to_piece(i): i for i in range(self.vocab_size)}
 
     def id_to_piece(self, i: int) -> str:
         return self._sp.id_to_piece(int(i))
 
     def __repr__(self) -> str:
         return f"Tokenizer({str(self.path)!r}, vocab_size={self.vocab_size})"
+
+
+# --------------------------------------------------------------------------- Hugging Face
+
+
+def _read_json(path) -> dict:
+    return json.loads(path.read_text(encoding="utf-8")) if path.exists() else {}
+
+
+def _token_content(value) -> Optional[str]:
+    """tokenizer_config.json writes special tokens as strings or as AddedToken dicts."""
+    if isinstance(value, dict):
+        return value.get("content")
+    return value if isinstance(value, str) else None
+
+
+class HFTokenizer:
+    """The tokenizer of a Hugging Face model directory, giving the ids and text that
+    transformers gives: `tokenizer.json` through the `tokenizers` library (what
+    transformers' fast tokenizers run), else `tokenizer.model` through SentencePiece,
+    reproducing transformers 5's conversion of it (see `_SentencePieceAsTransformers`).
+
+    encode(text): ids without special tokens; encode_prompt(text): with them, as the model
+    expects a prompt to start (BOS from tokenizer.json's post-processor, or
+    tokenizer_config.json's add_bos_token); decode(ids) keeps special tokens, as
+    transformers' decode does by default. `stop_ids` are generation_config.json's
+    eos_token_id (one id or several), falling back to the tokenizer's EOS."""
+
+    def __init__(self, directory):
+        from etils import epath
+        directory = epath.Path(directory)
+        self.directory = directory
+        config = _read_json(directory / "tokenizer_config.json")
+        generation = _read_json(directory / "generation_config.json")
+        if (directory / "tokenizer.json").exists():
+            import tokenizers
+            self.path = directory / "tokenizer.json"
+            try:
+                self._impl = tokenizers.Tokenizer.from_str(self.path.read_text(encoding="utf-8"))
+            except Exception as e:  # noqa: BLE001 (any parse failure is a bad file)
+                raise TokenizerError(f"{self.path}: not a tokenizers file ({str(e).splitlines()[0][:200]})") from None
+        elif (directory / "tokenizer.model").exists():
+            self.path = directory / "tokenizer.model"
+            self._impl = _SentencePieceAsTransformers(self.path.read_bytes(), config)
+        else:
+            raise TokenizerError(f"{directory} has neither tokenizer.json nor tokenizer.model")
+        self.bos_id = self._special_id(config.get("bos_token"), generation.get("bos_token_id"))
+        self.eos_id = self._special_id(config.get("eos_token"), None)
+        eos = generation.get("eos_token_id")
+        stop = eos if isinstance(eos, list) else [eos] if isinstance(eos, int) else []
+        if not stop and self.eos_id is not None:
+            stop = [self.eos_id]
+        self.stop_ids = tuple(int(i) for i in stop)
+        if self.eos_id is None and self.stop_ids:
+            self.eos_id = self.stop_ids[0]
+
+    def _special_id(self, token, fallback) -> Optional[int]:
+        content = _token_content(token)
+        found = self._impl.token_to_id(content) if content else None
+        return found if found is not None else fallback
+
+    @property
+    def vocab_size(self) -> int:
+        return self._impl.get_vocab_size(with_added_tokens=True)
+
+    def encode(self, text: str) -> list[int]:
+        return self._impl.encode(text, add_special_tokens=False).ids
+
+    def encode_prompt(self, text: str) -> list[int]:
+        return self._impl.encode(text, add_special_tokens=True).ids
+
+    def decode(self, ids: Iterable[int], skip_special_tokens: bool = False) -> str:
+        return self._impl.decode([int(i) for i in ids], skip_special_tokens=skip_special_tokens)
+
+    def vocabulary(self) -> dict[str, int]:
+        """{token: id}, special tokens included: two tokenizers with the same vocabulary
+        give the same ids the same meaning."""
+        return self._impl.get_vocab(with_added_tokens=True)
+
+    def __repr__(self) -> str:
+        return f"HFTokenizer({str(self.path)!r}, vocab_size={self.vocab_size})"
+
+
+def load_hf_tokenizer(directory) -> Optional[HFTokenizer]:
+    """The directory's tokenizer, or None when it has no tokenizer file."""
+    from etils import epath
+    directory = epath.Path(directory)
+    if not ((directory / "tokenizer.json").exists() or (directory / "tokenizer.model").exists()):
+        return None
+    return HFTokenizer(directory)
+
+
+@dataclasses.dataclass
+class _Encoding:
+    ids: list[int]
+
+
+class _SentencePieceAsTransformers:
+    """transformers 5 has no SentencePiece-run Llama tokenizer: it converts tokenizer.model
+    to a `tokenizers` BPE with a Metaspace pre-tokenizer (prepend_scheme='first') and the
+    decoder Replace('\u2581', ' ') + ByteFallback + Fuse + Strip(one leading space). Raw
+    SentencePiece differs on leading spaces and on special-token strings in the text; this
+    reproduces the conversion with SentencePiece itself: the text is split at special-token
+    strings (matched as those tokens), each piece is encoded with the dummy prefix off,
+    and one space is prepended to a piece at the start of the text unless it already
+    starts with a space or '\u2581'."""
+
+    def __init__(self, model: bytes, config: dict):
+        from sentencepiece import sentencepiece_model_pb2
+        proto = sentencepiece_model_pb2.ModelProto.FromString(model)
+        proto.normalizer_spec.add_dummy_prefix = False
+        self._sp = spm.SentencePieceProcessor(model_proto=proto.SerializeToString())
+        n = self._sp.get_piece_size()
+        self._special = {i for i in range(n) if self._sp.is_control(i) or self._sp.is_unknown(i)}
+        self._specials = sorted((self._sp.id_to_piece(i) for i in self._special), key=len, reverse=True)
+        self._add_bos = config.get("add_bos_token", True)
+        self._add_eos = config.get("add_eos_token", False)
+
+    def token_to_id(self, token: str) -> Optional[int]:
+        i = self._sp.piece_to_id(token)
+        return i if self._sp.id_to_piece(i) == token else None
+
+    def get_vocab_size(self, with_added_tokens: bool = True) -> int:
+        return self._sp.get_piece_size()
+
+    def get_vocab(self, with_added_tokens: bool = True) -> dict[str, int]:
+        return {self._sp.id_to_piece(i): i for i in range(self._sp.get_piece_size())}
+
+    def encode(self, text: str, add_special_tokens: bool = True) -> _Encoding:
+        ids, pos = [], 0
+        while True:
+            hits = [(text.find(t, pos), -len(t), t) for t in self._specials if text.find(t, pos) >= 0]
+            start, _, special = min(hits) if hits else (len(text), 0, None)
+            piece = text[pos:start]
+            if piece:
+                if pos == 0 and not piece.startswith((" ", "\u2581")):
+                    piece = " " + piece
+                ids += self._sp.encode(piece)
+            if special is None:
+                break
+            ids.append(self._sp.piece_to_id(special))
+            pos = start + len(special)
+        if add_special_tokens:
+            ids = [self._sp.bos_id()] * bool(self._add_bos) + ids + [self._sp.eos_id()] * bool(self._add_eos)
+        return _Encoding(ids)
+
+    def decode(self, ids: Sequence[int], skip_special_tokens: bool = False) -> str:
+        out, pending = [], bytearray()
+
+        def flush():
+            if pending:
+                try:
+                    out.append(pending.decode("utf-8"))
+                except UnicodeDecodeError:  # tokenizers' ByteFallback: one U+FFFD per byte
+                    out.append("\ufffd" * len(pending))
+                pending.clear()
+
+        for i in ids:
+            if skip_special_tokens and i in self._special:
+                continue
+            piece = self._sp.id_to_piece(i)
+            if self._sp.is_byte(i):
+                pending.append(int(piece[3:5], 16))
+                continue
+            flush()
+            out.append(piece.replace("\u2581", " "))
+        flush()
+        text = "".join(out)
+        return text[1:] if text.startswith(" ") else text

@@ -1,0 +1,127 @@
+"""Load a Hugging Face model directory onto a mesh, from one process or several, and
+report what it cost; or write a random Llama of a config's shape to load.
+
+    python launch/hf_load.py --hf=DIR --mesh=1x8 --output=load.json
+    NUM_PROCESSES=2 LOCAL_DEVICES=4 launch/multiprocess.sh launch/hf_load.py --hf=DIR --mesh=1x8 --output=load.json
+    python launch/hf_load.py --write_random=DIR --config=llama3_70b_1b --model=draft   # Llama-3.2-1B's shape
+
+Loading: every process runs `specjax.weights.hf.load_with_stats` on the global mesh (each
+reads the safetensors slices its own devices hold) and process 0 writes the JSON:
+seconds, the bytes each process read from the weight files and its peak RSS, the
+tensors' total size, and with --logits_of=IDS the logits of those token ids (a sharded
+multi-process load must compute the same ones). tests/test_multiprocess.py and
+BENCHMARKS.md use it.
+
+Writing: seeded random bf16 tensors of the config's model, one tensor in memory at a
+time, as `model.safetensors` + config.json (the exporter's own `hf_config` and writer),
+so a ~1B-parameter directory needs no download.
+"""
+from __future__ import annotations
+
+import json
+import os
+import resource
+import sys
+import time
+
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), os.pardir))
+
+from absl import flags  # noqa: E402
+
+from specjax.app import cli  # noqa: E402
+
+
+def define_flags() -> None:
+    cli.define_config_flag("llama3_70b_1b")
+    flags.DEFINE_string("hf", None, "Hugging Face model directory to load.")
+    flags.DEFINE_string("mesh", "1x8", "DATAxMODEL over all processes' devices.")
+    flags.DEFINE_integer("local_devices", None, "Fake CPU devices in this process (default: the mesh / processes).")
+    flags.DEFINE_string("param_dtype", None, "Load as this dtype (default: as stored).")
+    flags.DEFINE_string("logits_of", None, "Comma-separated token ids whose logits go into the JSON.")
+    flags.DEFINE_string("output", None, "JSON file written by process 0 (default: stdout).")
+    flags.DEFINE_string("write_random", None, "Write a random Llama directory here instead of loading.")
+    flags.DEFINE_enum("model", "target", ["target", "draft"], "--write_random: which of the config's models.")
+    flags.DEFINE_integer("seed", 0, "--write_random: seed of the tensors.")
+
+
+def write_random(directory: str, cfg, seed: int) -> dict:
+    import dataclasses
+
+    import ml_dtypes
+    import numpy as np
+    from etils import epath
+
+    from specjax.weights import hf, safetensors_io
+    cfg = dataclasses.replace(cfg, param_dtype="bfloat16")
+    shapes = hf.expected_tensors(cfg)
+    rng = np.random.default_rng(seed)
+
+    def value(name):
+        shape = shapes[name]
+        if name.endswith("norm.weight"):
+            return np.ones(shape, ml_dtypes.bfloat16)
+        std = 0.02 if len(shape) == 2 else 1.0
+        return (std * rng.standard_normal(shape, np.float32)).astype(ml_dtypes.bfloat16)
+
+    out = epath.Path(directory)
+    out.mkdir(parents=True, exist_ok=True)
+    start = time.perf_counter()
+    size = safetensors_io.write(out / "model.safetensors", [(n, ml_dtypes.bfloat16, s) for n, s in shapes.items()],
+                                value, metadata={"format": "pt"})
+    (out / "config.json").write_text(json.dumps(hf.hf_config(cfg, 0, (1,)), indent=2) + "\n")
+    return {"directory": str(out), "params": sum(int(np.prod(s)) for s in shapes.values()), "bytes": size,
+            "seconds": time.perf_counter() - start}
+
+
+def main(argv):
+    FLAGS = flags.FLAGS
+    if FLAGS.write_random:
+        config = cli.config()
+        model_cfg = config.draft if FLAGS.model == "draft" else config.target
+        print(json.dumps(write_random(FLAGS.write_random, model_cfg, FLAGS.seed)))
+        return
+    from specjax.config import UsageError
+    if not FLAGS.hf:
+        raise UsageError("--hf=DIR (a Hugging Face model directory) or --write_random=DIR is required")
+    mesh_cfg = cli.parse_mesh(FLAGS.mesh, None)
+    processes = int(os.environ.get("SPECJAX_NUM_PROCESSES", "1"))
+    local = FLAGS.local_devices or mesh_cfg.data * mesh_cfg.model // processes
+    os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "") + f" --xla_force_host_platform_device_count={local}")
+    import jax
+    jax.config.update("jax_platforms", "cpu")  # before any device is touched
+    import numpy as np
+
+    from specjax import distributed, model, sharding
+    from specjax.weights import hf
+    distributed.maybe_initialize()
+    mesh = sharding.make_mesh(mesh_cfg)
+    start = time.perf_counter()
+    lm, _, stats = hf.load_with_stats(FLAGS.hf, mesh, param_dtype=FLAGS.param_dtype)
+    seconds = time.perf_counter() - start
+    rss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+    from jax.experimental import multihost_utils
+    # int32 words (high, low): without 64-bit mode an allgather would truncate int64 counts.
+    mine = np.array([divmod(v, 1 << 30) for v in (stats["bytes_read"], rss, int(seconds * 1e6))], np.int32)
+    words = np.asarray(multihost_utils.process_allgather(mine)).reshape(-1, 3, 2).astype(np.int64)
+    every = words[..., 0] * (1 << 30) + words[..., 1]
+    out = {"processes": jax.process_count(), "devices": jax.device_count(), "mesh": [mesh_cfg.data, mesh_cfg.model],
+           "params": lm.num_params, "param_dtype": lm.cfg.param_dtype, "file_bytes": stats["file_bytes"],
+           "bytes_read": every[:, 0].tolist(), "peak_rss_bytes": every[:, 1].tolist(),
+           "load_seconds": (every[:, 2] / 1e6).tolist()}
+    if FLAGS.logits_of:
+        ids = np.asarray([[int(t) for t in FLAGS.logits_of.split(",")]], np.int32)
+        tokens = distributed.put(ids, sharding.replicated(mesh))
+        with jax.set_mesh(mesh):
+            out["logits"] = distributed.fetch(jax.jit(model.full_forward)(lm, tokens)).tolist()
+    if distributed.is_main():
+        text = json.dumps(out)
+        if FLAGS.output:
+            with open(FLAGS.output, "w") as f:
+                f.write(text + "\n")
+        else:
+            print(text)
+
+
+if __name__ == "__main__":
+    define_flags()
+    cli.run(main)

@@ -1,0 +1,538 @@
+"""Hugging Face Llama-family checkpoints: import a model directory as a sharded `LM`, and
+export an `LM` as a directory that transformers loads unchanged.
+
+A directory holds `config.json`, `model.safetensors` (or shards listed in
+`model.safetensors.index.json`), a tokenizer (`tokenizer.json` and/or `tokenizer.model`,
+see `tokenizer.HFTokenizer`) and `generation_config.json`. Supported architectures:
+LlamaForCausalLM and MistralForCausalLM without a sliding window; default rotary or
+Llama 3.1's `llama3` frequency scaling; tied or untied embeddings; MHA, GQA or MQA.
+
+The mapping. transformers' nn.Linear stores W as [out, in] (y = x W^T); specjax keeps
+[in, out] with heads as their own axes:
+
+    model.embed_tokens.weight            [V, D]    -> embed [V, D]
+    model.layers.{i}.input_layernorm     [D]       -> layers[i].attn_norm.scale
+    model.layers.{i}.self_attn.q_proj    [N*H, D]  -> attn.wq [D, N, H]   (transpose, split heads)
+        k_proj, v_proj                   [K*H, D]  -> attn.wk, attn.wv [D, K, H]
+        o_proj                           [D, N*H]  -> attn.wo [N, H, D]   (transpose, split heads)
+    model.layers.{i}.post_attention_layernorm      -> layers[i].ffw_norm.scale
+    model.layers.{i}.mlp.gate_proj / up_proj [F, D] -> ffw.w_gate / ffw.w_in [D, F] (transposed)
+        down_proj                        [D, F]    -> ffw.w_out [F, D]
+    model.norm.weight                    [D]       -> final_norm.scale
+    lm_head.weight                       [V, D]    -> unembed [D, V] (absent when tied)
+
+q and k need no permutation: transformers' Llama rotates the halves (x[:H/2], x[H/2:])
+(rotate_half), the layout `model.rotary` uses (checked against transformers' logits by the
+tests' fixtures). The rest of the model is Llama's: no embedding scale (embed_scale=1),
+attention scale H^-0.5, query head n reads kv head n // (N/K), SwiGLU down(silu(gate x) *
+up x), no biases, RMSNorm with its weight applied after the cast (norm_weight_after_cast).
+
+Loading: every parameter is created directly as a sharded `jax.Array` with
+`jax.make_array_from_callback`, in the HF tensor's layout but partitioned so that each
+device gets exactly the elements of its own shard of the specjax param (`hf_spec`); the
+callback reads only that slice from the safetensors file, and one jitted transpose per
+param rearranges the shards in place on the devices (no collective). So each process (one
+or many) reads the slices its own devices hold and no host ever builds a whole
+parameter, let alone the model. Weights keep their stored dtype unless the caller asks
+for another (bf16 stays bf16). Paths are local or any `etils.epath` path (gs://).
+"""
+from __future__ import annotations
+
+import dataclasses
+import functools
+import json
+import math
+import os
+from typing import Any, Optional
+
+import jax
+import numpy as np
+from etils import epath
+from flax import nnx
+from jax.sharding import NamedSharding, PartitionSpec as P
+
+from specjax import distributed, sharding
+from specjax.config import ConfigError, ModelConfig, UsageError
+from specjax.model import LM, abstract_lm
+from specjax.weights import safetensors_io
+from specjax.weights.tokenizer import HFTokenizer, TokenizerError, load_hf_tokenizer
+
+ARCHITECTURES = {"LlamaForCausalLM": "llama", "MistralForCausalLM": "mistral"}
+ROPE_TYPES = ("default", "llama3")
+DTYPES = ("float32", "bfloat16", "float16")
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer.model", "tokenizer_config.json", "special_tokens_map.json")
+MAX_SHARD_BYTES = 5 << 30
+
+# specjax param (inside a layer, or global) -> (HF tensor, layout of the HF tensor).
+PARAMS = {
+    "embed": ("model.embed_tokens.weight", "same"),
+    "final_norm/scale": ("model.norm.weight", "same"),
+    "unembed": ("lm_head.weight", "transpose"),
+    "attn_norm/scale": ("model.layers.{i}.input_layernorm.weight", "same"),
+    "attn/wq": ("model.layers.{i}.self_attn.q_proj.weight", "heads_out"),
+    "attn/wk": ("model.layers.{i}.self_attn.k_proj.weight", "heads_out"),
+    "attn/wv": ("model.layers.{i}.self_attn.v_proj.weight", "heads_out"),
+    "attn/wo": ("model.layers.{i}.self_attn.o_proj.weight", "heads_in"),
+    "ffw_norm/scale": ("model.layers.{i}.post_attention_layernorm.weight", "same"),
+    "ffw/w_gate": ("model.layers.{i}.mlp.gate_proj.weight", "transpose"),
+    "ffw/w_in": ("model.layers.{i}.mlp.up_proj.weight", "transpose"),
+    "ffw/w_out": ("model.layers.{i}.mlp.down_proj.weight", "transpose"),
+}
+# Saved by some older transformers versions though computed from the config: not a weight.
+IGNORED_SUFFIXES = (".rotary_emb.inv_freq",)
+
+
+def as_path(directory) -> epath.Path:
+    """A local path ('~' expanded) or any etils.epath path (gs://...)."""
+    text = os.fspath(directory)
+    return epath.Path(text if "://" in text else os.path.expanduser(text))
+
+
+# --------------------------------------------------------------------------- config
+
+
+@dataclasses.dataclass(frozen=True)
+class HFModel:
+    """What a directory's config files say: the model, and the ids generation uses."""
+
+    directory: str
+    model: ModelConfig
+    architecture: str
+    dtype: str  # the dtype the weights are stored in
+    bos_id: Optional[int]
+    eos_ids: tuple[int, ...]  # generation_config.json's eos_token_id (any of them ends a row)
+
+
+def _read_json(path: epath.Path, what: str = "") -> dict:
+    try:
+        value = json.loads(path.read_text(encoding="utf-8"))
+    except FileNotFoundError:
+        raise UsageError(f"{path.parent}: no {path.name}: not a Hugging Face model directory"
+                         + (f" ({what})" if what else "")) from None
+    except (UnicodeDecodeError, json.JSONDecodeError) as e:
+        raise UsageError(f"{path}: not valid JSON ({e})") from None
+    if not isinstance(value, dict):
+        raise UsageError(f"{path}: expected a JSON object")
+    return value
+
+
+def _rope(raw: dict, where: str) -> dict:
+    """Rope settings from either layout: transformers >= 5 writes one `rope_parameters`
+    dict (rope_theta, rope_type and the type's keys), 4.x wrote top-level `rope_theta`
+    and a `rope_scaling` dict (null for plain rotary; very old files say 'type')."""
+    if isinstance(raw.get("rope_parameters"), dict):
+        rope = dict(raw["rope_parameters"])
+    else:
+        rope = dict(raw.get("rope_scaling") or {})
+        if "rope_theta" in raw:
+            rope["rope_theta"] = raw["rope_theta"]
+    rope_type = rope.get("rope_type", rope.get("type", "default"))
+    if rope_type not in ROPE_TYPES:
+        raise UsageError(f"{where}: rope scaling type {rope_type!r} is not supported; supported: "
+                         f"{', '.join(ROPE_TYPES)} (plain rotary and Llama 3.1's)")
+    partial = rope.get("partial_rotary_factor", raw.get("partial_rotary_factor", 1.0))
+    if partial != 1.0:
+        raise UsageError(f"{where}: partial_rotary_factor={partial}: only full rotary (1.0) is supported")
+    return {"type": rope_type, **rope}
+
+
+def model_config(raw: dict, where: str = "config.json", *, param_dtype: Optional[str] = None,
+                 compute_dtype: Optional[str] = None, scan_layers: bool = False) -> tuple[ModelConfig, str]:
+    """(ModelConfig, architecture) of a parsed config.json; refuses what specjax's model
+    cannot compute exactly, naming the key. dtypes default to the stored one."""
+    archs = raw.get("architectures") or []
+    arch = archs[0] if archs else {"llama": "LlamaForCausalLM", "mistral": "MistralForCausalLM"}.get(
+        raw.get("model_type"), raw.get("model_type"))
+    if arch not in ARCHITECTURES:
+        raise UsageError(f"{where}: architecture {arch!r} is not supported; supported: "
+                         f"{', '.join(ARCHITECTURES)} (Llama family: rotary, SwiGLU, RMSNorm, no biases)")
+    missing = [k for k in ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers",
+                           "num_attention_heads") if not isinstance(raw.get(k), int)]
+    if missing:
+        raise UsageError(f"{where}: missing or non-integer {', '.join(missing)}")
+    if raw.get("hidden_act", "silu") != "silu":
+        raise UsageError(f"{where}: hidden_act={raw['hidden_act']!r}: only 'silu' (SwiGLU) is supported")
+    for key in ("attention_bias", "mlp_bias"):
+        if raw.get(key):
+            raise UsageError(f"{where}: {key}=true: biases are not supported (Llama has none)")
+    max_len = int(raw.get("max_position_embeddings") or 2048)
+    window = raw.get("sliding_window")
+    if window is not None and raw.get("use_sliding_window", True) and window < max_len:
+        raise UsageError(f"{where}: sliding_window={window} is below max_position_embeddings={max_len}: "
+                         "sliding-window attention is not supported (Mistral v0.2 and later have none)")
+    rope = _rope(raw, where)
+    D, N = raw["hidden_size"], raw["num_attention_heads"]
+    stored = raw.get("dtype") or raw.get("torch_dtype") or "float32"
+    if stored not in DTYPES:
+        raise UsageError(f"{where}: dtype {stored!r} is not supported; supported: {', '.join(DTYPES)}")
+    fields = dict(
+        vocab_size=raw["vocab_size"], d_model=D, num_layers=raw["num_hidden_layers"], num_heads=N,
+        num_kv_heads=raw.get("num_key_value_heads") or N, head_dim=raw.get("head_dim") or D // N,
+        d_ff=raw["intermediate_size"], max_seq_len=max_len, ffw="swiglu", pos_encoding="rope",
+        rope_theta=float(rope.get("rope_theta", 10000.0)), tie_embeddings=bool(raw.get("tie_word_embeddings", False)),
+        norm_eps=float(raw.get("rms_norm_eps", 1e-6)), embed_scale=1.0, norm_weight_after_cast=True,
+        param_dtype=param_dtype or stored, compute_dtype=compute_dtype or param_dtype or stored,
+        scan_layers=scan_layers)
+    if rope["type"] == "llama3":
+        try:
+            fields.update(rope_scaling="llama3", rope_scaling_factor=float(rope["factor"]),
+                          rope_low_freq_factor=float(rope["low_freq_factor"]),
+                          rope_high_freq_factor=float(rope["high_freq_factor"]),
+                          rope_original_max_len=int(rope.get("original_max_position_embeddings") or max_len))
+        except KeyError as e:
+            raise UsageError(f"{where}: llama3 rope scaling without {e.args[0]!r}") from None
+    try:
+        return ModelConfig(**fields).validate(), arch
+    except ConfigError as e:
+        raise UsageError(f"{where}: {e}") from None
+
+
+def read_config(directory, *, param_dtype: Optional[str] = None, compute_dtype: Optional[str] = None,
+                scan_layers: bool = False) -> HFModel:
+    """The directory's model and generation ids, from its JSON files alone (no weights read)."""
+    directory = as_path(directory)
+    raw = _read_json(directory / "config.json", "config.json describes the model")
+    cfg, arch = model_config(raw, str(directory / "config.json"), param_dtype=param_dtype,
+                             compute_dtype=compute_dtype, scan_layers=scan_layers)
+    generation = {}
+    if (directory / "generation_config.json").exists():
+        generation = _read_json(directory / "generation_config.json")
+    eos = generation.get("eos_token_id", raw.get("eos_token_id"))
+    eos_ids = tuple(eos) if isinstance(eos, list) else (eos,) if isinstance(eos, int) else ()
+    bos = generation.get("bos_token_id", raw.get("bos_token_id"))
+    return HFModel(str(directory), cfg, arch, raw.get("dtype") or raw.get("torch_dtype") or "float32",
+                   bos if isinstance(bos, int) else None, tuple(int(i) for i in eos_ids))
+
+
+def tokenizer(directory) -> Optional[HFTokenizer]:
+    """The directory's tokenizer (None without tokenizer files); bad files are UsageErrors."""
+    try:
+        return load_hf_tokenizer(as_path(directory))
+    except TokenizerError as e:
+        raise UsageError(str(e)) from None
+
+
+def same_vocabulary(target_dir, draft_dir) -> None:
+    """Raise UsageError unless two directories' tokenizers map every token to the same id
+    (equal sizes are not enough: the ratio q(x)/p(x) must compare the same token)."""
+    t, d = tokenizer(target_dir), tokenizer(draft_dir)
+    if t is None or d is None:
+        return
+    tv, dv = t.vocabulary(), d.vocabulary()
+    if tv != dv:
+        differ = sorted(k for k in set(tv) | set(dv) if tv.get(k) != dv.get(k))
+        raise UsageError(f"the target's tokenizer ({t.path}, {len(tv)} tokens) and the draft's ({d.path}, "
+                         f"{len(dv)} tokens) differ on {len(differ)} tokens (e.g. {differ[:3]}): speculative "
+                         "sampling needs a draft with the target's vocabulary")
+
+
+# --------------------------------------------------------------------------- weights
+
+
+def to_hf(layout: str, x: np.ndarray) -> np.ndarray:
+    """A specjax param (one layer) in the HF tensor's layout."""
+    if layout == "same":
+        return x
+    if layout == "transpose":
+        return x.T
+    if layout == "heads_out":
+        return x.reshape(x.shape[0], -1).T
+    return x.reshape(-1, x.shape[-1]).T
+
+
+def hf_spec(layout: str, spec: tuple) -> tuple:
+    """The partition of the HF tensor that puts on each device the elements of its shard
+    of the specjax param (head_dim is never split, so splitting heads of [N*H, ...]
+    splits whole heads)."""
+    if layout == "same":
+        return spec
+    if layout == "transpose":
+        return spec[::-1]
+    if layout == "heads_out":  # [D, N, H] <- [N*H, D]
+        return (spec[1], spec[0])
+    return (spec[2], spec[0])  # heads_in: [N, H, D] <- [D, N*H]
+
+
+def from_hf(layout: str, x, shape: tuple[int, ...]):
+    """The specjax param of `shape` from the HF tensor `x` (numpy or jax, one layer or a
+    leading layer axis): every layout but 'same' is the transpose of the last two axes,
+    then a reshape that splits N*H into (N, H)."""
+    return x if layout == "same" else x.swapaxes(-1, -2).reshape(shape)
+
+
+@functools.lru_cache(maxsize=None)
+def _on_device(layout: str, shape: tuple[int, ...], dtype, out: jax.sharding.Sharding):
+    # Transposing on the devices, shard by shard, is 4x faster than numpy on the host and
+    # needs no collective: each device's HF slice holds exactly its own shard's elements.
+    return jax.jit(lambda x: from_hf(layout, x, shape).astype(dtype), out_shardings=out)
+
+
+def _param_key(path) -> tuple[str, Optional[int]]:
+    """('attn/wq', layer index or None) of a param's tree path."""
+    keys = [getattr(k, "key", getattr(k, "idx", k)) for k in path]
+    if keys and keys[-1] == "value":
+        keys = keys[:-1]
+    if keys[0] == "layers":
+        if isinstance(keys[1], int):
+            return "/".join(map(str, keys[2:])), keys[1]
+        return "/".join(map(str, keys[1:])), None
+    return "/".join(map(str, keys)), None
+
+
+def expected_tensors(cfg: ModelConfig) -> dict[str, tuple[int, ...]]:
+    """{HF tensor name: shape}, in transformers' order, of a Llama model with this config."""
+    D, N, K, H, F, V = cfg.d_model, cfg.num_heads, cfg.num_kv_heads, cfg.head_dim, cfg.d_ff, cfg.vocab_size
+    out = {"model.embed_tokens.weight": (V, D)}
+    for i in range(cfg.num_layers):
+        p = f"model.layers.{i}."
+        out.update({p + "input_layernorm.weight": (D,), p + "self_attn.q_proj.weight": (N * H, D),
+                    p + "self_attn.k_proj.weight": (K * H, D), p + "self_attn.v_proj.weight": (K * H, D),
+                    p + "self_attn.o_proj.weight": (D, N * H), p + "post_attention_layernorm.weight": (D,),
+                    p + "mlp.gate_proj.weight": (F, D), p + "mlp.up_proj.weight": (F, D),
+                    p + "mlp.down_proj.weight": (D, F)})
+    out["model.norm.weight"] = (D,)
+    if not cfg.tie_embeddings:
+        out["lm_head.weight"] = (V, D)
+    return out
+
+
+def _is_variable(x) -> bool:
+    return isinstance(x, nnx.Variable)
+
+
+class WeightFiles:
+    """The safetensors files of a directory and which tensor lives in which file."""
+
+    def __init__(self, directory, *, local: Optional[bool] = None):
+        directory = as_path(directory)
+        index = directory / "model.safetensors.index.json"
+        if index.exists():
+            weight_map = _read_json(index).get("weight_map")
+            if not isinstance(weight_map, dict) or not weight_map:
+                raise UsageError(f"{index}: has no weight_map")
+            names = sorted(set(weight_map.values()))
+        elif (directory / "model.safetensors").exists():
+            names, weight_map = ["model.safetensors"], None
+        else:
+            other = [p.name for p in directory.glob("*.bin")] if directory.exists() else []
+            raise UsageError(f"{directory}: no weights: neither model.safetensors nor model.safetensors.index.json"
+                             + (f" (found {', '.join(sorted(other))}: only safetensors are read; transformers' "
+                                "save_pretrained(safe_serialization=True) writes them)" if other else ""))
+        self.files = {n: safetensors_io.SafetensorsFile(directory / n, local=local) for n in names}
+        self.where: dict[str, safetensors_io.SafetensorsFile] = {}
+        for file in self.files.values():
+            for name in file.tensors:
+                self.where[name] = file
+        if weight_map is not None:
+            for name, fname in weight_map.items():
+                if name not in self.files[fname].tensors:
+                    raise UsageError(f"{index} places {name!r} in {fname}, which does not hold it")
+
+    @property
+    def bytes_read(self) -> int:
+        return sum(f.bytes_read for f in self.files.values())
+
+    def info(self, name: str) -> safetensors_io.TensorInfo:
+        return self.where[name].tensors[name]
+
+    def read(self, name: str, index=None) -> np.ndarray:
+        return self.where[name].read(name, index)
+
+    def check(self, cfg: ModelConfig, directory) -> None:
+        """Every tensor the model needs is there with its shape and a float dtype, and
+        nothing is left over that the model would silently drop (biases, extra heads)."""
+        wanted = expected_tensors(cfg)
+        missing = [n for n in wanted if n not in self.where]
+        if missing:
+            raise UsageError(f"{directory}: tensor {missing[0]} is missing from the safetensors files"
+                             + (f" (and {len(missing) - 1} more)" if len(missing) > 1 else "")
+                             + f"; the config describes a {cfg.num_layers}-layer model")
+        for name, shape in wanted.items():
+            info = self.info(name)
+            if info.shape != shape:
+                raise UsageError(f"{directory}: tensor {name} has shape {list(info.shape)}, the config needs "
+                                 f"{list(shape)}")
+            if info.dtype.kind != "f" and info.dtype != safetensors_io.DTYPES["BF16"]:
+                raise UsageError(f"{directory}: tensor {name} is {info.dtype}, expected a float dtype")
+        extra = [n for n in self.where if n not in wanted and not n.endswith(IGNORED_SUFFIXES)
+                 and not (n == "lm_head.weight" and cfg.tie_embeddings)]
+        if extra:
+            raise UsageError(f"{directory}: unexpected tensors {extra[:3]}"
+                             + (f" and {len(extra) - 3} more" if len(extra) > 3 else "")
+                             + ": not a plain Llama-family checkpoint")
+
+    def close(self) -> None:
+        for f in self.files.values():
+            f.close()
+
+
+def check_weights(directory, cfg: ModelConfig) -> None:
+    """`WeightFiles.check` from the files' headers alone: bad weights fail before device work."""
+    files = WeightFiles(directory)
+    try:
+        files.check(cfg, directory)
+    finally:
+        files.close()
+
+
+def load_params(cfg: ModelConfig, mesh: jax.sharding.Mesh, files: WeightFiles) -> LM:
+    """The LM whose params are the files' tensors. Each is created sharded on `mesh` in
+    the HF layout from the slices this process's devices hold (JAX asks once per distinct
+    slice: a replicated tensor is read once per process), then rearranged on the devices."""
+    abstract = abstract_lm(cfg, mesh)
+    hf_shapes = expected_tensors(dataclasses.replace(cfg, scan_layers=False))
+
+    def make(path, v):
+        key, layer = _param_key(path)
+        name, layout = PARAMS[key]
+        shape, sharding_ = tuple(v.value.shape), v.value.sharding
+        spec = tuple(sharding_.spec) + (None,) * (len(shape) - len(sharding_.spec))
+        stacked = cfg.scan_layers and name.startswith("model.layers.")
+        if stacked:
+            layers = cfg.num_layers
+            hf_shape, spec_hf = (layers,) + hf_shapes[name.format(i=0)], (spec[0],) + hf_spec(layout, spec[1:])
+        else:
+            hf_shape, spec_hf = hf_shapes[name.format(i=layer)], hf_spec(layout, spec)
+
+        def callback(index):
+            if not stacked:
+                return files.read(name.format(i=layer), index)
+            return np.stack([files.read(name.format(i=i), index[1:]) for i in range(*index[0].indices(layers))])
+
+        raw = jax.make_array_from_callback(hf_shape, NamedSharding(mesh, P(*spec_hf)), callback)
+        return v.replace(_on_device(layout, shape, jax.numpy.dtype(cfg.param_dtype), sharding_)(raw))
+
+    params = jax.tree_util.tree_map_with_path(make, abstract.params, is_leaf=_is_variable)
+    return LM(cfg, abstract.graphdef, params)
+
+
+def load(directory, mesh: jax.sharding.Mesh, *, param_dtype: Optional[str] = None,
+         compute_dtype: Optional[str] = None, scan_layers: bool = False,
+         local: Optional[bool] = None) -> tuple[LM, Optional[HFTokenizer]]:
+    """(LM, tokenizer or None) of a Hugging Face model directory, the params sharded on
+    `mesh` as `sharding.RULES` says. Every problem a directory can have (missing or damaged
+    files, another architecture, a missing or misshapen tensor) is a one-line UsageError,
+    raised before any device work."""
+    lm, tok, _ = load_with_stats(directory, mesh, param_dtype=param_dtype, compute_dtype=compute_dtype,
+                                 scan_layers=scan_layers, local=local)
+    return lm, tok
+
+
+def load_with_stats(directory, mesh, *, param_dtype=None, compute_dtype=None, scan_layers=False,
+                    local=None) -> tuple[LM, Optional[HFTokenizer], dict[str, Any]]:
+    """`load`, plus {'bytes_read': bytes this process read from the weight files,
+    'file_bytes': the tensors' total size}."""
+    info = read_config(directory, param_dtype=param_dtype, compute_dtype=compute_dtype, scan_layers=scan_layers)
+    tok = tokenizer(directory)
+    files = WeightFiles(directory, local=local)
+    try:
+        files.check(info.model, directory)
+        sharding.check_divisible(info.model, mesh)
+        lm = load_params(info.model, mesh, files)
+        jax.block_until_ready(lm.params)
+        stats = {"bytes_read": files.bytes_read,
+                 "file_bytes": sum(files.info(n).nbytes for n in expected_tensors(info.model))}
+    finally:
+        files.close()
+    return lm, tok, stats
+
+
+# --------------------------------------------------------------------------- export
+
+
+def exportable(cfg: ModelConfig) -> None:
+    """Raise UsageError when transformers' Llama cannot express the model."""
+    if cfg.ffw != "swiglu":
+        raise UsageError(f"cannot export a model with ffw={cfg.ffw!r} as Hugging Face Llama: Llama's MLP is "
+                         "SwiGLU (down(silu(gate x) * up x)) and no Llama config expresses a GELU MLP")
+    if cfg.pos_encoding != "rope":
+        raise UsageError(f"cannot export a model with pos_encoding={cfg.pos_encoding!r} as Hugging Face Llama: "
+                         "Llama has rotary positions only, no Transformer-XL relative position terms")
+    if cfg.tie_embeddings and cfg.input_embedding_scale != 1.0:
+        raise UsageError(f"cannot export a tied model whose input embeddings are scaled by "
+                         f"{cfg.input_embedding_scale:g} as Hugging Face Llama: Llama applies no embedding "
+                         "scale, and with one table for input and output the scale cannot be folded into it")
+
+
+def hf_config(cfg: ModelConfig, bos_id: Optional[int] = None, eos_ids=()) -> dict:
+    """config.json for `cfg`, in the layout transformers 4.x and 5.x both read (top-level
+    rope_theta and rope_scaling)."""
+    scaling = None
+    if cfg.rope_scaling == "llama3":
+        scaling = {"rope_type": "llama3", "factor": cfg.rope_scaling_factor,
+                   "low_freq_factor": cfg.rope_low_freq_factor, "high_freq_factor": cfg.rope_high_freq_factor,
+                   "original_max_position_embeddings": cfg.rope_original_max_len}
+    eos = list(eos_ids)
+    return {"architectures": ["LlamaForCausalLM"], "model_type": "llama", "vocab_size": cfg.vocab_size,
+            "hidden_size": cfg.d_model, "intermediate_size": cfg.d_ff, "num_hidden_layers": cfg.num_layers,
+            "num_attention_heads": cfg.num_heads, "num_key_value_heads": cfg.num_kv_heads,
+            "head_dim": cfg.head_dim, "hidden_act": "silu", "max_position_embeddings": cfg.max_seq_len,
+            "rms_norm_eps": cfg.norm_eps, "rope_theta": cfg.rope_theta, "rope_scaling": scaling,
+            "tie_word_embeddings": cfg.tie_embeddings, "attention_bias": False, "mlp_bias": False,
+            "bos_token_id": bos_id, "eos_token_id": eos[0] if len(eos) == 1 else (eos or None),
+            "torch_dtype": cfg.param_dtype}
+
+
+def export(lm: LM, directory, *, tokenizer_dir=None, bos_id: Optional[int] = None, eos_ids=(),
+           max_shard_bytes: int = MAX_SHARD_BYTES) -> epath.Path:
+    """Write `lm` as a Hugging Face Llama directory (config.json, generation_config.json,
+    safetensors in the params' dtype, and the tokenizer files of `tokenizer_dir` if
+    given). Every process must call it (params are gathered tensor by tensor); process 0
+    writes. An untied model's input-embedding scale is folded into the table."""
+    cfg = lm.cfg
+    exportable(cfg)
+    directory = as_path(directory)
+    dtype = np.dtype(jax.numpy.dtype(cfg.param_dtype))
+    source = {}  # HF name -> (param array, layer of a stacked param or None, layout, specjax key)
+    for path, v in jax.tree_util.tree_flatten_with_path(lm.params, is_leaf=_is_variable)[0]:
+        key, layer = _param_key(path)
+        name, layout = PARAMS[key]
+        if cfg.scan_layers and name.startswith("model.layers."):
+            source.update({name.format(i=i): (v.value, i, layout, key) for i in range(cfg.num_layers)})
+        else:
+            source[name.format(i=layer)] = (v.value, None, layout, key)
+    tensors = [(name, dtype, shape) for name, shape in expected_tensors(cfg).items()]
+
+    def value(name):
+        array, stacked, layout, key = source[name]
+        x = np.asarray(distributed.fetch(array[stacked] if stacked is not None else array))
+        if key == "embed" and cfg.input_embedding_scale != 1.0:
+            x = (x.astype(np.float32) * cfg.input_embedding_scale).astype(dtype)
+        return to_hf(layout, x)
+
+    shards, size = [[]], 0
+    for t in tensors:
+        nbytes = math.prod(t[2]) * dtype.itemsize
+        if shards[-1] and size + nbytes > max_shard_bytes:
+            shards.append([])
+            size = 0
+        shards[-1].append(t)
+        size += nbytes
+    main = distributed.is_main()
+    if main:
+        directory.mkdir(parents=True, exist_ok=True)
+    names = (["model.safetensors"] if len(shards) == 1 else
+             [f"model-{k + 1:05d}-of-{len(shards):05d}.safetensors" for k in range(len(shards))])
+    for fname, shard in zip(names, shards):
+        if main:
+            safetensors_io.write(directory / fname, shard, value, metadata={"format": "pt"})
+        else:
+            for t in shard:
+                value(t[0])  # the gathers are collective: every process takes part
+    if not main:
+        return directory
+    if len(shards) > 1:
+        index = {"metadata": {"total_size": sum(math.prod(t[2]) * dtype.itemsize for t in tensors)},
+                 "weight_map": {t[0]: fname for fname, shard in zip(names, shards) for t in shard}}
+        (directory / "model.safetensors.index.json").write_text(json.dumps(index, indent=2) + "\n")
+    (directory / "config.json").write_text(json.dumps(hf_config(cfg, bos_id, eos_ids), indent=2) + "\n")
+    generation = {"bos_token_id": bos_id, "eos_token_id": (list(eos_ids) if len(eos_ids) != 1 else eos_ids[0])
+                  if eos_ids else None}
+    (directory / "generation_config.json").write_text(
+        json.dumps({k: v for k, v in generation.items() if v is not None}, indent=2) + "\n")
+    if tokenizer_dir is not None:
+        for fname in TOKENIZER_FILES:
+            src = as_path(tokenizer_dir) / fname
+            if src.exists():
+                src.copy(directory / fname, overwrite=True)
+    return directory

@@ -1,0 +1,182 @@
+"""`python -m specjax.sample --hf_target=DIR [--hf_draft=DIR]` run as a user runs it, on
+the committed Hugging Face fixtures (tests/fixtures/hf): the tokens transformers'
+greedy `generate` gave, from ArS and SpS alike, with text prompts through the model's
+own tokenizer and on a 1x8 mesh; and every bad directory or flag combination is one
+line on stderr with exit code 2, before anything is compiled."""
+from __future__ import annotations
+
+import concurrent.futures
+import json
+import os
+import pathlib
+import shutil
+import subprocess
+import sys
+
+import numpy as np
+import pytest
+from safetensors.numpy import load_file, save_file
+
+ROOT = pathlib.Path(__file__).resolve().parent.parent
+FIXTURES = ROOT / "tests" / "fixtures" / "hf"
+
+
+@pytest.fixture(scope="module")
+def env(tmp_path_factory):
+    base = tmp_path_factory.mktemp("hf_cli")
+    return {**os.environ, "XLA_FLAGS": "--xla_force_host_platform_device_count=1", "JAX_PLATFORMS": "cpu",
+            "JAX_COMPILATION_CACHE_DIR": str(base / "jax_cache"), "JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS": "0",
+            "JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES": "0", "SPECJAX_CACHE": str(base / "empty_cache"),
+            "PYTHONPATH": str(ROOT), "COLUMNS": "160"}
+
+
+def sample(env, *args, timeout=300, **extra):
+    return subprocess.run([sys.executable, "-m", "specjax.sample", *args], cwd=ROOT, env={**env, **extra},
+                          capture_output=True, text=True, timeout=timeout)
+
+
+def records(path):
+    return [json.loads(line) for line in pathlib.Path(path).read_text().splitlines()]
+
+
+def greedy_reference(name):
+    ref = np.load(FIXTURES / name / "reference.npz")
+    prompt = ref["prompt_ids"][0].tolist()
+    return prompt, ref["greedy_ids"][0, len(prompt):].tolist()
+
+
+def test_pair_from_hf_directories_gives_transformers_greedy_tokens_in_both_modes(env, tmp_path):
+    prompt, expected = greedy_reference("pair_target")
+    proc = sample(env, f"--hf_target={FIXTURES / 'pair_target'}", f"--hf_draft={FIXTURES / 'pair_draft'}",
+                  "--mode=both", "--temperature=0", "--max_new_tokens=16", "--noprint_samples",
+                  f"--prompt_tokens={','.join(map(str, prompt))}", f"--output={tmp_path / 'out.jsonl'}")
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    out = {r["mode"]: r for r in records(tmp_path / "out.jsonl")}
+    assert out["ars"]["tokens"] == out["sps"]["tokens"] == expected
+    assert "SpS speedup over ArS" in proc.stdout
+
+
+def test_text_prompt_goes_through_the_directory_tokenizer(env, tmp_path):
+    """llama_gqa's tokenizer.json adds its BOS as transformers does; the generated text is
+    decoded by the same tokenizer."""
+    prompt, expected = greedy_reference("llama_gqa")
+    proc = sample(env, f"--hf_target={FIXTURES / 'llama_gqa'}", "--mode=ars", "--temperature=0",
+                  "--max_new_tokens=16", "--prompt=def f(x):", f"--output={tmp_path / 'out.jsonl'}")
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    (record,) = records(tmp_path / "out.jsonl")
+    assert record["prompt_tokens"] == prompt and record["prompt_tokens"][0] == 301  # <|begin_of_text|>
+    assert record["tokens"] == expected
+    assert isinstance(record["text"], str) and record["text"] in proc.stdout
+
+
+def test_sharded_over_a_1x8_mesh(env, tmp_path):
+    prompt, expected = greedy_reference("llama_tp")
+    proc = sample(env, f"--hf_target={FIXTURES / 'llama_tp'}", "--mode=ars", "--temperature=0", "--mesh=1x8",
+                  "--max_new_tokens=16", f"--prompt_tokens={','.join(map(str, prompt))}", "--noprint_samples",
+                  f"--output={tmp_path / 'out.jsonl'}", XLA_FLAGS="--xla_force_host_platform_device_count=8")
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert records(tmp_path / "out.jsonl")[0]["tokens"] == expected
+
+
+def test_bench_measures_an_imported_pair(env, tmp_path):
+    proc = subprocess.run([sys.executable, "-m", "specjax.bench", f"--hf_target={FIXTURES / 'pair_target'}",
+                           f"--hf_draft={FIXTURES / 'pair_draft'}", "--lookahead=2", "--num_prompts=2",
+                           "--prompt_len=4", "--max_new_tokens=8", "--repeats=2", f"--json={tmp_path / 'b.json'}"],
+                          cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    report = json.loads((tmp_path / "b.json").read_text())
+    assert report["hf_target"].endswith("pair_target") and report["ars"]["ms_per_token"] > 0
+    assert [r["lookahead"] for r in report["sps"]] == [2] and 0 <= report["sps"][0]["acceptance_rate"] <= 1
+
+
+# ------------------------------------------------------------------ bad input
+
+
+def copy_model(src, dst, **config_changes):
+    shutil.copytree(FIXTURES / src, dst)
+    if config_changes:
+        path = dst / "config.json"
+        config = json.loads(path.read_text())
+        for key, value in config_changes.items():
+            config[key] = value
+        path.write_text(json.dumps(config))
+    return dst
+
+
+@pytest.fixture(scope="module")
+def bad(tmp_path_factory):
+    base = tmp_path_factory.mktemp("bad_hf")
+    (base / "empty").mkdir()
+    (base / "config_only").mkdir()
+    shutil.copy(FIXTURES / "pair_target" / "config.json", base / "config_only")
+    copy_model("pair_target", base / "gpt2", architectures=["GPT2LMHeadModel"], model_type="gpt2")
+    copy_model("pair_target", base / "yarn", rope_parameters={"rope_type": "yarn", "rope_theta": 1e4, "factor": 4.0})
+    # Weight files rewritten with the reference safetensors library: one tensor dropped, one transposed.
+    tensors = load_file(str(FIXTURES / "pair_target" / "model.safetensors"))
+    for name, change in (("missing", lambda t: t.pop("model.layers.1.mlp.down_proj.weight")),
+                         ("misshapen", lambda t: t.update({"model.layers.0.self_attn.q_proj.weight":
+                                                           t["model.layers.0.self_attn.q_proj.weight"][:, :16]}))):
+        d = copy_model("pair_target", base / name)
+        changed = dict(tensors)
+        change(changed)
+        save_file(changed, str(d / "model.safetensors"), metadata={"format": "pt"})
+    d = copy_model("pair_target", base / "truncated")
+    data = (d / "model.safetensors").read_bytes()
+    (d / "model.safetensors").write_bytes(data[:-100])
+    # Same vocabulary size as llama_gqa, two tokens swapped: the tokenizers differ, not the sizes.
+    d = copy_model("llama_gqa", base / "other_tokens")
+    tok = json.loads((d / "tokenizer.json").read_text())
+    vocab = tok["model"]["vocab"]
+    a, b = sorted(vocab)[100], sorted(vocab)[101]
+    vocab[a], vocab[b] = vocab[b], vocab[a]
+    (d / "tokenizer.json").write_text(json.dumps(tok))
+    return base
+
+
+PAIR = f"--hf_target={FIXTURES / 'pair_target'}"
+BAD_INPUTS = [  # (name, args, fragments of the one error line)
+    ("no config.json", ["--hf_target={bad}/empty", "--mode=ars"], ["empty: no config.json", "Hugging Face model"]),
+    ("no weights", ["--hf_target={bad}/config_only", "--mode=ars"],
+     ["config_only: no weights", "model.safetensors"]),
+    ("unsupported architecture", ["--hf_target={bad}/gpt2", "--mode=ars"],
+     ["'GPT2LMHeadModel' is not supported", "LlamaForCausalLM, MistralForCausalLM"]),
+    ("unknown rope scaling", ["--hf_target={bad}/yarn", "--mode=ars"],
+     ["rope scaling type 'yarn' is not supported", "default, llama3"]),
+    ("tensor missing", ["--hf_target={bad}/missing", "--mode=ars"],
+     ["model.layers.1.mlp.down_proj.weight is missing"]),
+    ("tensor of the wrong shape", ["--hf_target={bad}/misshapen", "--mode=ars"],
+     ["model.layers.0.self_attn.q_proj.weight has shape [32, 16]", "needs [32, 32]"]),
+    ("truncated safetensors", ["--hf_target={bad}/truncated", "--mode=ars"], ["model.safetensors: truncated"]),
+    ("vocabulary sizes differ", [f"--hf_target={FIXTURES / 'llama_gqa'}", f"--hf_draft={FIXTURES / 'llama_mha_tied'}"],
+     ["draft.vocab_size=384 differs from target.vocab_size=304", "share a tokenizer"]),
+    ("tokenizers differ", [f"--hf_target={FIXTURES / 'llama_gqa'}", "--hf_draft={bad}/other_tokens"],
+     ["tokenizer", "differ on 2 tokens", "the target's vocabulary"]),
+    ("hf_target with checkpoint", [PAIR, "--checkpoint=/tmp/x", "--mode=ars"],
+     ["--hf_target and --checkpoint both name weights"]),
+    ("hf_draft without hf_target", [f"--hf_draft={FIXTURES / 'pair_draft'}"], ["--hf_draft needs --hf_target"]),
+    ("sps without hf_draft", [PAIR, "--mode=sps"], ["--mode=sps needs a draft", "--hf_draft=DIR", "--mode=ars"]),
+    ("mesh does not divide", [PAIR, "--mode=ars", "--mesh=1x8"],
+     ["num_heads=4 is not divisible by the 'model' mesh axis of size 8"]),
+]
+
+
+@pytest.fixture(scope="module")
+def bad_runs(env, bad):
+    def run(case):
+        _, args, _ = case
+        return sample(env, "--prompt_tokens=0,5,6", "--max_new_tokens=16", *[a.format(bad=bad) for a in args],
+                      timeout=120, XLA_FLAGS="--xla_force_host_platform_device_count=8")
+    with concurrent.futures.ThreadPoolExecutor(3) as pool:
+        return dict(zip((c[0] for c in BAD_INPUTS), pool.map(run, BAD_INPUTS)))
+
+
+@pytest.mark.parametrize("case", BAD_INPUTS, ids=[c[0] for c in BAD_INPUTS])
+def test_bad_input_is_one_line_and_exit_2(bad_runs, case):
+    name, _, fragments = case
+    proc = bad_runs[name]
+    lines = [line for line in proc.stderr.splitlines() if line.strip()]
+    assert proc.returncode == 2, (proc.returncode, proc.stderr[-3000:])
+    assert len(lines) == 1 and "Traceback" not in proc.stderr, proc.stderr[-3000:]
+    for fragment in fragments:
+        assert fragment in lines[0], (fragment, lines[0])
+    assert proc.stdout.strip() == ""  # nothing ran
