@@ -178,8 +178,6 @@ class Batches:
 
 
 def learning_rate_schedule(tc: TrainConfig) -> optax.Schedule:
-    if tc.warmup_steps >= tc.steps:
-        raise ConfigError(f"train.warmup_steps={tc.warmup_steps} must be below train.steps={tc.steps}")
     return optax.warmup_cosine_decay_schedule(0.0, tc.learning_rate, tc.warmup_steps, tc.steps,
                                               end_value=tc.learning_rate * 0.1)
 
