@@ -62,6 +62,9 @@ class Weights:
             if _latest_step(d) >= 0 or name in to_train:
                 continue
             what = "holds no finished checkpoint" if d.is_dir() else "does not exist"
+            if d.exists() and not d.is_dir():
+                raise UsageError(f"{flag}={str(d)!r} is a file, not a checkpoint directory: pass the directory "
+                                 f"that `{train_command(name)} --workdir=DIR` writes, or use --init=random")
             if given is not None:
                 raise UsageError(f"{flag}={given!r}: no checkpoint there (the directory {what}); create one "
                                  f"with `{train_command(name)} --workdir={given}`, or use --init=random")
