@@ -89,7 +89,7 @@ class Corpus:
     description: str
 
 
-def load_corpus(config: Config, teacher_dir: Optional[pathlib.Path] = None) -> Corpus:
+def load_corpus(config: Config, teacher_dir: Optional[pathlib.Path] = None, progress: bool = True) -> Corpus:
     """Token streams for `config` (see the module docstring). With a teacher, the
     teacher's own tokenizer is used: draft and target must share one."""
     tc = config.train
@@ -111,7 +111,7 @@ def load_corpus(config: Config, teacher_dir: Optional[pathlib.Path] = None) -> C
     if tokenizer.vocab_size != vocab:
         raise ConfigError(f"tokenizer {tokenizer.path} has {tokenizer.vocab_size} pieces but "
                           f"target.vocab_size={vocab}")
-    tokens = data.build_token_cache(files, tokenizer, store)
+    tokens = data.build_token_cache(files, tokenizer, store, progress)
     train, val = data.split_train_val(tokens, tc.val_fraction)
     return Corpus(train, val, pathlib.Path(tokenizer.path),
                   f"{tc.corpus}: {len(files):,} files, {len(tokens):,} tokens, tokenizer {tokenizer.path.name}")
@@ -131,6 +131,26 @@ def _row_block(batch_sharding, global_shape) -> tuple[int, int]:
     return lo // per, global_shape[0] // per
 
 
+def check_stream_lengths(train_tokens: int, val_tokens: int, tc: TrainConfig) -> None:
+    """Both streams must hold one window of seq_len + 1 tokens; the advice names the
+    val_fraction that would fix a short one (smaller for train, larger for validation)."""
+    need, total = tc.seq_len + 1, train_tokens + val_tokens
+    if train_tokens >= need and val_tokens >= need:
+        return
+    name, have = ("train", train_tokens) if train_tokens < need else ("validation", val_tokens)
+    problem = (f"the {name} stream has {have:,} tokens (train.val_fraction={tc.val_fraction} of {total:,}), "
+               f"fewer than train.seq_len + 1 = {need}")
+    if total < 2 * need + 2:
+        raise UsageError(f"{problem}; the corpus is too small for a train and a validation window of {need} "
+                         f"tokens each: use a bigger corpus or train.seq_len at most {max(1, total // 2 - 3)}")
+    digits = 1e4  # the advice is rounded towards the safe side
+    if name == "train":
+        fix = f"lower train.val_fraction to at most {math.floor((total - need - 1) / total * digits) / digits:g}"
+    else:
+        fix = f"raise train.val_fraction to at least {math.ceil((need + 1) / total * digits) / digits:g}"
+    raise UsageError(f"{problem}: {fix}, lower train.seq_len, or use a bigger corpus")
+
+
 class Batches:
     """Global batches as sharded device arrays, built from this process's rows only."""
 
@@ -140,10 +160,7 @@ class Batches:
         self.sharding = sharding.named(mesh, ("batch", None), self.shape)
         self.replicated = sharding.replicated(mesh)
         self.block, self.blocks = _row_block(self.sharding, self.shape)
-        for name, stream in (("train", corpus.train), ("validation", corpus.val)):
-            if len(stream) < tc.seq_len + 1:
-                raise UsageError(f"the {name} stream has {len(stream)} tokens, fewer than train.seq_len + 1 = "
-                                 f"{tc.seq_len + 1}: use a bigger corpus or a larger train.val_fraction")
+        check_stream_lengths(len(corpus.train), len(corpus.val), tc)
 
     def _device(self, local: np.ndarray) -> jax.Array:
         return jax.make_array_from_process_local_data(self.sharding, local, self.shape)
@@ -363,7 +380,7 @@ def train(config: Config, workdir=None, progress: bool = True, devices=None) -> 
 
     with jax.set_mesh(mesh):
         teacher, teacher_dir = _teacher(config, mesh)
-        corpus = load_corpus(config, teacher_dir)
+        corpus = load_corpus(config, teacher_dir, progress and jax.process_index() == 0)
         batches = Batches(corpus, tc, mesh)
         if is_main:
             workdir.mkdir(parents=True, exist_ok=True)
