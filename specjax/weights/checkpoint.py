@@ -6,9 +6,11 @@ Layout of a checkpoint directory (the trainer's workdir, by default
 
     DIR/tokenizer.model      SentencePiece model (configs with tokenizer_vocab > 0)
     DIR/metrics.jsonl        training metrics, one JSON record a line
+    DIR/train.lock           flock'ed by the one training run writing here (holds its pid)
     DIR/<step>/params/       nnx.State of the params (orbax StandardSave)
     DIR/<step>/opt_state/    optax state (trainer checkpoints only)
-    DIR/<step>/meta/         JSON: config name, ModelConfig, TrainConfig, step, seed
+    DIR/<step>/meta/         JSON: config name, ModelConfig, TrainConfig, step, seed, and the
+                             metrics of the steps since the last 'train' record
 
 The data position and every random choice of the trainer are pure functions of
 (seed, step), so the step in `meta` is all the data-loader/RNG state there is.
