@@ -30,7 +30,7 @@ class ConfigError(UsageError):
 def _plain_numbers(obj) -> None:
     """Store numpy integers and floats given for int / float fields as Python ones (they
     are hashed into jit's static settings and written to JSON metadata). Anything else
-    is left for `validate` to refuse, bools included: True is no lookahead."""
+    is left for `validate` to refuse, bools included: lookahead=True is a mistake, not K=1."""
     for field in dataclasses.fields(obj):
         value = getattr(obj, field.name)
         if isinstance(value, bool):

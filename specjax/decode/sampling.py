@@ -33,8 +33,8 @@ def warp(logits: jax.Array, w: Warp) -> tuple[jax.Array, jax.Array]:
     distribution that must not be sampled (NaN/inf logits, or probabilities that are not
     finite). Every temperature > 0 gives a valid distribution: logits are shifted so the
     largest is exactly 0 before dividing by T, so exp never overflows, the top token keeps
-    mass 1 however small T is (down to T below float32's smallest normal, where T / gap
-    under- or overflows), and small T tends to the greedy one-hot."""
+    weight 1 however small T is (even where gap / T overflows to -inf), and small T tends
+    to the greedy one-hot."""
     # Gather vocab-parallel logits once (one small all-gather) so every reduction below is
     # local: on a pod, a dozen latency-bound all-reduces per distribution would cost more.
     # The NaN/inf checks run on the gathered copy for the same reason.
