@@ -68,9 +68,9 @@ def parts(K: int, w: Warp):
         logits, cache = t(s.tokens[:, :K + 1], pos, s.target_cache)
         out = never(logits[:, 0, 0])
         if accept:
-            q = warp(logits, w)
-            n, token = sps.accept(s.key, s.tokens[:, 1:K + 1], q[:, :K], q)
-            out = never(n) + never(token)
+            q, bad = warp(logits, w)
+            n, token, empty = sps.accept(s.key, s.tokens[:, 1:K + 1], q[:, :K], q)
+            out = never(n) + never(token) + jnp.any(bad, axis=1) + empty
         return dataclasses.replace(s, target_cache=cache.with_lengths(s.length + 2), length=s.length + 3 + out)
 
     return {"speculate (one SpS loop)": speculate, "draft_tokens (K steps)": draft_tokens,

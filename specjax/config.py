@@ -10,6 +10,7 @@ from __future__ import annotations
 import dataclasses
 import importlib.util
 import math
+import numbers
 import os
 import pathlib
 import typing
@@ -26,17 +27,69 @@ class ConfigError(UsageError):
     """A config field has a bad value; the message names the field."""
 
 
+def _plain_numbers(obj) -> None:
+    """Store numpy integers and floats given for int / float fields as Python ones (they
+    are hashed into jit's static settings and written to JSON metadata). Anything else
+    is left for `validate` to refuse, bools included: lookahead=True is a mistake, not K=1."""
+    for field in dataclasses.fields(obj):
+        value = getattr(obj, field.name)
+        if isinstance(value, bool):
+            continue
+        if field.type == "int" and isinstance(value, numbers.Integral):
+            object.__setattr__(obj, field.name, int(value))
+        elif field.type == "float" and isinstance(value, numbers.Real):
+            object.__setattr__(obj, field.name, float(value))
+
+
+def _name(obj, name) -> str:
+    return f"{type(obj).__name__}.{name}"
+
+
+def _integer(obj, name, low: int, high: Optional[int] = None, hint: str = "", label: str = "") -> None:
+    """An int field (never a bool) in [low, high]."""
+    value = getattr(obj, name)
+    if isinstance(value, bool) or not isinstance(value, int) or value < low or (high is not None and value > high):
+        allowed = (f"an integer >= {low}" if high is None else "an integer in [0, 2**63)" if high == SEED_LIMIT - 1
+                   else f"an integer in [{low}, {high}]")
+        raise ConfigError(f"{label or _name(obj, name)}={value!r}: must be {allowed}{hint}")
+
+
 def _positive(obj, *names):
     for name in names:
         value = getattr(obj, name)
         if not isinstance(value, int) or isinstance(value, bool) or value <= 0:
-            raise ConfigError(f"{type(obj).__name__}.{name}={value!r}: must be a positive integer")
+            raise ConfigError(f"{_name(obj, name)}={value!r}: must be a positive integer")
+
+
+def _number(obj, name, allowed: str, ok, label: str = "") -> None:
+    """A float field (ints accepted, never a bool or NaN) for which `ok(value)` holds;
+    `allowed` words the rule for the message."""
+    value = getattr(obj, name)
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or math.isnan(value) or not ok(value):
+        raise ConfigError(f"{label or _name(obj, name)}={value!r}: must be {allowed}")
+
+
+def _text(obj, *names) -> None:
+    for name in names:
+        value = getattr(obj, name)
+        if not isinstance(value, str):
+            raise ConfigError(f"{_name(obj, name)}={value!r}: must be a string")
+
+
+def _flag(obj, *names) -> None:
+    for name in names:
+        value = getattr(obj, name)
+        if not isinstance(value, bool):
+            raise ConfigError(f"{_name(obj, name)}={value!r}: must be True or False")
 
 
 def _choice(obj, name, allowed):
     value = getattr(obj, name)
     if value not in allowed:
-        raise ConfigError(f"{type(obj).__name__}.{name}={value!r}: allowed values are {sorted(allowed)}")
+        raise ConfigError(f"{_name(obj, name)}={value!r}: allowed values are {sorted(allowed)}")
+
+
+SEED_LIMIT = 2 ** 63  # seeds are integers in [0, SEED_LIMIT)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -75,9 +128,16 @@ class ModelConfig:
     # then multiply by the weight (the same numbers in float32, one rounding apart in bf16).
     norm_weight_after_cast: bool = False
 
+    def __post_init__(self):
+        _plain_numbers(self)
+
     def validate(self) -> "ModelConfig":
         _positive(self, "vocab_size", "d_model", "num_layers", "num_heads", "num_kv_heads",
                   "head_dim", "d_ff", "max_seq_len")
+        _integer(self, "init_seed", 0, SEED_LIMIT - 1)
+        _number(self, "rope_theta", "a finite number > 0", lambda v: 0 < v < math.inf)
+        _number(self, "norm_eps", "a finite number > 0", lambda v: 0 < v < math.inf)
+        _flag(self, "tie_embeddings", "scan_layers")
         _choice(self, "ffw", {"gelu", "swiglu"})
         _choice(self, "pos_encoding", {"rope", "relative"})
         _choice(self, "rope_scaling", {"none", "llama3"})
@@ -123,6 +183,9 @@ class MeshConfig:
     data: int = 1
     model: int = -1
 
+    def __post_init__(self):
+        _plain_numbers(self)
+
     def validate(self) -> "MeshConfig":
         _positive(self, "data")
         if self.model != -1:
@@ -132,9 +195,15 @@ class MeshConfig:
 
 @dataclasses.dataclass(frozen=True)
 class SamplingConfig:
-    """Applied identically to draft and target logits: temperature, then top-k, then top-p."""
+    """Applied identically to draft and target logits: temperature, then top-k, then top-p.
 
-    temperature: float = 1.0  # 0 = greedy
+    temperature: 0 is greedy (the argmax); any T > 0 is softmax(logits / T), which tends
+    to greedy as T -> 0 (tiny T gives exactly the greedy token where the top logit is
+    unique); inf is the T -> inf limit, uniform over the tokens top-k keeps (top-p then
+    keeps all of them, as they tie). Integer fields take Python or numpy integers (stored
+    as Python ints), never bools."""
+
+    temperature: float = 1.0  # 0 = greedy, inf = uniform
     top_k: int = 0  # 0 = off
     top_p: float = 1.0  # 1 = off
     lookahead: int = 4  # K, draft tokens per loop
@@ -142,17 +211,20 @@ class SamplingConfig:
     # -1 = never stop early; a tuple stops at any of its ids (Llama 3 lists several).
     eos_id: Union[int, tuple[int, ...]] = -1
 
+    def __post_init__(self):
+        _plain_numbers(self)
+        if isinstance(self.eos_id, numbers.Integral) and not isinstance(self.eos_id, bool):
+            object.__setattr__(self, "eos_id", int(self.eos_id))
+        elif isinstance(self.eos_id, (tuple, list)):
+            object.__setattr__(self, "eos_id", tuple(int(i) if isinstance(i, numbers.Integral) and not
+                                                     isinstance(i, bool) else i for i in self.eos_id))
+
     def validate(self) -> "SamplingConfig":
-        if not self.temperature >= 0:
-            raise ConfigError(f"temperature={self.temperature}: must be >= 0 (0 means greedy)")
-        if not isinstance(self.top_k, int) or self.top_k < 0:
-            raise ConfigError(f"top_k={self.top_k}: must be an integer >= 0 (0 turns top-k off)")
-        if not 0 < self.top_p <= 1:
-            raise ConfigError(f"top_p={self.top_p}: must be in (0, 1] (1 turns nucleus sampling off)")
-        if not isinstance(self.lookahead, int) or self.lookahead < 1:
-            raise ConfigError(f"lookahead={self.lookahead}: must be an integer >= 1")
-        if not isinstance(self.max_new_tokens, int) or self.max_new_tokens < 1:
-            raise ConfigError(f"max_new_tokens={self.max_new_tokens}: must be an integer >= 1")
+        _number(self, "temperature", ">= 0 (0 means greedy, inf uniform)", lambda v: v >= 0, "temperature")
+        _integer(self, "top_k", 0, hint=" (0 turns top-k off)", label="top_k")
+        _number(self, "top_p", "in (0, 1] (1 turns nucleus sampling off)", lambda v: 0 < v <= 1, "top_p")
+        _integer(self, "lookahead", 1, label="lookahead")
+        _integer(self, "max_new_tokens", 1, label="max_new_tokens")
         ids = self.eos_id if isinstance(self.eos_id, tuple) else (self.eos_id,)
         if (not ids or any(isinstance(i, bool) or not isinstance(i, int) for i in ids)
                 or min(ids) < (0 if isinstance(self.eos_id, tuple) else -1)):
@@ -191,15 +263,28 @@ class TrainConfig:
     distill_temperature: float = 1.0
     distill_weight: float = 1.0  # loss = w * KL(teacher || student) + (1 - w) * LM loss
 
+    def __post_init__(self):
+        _plain_numbers(self)
+
     def validate(self) -> "TrainConfig":
         _positive(self, "batch_size", "seq_len", "steps", "save_every", "keep_checkpoints",
                   "eval_every", "eval_batches", "log_every")
-        if not self.learning_rate > 0:
-            raise ConfigError(f"TrainConfig.learning_rate={self.learning_rate}: must be > 0")
-        if not 0 <= self.distill_weight <= 1:
-            raise ConfigError(f"TrainConfig.distill_weight={self.distill_weight}: must be in [0, 1]")
-        if not self.distill_temperature > 0:
-            raise ConfigError(f"TrainConfig.distill_temperature={self.distill_temperature}: must be > 0")
+        finite = lambda low, high: lambda v: low < v < high  # noqa: E731
+        _number(self, "learning_rate", "a finite number > 0", finite(0, math.inf))
+        _integer(self, "warmup_steps", 0, self.steps - 1, hint=f" (below train.steps={self.steps})")
+        # 0 would freeze the model and a negative value would climb the loss: clipping
+        # the gradient's norm at c rescales it to norm c.
+        _number(self, "grad_clip", "a finite number > 0 (the largest gradient norm kept)", finite(0, math.inf))
+        _number(self, "weight_decay", "a finite number >= 0", lambda v: 0 <= v < math.inf)
+        _integer(self, "seed", 0, SEED_LIMIT - 1)
+        _text(self, "corpus", "teacher", "teacher_checkpoint")
+        if not self.corpus:
+            raise ConfigError("TrainConfig.corpus='': must be 'stdlib', a directory, a file or a glob of text files")
+        _number(self, "val_fraction", "in (0, 1) (the share of the token stream kept for validation)",
+                finite(0, 1))
+        _number(self, "distill_weight", "in [0, 1]", lambda v: 0 <= v <= 1)
+        _number(self, "distill_temperature", "a finite number > 0", finite(0, math.inf))
+        _text(self, "teacher_hf")
         if self.teacher and self.teacher_hf:
             raise ConfigError(f"TrainConfig.teacher={self.teacher!r} and teacher_hf={self.teacher_hf!r}: give one "
                               "teacher (a config's checkpoint or a Hugging Face directory)")
@@ -225,7 +310,18 @@ class Config:
     # specjax checkpoints; the config gives the shapes `plan` uses, dtypes, mesh, sampling.
     hf_weights: bool = False
 
+    def __post_init__(self):
+        _plain_numbers(self)
+
     def validate(self) -> "Config":
+        _text(self, "name", "target_from", "draft_from")
+        for name, cls in (("target", ModelConfig), ("mesh", MeshConfig), ("sampling", SamplingConfig),
+                          ("train", TrainConfig)):
+            if not isinstance(getattr(self, name), cls):
+                raise ConfigError(f"Config.{name}={getattr(self, name)!r}: must be a {cls.__name__}")
+        if self.draft is not None and not isinstance(self.draft, ModelConfig):
+            raise ConfigError(f"Config.draft={self.draft!r}: must be a ModelConfig or None")
+        _integer(self, "tokenizer_vocab", 0, hint=" (0: no tokenizer)")
         self.target.validate()
         if self.draft is not None:
             self.draft.validate()
@@ -238,6 +334,12 @@ class Config:
         if self.tokenizer_vocab and self.tokenizer_vocab != self.target.vocab_size:
             raise ConfigError(f"tokenizer_vocab={self.tokenizer_vocab} differs from "
                               f"target.vocab_size={self.target.vocab_size}")
+        if not self.tokenizer_vocab and self.train.corpus != TrainConfig.corpus:
+            # Without a tokenizer the trainer makes its own synthetic tokens: a corpus
+            # would be ignored, and a run on it would silently learn something else.
+            raise ConfigError(f"train.corpus={self.train.corpus!r}: config {self.name!r} has no tokenizer "
+                              "(tokenizer_vocab=0) and trains on synthetic tokens; set tokenizer_vocab (and "
+                              "target.vocab_size) to train a tokenizer on the corpus, or leave train.corpus unset")
         return self
 
 
@@ -257,17 +359,32 @@ def load_config(name_or_path: str, overrides: typing.Sequence[str] = ()) -> Conf
     if not path.exists():
         raise ConfigError(f"unknown config {name_or_path!r}: not a file, and not one of "
                           f"{', '.join(available_configs())}")
-    spec = importlib.util.spec_from_file_location(f"specjax_config_{path.stem}", path)
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    if not hasattr(module, "get_config"):
-        raise ConfigError(f"config file {path} has no get_config() function")
-    config = module.get_config()
+    if not path.is_file():
+        raise ConfigError(f"config {str(path)!r} is a directory, not a Python file with get_config()")
+    try:
+        spec = importlib.util.spec_from_file_location(f"specjax_config_{path.stem}", path)
+        module = importlib.util.module_from_spec(spec)
+        spec.loader.exec_module(module)
+        if not hasattr(module, "get_config"):
+            raise ConfigError(f"config file {path} has no get_config() function")
+        config = module.get_config()
+    except UsageError:
+        raise
+    except Exception as e:  # noqa: BLE001 (a config file is user code: any error is bad input)
+        raise ConfigError(f"config file {path} failed to load: {_one_line(e)}") from e
     if not isinstance(config, Config):
         raise ConfigError(f"{path}: get_config() returned {type(config).__name__}, expected specjax Config")
     for item in overrides:
         config = apply_override(config, item)
     return config.validate()
+
+
+def _one_line(error: BaseException) -> str:
+    """'SyntaxError: invalid syntax (line 3)', 'NameError: ...': an exception in one line."""
+    if isinstance(error, SyntaxError):
+        return f"{type(error).__name__}: {error.msg} (line {error.lineno})"
+    text = " ".join(str(error).split()) or "(no message)"
+    return f"{type(error).__name__}: {text[:300]}"
 
 
 def _coerce(text: str, annotation: Any, where: str) -> Any:

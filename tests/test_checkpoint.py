@@ -196,7 +196,9 @@ def test_trainer_refuses_a_workdir_of_another_config(tiny, tmp_path):
     with pytest.raises(UsageError, match=r"trained with config 'tiny_draft', whose model differs from tiny's: "
                                          r"d_ff=32 \(checkpoint\) vs 64 \(config\)"):
         trainer.train(config, tmp_path / "w", progress=False, devices=jax.devices()[:1])
-    assert tree_digest(tmp_path / "w") == before
+    after = tree_digest(tmp_path / "w")
+    assert after.pop(trainer.LOCK_FILE)  # the run's lock (its pid), nothing of the checkpoints
+    assert after == before
 
 
 def test_tokenizer_file_travels_with_the_checkpoints(tmp_path):
@@ -212,3 +214,13 @@ def test_tokenizer_file_travels_with_the_checkpoints(tmp_path):
 def test_default_dir_follows_the_cache(monkeypatch, tmp_path):
     monkeypatch.setenv("SPECJAX_CACHE", str(tmp_path))
     assert checkpoint.default_dir("mini_target") == tmp_path / "checkpoints" / "mini_target"
+
+
+def test_a_file_is_not_a_checkpoint_directory(tiny, tmp_path):
+    from specjax.app.locate import Weights
+
+    (tmp_path / "weights.bin").write_bytes(b"x")
+    with pytest.raises(UsageError, match=r"weights.bin is a file, not a checkpoint directory"):
+        checkpoint.load_lm(tiny.target, mesh_for("1x1"), tmp_path / "weights.bin")
+    with pytest.raises(UsageError, match=r"--checkpoint='.*weights.bin' is a file, not a checkpoint directory"):
+        Weights.locate(tiny, "checkpoint", str(tmp_path / "weights.bin"), None, need_draft=False, train_missing=False)

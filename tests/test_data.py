@@ -1,14 +1,19 @@
-"""Tokenizer and data pipeline: lossless on code, cached once, deterministic batches."""
+"""Tokenizer and data pipeline: lossless on code, cached once, deterministic batches;
+corpora SentencePiece cannot learn from and streams too short for a window are refused
+with advice that works."""
 import os
 import pathlib
+import re
 import sysconfig
 
 import numpy as np
 import pytest
 import sentencepiece as spm
 
-from specjax.training import data
+from specjax.config import TrainConfig, UsageError
+from specjax.training import data, trainer
 from specjax.weights.tokenizer import Tokenizer, TokenizerError, train_tokenizer
+from conftest import mesh_for
 
 STDLIB = pathlib.Path(sysconfig.get_paths()["stdlib"])
 TRAIN_FILES = [STDLIB / name for name in
@@ -237,3 +242,57 @@ def test_eval_batches_are_fixed_and_cover_the_stream():
     np.testing.assert_array_equal(
         np.concatenate([np.concatenate([h[k] for h in halves]) for k in range(3)]),
         stacked)
+
+
+@pytest.mark.parametrize("total,val_fraction", [(5_000, 0.01), (5_000, 0.99), (100_000, 0.001), (1_000, 0.9)])
+def test_short_stream_advice_goes_the_right_way_and_works(total, val_fraction):
+    """The old message advised a larger val_fraction even when the train stream was short."""
+    def batches(val_fraction):
+        tc = TrainConfig(seq_len=256, batch_size=2, val_fraction=val_fraction)
+        train, val = data.split_train_val(np.zeros(total, np.int32), val_fraction)
+        return trainer.Batches(trainer.Corpus(train, val, None, "zeros"), tc, mesh_for("1x1")), len(train), len(val)
+
+    with pytest.raises(UsageError) as err:
+        batches(val_fraction)
+    message = str(err.value)
+    train = len(data.split_train_val(np.zeros(total), val_fraction)[0])
+    short, tokens = ("train", train) if train < 257 else ("validation", total - train)
+    assert f"the {short} stream has {tokens:,} tokens" in message
+    direction, value = re.search(r"(lower|raise) train.val_fraction to (?:at most|at least) ([0-9.]+)", message).groups()
+    assert direction == ("lower" if short == "train" else "raise")
+    batches(float(value))  # the advised value works
+
+
+def test_stream_too_small_for_any_split_says_so():
+    tc = TrainConfig(seq_len=256, batch_size=2, val_fraction=0.5)
+    corpus = trainer.Corpus(np.zeros(200, np.int32), np.zeros(200, np.int32), None, "zeros")
+    with pytest.raises(UsageError, match=r"too small for a train and a validation window of 257.*seq_len at most 197"):
+        trainer.Batches(corpus, tc, mesh_for("1x1"))
+
+
+@pytest.fixture(scope="module")
+def corpora(tmp_path_factory):
+    d = tmp_path_factory.mktemp("corpora")
+    (d / "binary.dat").write_bytes(np.random.default_rng(0).bytes(100_000))
+    (d / "tiny.py").write_text("def f():\n    return 1\n")
+    (d / "chars.txt").write_text("\n".join("".join(chr(0x4E00 + 40 * i + j) for j in range(40)) for i in range(50)))
+    (d / "one_line.txt").write_text("x" * 20_000)
+    return d
+
+
+@pytest.mark.parametrize("name,fragments", [
+    ("binary.dat", ["needs at least", "pieces", "of at least", "binary.dat is not UTF-8 text: leave it out of train.corpus"]),
+    ("tiny.py", ["is too small to learn 512 pieces (at most", "bigger train.corpus", "smaller tokenizer_vocab"]),
+    ("chars.txt", ["needs at least 2,", "one per distinct character", "tokenizer_vocab (and target.vocab_size) of at least"]),
+    ("one_line.txt", ["no line of at most 16,384 bytes"]),
+])
+def test_corpora_sentencepiece_cannot_use_say_what_to_change(corpora, tmp_path, name, fragments):
+    with pytest.raises(UsageError) as err:
+        train_tokenizer([corpora / name], tmp_path / "tok", 512)
+    message = str(err.value)
+    assert "INTERNAL" not in message and "trainer_interface" not in message, message
+    for fragment in fragments:
+        assert fragment in message, (fragment, message)
+    if "of at least" in message:  # and the vocabulary size it names is enough
+        enough = int(re.search(r"of at least (\d+)", message).group(1))
+        train_tokenizer([corpora / name], tmp_path / "tok", enough)

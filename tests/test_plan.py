@@ -35,11 +35,9 @@ REPO = pathlib.Path(__file__).resolve().parent.parent
 GiB = 1024 ** 3
 K = 4  # chinchilla_70b's lookahead (the paper's Table 1 setting)
 TARGET_LAYERS, DRAFT_LAYERS = 80, 8
-# All-reduces per SpS loop beyond Megatron's 2 per layer per forward: K+1 vocab-parallel
-# embedding lookups (one per forward: the scoring pass and K draft steps), and at most
-# SAMPLING_ALL_REDUCES tiny ones (<= 1 KiB: softmax max/sum, top-p and argmax reductions
-# over the vocab-sharded logits, NaN checks). Measured: K+1 + 23 = 28.
-SAMPLING_ALL_REDUCES = 32
+# All-reduces per SpS loop beyond Megatron's 2 per layer per forward: exactly K+1
+# vocab-parallel embedding lookups (one per forward: the scoring pass and K draft steps).
+# Warping, sampling and the NaN/inf checks work on gathered logits and add none.
 ATOL = 1e-4  # float32 logits of magnitude ~1-10; observed max |diff| ~1e-6 (see the tests)
 
 
@@ -96,7 +94,7 @@ def _all_reduces(summary):
         summary.get("all-reduce", {}).get("count", 0)
 
 
-def test_sps_loop_has_megatron_all_reduces_plus_a_small_constant(chinchilla):
+def test_sps_loop_has_exactly_megatron_and_embedding_all_reduces(chinchilla):
     loop = chinchilla[0]["programs"]["sps"]["collectives_per_loop"]
     by_shape, total = _all_reduces(loop)
     megatron = 2 * (TARGET_LAYERS + K * DRAFT_LAYERS)
@@ -106,9 +104,7 @@ def test_sps_loop_has_megatron_all_reduces_plus_a_small_constant(chinchilla):
     draft = by_shape["f32[1,2,6144]"]["count"] + by_shape["f32[1,1,6144]"]["count"]
     assert by_shape["f32[1,2,6144]"]["count"] == 2 * DRAFT_LAYERS + 1
     assert draft == K * (2 * DRAFT_LAYERS + 1)
-    assert megatron + (K + 1) <= total <= megatron + (K + 1) + SAMPLING_ALL_REDUCES
-    model_sized = {f"f32[1,{K + 1},8192]", "f32[1,2,6144]", "f32[1,1,6144]"}
-    assert all(m["bytes"] <= 1024 for s, m in by_shape.items() if s not in model_sized)
+    assert total == megatron + (K + 1)
     # No weight is ever gathered: the largest all-gather is the target's K+1 vocab rows.
     gathers = loop.get("all-gather", {}).get("messages", [])
     assert max((m["bytes"] for m in gathers), default=0) <= (K + 1) * 32000 * 4
@@ -119,7 +115,7 @@ def test_ars_step_has_one_forward_of_all_reduces_and_prefill_is_counted_apart(ch
     programs = chinchilla[0]["programs"]
     by_shape, total = _all_reduces(programs["ars_target"]["collectives_per_step"])
     assert by_shape["f32[1,1,8192]"]["count"] == 2 * TARGET_LAYERS + 1
-    assert total <= 2 * TARGET_LAYERS + 1 + 8
+    assert total == 2 * TARGET_LAYERS + 1
     prefill, _ = _all_reduces(programs["sps"]["outside_loop"])
     assert prefill["f32[1,128,8192]"]["count"] >= 2 * TARGET_LAYERS  # 128-token prompt, not in the loop
 

@@ -45,14 +45,16 @@ def reference_warp(logits, temperature, top_k, top_p):
     (1.0, 0, 1.0), (0.7, 0, 1.0), (1.3, 5, 1.0), (1.0, 0, 0.8), (0.8, 0, 0.95), (0.9, 7, 0.6), (0.0, 0, 1.0)])
 def test_warp_matches_reference(temperature, top_k, top_p):
     logits = 2.0 * jax.random.normal(jax.random.key(0), (64, 50))
-    got = np.asarray(warp(logits, Warp(temperature, top_k, top_p)))
+    got, bad = warp(logits, Warp(temperature, top_k, top_p))
+    assert not bad.any()
+    got = np.asarray(got)
     assert got.dtype == np.float32
     np.testing.assert_allclose(got, reference_warp(logits, temperature, top_k, top_p), atol=1e-6)
 
 
 def test_warp_is_float32_for_bfloat16_logits():
     logits = jax.random.normal(jax.random.key(1), (4, 32)).astype(jnp.bfloat16)
-    probs = warp(logits, Warp(0.8, 0, 0.9))
+    probs, _ = warp(logits, Warp(0.8, 0, 0.9))
     assert probs.dtype == jnp.float32
     np.testing.assert_allclose(np.asarray(probs.sum(-1)), 1.0, atol=1e-6)
 
@@ -64,8 +66,9 @@ def test_accept_rule_on_hand_made_distributions():
     q = jnp.array([[[0.1, 0.9, 0.0], [0.6, 0.0, 0.4], [1.0, 0.0, 0.0]]])
     x = jnp.array([[1, 1]])
     draws = [accept(k, x, p, q) for k in jax.random.split(jax.random.key(2), 400)]
-    assert {int(n[0]) for n, _ in draws} == {1}
-    tokens = np.array([int(t[0]) for _, t in draws])
+    assert {int(n[0]) for n, _, _ in draws} == {1}
+    assert not any(bool(e[0]) for _, _, e in draws)
+    tokens = np.array([int(t[0]) for _, t, _ in draws])
     # residual = max(0, [0.6, 0, 0.4] - [0.2, 0.8, 0]) = [0.4, 0, 0.4] -> tokens 0 and 2, 50/50
     assert set(tokens) == {0, 2}
     assert abs((tokens == 0).mean() - 0.5) < 0.1  # 400 draws: sd 0.025, so 4 sd
@@ -74,7 +77,7 @@ def test_accept_rule_on_hand_made_distributions():
 def test_accept_all_gives_bonus_from_last_target_distribution():
     p = jnp.array([[[0.5, 0.5, 0.0]]])
     q = jnp.array([[[0.5, 0.5, 0.0], [0.0, 0.0, 1.0]]])  # q == p at the draft: always accepted
-    n, token = accept(jax.random.key(3), jnp.array([[0]]), p, q)
+    n, token, _ = accept(jax.random.key(3), jnp.array([[0]]), p, q)
     assert int(n[0]) == 1 and int(token[0]) == 2
 
 
@@ -84,8 +87,8 @@ def test_zero_residual_falls_back_to_q():
     q = jnp.array([[[0.0, 1.0, 0.0], [0.3, 0.3, 0.4]]])
     # x = 0 with q(x) = 0 is always rejected, and q == p there, so the residual is all
     # zeros: the fallback must draw from q_1 = one-hot(1), never from the all-zero vector.
-    n, token = accept(jax.random.key(4), jnp.array([[0]]), p, q)
-    assert int(n[0]) == 0 and int(token[0]) == 1
+    n, token, empty = accept(jax.random.key(4), jnp.array([[0]]), p, q)
+    assert int(n[0]) == 0 and int(token[0]) == 1 and not bool(empty[0])
 
 
 # `sample` draws from probs exactly: a chi-square goodness-of-fit test at alpha = 0.001
@@ -113,7 +116,9 @@ def _draws(probs):
     keys = jax.random.split(jax.random.key(11), SAMPLE_N)
     rows = jnp.broadcast_to(jnp.asarray(probs, jnp.float32), (SAMPLE_N, probs.size))
     # one key per row, as the loops use it (a [B, V] batch shares one key there)
-    return np.asarray(jax.jit(jax.vmap(sample))(keys, rows))
+    tokens, empty = jax.jit(jax.vmap(sample))(keys, rows)
+    assert not np.asarray(empty).any()
+    return np.asarray(tokens)
 
 
 def test_sample_matches_its_distribution():
@@ -132,7 +137,7 @@ def test_sample_one_hot_and_last_token():
     (where u * total rounding up to the total must not step past the end)."""
     for hot in (0, 5, 49):
         probs = jax.nn.one_hot(jnp.full((64,), hot), 50)
-        draws = jax.vmap(sample)(jax.random.split(jax.random.key(hot), 64), probs)
+        draws, _ = jax.vmap(sample)(jax.random.split(jax.random.key(hot), 64), probs)
         assert set(np.asarray(draws).tolist()) == {hot}
 
 

@@ -85,7 +85,9 @@ def exact_joint(lm, prompt, w: Warp) -> np.ndarray:
     B, T = seqs.shape
     logits, _ = jax.jit(lambda lm, t, p, c: lm(t, p, c))(
         lm, jnp.asarray(seqs), jnp.broadcast_to(jnp.arange(T), (B, T)), kv_cache.init_cache(lm.cfg, B, T))
-    probs = np.asarray(warp(logits[:, -3:], w), np.float64)  # [V*V, 3, V]
+    probs, bad = warp(logits[:, -3:], w)
+    assert not bad.any()
+    probs = np.asarray(probs, np.float64)  # [V*V, 3, V]
     q1 = probs[0, 0]
     q2 = probs[::V, 1]  # rows with x2 = 0: the distribution of x2 given x1
     q3 = probs[:, 2].reshape(V, V, V)
@@ -108,18 +110,18 @@ def chi_square_pvalue(samples: np.ndarray, joint: np.ndarray) -> float:
 
 # Deliberately wrong acceptance rules (negative controls), same signature as `accept`.
 def no_ratio_test(key, x, p, q):
-    return jnp.full((x.shape[0],), x.shape[1], jnp.int32), sample(key, q[:, -1])
+    return jnp.full((x.shape[0],), x.shape[1], jnp.int32), *sample(key, q[:, -1])
 
 
 def resample_from_q(key, x, p, q):
-    n, _ = correct_accept(key, x, p, q)
+    n, _, _ = correct_accept(key, x, p, q)
     q_n = jnp.take_along_axis(q, n[:, None, None], axis=1)[:, 0]
-    return n, sample(jax.random.fold_in(key, 1), q_n)
+    return n, *sample(jax.random.fold_in(key, 1), q_n)
 
 
 def bonus_off_by_one(key, x, p, q):
-    n, token = correct_accept(key, x, p, q)
-    return n, jnp.where(n == x.shape[1], sample(jax.random.fold_in(key, 1), q[:, 0]), token)
+    n, token, empty = correct_accept(key, x, p, q)
+    return n, jnp.where(n == x.shape[1], sample(jax.random.fold_in(key, 1), q[:, 0])[0], token), empty
 
 
 WRONG = {"no_ratio_test": no_ratio_test, "resample_from_q": resample_from_q, "bonus_off_by_one": bonus_off_by_one}

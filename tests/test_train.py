@@ -1,17 +1,24 @@
 """Training on `tiny` (vocab 32, synthetic Markov data, see `trainer.synthetic_tokens`):
-the loss falls, a run killed with SIGKILL and restarted with the same command continues
-exactly like an uninterrupted one, SIGTERM leaves a checkpoint for the step reached,
-and distillation gets the draft closer to the teacher than LM training on one budget.
+the loss falls, a run killed with SIGKILL or stopped with SIGTERM and restarted with the
+same command continues exactly like an uninterrupted one (parameters and every
+metrics.jsonl record, resuming at steps that are not multiples of log_every), a second
+run on the same workdir is refused, every bad input is one line and exit 2, and
+distillation gets the draft closer to the teacher than LM training on one budget.
 
 Runs go through the real entry point (`python -m specjax.train`) in subprocesses on a
 2x4 mesh of fake CPU devices (data and tensor parallel at once); they share one
 SPECJAX_CACHE, so later runs reuse the first run's compiled programs.
 """
+import concurrent.futures
+import contextlib
 import math
 import os
+import pathlib
+import shutil
 import signal
 import subprocess
 import sys
+import tempfile
 import time
 
 import jax
@@ -21,11 +28,13 @@ import pytest
 from specjax.training import trainer
 from specjax.weights import checkpoint
 from specjax.config import load_config
+from clitools import TEXT_CONFIG
 
 STEPS = 60
+LOG_EVERY = 3  # checkpoints every 10 steps: resumes land between two records
 OVERRIDES = [f"--config.train.steps={STEPS}", "--config.train.seq_len=32", "--config.train.batch_size=8",
-             "--config.train.warmup_steps=5", "--config.train.log_every=1", "--config.train.save_every=10",
-             "--config.train.eval_every=30", "--config.train.eval_batches=2",
+             "--config.train.warmup_steps=5", f"--config.train.log_every={LOG_EVERY}",
+             "--config.train.save_every=10", "--config.train.eval_every=30", "--config.train.eval_batches=2",
              "--config.mesh.data=2", "--config.mesh.model=4"]
 TIMEOUT = 240
 
@@ -83,6 +92,19 @@ def events(workdir) -> list[dict]:
     return list(trainer.read_metrics(workdir, "event").values())
 
 
+def assert_same_metrics(workdir, reference):
+    """Every 'train' and 'val' record (the last one per step, as `read_metrics` reads a
+    resumed run's file) equals the uninterrupted run's: same steps, same values. The same
+    compiled program on the same data gives bit-identical losses; tolerance 1e-6 relative.
+    Timing fields differ by nature and are not compared."""
+    for kind, fields in (("train", ("loss", "ce", "grad_norm", "lr")), ("val", ("val_loss",))):
+        got, ref = trainer.read_metrics(workdir, kind), trainer.read_metrics(reference, kind)
+        assert list(got) == list(ref), (kind, list(got), list(ref))
+        for field in fields:
+            np.testing.assert_allclose([got[s][field] for s in got], [ref[s][field] for s in ref], rtol=1e-6,
+                                       err_msg=f"{kind} {field} at steps {list(got)}")
+
+
 def final_params(workdir):
     cfg = load_config("tiny").target
     mesh = jax.make_mesh((1, 1), ("data", "model"), devices=jax.devices()[:1],
@@ -104,9 +126,9 @@ def test_loss_falls_within_a_few_dozen_steps(reference):
     steps must take the training loss down by at least 1 nat and the validation loss
     below 2.4 nats."""
     losses = {s: r["loss"] for s, r in trainer.read_metrics(reference).items()}
-    assert sorted(losses) == list(range(1, STEPS + 1))
-    first = np.mean([losses[s] for s in range(1, 6)])
-    last = np.mean([losses[s] for s in range(STEPS - 4, STEPS + 1)])
+    assert sorted(losses) == list(range(LOG_EVERY, STEPS + 1, LOG_EVERY))
+    first = losses[LOG_EVERY]  # the mean of steps 1..3
+    last = np.mean([losses[STEPS - LOG_EVERY], losses[STEPS]])
     assert first > 3.3, first
     assert last < first - 1.0, (first, last)
     val = trainer.read_metrics(reference, "val")
@@ -120,7 +142,7 @@ def test_loss_falls_within_a_few_dozen_steps(reference):
 def test_kill_9_then_same_command_resumes_exactly(env, reference, tmp_path):
     workdir = tmp_path / "run"
     proc = start(env, workdir)
-    wait_for(proc, lambda: (workdir / "10").is_dir() and last_train_step(workdir) >= 11, "checkpoint 10")
+    wait_for(proc, lambda: (workdir / "10").is_dir() and last_train_step(workdir) >= 12, "checkpoint 10")
     proc.send_signal(signal.SIGKILL)
     proc.wait()
     killed_at = last_train_step(workdir)
@@ -130,22 +152,18 @@ def test_kill_9_then_same_command_resumes_exactly(env, reference, tmp_path):
     run_to_end(env, workdir)
     resumed_from = [e["step"] for e in events(workdir) if e["event"] == "resume"]
     assert len(resumed_from) == 1 and 10 <= resumed_from[0] <= killed_at, (resumed_from, killed_at)
-
-    # Losses after the resume point equal the uninterrupted run's. Tolerance 1e-6
-    # relative; the same compiled program on the same data gives bit-identical values.
-    ref, got = trainer.read_metrics(reference), trainer.read_metrics(workdir)
-    steps = range(resumed_from[0] + 1, STEPS + 1)
-    np.testing.assert_allclose([got[s]["loss"] for s in steps], [ref[s]["loss"] for s in steps], rtol=1e-6)
-    np.testing.assert_allclose(trainer.read_metrics(workdir, "val")[60]["val_loss"],
-                               trainer.read_metrics(reference, "val")[60]["val_loss"], rtol=1e-6)
+    # Between two records: the first record after the resume must still average all of
+    # its log_every steps, some of them run before the kill.
+    assert resumed_from[0] % LOG_EVERY, resumed_from
+    assert_same_metrics(workdir, reference)
     for a, b in zip(final_params(workdir), final_params(reference)):
         np.testing.assert_allclose(a, b, rtol=1e-6, atol=1e-7)
 
 
-def test_sigterm_leaves_a_checkpoint_for_the_step_reached(env, reference, tmp_path):
+def test_sigterm_leaves_a_checkpoint_and_the_same_command_resumes_exactly(env, reference, tmp_path):
     workdir = tmp_path / "run"
     proc = start(env, workdir, "--config.train.save_every=1000")  # no periodic checkpoint
-    wait_for(proc, lambda: last_train_step(workdir) >= 5, "step 5")
+    wait_for(proc, lambda: last_train_step(workdir) >= 6, "step 6")
     proc.send_signal(signal.SIGTERM)
     proc.wait(timeout=TIMEOUT)
     assert proc.returncode == 143, output(proc)
@@ -153,13 +171,162 @@ def test_sigterm_leaves_a_checkpoint_for_the_step_reached(env, reference, tmp_pa
     stopped = [e for e in events(workdir) if e["event"] == "stopped"]
     assert len(stopped) == 1 and stopped[0]["signal"] == "SIGTERM"
     reached = stopped[0]["step"]
-    assert 5 <= reached < STEPS and reached == last_train_step(workdir)
+    assert 6 <= reached < STEPS
+    print("stopped at step", reached)
+    # No record for the stop itself: the steps since the last record travel in the checkpoint.
+    assert last_train_step(workdir) == reached - reached % LOG_EVERY
     with checkpoint.Checkpoints(workdir, read_only=True) as ckpt:
         assert ckpt.steps() == [reached]
         assert ckpt.meta(reached)["step"] == reached and ckpt.has_item(reached, "opt_state")
-    # The checkpoint holds the state after `reached` updates: the uninterrupted run's.
-    ref_losses = trainer.read_metrics(reference)
-    assert trainer.read_metrics(workdir)[reached]["loss"] == pytest.approx(ref_losses[reached]["loss"], rel=1e-6)
+
+    run_to_end(env, workdir, "--config.train.save_every=1000")
+    assert [e["step"] for e in events(workdir) if e["event"] == "resume"] == [reached]
+    assert_same_metrics(workdir, reference)
+    for a, b in zip(final_params(workdir), final_params(reference)):
+        np.testing.assert_allclose(a, b, rtol=1e-6, atol=1e-7)
+
+
+def test_a_second_run_on_the_same_workdir_is_refused_and_kill_9_frees_it(env, tmp_path):
+    workdir = tmp_path / "run"
+    first = start(env, workdir, "--config.train.steps=100000")
+    try:
+        wait_for(first, lambda: (workdir / "10").is_dir(), "checkpoint 10")
+        second = subprocess.run(command(workdir), env=env, capture_output=True, text=True, timeout=TIMEOUT)
+        lines = second.stderr.strip().splitlines()
+        assert second.returncode == 2 and len(lines) == 1, second.stderr[-3000:]
+        assert f"another training run (pid {first.pid}) is writing to workdir {workdir}" in lines[0]
+        assert first.poll() is None  # the first run goes on
+    finally:
+        first.kill()
+        first.wait()
+    # kill -9 leaves no stale lock: the next run gets the workdir (and finds step >= 10,
+    # more than these 6 steps: nothing to train).
+    third = subprocess.run(command(workdir, "--config.train.steps=6"), env=env, capture_output=True, text=True,
+                           timeout=TIMEOUT)
+    assert third.returncode == 0, third.stderr[-3000:]
+    assert "nothing to train" in third.stdout + third.stderr
+
+
+@contextlib.contextmanager
+def read_only(path):
+    """`path` and everything below it unwritable for the runs this test starts: permission
+    bits, or for root (whom they do not stop) the immutable flag; skipped where neither works."""
+    def writable():
+        try:
+            with tempfile.TemporaryFile(dir=path):
+                return True
+        except OSError:
+            return False
+
+    subprocess.run(["chmod", "-R", "a-w", str(path)], check=True)
+    undo = ["chmod", "-R", "u+w", str(path)]
+    if writable():
+        subprocess.run(undo, check=True)
+        if subprocess.run(["chattr", "-R", "+i", str(path)], capture_output=True).returncode or writable():
+            pytest.skip("cannot make a directory read-only here (root without chattr)")
+        undo = ["chattr", "-R", "-i", str(path)]
+    try:
+        yield
+    finally:
+        subprocess.run(undo, check=True)
+
+
+def damage(workdir, kind):
+    params = workdir / "60" / "params"
+    if kind == "truncated":
+        for f in (params / "ocdbt.process_0" / "d").iterdir():
+            f.write_bytes(f.read_bytes()[:7])
+    else:  # garbage manifests
+        for f in params.rglob("manifest.ocdbt"):
+            f.write_bytes(b"not a manifest\n")
+
+
+# (id, extra arguments, fragments of the one-line message); {files} is the `bad_files`
+# directory. All exit 2 except the diverging run (the config was valid: exit 1).
+DIVERGES = "learning rate 1e30"
+BAD_TRAIN = [
+    (DIVERGES, ["--config.train.learning_rate=1e30"], ["training diverged at step", "lower the learning rate"]),
+    ("config raises on import", ["--config={files}/raises.py"], ["raises.py failed to load",
+                                                                 "ZeroDivisionError: division by zero"]),
+    ("config syntax error", ["--config={files}/syntax.py"], ["syntax.py failed to load", "SyntaxError", "line 1"]),
+    ("config is a directory", ["--config={files}/folder.py"], ["folder.py", "is a directory"]),
+    ("config without get_config", ["--config={files}/empty.py"], ["empty.py has no get_config()"]),
+    ("grad_clip negative", ["--config.train.grad_clip=-1"], ["grad_clip=-1.0", "> 0"]),
+    ("val_fraction 1", ["--config.train.val_fraction=1"], ["val_fraction=1.0", "(0, 1)"]),
+    ("corpus without tokenizer", ["--config.train.corpus={files}"], ["train.corpus=", "has no tokenizer"]),
+    ("workdir is a file", ["--workdir={files}/empty.py"], ["empty.py is a file, not a directory"]),
+    ("workdir below a file", ["--workdir={files}/empty.py/run"], ["cannot write to workdir", "Not a directory"]),
+    ("binary corpus", ["--config={files}/tiny_text.py", "--config.train.corpus={files}/binary.dat"],
+     ["binary.dat is not UTF-8 text", "leave it out of train.corpus"]),
+    ("validation stream too short", ["--config={files}/tiny_text.py", "--config.train.corpus={files}/text.txt",
+                                     "--config.train.seq_len=512"],
+     ["the validation stream has", "raise train.val_fraction to at least"]),
+    ("damaged checkpoint (manifests)", ["--workdir={files}/manifest_1"], ["checkpoint step 60", "is damaged"]),
+    ("damaged checkpoint (manifests, again)", ["--workdir={files}/manifest_2"], ["checkpoint step 60", "is damaged"]),
+    ("damaged checkpoint (truncated)", ["--workdir={files}/truncated"], ["checkpoint step 60", "is damaged"]),
+]
+
+
+@pytest.fixture(scope="module")
+def bad_files(tmp_path_factory, reference):
+    d = tmp_path_factory.mktemp("bad")
+    (d / "raises.py").write_text("x = 1 / 0\n")
+    (d / "syntax.py").write_text("def get_config(:\n    pass\n")
+    (d / "folder.py").mkdir()
+    (d / "empty.py").write_text("")
+    (d / "tiny_text.py").write_text(TEXT_CONFIG)
+    (d / "binary.dat").write_bytes(np.random.default_rng(0).bytes(50_000))
+    # A few thousand tokens of real text: enough for a 512-piece tokenizer, too few for a 1%
+    # validation stream of seq_len + 1 = 513 tokens.
+    (d / "text.txt").write_text(pathlib.Path(pathlib.__file__).read_text())
+    for name, kind in (("manifest_1", "manifest"), ("manifest_2", "manifest"), ("truncated", "truncated")):
+        shutil.copytree(reference, d / name)
+        damage(d / name, kind)
+    return d
+
+
+@pytest.fixture(scope="module")
+def bad_runs(env, bad_files, tmp_path_factory):
+    """All bad-input runs at once, three at a time (each is a Python start-up)."""
+    def run(case):
+        _, extra, _ = case
+        args = [a.format(files=bad_files) for a in extra]
+        workdir = next((a.split("=", 1)[1] for a in args if a.startswith("--workdir=")), None)
+        args = [a for a in args if not a.startswith("--workdir=")]
+        return subprocess.run(command(workdir or tmp_path_factory.mktemp("w"), *args), env=env,
+                              capture_output=True, text=True, timeout=TIMEOUT)
+    with concurrent.futures.ThreadPoolExecutor(3) as pool:
+        return dict(zip((c[0] for c in BAD_TRAIN), pool.map(run, BAD_TRAIN)))
+
+
+def assert_one_line(proc, code, fragments):
+    lines = [line for line in proc.stderr.splitlines() if line.strip()]
+    assert proc.returncode == code, (proc.returncode, proc.stderr[-3000:])
+    assert len(lines) == 1 and "Traceback" not in proc.stderr, proc.stderr[-3000:]
+    assert lines[0].startswith("train.py: error: ") or lines[0].startswith("__main__.py: error: "), lines[0]
+    for fragment in fragments:
+        assert fragment in lines[0], (fragment, lines[0])
+
+
+@pytest.mark.parametrize("case", BAD_TRAIN, ids=[c[0] for c in BAD_TRAIN])
+def test_bad_input_is_one_line_and_exit_2(bad_runs, case):
+    name, _, fragments = case
+    assert_one_line(bad_runs[name], 1 if name == DIVERGES else 2, fragments)
+
+
+def test_read_only_workdir_and_read_only_checkpoint_are_one_line_and_exit_2(env, reference, tmp_path):
+    workdir = tmp_path / "ro"
+    shutil.copytree(reference, workdir)
+    with read_only(workdir):
+        proc = subprocess.run(command(workdir, "--config.train.steps=70"), env=env, capture_output=True, text=True,
+                              timeout=TIMEOUT)
+    assert_one_line(proc, 2, ["cannot write to workdir", str(workdir)])
+    with read_only(workdir / "40"):  # deleted once step 70 is saved (keep_checkpoints=3)
+        proc = subprocess.run(command(workdir, "--config.train.steps=70"), env=env, capture_output=True, text=True,
+                              timeout=TIMEOUT)
+    assert_one_line(proc, 2, [f"{workdir / '40'}", "is read-only", "make it writable"])
+    with checkpoint.Checkpoints(workdir, read_only=True) as ckpt:
+        assert ckpt.steps() == [40, 50, 60]  # nothing was trained or deleted
 
 
 DRAFT = ["--config.target.d_model=16", "--config.target.num_layers=1", "--config.target.head_dim=4",

@@ -3,7 +3,8 @@ flag checks, the compile-cache policy, and ONE mapping from failures to exit cod
 
     UsageError (bad input of any kind)        one line on stderr, exit 2
     RunError (a failure while running)        one line on stderr, exit 1
-    NonFiniteLogitsError                      one line on stderr, exit 1
+    FloatingPointError (NonFiniteLogitsError,
+      a diverged training run)                one line on stderr, exit 1
     Ctrl-C                                    "interrupted", exit 130
 
     def define_flags(): cli.define_config_flag("mini"); flags.DEFINE_...
@@ -64,7 +65,6 @@ def config() -> Config:
 def run(main: Callable[[list[str]], None], extra_args_hint: str = "") -> None:
     """app.run(main) with the exit-code mapping above; positional arguments are refused."""
     def guarded(argv):
-        from specjax.decode.api import NonFiniteLogitsError
         try:
             if len(argv) > 1:
                 raise UsageError(f"unexpected arguments {argv[1:]}" + (f"; {extra_args_hint}" if extra_args_hint else ""))
@@ -73,7 +73,7 @@ def run(main: Callable[[list[str]], None], extra_args_hint: str = "") -> None:
             main(argv)
         except UsageError as e:
             fail(str(e))
-        except (RunError, NonFiniteLogitsError) as e:
+        except (RunError, FloatingPointError) as e:
             fail(str(e), 1)
         except KeyboardInterrupt:
             print("interrupted", file=sys.stderr)

@@ -199,6 +199,9 @@ def _check_visible(wanted, to_train) -> None:
 
 
 def _missing(flag: str, given: Optional[str], name: str, directory, what: str) -> None:
+    if directory.exists() and not directory.is_dir():
+        raise UsageError(f"{flag}={str(directory)!r} is a file, not a checkpoint directory: pass the directory "
+                         f"that `{train_command(name)} --workdir=DIR` writes, or use --init=random")
     if given is not None:
         raise UsageError(f"{flag}={given!r}: no checkpoint there (the directory {what}); create one "
                          f"with `{train_command(name)} --workdir={given}`, or use --init=random")

@@ -23,7 +23,8 @@ from specjax.model import LM
 
 
 class NonFiniteLogitsError(FloatingPointError):
-    """A model produced NaN or inf logits; no token from such a step is returned."""
+    """A model produced NaN or inf logits (or logits whose warped distribution has no
+    finite mass); no token from such a step is returned."""
 
 
 @dataclasses.dataclass
@@ -234,7 +235,7 @@ def explain_loop(target: LM, draft: LM, prompt: Sequence[int], sampling: Samplin
 
 @functools.partial(jax.jit, static_argnames=("warping",))
 def probs_program(lm, tokens, *, warping):
-    return warp(model.full_forward(lm, tokens), warping)
+    return warp(model.full_forward(lm, tokens), warping)  # (probs, bad)
 
 
 def next_token_probs(lm: LM, sequences: Sequence[Sequence[int]],
@@ -254,5 +255,11 @@ def next_token_probs(lm: LM, sequences: Sequence[Sequence[int]],
     mesh = program_lib.mesh_of(lm)
     tokens = distributed.put(tokens, sharding.named(mesh, ("batch", None), tokens.shape))
     with jax.set_mesh(mesh):
-        probs = probs_program(lm, tokens, warping=program_lib.warping_of(sampling))
-    return distributed.fetch(probs)
+        out = probs_program(lm, tokens, warping=program_lib.warping_of(sampling))
+    probs, bad = distributed.fetch(out)
+    if bad.any():
+        where = [tuple(int(i) for i in ix) for ix in np.argwhere(bad)[:5]]
+        raise NonFiniteLogitsError(f"the model produced NaN or inf logits at (sequence, position) {where}"
+                                   + (f" and {int(bad.sum()) - 5} more" if bad.sum() > 5 else "")
+                                   + "; check the checkpoint and dtype")
+    return probs

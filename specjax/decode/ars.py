@@ -7,7 +7,7 @@ import dataclasses
 import jax
 import jax.numpy as jnp
 
-from specjax.decode.sampling import Warp, nonfinite_rows, sample, warp
+from specjax.decode.sampling import Warp, sample, warp
 from specjax.decode.state import Stats, gather_rows, prefill, stop_after, token_buffer, write_rows
 from specjax.kv_cache import KVCache
 from specjax.model import LM
@@ -37,11 +37,12 @@ def autoregressive_generate(target: LM, prompts: jax.Array, prompt_lens: jax.Arr
         pending = s.length - 1
         logits, cache = target(gather_rows(s.tokens, pending)[:, None], pending[:, None], s.cache)
         key, sub = jax.random.split(s.key)
-        token = sample(sub, warp(logits[:, 0], warping))
-        active = ~s.done
+        probs, bad_probs = warp(logits[:, 0], warping)
+        token, empty = sample(sub, probs)
+        bad = (bad_probs | empty) & ~s.done
+        active = ~s.done & ~bad
         count, finished = stop_after(token[:, None], active.astype(jnp.int32), s.stats.num_new,
                                      max_new, eos_id)
-        bad = nonfinite_rows(logits) & active
         stats = dataclasses.replace(s.stats, loops=s.stats.loops + active, num_new=s.stats.num_new + count,
                                     nonfinite=s.stats.nonfinite | bad)
         return ArsState(write_rows(s.tokens, s.length, token[:, None], count), s.length + count,

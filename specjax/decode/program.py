@@ -22,14 +22,13 @@ import jax.numpy as jnp
 import numpy as np
 
 from specjax import distributed, sharding
-from specjax.config import SamplingConfig, UsageError
+from specjax.config import SEED_LIMIT, SamplingConfig, UsageError
 from specjax.decode.ars import autoregressive_generate
 from specjax.decode.sampling import Warp
 from specjax.decode.speculative import speculative_generate
 from specjax.model import LM
 
 PAD_TO = 16  # the narrowest prompt bucket
-SEED_LIMIT = 2 ** 63  # seeds are integers in [0, SEED_LIMIT)
 
 
 def bucket(longest: int, pad_to: int = PAD_TO) -> int:
@@ -241,6 +240,9 @@ def build(target: LM, draft: LM | None, prompts, sampling: SamplingConfig, seed:
     prompts = as_token_lists(prompts, names)
     context = context_of(target, draft)
     check_prompts(prompts, target.cfg.vocab_size, context, sampling.max_new_tokens, names)
+    if sampling.eos_id >= target.cfg.vocab_size:
+        raise UsageError(f"eos_id={sampling.eos_id}: outside the vocabulary (a row would never stop on it); "
+                         f"allowed are token ids 0..{target.cfg.vocab_size - 1}, or -1 to never stop early")
     lookahead = sampling.lookahead if draft is not None else 1
     if lookahead >= context:
         raise UsageError(f"lookahead={lookahead}: must be below the model's context of {context} tokens")

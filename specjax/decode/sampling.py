@@ -2,7 +2,13 @@
 
 `warp` is the ONE place logits become a distribution; draft and target go through it
 identically, so the speculative ratio q(x)/p(x) compares like with like. The order is
-temperature, then top-k, then top-p; temperature 0 is greedy (a one-hot argmax).
+temperature, then top-k, then top-p; temperature 0 is greedy (a one-hot argmax), and
+temperature inf is uniform over the tokens top-k keeps.
+
+Nothing downstream may use a distribution that is not one: `warp` flags rows whose logits
+hold NaN or inf or whose probabilities came out non-finite, `sample` flags rows with no
+finite positive mass, and the loops stop such rows and report them at the host boundary
+(never a token drawn from them).
 """
 from __future__ import annotations
 
@@ -22,22 +28,35 @@ class Warp(NamedTuple):
     top_p: float = 1.0
 
 
-def warp(logits: jax.Array, w: Warp) -> jax.Array:
-    """float32 probabilities over the last axis."""
+def warp(logits: jax.Array, w: Warp) -> tuple[jax.Array, jax.Array]:
+    """(float32 probabilities over the last axis, bad [logits.shape[:-1]]): bad marks a
+    distribution that must not be sampled (NaN/inf logits, or probabilities that are not
+    finite). Every temperature > 0 gives a valid distribution: logits are shifted so the
+    largest is exactly 0 before dividing by T, so exp never overflows, the top token keeps
+    weight 1 however small T is (even where gap / T overflows to -inf), and small T tends
+    to the greedy one-hot."""
     # Gather vocab-parallel logits once (one small all-gather) so every reduction below is
     # local: on a pod, a dozen latency-bound all-reduces per distribution would cost more.
+    # The NaN/inf checks run on the gathered copy for the same reason.
     logits = constrain(logits.astype(jnp.float32), ("batch",) + (None,) * (logits.ndim - 1))
+    bad = ~jnp.all(jnp.isfinite(logits), axis=-1)
     vocab = logits.shape[-1]
     if w.temperature == 0:
-        return jax.nn.one_hot(jnp.argmax(logits, axis=-1), vocab, dtype=jnp.float32)
-    logits = logits / w.temperature
+        return jax.nn.one_hot(jnp.argmax(logits, axis=-1), vocab, dtype=jnp.float32), bad
+    gap = logits - jnp.max(logits, axis=-1, keepdims=True)  # <= 0, exactly 0 at the top
+    # gap / T as 0 at the top whatever T is: XLA turns the division into a multiply by 1/T,
+    # which is inf for T below ~3e-39, and 0 * inf is NaN.
+    scaled = jnp.where(gap == 0, 0.0, gap / w.temperature)
     if 0 < w.top_k < vocab:
+        # On the logits, not the scaled values: the same tokens for any finite T (dividing
+        # by T > 0 keeps the order), and still the top k at T = inf, where all scaled values are 0.
         kth = jax.lax.top_k(logits, w.top_k)[0][..., -1:]
-        logits = jnp.where(logits < kth, -jnp.inf, logits)
-    probs = jax.nn.softmax(logits, axis=-1)
+        scaled = jnp.where(logits < kth, -jnp.inf, scaled)
+    weights = jnp.exp(scaled)  # in [0, 1], with 1 at the top: the sum is in [1, V]
+    probs = weights / jnp.sum(weights, axis=-1, keepdims=True)
     if w.top_p < 1.0:
         probs = nucleus(probs, w.top_p)
-    return probs
+    return probs, bad | ~jnp.all(jnp.isfinite(probs), axis=-1)
 
 
 def nucleus(probs: jax.Array, top_p: float) -> jax.Array:
@@ -75,8 +94,10 @@ def cumulative(probs: jax.Array, block: int = 64) -> jax.Array:
     return (within + offsets[..., None]).reshape(probs.shape[:-1] + (n * block,))[..., :V]
 
 
-def sample(key: jax.Array, probs: jax.Array) -> jax.Array:
-    """One token per distribution over the last axis (zero-probability tokens never drawn).
+def sample(key: jax.Array, probs: jax.Array) -> tuple[jax.Array, jax.Array]:
+    """(one token per distribution over the last axis, empty): zero-probability tokens are
+    never drawn, and `empty` marks a distribution with no finite positive mass (all
+    zeros, NaN or inf), whose token means nothing and must not be emitted.
 
     Inverse CDF: the first token whose cumulative mass exceeds u * total, u ~ U[0, 1).
     One uniform per distribution; `jax.random.categorical` draws a Gumbel per vocabulary
@@ -85,12 +106,9 @@ def sample(key: jax.Array, probs: jax.Array) -> jax.Array:
     mass, so it is never the first to exceed u * total; the clamp to the last token with
     mass covers u * total rounding up to the total itself."""
     cdf = cumulative(probs)
-    u = jax.random.uniform(key, probs.shape[:-1] + (1,), jnp.float32) * cdf[..., -1:]
+    total = cdf[..., -1:]
+    u = jax.random.uniform(key, probs.shape[:-1] + (1,), jnp.float32) * total
     first_above = jnp.sum(cdf <= u, axis=-1)
     last_with_mass = probs.shape[-1] - 1 - jnp.argmax(jnp.flip(probs, axis=-1) > 0, axis=-1)
-    return jnp.minimum(first_above, last_with_mass).astype(jnp.int32)
-
-
-def nonfinite_rows(logits: jax.Array) -> jax.Array:
-    """[B] True where a row's logits hold NaN or inf (reported at the host boundary)."""
-    return ~jnp.all(jnp.isfinite(logits), axis=tuple(range(1, logits.ndim)))
+    empty = ~((total > 0) & (total < jnp.inf))[..., 0]  # NaN fails both comparisons
+    return jnp.minimum(first_above, last_with_mass).astype(jnp.int32), empty

@@ -19,7 +19,7 @@ from typing import NamedTuple
 import jax
 import jax.numpy as jnp
 
-from specjax.decode.sampling import Warp, nonfinite_rows, sample, warp
+from specjax.decode.sampling import Warp, sample, warp
 from specjax.decode.state import Stats, gather_rows, prefill, stop_after, token_buffer, write_rows
 from specjax.kv_cache import KVCache
 from specjax.model import LM
@@ -27,7 +27,8 @@ from specjax.model import LM
 
 def draft_tokens(draft: LM, cache: KVCache, tokens: jax.Array, length: jax.Array, key: jax.Array,
                  lookahead: int, warping: Warp):
-    """K autoregressive draft steps. Returns (x [B,K], p [B,K,V], cache, nonfinite [B]).
+    """K autoregressive draft steps. Returns (x [B,K], p [B,K,V], cache, bad [B]): bad
+    marks rows where a draft distribution was not one (NaN/inf logits, no mass).
 
     The first step feeds the last TWO tokens (positions length-2, length-1): when the
     previous loop accepted all K drafts, x_K was never fed to the draft, and this keeps
@@ -35,31 +36,34 @@ def draft_tokens(draft: LM, cache: KVCache, tokens: jax.Array, length: jax.Array
     before = jnp.maximum(length - 2, 0)
     first = jnp.stack([gather_rows(tokens, before), gather_rows(tokens, length - 1)], axis=1)
     logits, cache = draft(first, jnp.stack([before, length - 1], axis=1), cache)
-    logits = logits[:, -1]
     keys = jax.random.split(key, lookahead)
-    bad = nonfinite_rows(logits)
+
+    def propose(logits, j):
+        probs, bad = warp(logits, warping)
+        x, empty = sample(keys[j], probs)
+        return x, probs, bad | empty
 
     def step(carry, j):
         logits, cache, bad = carry
-        probs = warp(logits, warping)
-        x = sample(keys[j], probs)
+        x, probs, bad_j = propose(logits, j)
         logits, cache = draft(x[:, None], (length + j)[:, None], cache)
-        return (logits[:, 0], cache, bad | nonfinite_rows(logits)), (x, probs)
+        return (logits[:, 0], cache, bad | bad_j), (x, probs)
 
-    (logits, cache, bad), (xs, ps) = jax.lax.scan(step, (logits, cache, bad), jnp.arange(lookahead - 1))
-    probs = warp(logits, warping)
-    x_last = sample(keys[-1], probs)
+    (logits, cache, bad), (xs, ps) = jax.lax.scan(step, (logits[:, -1], cache, jnp.zeros(length.shape, bool)),
+                                                  jnp.arange(lookahead - 1))
+    x_last, probs, bad_last = propose(logits, lookahead - 1)
     xs = jnp.concatenate([xs, x_last[None]], axis=0).T  # [B, K]
     ps = jnp.concatenate([ps, probs[None]], axis=0).transpose(1, 0, 2)  # [B, K, V]
-    return xs, ps, cache, bad
+    return xs, ps, cache, bad | bad_last
 
 
 def accept(key: jax.Array, x: jax.Array, p: jax.Array, q: jax.Array):
     """Modified rejection sampling, vectorised over rows and draft positions.
 
     x [B,K] draft tokens, p [B,K,V] draft probs, q [B,K+1,V] target probs.
-    Returns (num_accepted [B] in 0..K, next_token [B]): the residual sample at the first
-    rejection, or the bonus sample from q_{K+1} when all K were accepted."""
+    Returns (num_accepted [B] in 0..K, next_token [B], empty [B]): the residual sample at
+    the first rejection, or the bonus sample from q_{K+1} when all K were accepted; empty
+    marks a row whose distribution for it had no mass (only when p or q was not one)."""
     batch, lookahead = x.shape
     accept_key, resample_key = jax.random.split(key)
     p_x = jnp.take_along_axis(p, x[..., None], axis=-1)[..., 0]
@@ -72,7 +76,8 @@ def accept(key: jax.Array, x: jax.Array, p: jax.Array, q: jax.Array):
     residual = jnp.maximum(q_n - jnp.take_along_axis(p_ext, num_accepted[:, None, None], axis=1)[:, 0], 0.0)
     mass = jnp.sum(residual, axis=-1, keepdims=True)
     residual = jnp.where(mass > 0, residual / jnp.where(mass > 0, mass, 1.0), q_n)  # q - p <= 0 everywhere: use q
-    return num_accepted.astype(jnp.int32), sample(resample_key, residual)
+    next_token, empty = sample(resample_key, residual)
+    return num_accepted.astype(jnp.int32), next_token, empty
 
 
 @jax.tree_util.register_dataclass
@@ -97,7 +102,7 @@ class Speculation(NamedTuple):
     next_token: jax.Array  # [B] the residual sample at x_{n+1}, or the bonus token (n == K)
     target_cache: KVCache
     draft_cache: KVCache
-    nonfinite: jax.Array  # [B] NaN/inf in either model's logits
+    nonfinite: jax.Array  # [B] NaN/inf in either model's logits, or a distribution without mass
 
 
 def start(target: LM, draft: LM, prompts: jax.Array, prompt_lens: jax.Array, key: jax.Array,
@@ -119,10 +124,10 @@ def speculate(target: LM, draft: LM, s: SpsState, lookahead: int, warping: Warp)
     scored = jnp.concatenate([gather_rows(s.tokens, pending)[:, None], x], axis=1)
     positions = pending[:, None] + jnp.arange(lookahead + 1)[None, :]
     logits, target_cache = target(scored, positions, s.target_cache)
-    q = warp(logits, warping)
-    num_accepted, next_token = accept(accept_key, x, p, q)
+    q, target_bad = warp(logits, warping)
+    num_accepted, next_token, empty = accept(accept_key, x, p, q)
     return key, Speculation(x, p, q, num_accepted, next_token, target_cache, draft_cache,
-                            nonfinite_rows(logits) | draft_bad)
+                            jnp.any(target_bad, axis=1) | draft_bad | empty)
 
 
 def speculative_generate(target: LM, draft: LM, prompts: jax.Array, prompt_lens: jax.Array,
@@ -137,11 +142,11 @@ def speculative_generate(target: LM, draft: LM, prompts: jax.Array, prompt_lens:
         # Emitted: x_1..x_n, then the residual/bonus token at index n.
         new = jnp.concatenate([x, jnp.zeros_like(x[:, :1])], axis=1)
         new = jnp.where(jnp.arange(lookahead + 1)[None, :] == num_accepted[:, None], sp.next_token[:, None], new)
-        active = ~s.done
+        bad = sp.nonfinite & ~s.done
+        active = ~s.done & ~bad
         count, finished = stop_after(new, jnp.where(active, num_accepted + 1, 0), s.stats.num_new,
                                      max_new, eos_id)
         length = s.length + count
-        bad = sp.nonfinite & active
         # Roll back: the target holds [0, length-1) after this loop; the draft's cache may
         # lack x_K, which its next first step re-feeds at position length-2.
         target_cache = sp.target_cache.with_lengths(length - 1)

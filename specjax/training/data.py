@@ -98,7 +98,7 @@ def token_cache_key(files: Sequence[str | os.PathLike], tokenizer: Tokenizer) ->
 
 
 def build_token_cache(files: Sequence[str | os.PathLike], tokenizer: Tokenizer,
-                      cache_dir: str | os.PathLike) -> np.ndarray:
+                      cache_dir: str | os.PathLike, progress: bool = True) -> np.ndarray:
     """Tokenises `files` once into `doc0 EOS doc1 EOS ...`; returns it memory-mapped.
 
     The cache lives at `cache_dir/tokens-<key>.npy` (see `token_cache_key`); a later call
@@ -110,7 +110,7 @@ def build_token_cache(files: Sequence[str | os.PathLike], tokenizer: Tokenizer,
         dtype = np.uint16 if tokenizer.vocab_size <= 2**16 else np.uint32
         pieces = []
         sizes = [os.stat(f).st_size for f in files]
-        with tqdm(total=sum(sizes), unit="B", unit_scale=True, desc="tokenising") as bar:
+        with tqdm(total=sum(sizes), unit="B", unit_scale=True, desc="tokenising", disable=not progress) as bar:
             for f, size in zip(files, sizes):
                 pieces.append(np.asarray(tokenizer.encode(read_document(f)), dtype))
                 pieces.append(np.asarray([tokenizer.eos_id], dtype))

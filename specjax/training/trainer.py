@@ -21,25 +21,32 @@ and the loss is
 with T = `distill_temperature` (Hinton et al.'s T^2 keeps gradient scales comparable)
 and w = `distill_weight`.
 
-Step numbering: "step N" is the state after N updates; the 'train' record for step N
-holds the mean of the losses of the batches since the previous record (with
-log_every=1: batch N-1, the one that produced step N) and the checkpoint named N resumes
-with batch N. metrics.jsonl records: {'kind': 'train', 'step', 'loss', 'ce', 'kl'
+Step numbering: "step N" is the state after N updates; 'train' records are written at
+multiples of log_every and at the last step, and the record for step N holds the mean of
+the losses of the batches since the previous one (with log_every=1: batch N-1, the one
+that produced step N); the checkpoint named N resumes with batch N and carries the
+metrics of the steps since the last record, so interrupted-and-resumed runs write the
+records of an uninterrupted one. metrics.jsonl records: {'kind': 'train', 'step', 'loss', 'ce', 'kl'
 (distilling), 'grad_norm', 'lr', 'tokens_per_s'}, {'kind': 'val', 'step', 'val_loss',
 'val_kl'}, {'kind': 'event', 'step', 'event': start | resume | stopped | done}.
 
+One run per workdir: `WorkdirLock` refuses a second writer.
+
 Several processes: each builds only its own rows of every batch
-(`jax.make_array_from_process_local_data`), only process 0 writes metrics and the
-tokenizer copy, orbax coordinates the checkpoint writes, and JAX's preemption sync
-point makes all processes stop at the same step.
+(`jax.make_array_from_process_local_data`), only process 0 locks the workdir and writes
+metrics and the tokenizer copy, orbax coordinates the checkpoint writes, and JAX's
+preemption sync point makes all processes stop at the same step.
 """
 from __future__ import annotations
 
 import dataclasses
+import fcntl
 import json
 import math
+import os
 import pathlib
 import signal
+import tempfile
 import time
 from typing import Any, Optional
 
@@ -91,7 +98,7 @@ class Corpus:
     description: str
 
 
-def load_corpus(config: Config, teacher_tokenizer=None) -> Corpus:
+def load_corpus(config: Config, teacher_tokenizer=None, progress: bool = True) -> Corpus:
     """Token streams for `config` (see the module docstring). With a teacher, the
     teacher's own tokenizer is used: draft and target must share one."""
     tc = config.train
@@ -112,7 +119,7 @@ def load_corpus(config: Config, teacher_tokenizer=None) -> Corpus:
     if tokenizer.vocab_size != vocab:
         raise ConfigError(f"tokenizer {tokenizer.path} has {tokenizer.vocab_size} pieces but "
                           f"target.vocab_size={vocab}")
-    tokens = data.build_token_cache(files, tokenizer, store)
+    tokens = data.build_token_cache(files, tokenizer, store, progress)
     train, val = data.split_train_val(tokens, tc.val_fraction)
     # A Hugging Face teacher's tokenizer stays in its directory (an export copies it from there).
     own = isinstance(tokenizer, Tokenizer)
@@ -134,6 +141,26 @@ def _row_block(batch_sharding, global_shape) -> tuple[int, int]:
     return lo // per, global_shape[0] // per
 
 
+def check_stream_lengths(train_tokens: int, val_tokens: int, tc: TrainConfig) -> None:
+    """Both streams must hold one window of seq_len + 1 tokens; the advice names the
+    val_fraction that would fix a short one (smaller for train, larger for validation)."""
+    need, total = tc.seq_len + 1, train_tokens + val_tokens
+    if train_tokens >= need and val_tokens >= need:
+        return
+    name, have = ("train", train_tokens) if train_tokens < need else ("validation", val_tokens)
+    problem = (f"the {name} stream has {have:,} tokens (train.val_fraction={tc.val_fraction} of {total:,}), "
+               f"fewer than train.seq_len + 1 = {need}")
+    if total < 2 * need + 2:
+        raise UsageError(f"{problem}; the corpus is too small for a train and a validation window of {need} "
+                         f"tokens each: use a bigger corpus or train.seq_len at most {max(1, total // 2 - 3)}")
+    digits = 1e4  # the advice is rounded towards the safe side
+    if name == "train":
+        fix = f"lower train.val_fraction to at most {math.floor((total - need - 1) / total * digits) / digits:g}"
+    else:
+        fix = f"raise train.val_fraction to at least {math.ceil((need + 1) / total * digits) / digits:g}"
+    raise UsageError(f"{problem}: {fix}, lower train.seq_len, or use a bigger corpus")
+
+
 class Batches:
     """Global batches as sharded device arrays, built from this process's rows only."""
 
@@ -143,10 +170,7 @@ class Batches:
         self.sharding = sharding.named(mesh, ("batch", None), self.shape)
         self.replicated = sharding.replicated(mesh)
         self.block, self.blocks = _row_block(self.sharding, self.shape)
-        for name, stream in (("train", corpus.train), ("validation", corpus.val)):
-            if len(stream) < tc.seq_len + 1:
-                raise UsageError(f"the {name} stream has {len(stream)} tokens, fewer than train.seq_len + 1 = "
-                                 f"{tc.seq_len + 1}: use a bigger corpus or a larger train.val_fraction")
+        check_stream_lengths(len(corpus.train), len(corpus.val), tc)
 
     def _device(self, local: np.ndarray) -> jax.Array:
         return jax.make_array_from_process_local_data(self.sharding, local, self.shape)
@@ -181,8 +205,6 @@ class Batches:
 
 
 def learning_rate_schedule(tc: TrainConfig) -> optax.Schedule:
-    if tc.warmup_steps >= tc.steps:
-        raise ConfigError(f"train.warmup_steps={tc.warmup_steps} must be below train.steps={tc.steps}")
     return optax.warmup_cosine_decay_schedule(0.0, tc.learning_rate, tc.warmup_steps, tc.steps,
                                               end_value=tc.learning_rate * 0.1)
 
@@ -317,7 +339,105 @@ class StopRequest:
             signal.signal(signum, handler)
 
 
+# --------------------------------------------------------------------------- the workdir
+
+LOCK_FILE = "train.lock"
+
+
+class WorkdirLock:
+    """The one writer of a workdir: an exclusive `flock` on WORKDIR/train.lock, held for
+    the whole run. A second `train` on the same directory would interleave its
+    checkpoints and metrics with the first's (and orbax's start-up clean-up would delete
+    the first run's half-written step), so it is refused. The kernel drops the lock when
+    its process dies, so a kill -9 never leaves it stuck; the file itself (holding the
+    last holder's pid) stays and means nothing.
+
+    Several processes of one run: process 0 alone creates, checks and locks the workdir
+    (a shared filesystem would make the run's own processes lock each other out), and
+    every process learns whether that worked, so all of them stop together."""
+
+    def __init__(self, workdir: pathlib.Path):
+        self.workdir = workdir
+        self.fd: Optional[int] = None
+
+    def __enter__(self) -> "WorkdirLock":
+        error = None
+        if jax.process_index() == 0:
+            try:
+                self._acquire()
+            except UsageError as e:
+                error = e
+        if jax.process_count() > 1:
+            from jax.experimental import multihost_utils
+            failed = multihost_utils.broadcast_one_to_all(np.int32(error is not None))
+            if failed and error is None:
+                raise UsageError(f"process 0 could not take the workdir {self.workdir} (its message says why)")
+        if error is not None:
+            raise error
+        return self
+
+    def _acquire(self) -> None:
+        workdir = self.workdir
+        if workdir.exists() and not workdir.is_dir():
+            raise UsageError(f"workdir {workdir} is a file, not a directory: pass a directory (it is created if "
+                             f"missing)")
+        try:
+            workdir.mkdir(parents=True, exist_ok=True)
+            fd = os.open(workdir / LOCK_FILE, os.O_RDWR | os.O_CREAT, 0o644)
+        except OSError as e:
+            raise UsageError(f"cannot write to workdir {workdir} ({e.strerror}): pass a writable workdir") from None
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            holder = os.pread(fd, 32, 0).decode(errors="replace").strip()
+            os.close(fd)
+            raise UsageError(f"another training run{f' (pid {holder})' if holder.isdigit() else ''} is writing "
+                             f"to workdir {workdir}: wait for it to finish, stop it, or pass another workdir") from None
+        os.ftruncate(fd, 0)
+        os.pwrite(fd, f"{os.getpid()}\n".encode(), 0)
+        self.fd = fd
+        try:
+            _check_writable(workdir)
+        except UsageError:
+            self.__exit__()
+            raise
+
+    def __exit__(self, *exc) -> None:
+        if self.fd is not None:
+            os.close(self.fd)  # releases the flock
+            self.fd = None
+
+
+def _check_writable(workdir: pathlib.Path) -> None:
+    """Everything a run may change must be writable before it starts: the metrics file
+    (appended to) and every directory below the workdir (old steps are deleted past
+    keep_checkpoints, half-written ones cleaned up). A probe file is created and removed
+    rather than trusting permission bits, which root ignores and a read-only mount or
+    an immutable flag overrides."""
+    metrics = workdir / METRICS_FILE
+    try:
+        if metrics.exists():
+            open(metrics, "a").close()
+    except OSError as e:
+        raise UsageError(f"cannot append to {metrics} ({e.strerror}): make it writable or pass another "
+                         f"workdir") from None
+    for here, dirs, _ in os.walk(workdir):
+        for name in dirs:
+            path = pathlib.Path(here, name)
+            try:
+                with tempfile.TemporaryFile(dir=path):
+                    pass
+            except OSError as e:
+                raise UsageError(f"{path} is read-only ({e.strerror}): training in workdir {workdir} may delete "
+                                 f"or update it (steps older than the newest keep_checkpoints are deleted); make it "
+                                 f"writable, or pass another workdir") from None
+
+
 # --------------------------------------------------------------------------- the loop
+
+
+class TrainingDiverged(FloatingPointError):
+    """The loss or the gradient norm became NaN or inf; no checkpoint of that state is written."""
 
 
 @dataclasses.dataclass
@@ -395,12 +515,10 @@ def train(config: Config, workdir=None, progress: bool = True, devices=None) -> 
     sharding.check_divisible(config.target, mesh, "target")
     optimizer = make_optimizer(tc)
 
-    with jax.set_mesh(mesh):
+    with WorkdirLock(workdir), jax.set_mesh(mesh):
         teacher, teacher_tokenizer = _teacher(config, mesh)
-        corpus = load_corpus(config, teacher_tokenizer)
+        corpus = load_corpus(config, teacher_tokenizer, progress and is_main)
         batches = Batches(corpus, tc, mesh)
-        if is_main:
-            workdir.mkdir(parents=True, exist_ok=True)
         log = MetricsLog(workdir / METRICS_FILE, enabled=is_main)
 
         ckpt = checkpoint.Checkpoints(workdir, keep=tc.keep_checkpoints)
@@ -408,8 +526,10 @@ def train(config: Config, workdir=None, progress: bool = True, devices=None) -> 
             graphdef, abstract_params = checkpoint.abstract_params(config.target, mesh)
             opt_sh = opt_state_shardings(optimizer, abstract_params, mesh)
             start = ckpt.latest_step() or 0
+            window = []  # per-step metrics since the last 'train' record
             if start:
                 meta = ckpt.check_compatible(start, config.target, config.name, abstract_params)
+                window = list(meta.get("log_window", []))
                 abstract_opt = sharding.with_shardings(jax.eval_shape(optimizer.init, abstract_params), opt_sh)
                 params, opt_state = ckpt.restore(start, abstract_params, abstract_opt)
                 changed = _train_differences(meta.get("train", {}), tc)
@@ -450,14 +570,29 @@ def train(config: Config, workdir=None, progress: bool = True, devices=None) -> 
                 log.write("val", step, **values)
                 return values
 
-            def meta(step):
-                return checkpoint.model_meta(config.target, config.name, train=dataclasses.asdict(tc),
-                                             tokens_seen=step * tc.batch_size * tc.seq_len)
+            def fetch(pending, step):
+                """The steps' metrics on the host, refused if the run has diverged."""
+                fetched = [{k: float(v) for k, v in m.items()} for m in jax.device_get(pending)]
+                bad = next((i for i, m in enumerate(fetched) if not all(map(math.isfinite, m.values()))), None)
+                if bad is not None:
+                    raise TrainingDiverged(
+                        f"training diverged at step {step - len(fetched) + 1 + bad}: loss {fetched[bad]['loss']}, "
+                        f"gradient norm {fetched[bad]['grad_norm']} "
+                        f"(train.learning_rate={tc.learning_rate}, train.grad_clip={tc.grad_clip}); lower the "
+                        f"learning rate; nothing after step {ckpt.latest_step() or 0} was saved")
+                return fetched
 
-            step, pending, train_loss, val_loss = start, [], None, None
+            def meta(step, window):
+                # The metrics of the steps since the last 'train' record travel with the
+                # checkpoint, so a run resumed from it writes the next record over the
+                # same steps as an uninterrupted run.
+                return checkpoint.model_meta(config.target, config.name, train=dataclasses.asdict(tc),
+                                             tokens_seen=step * tc.batch_size * tc.seq_len, log_window=window)
+
+            step, pending, train_loss, val_loss = start, window, None, None
             tokens_per_step = tc.batch_size * tc.seq_len
             busy = 0.0  # seconds of training steps in this run (compile, validation, saves excluded)
-            window_start, excluded = time.perf_counter(), 0.0
+            window_start, excluded, window_steps = time.perf_counter(), 0.0, 0
             bar = tqdm(total=tc.steps, initial=start, disable=not (progress and is_main),
                        dynamic_ncols=True, unit="step")
             with StopRequest() as stop:
@@ -472,20 +607,22 @@ def train(config: Config, workdir=None, progress: bool = True, devices=None) -> 
                         # step instead of after every step the host could queue.
                         jax.block_until_ready(pending[-1])
                     pending.append(metrics)
+                    window_steps += 1
                     last = step == tc.steps
-                    if step % tc.log_every == 0 or last or stop.signum is not None:
-                        fetched = jax.device_get(pending)
+                    # Records at multiples of log_every (and the last step) only, each the
+                    # mean over the same steps in every run: a stop or a resume in between
+                    # carries the open window in the checkpoint instead of cutting it short.
+                    if step % tc.log_every == 0 or last:
+                        fetched = fetch(pending, step)
                         elapsed = time.perf_counter() - window_start - excluded
                         busy += elapsed
-                        rate = len(pending) * tokens_per_step / elapsed
+                        rate = window_steps * tokens_per_step / elapsed
                         means = {k: float(np.mean([m[k] for m in fetched])) for k in fetched[0]}
-                        means["lr"] = float(fetched[-1]["lr"])
-                        if not all(math.isfinite(v) for v in means.values()):
-                            raise FloatingPointError(f"non-finite training metrics at step {step}: {means}")
+                        means["lr"] = fetched[-1]["lr"]
                         train_loss = means["loss"]
                         log.write("train", step, tokens_per_s=rate, **means)
                         bar.set_postfix(loss=f"{train_loss:.4f}", tok_s=f"{rate:,.0f}", refresh=False)
-                        pending, window_start, excluded = [], time.perf_counter(), 0.0
+                        pending, window_start, excluded, window_steps = [], time.perf_counter(), 0.0, 0
                     bar.update(1)
                     evaluate = step % tc.eval_every == 0 or last
                     save = step % tc.save_every == 0 or last or stop.signum is not None
@@ -497,13 +634,14 @@ def train(config: Config, workdir=None, progress: bool = True, devices=None) -> 
                             val_loss = values["val_loss"]
                             _say(f"step {step}: " + ", ".join(f"{k} {v:.4f}" for k, v in values.items()))
                         if save:
-                            ckpt.save(step, params, meta(step), opt_state)
+                            pending = fetch(pending, step)
+                            ckpt.save(step, params, meta(step, pending), opt_state)
                         excluded += time.perf_counter() - t
             bar.close()
             stopped_by = None
             if stop.signum is not None and step < tc.steps:
                 stopped_by = signal.Signals(stop.signum).name
-                ckpt.save(step, params, meta(step), opt_state)
+                ckpt.save(step, params, meta(step, fetch(pending, step)), opt_state)
                 log.write("event", step, event="stopped", signal=stopped_by)
                 _say(f"{stopped_by}: checkpoint for step {step} in {workdir}")
             ckpt.wait()

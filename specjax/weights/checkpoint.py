@@ -6,9 +6,11 @@ Layout of a checkpoint directory (the trainer's workdir, by default
 
     DIR/tokenizer.model      SentencePiece model (configs with tokenizer_vocab > 0)
     DIR/metrics.jsonl        training metrics, one JSON record a line
+    DIR/train.lock           flock'ed by the one training run writing here (holds its pid)
     DIR/<step>/params/       nnx.State of the params (orbax StandardSave)
     DIR/<step>/opt_state/    optax state (trainer checkpoints only)
-    DIR/<step>/meta/         JSON: config name, ModelConfig, TrainConfig, step, seed
+    DIR/<step>/meta/         JSON: config name, ModelConfig, TrainConfig, step, seed, and the
+                             metrics of the steps since the last 'train' record
 
 The data position and every random choice of the trainer are pure functions of
 (seed, step), so the step in `meta` is all the data-loader/RNG state there is.
@@ -21,10 +23,13 @@ message; nothing here deletes or rewrites an existing step.
 """
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import logging
+import os
 import pathlib
 import shutil
+import sys
 from typing import Any, Mapping
 
 import jax
@@ -51,6 +56,32 @@ class _QuietReadOnly(logging.Filter):
 
 
 absl_logging.get_absl_logger().addFilter(_QuietReadOnly())
+
+
+_unfinished_reads: set[str] = set()  # steps whose last read failed or is still running
+
+
+def _quiet_failed_restore(previous):
+    """When one array of a restore fails, orbax closes its event loop while TensorStore
+    still finishes the step's other reads: each reports "Event loop is closed", or its
+    orbax coroutine dies with the same read error, as an unraisable exception (dozens
+    of tracebacks on stderr after our one-line message). While a read has not
+    succeeded, those leftovers of it are dropped; anything else still goes to
+    `previous`."""
+    def leftover(unraisable) -> bool:
+        error, source = unraisable.exc_value, unraisable.object
+        if isinstance(error, RuntimeError) and str(error) == "Event loop is closed":
+            return True
+        code = getattr(source, "cr_code", None)  # a coroutine
+        return code is not None and f"{os.sep}orbax{os.sep}" in code.co_filename
+
+    def hook(unraisable):
+        if not (_unfinished_reads and leftover(unraisable)):
+            previous(unraisable)
+    return hook
+
+
+sys.unraisablehook = _quiet_failed_restore(sys.unraisablehook)
 
 
 def default_dir(config_name: str) -> pathlib.Path:
@@ -133,6 +164,17 @@ class Checkpoints:
         steps = self.steps()
         return steps[-1] if steps else None
 
+    @contextlib.contextmanager
+    def _reading(self, step: int):
+        """Any failure inside is a damaged step (a UsageError); see `_quiet_failed_restore`."""
+        key = f"{self.directory}/{step}"
+        _unfinished_reads.add(key)
+        try:
+            yield
+        except Exception as e:  # noqa: BLE001 (any read failure means a damaged step)
+            raise self._damaged(step, e) from e
+        _unfinished_reads.discard(key)
+
     def _damaged(self, step: int, error: BaseException) -> UsageError:
         first = (str(error).strip().splitlines() or [type(error).__name__])[0][:300]
         earlier = [s for s in self.steps() if s < step]
@@ -143,11 +185,8 @@ class Checkpoints:
                           f"({type(error).__name__}: {first}){hint}")
 
     def meta(self, step: int) -> dict:
-        try:
-            restored = self.manager.restore(step, args=ocp.args.Composite(meta=ocp.args.JsonRestore()))
-            meta = dict(restored["meta"])
-        except Exception as e:  # noqa: BLE001 (any read failure means a damaged step)
-            raise self._damaged(step, e) from e
+        with self._reading(step):
+            meta = dict(self.manager.restore(step, args=ocp.args.Composite(meta=ocp.args.JsonRestore()))["meta"])
         if not isinstance(meta.get("model"), dict):
             raise self._damaged(step, ValueError("meta has no 'model' record"))
         return meta
@@ -170,10 +209,8 @@ class Checkpoints:
         return meta
 
     def _check_shapes(self, step: int, abstract_params) -> None:
-        try:
+        with self._reading(step):
             saved = self.manager.item_metadata(step)["params"]
-        except Exception as e:  # noqa: BLE001
-            raise self._damaged(step, e) from e
         if saved is None:
             raise self._damaged(step, ValueError("no params item"))
         saved, wanted = _keyed(saved), _keyed(abstract_params)
@@ -195,10 +232,8 @@ class Checkpoints:
                 raise UsageError(f"checkpoint step {step} in {self.directory} holds params only (no "
                                  f"optimizer state), so training cannot resume from it")
             items["opt_state"] = ocp.args.StandardRestore(abstract_opt_state)
-        try:
+        with self._reading(step):
             restored = self.manager.restore(step, args=ocp.args.Composite(**items))
-        except Exception as e:  # noqa: BLE001
-            raise self._damaged(step, e) from e
         return restored["params"], restored.get("opt_state") if abstract_opt_state is not None else None
 
     # ----------------------------------------------------------------- writing
@@ -254,6 +289,9 @@ def load_lm(model_cfg: ModelConfig, mesh: jax.sharding.Mesh, directory, step: in
     `config_name` (default: the directory's name) only words the messages."""
     directory = pathlib.Path(directory).expanduser()
     name = config_name or directory.name
+    if directory.exists() and not directory.is_dir():
+        raise UsageError(f"{directory} is a file, not a checkpoint directory (the directory that "
+                         f"`python -m specjax.train --config={name} --workdir=DIR` writes)")
     if not directory.is_dir():
         raise UsageError(f"no checkpoint directory {directory}: train one with "
                          f"`python -m specjax.train --config={name}` (or set $SPECJAX_CACHE / "

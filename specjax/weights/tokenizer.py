@@ -20,12 +20,15 @@ import io
 import json
 import os
 import pathlib
+import re
 import tempfile
 from collections.abc import Iterable, Sequence
 from typing import Optional
 
 import numpy as np
 import sentencepiece as spm
+
+from specjax.config import UsageError
 
 PAD_ID, UNK_ID, BOS_ID, EOS_ID = 0, 1, 2, 3
 
@@ -92,13 +95,39 @@ def train_tokenizer(files: Sequence[str | os.PathLike], model_prefix: str | os.P
     sentences = _training_sentences(files, max_sentences, max_sentence_length, seed)
     model = io.BytesIO()
     spm.set_random_generator_seed(seed)
-    spm.SentencePieceTrainer.train(
-        sentence_iterator=iter(sentences), model_writer=model, vocab_size=vocab_size,
-        model_type=model_type, max_sentence_length=max_sentence_length,
-        input_sentence_size=0, num_threads=2, minloglevel=2, **TRAINER_OPTIONS)
+    try:
+        spm.SentencePieceTrainer.train(
+            sentence_iterator=iter(sentences), model_writer=model, vocab_size=vocab_size,
+            model_type=model_type, max_sentence_length=max_sentence_length,
+            input_sentence_size=0, num_threads=2, minloglevel=2, **TRAINER_OPTIONS)
+    except RuntimeError as e:
+        raise UsageError(corpus_problem(str(e), files, vocab_size, max_sentence_length)) from None
     path = pathlib.Path(f"{os.fspath(model_prefix)}.model")
     atomic_write_bytes(path, model.getvalue())
     return str(path)
+
+
+def corpus_problem(error: str, files: Sequence[str | os.PathLike], vocab_size: int,
+                   max_sentence_length: int) -> str:
+    """SentencePiece's training error, said in terms of what to change in the config."""
+    size = sum(os.stat(f).st_size for f in files)
+    corpus = f"the tokenizer corpus ({len(files):,} file{'s' * (len(files) != 1)}, {size:,} bytes)"
+    not_text = [str(f) for f in files if "\ufffd" in read_document(f) or b"\0" in pathlib.Path(f).read_bytes()]
+    binary = "" if not not_text else (
+        f"; {not_text[0]} is not UTF-8 text: leave it out of train.corpus" if len(not_text) == 1 else
+        f"; {not_text[0]} and {len(not_text) - 1} more files are not UTF-8 text: leave them out of train.corpus")
+    vocab = "tokenizer_vocab (and target.vocab_size)"
+    if m := re.search(r"Vocabulary size too high \((\d+)\)\. Please set it to a value <= (\d+)", error):
+        return (f"{corpus} is too small to learn {vocab_size} pieces (at most {m[2]}): use a bigger train.corpus "
+                f"or a smaller {vocab}{binary}")
+    if m := re.search(r"Vocabulary size is smaller than required_chars\. (\d+) vs (\d+)", error):
+        return (f"{corpus} needs at least {int(m[2]):,} pieces (one per distinct character, plus the special "
+                f"and byte pieces), more than {vocab_size}: use a {vocab} of at least {m[2]}, or a corpus with "
+                f"fewer distinct characters{binary}")
+    if "sentences_.empty()" in error:
+        return (f"{corpus} has no line of at most {max_sentence_length:,} bytes to learn pieces from: use a "
+                f"train.corpus of ordinary text files{binary}")
+    return f"SentencePiece could not learn a {vocab_size}-piece vocabulary from {corpus}: {error.strip()}{binary}"
 
 
 def atomic_write_bytes(path: pathlib.Path, data: bytes) -> None:
