@@ -240,7 +240,7 @@ def build(target: LM, draft: LM | None, prompts, sampling: SamplingConfig, seed:
     prompts = as_token_lists(prompts, names)
     context = context_of(target, draft)
     check_prompts(prompts, target.cfg.vocab_size, context, sampling.max_new_tokens, names)
-    if sampling.eos_id >= target.cfg.vocab_size:
+    if any(i >= target.cfg.vocab_size for i in sampling.stop_ids):
         raise UsageError(f"eos_id={sampling.eos_id}: outside the vocabulary (a row would never stop on it); "
                          f"allowed are token ids 0..{target.cfg.vocab_size - 1}, or -1 to never stop early")
     lookahead = sampling.lookahead if draft is not None else 1

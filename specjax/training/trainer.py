@@ -586,8 +586,10 @@ def train(config: Config, workdir=None, progress: bool = True, devices=None) -> 
                 # The metrics of the steps since the last 'train' record travel with the
                 # checkpoint, so a run resumed from it writes the next record over the
                 # same steps as an uninterrupted run.
+                # A copy: orbax writes the JSON in the background while the loop appends to `pending`.
                 return checkpoint.model_meta(config.target, config.name, train=dataclasses.asdict(tc),
-                                             tokens_seen=step * tc.batch_size * tc.seq_len, log_window=window)
+                                             tokens_seen=step * tc.batch_size * tc.seq_len,
+                                             log_window=[dict(m) for m in window])
 
             step, pending, train_loss, val_loss = start, window, None, None
             tokens_per_step = tc.batch_size * tc.seq_len
