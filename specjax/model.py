@@ -30,11 +30,13 @@ MASKED = -1e30
 
 
 class Keys:
-    """A fresh key per parameter (fold_in of a counter). Cheaper to trace than nnx.Rngs,
-    whose per-call state update made building 80 layers take ~35 s (quadratic in L)."""
+    """A fresh key per parameter (fold_in of a counter) from a seed or a key. Cheaper to
+    trace than nnx.Rngs, whose per-call state update made building 80 layers take ~35 s
+    (quadratic in L)."""
 
-    def __init__(self, seed: int):
-        self.base, self.count = jax.random.key(seed), 0
+    def __init__(self, seed: int | jax.Array):
+        self.base = seed if isinstance(seed, jax.Array) else jax.random.key(seed)
+        self.count = 0
 
     def __call__(self) -> jax.Array:
         self.count += 1
@@ -188,15 +190,18 @@ class Transformer(nnx.Module):
         D, V, dt = cfg.d_model, cfg.vocab_size, cfg.param_dtype
         self.cfg = cfg
         self.embed = _param(keys, (V, D), ("vocab", "embed"), 1.0, dt)
-        blocks = [Block(cfg, keys) for _ in range(cfg.num_layers)]
-        if cfg.scan_layers:
-            # One Block whose params carry a leading layer axis; built from the same
-            # per-layer inits as the unrolled list so both layouts compute the same model.
-            graphdef = nnx.split(blocks[0])[0]
-            states = [nnx.split(b)[1] for b in blocks]
-            self.layers = nnx.merge(graphdef, jax.tree.map(lambda *xs: jnp.stack(xs), *states))
+        # One Block's init under vmap over per-layer keys: the init program holds one set
+        # of normal() calls whatever the depth (80 unrolled copies made a huge program and
+        # a long TPU compile). Both layouts come from the same stacked params, so scanned
+        # and unrolled layers compute the same model.
+        graphdef = nnx.split(nnx.eval_shape(lambda: Block(cfg, Keys(0))))[0]
+        stacked = jax.vmap(lambda key: nnx.split(Block(cfg, Keys(key)))[1])(
+            jax.random.split(keys(), cfg.num_layers))
+        if cfg.scan_layers:  # one Block whose params carry a leading layer axis
+            self.layers = nnx.merge(graphdef, stacked)
         else:
-            self.layers = nnx.List(blocks)
+            self.layers = nnx.List([nnx.merge(graphdef, jax.tree.map(lambda x, i=i: x[i], stacked))
+                                    for i in range(cfg.num_layers)])
         self.final_norm = RMSNorm(cfg)
         if not cfg.tie_embeddings:
             self.unembed = _param(keys, (D, V), ("embed", "vocab"), D ** -0.5, dt)
@@ -275,14 +280,20 @@ def abstract_lm(cfg: ModelConfig, mesh: jax.sharding.Mesh | None = None) -> LM:
     return LM(cfg, graphdef, state)
 
 
-def init_lm(cfg: ModelConfig, mesh: jax.sharding.Mesh, seed: int | None = None) -> LM:
-    """Random params created already sharded (jit with out_shardings: no host copy)."""
-    sharding.check_divisible(cfg, mesh)
+def init_program(cfg: ModelConfig, mesh: jax.sharding.Mesh, seed: int | None = None):
+    """(graphdef, the jitted random init `() -> params`), params created already sharded
+    (out_shardings: no host copy). `plan` compiles the same function without running it."""
     seed = cfg.init_seed if seed is None else seed
     graphdef, abstract = nnx.split(nnx.eval_shape(lambda: Transformer(cfg, Keys(seed))))
     shardings = sharding.param_shardings(abstract, mesh)
-    state = jax.jit(lambda: nnx.split(Transformer(cfg, Keys(seed)))[1], out_shardings=shardings)()
-    return LM(cfg, graphdef, state)
+    return graphdef, jax.jit(lambda: nnx.split(Transformer(cfg, Keys(seed)))[1], out_shardings=shardings)
+
+
+def init_lm(cfg: ModelConfig, mesh: jax.sharding.Mesh, seed: int | None = None) -> LM:
+    """Random params created already sharded."""
+    sharding.check_divisible(cfg, mesh)
+    graphdef, init = init_program(cfg, mesh, seed)
+    return LM(cfg, graphdef, init())
 
 
 def full_forward(lm: LM, tokens: jax.Array) -> jax.Array:

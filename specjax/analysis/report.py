@@ -35,11 +35,12 @@ def format_report(r: dict) -> str:
            f"prompt {s['prompt_len']} tokens, cache {s['cache_len']}, K={s['lookahead']}",
            f"XLA_FLAGS: {s['xla_flags']}", "",
            f"{'model':<8} {'params':>10} {'dtype':>9} {'layers':>6} {'positions':>9} {'weights/dev':>12} "
-           f"{'kv cache/dev':>12}"]
+           f"{'kv cache/dev':>12}  random init program (compile, HLO instructions)"]
     for name, m in r["models"].items():
         out.append(f"{name:<8} {_count(m['params']):>10} {m['param_dtype']:>9} {m['layers']:>6} "
                    f"{m['pos_encoding']:>9} {_gib(m['weight_bytes_per_device']):>12} "
-                   f"{_gib(m['cache_bytes_per_device']):>12}")
+                   f"{_gib(m['cache_bytes_per_device']):>12}  {m['init']['compile_seconds']:.1f}s, "
+                   f"{m['init']['hlo_instructions']}")
     out += ["", f"{'program':<11} {'compile':>8} {'arguments':>11} {'outputs':>9} {'temporaries':>12} "
                 f"{'total/dev':>11}  fits {chip['name']} ({_gib(chip['hbm_bytes'])})"]
     for name, p in r["programs"].items():
