@@ -96,7 +96,10 @@ def plan(cfg, data: int, model: int, batch: int = 1, prompt_len: int = 128, cach
                                         kv_cache.cache_shardings(lm.cfg, batch, cache_len, mesh))
         report["models"][name] = {"params": lm.num_params, "param_dtype": lm.cfg.param_dtype,
                                   "weight_bytes_per_device": shard_bytes(lm.params),
-                                  "cache_bytes_per_device": shard_bytes(cache), "layers": lm.cfg.num_layers,
+                                  "cache_bytes_per_device": shard_bytes(cache),
+                                  "position_table_bytes_per_device": shard_bytes(
+                                      [kv_cache.table_shape(lm.cfg, cache_len, mesh)]),
+                                  "layers": lm.cfg.num_layers,
                                   "pos_encoding": lm.cfg.pos_encoding, "init": compile_init(lm.cfg, mesh)}
     runs = [("ars_target", lms["target"], None)]
     if "draft" in lms:
