@@ -7,6 +7,11 @@ layer's keys and values on every step: 24 -> 16 ms per mini_target token at S=10
 A forward writes its T new entries at the rows' own positions; `lengths` says how many
 entries of each row are valid. Rolling back rejected draft tokens is just setting
 `lengths` (the stale entries beyond it are masked, and overwritten later).
+
+Models with Transformer-XL relative positions also carry `position_table` [L, N, S, H]:
+W_r R for every distance a query can see in S slots (`model.position_table`). It
+depends only on the weights and S, so the first forward over an empty cache (the
+prefill) computes it and every later step of the program reuses it.
 """
 from __future__ import annotations
 
@@ -19,6 +24,7 @@ from specjax import sharding
 from specjax.config import ModelConfig
 
 CACHE_AXES = ("layers", "batch", "kv_heads", "cache_seq", "head_dim")
+TABLE_AXES = ("layers", "heads", "cache_seq", "head_dim")
 
 
 @jax.tree_util.register_dataclass
@@ -27,6 +33,7 @@ class KVCache:
     k: jax.Array
     v: jax.Array
     lengths: jax.Array  # int32 [B]
+    position_table: jax.Array | None = None  # [L, N, S, H], relative positions only
 
     @property
     def size(self) -> int:
@@ -41,6 +48,16 @@ def cache_shapes(cfg: ModelConfig, batch: int, size: int) -> KVCache:
     dtype = jnp.dtype(cfg.compute_dtype)
     kv = jax.ShapeDtypeStruct((cfg.num_layers, batch, cfg.num_kv_heads, size, cfg.head_dim), dtype)
     return KVCache(kv, kv, jax.ShapeDtypeStruct((batch,), jnp.int32))
+
+
+def table_shape(cfg: ModelConfig, size: int, mesh: jax.sharding.Mesh | None = None) -> jax.ShapeDtypeStruct | None:
+    """The position table's ShapeDtypeStruct (sharded over heads, given a mesh), or None
+    without relative positions."""
+    if cfg.pos_encoding != "relative":
+        return None
+    shape = (cfg.num_layers, cfg.num_heads, size, cfg.head_dim)
+    return jax.ShapeDtypeStruct(shape, jnp.dtype(cfg.compute_dtype),
+                                sharding=sharding.named(mesh, TABLE_AXES, shape) if mesh is not None else None)
 
 
 def cache_shardings(cfg: ModelConfig, batch: int, size: int, mesh: jax.sharding.Mesh) -> KVCache:

@@ -31,11 +31,13 @@ MASKED = -1e30
 
 
 class Keys:
-    """A fresh key per parameter (fold_in of a counter). Cheaper to trace than nnx.Rngs,
-    whose per-call state update made building 80 layers take ~35 s (quadratic in L)."""
+    """A fresh key per parameter (fold_in of a counter) from a seed or a key. Cheaper to
+    trace than nnx.Rngs, whose per-call state update made building 80 layers take ~35 s
+    (quadratic in L)."""
 
-    def __init__(self, seed: int):
-        self.base, self.count = jax.random.key(seed), 0
+    def __init__(self, seed: int | jax.Array):
+        self.base = seed if isinstance(seed, jax.Array) else jax.random.key(seed)
+        self.count = 0
 
     def __call__(self) -> jax.Array:
         self.count += 1
@@ -101,6 +103,39 @@ def sinusoid(distances, dim):
     return jnp.concatenate([jnp.sin(angles), jnp.cos(angles)], axis=-1)
 
 
+def position_table(wr, size: int, dtype):
+    """W_r R_{S-1-r} for r = 0..S-1: [N, S, H] from one layer's W_r [D, N, H], distances
+    in reverse order so that `relative_shift` is one slice per query.
+
+    Terms (b) + (d) of Dai et al. 2019, eq. 4 are (q_i + v) . W_r R_{i-j}, and W_r R
+    depends only on the weights and S: built once per program (at prefill), a step reads
+    N/m x S x H of it per layer and device (m = 'model' shards). The alternatives read
+    more per step: projecting (q_i + v) W_r^T reads W_r itself (D x N/m x H, more while
+    S < D) and then an [S, D] sinusoid table that every device holds whole; rotating by
+    sin((i-j)w) = sin(iw)cos(jw) - cos(iw)sin(jw) drops the shift, not those reads."""
+    rel = sinusoid(jnp.arange(size - 1, -1, -1), wr.shape[0]).astype(dtype)  # [S, D]
+    return jnp.einsum("SD,DNH->NSH", rel, wr.astype(dtype), preferred_element_type=jnp.float32).astype(dtype)
+
+
+def relative_shift(by_reversed, positions):
+    """by_reversed[b, ..., t, r] scores distance S-1-r; returns [b, ..., t, j], the score at
+    distance positions[b, t] - j for keys j <= positions[b, t] (entries for later keys
+    are zeros or left-overs, masked by the caller).
+
+    One contiguous S-wide slice per (row, query), at each query's own position (ragged
+    rows): no [B, N, T, S] index tensor and no element-by-element gather."""
+    S = by_reversed.shape[-1]
+    padded = jnp.concatenate([by_reversed, jnp.zeros_like(by_reversed)], axis=-1)
+
+    def query(x, position):  # x [..., 2S] of one (row, query)
+        return jax.lax.dynamic_slice_in_dim(x, S - 1 - position, S, axis=-1)
+
+    def row(x, pos):  # x [..., T, 2S], pos [T]
+        return jax.vmap(query, in_axes=(-2, 0), out_axes=-2)(x, pos)
+
+    return jax.vmap(row)(padded, positions)
+
+
 class Attention(nnx.Module):
     def __init__(self, cfg: ModelConfig, keys: Keys, out_std: float):
         D, N, K, H, dt = cfg.d_model, cfg.num_heads, cfg.num_kv_heads, cfg.head_dim, cfg.param_dtype
@@ -116,9 +151,10 @@ class Attention(nnx.Module):
             self.u = nnx.Param(jnp.zeros((N, H), dt), logical=("heads", "head_dim"))
             self.v = nnx.Param(jnp.zeros((N, H), dt), logical=("heads", "head_dim"))
 
-    def __call__(self, x, positions, k_all, v_all, layer, lengths):
-        """x [B,T,D]; k_all/v_all: the whole stacked cache [L,B,K,S,H]. Writes this layer's
-        T new entries straight into it (an in-place scatter inside the loop: no copy of a
+    def __call__(self, x, positions, k_all, v_all, table, layer, lengths):
+        """x [B,T,D]; k_all/v_all: the whole stacked cache [L,B,K,S,H]; table: the stacked
+        position table [L,N,S,H] (relative positions) or None. Writes this layer's T new
+        entries straight into the cache (an in-place scatter inside the loop: no copy of a
         layer slice) and returns (out [B,T,D], k_all, v_all)."""
         cfg = self.cfg
         ct = jnp.dtype(cfg.compute_dtype)
@@ -152,17 +188,12 @@ class Attention(nnx.Module):
         logits = jnp.einsum("BTKGH,BKSH->BKGTS", qc, k_cache.astype(ct),
                             preferred_element_type=jnp.float32)
         if cfg.pos_encoding == "relative":
-            # Position term (q_i + v) . W_r R_{i-j}, factored as ((q_i + v) W_r^T) . R_{i-j}
-            # so no [S, D] x [D, N, H] projection runs per step: score every distance
-            # 0..S-1 once, then pick distance i - j for each query/key pair.
-            qr = q + self.v.value.astype(ct)
-            qw = jnp.einsum("BTNH,DNH->BTND", qr, self.wr.value.astype(ct))
-            rel = sinusoid(jnp.arange(S), cfg.d_model).astype(ct)  # [R=S, D]
-            by_dist = jnp.einsum("BTND,RD->BNTR", qw, rel, preferred_element_type=jnp.float32)
-            by_dist = by_dist.reshape(B, K, G, T, S)
-            dist = jnp.clip(positions[:, :, None] - key_pos[None, None, :], 0, S - 1)  # [B,T,S]
-            idx = jnp.broadcast_to(dist[:, None, None], (B, K, G, T, S))
-            logits = logits + jnp.take_along_axis(by_dist, idx, axis=-1)
+            # Position term (q_i + v) . W_r R_{i-j}: score every distance once against the
+            # precomputed table, then shift each query's scores to its own position.
+            qr = (q + self.v.value.astype(ct)).reshape(B, T, K, G, H)
+            by_reversed = jnp.einsum("BTKGH,KGSH->BKGTS", qr, table[layer].reshape(K, G, S, H),
+                                     preferred_element_type=jnp.float32)
+            logits = logits + relative_shift(by_reversed, positions)
         logits = logits * (H ** -0.5)
         visible = (key_pos[None, None, :] <= positions[:, :, None]) & (key_pos[None, None, :] < lengths[:, None, None])
         logits = jnp.where(visible[:, None, None], logits, MASKED)
@@ -199,8 +230,8 @@ class Block(nnx.Module):
         self.ffw_norm = RMSNorm(cfg)
         self.ffw = FeedForward(cfg, keys, out_std)
 
-    def __call__(self, x, positions, k_all, v_all, layer, lengths):
-        h, k_all, v_all = self.attn(self.attn_norm(x), positions, k_all, v_all, layer, lengths)
+    def __call__(self, x, positions, k_all, v_all, table, layer, lengths):
+        h, k_all, v_all = self.attn(self.attn_norm(x), positions, k_all, v_all, table, layer, lengths)
         x = x + h
         x = x + self.ffw(self.ffw_norm(x))
         return x, k_all, v_all
@@ -211,18 +242,34 @@ class Transformer(nnx.Module):
         D, V, dt = cfg.d_model, cfg.vocab_size, cfg.param_dtype
         self.cfg = cfg
         self.embed = _param(keys, (V, D), ("vocab", "embed"), 1.0, dt)
-        blocks = [Block(cfg, keys) for _ in range(cfg.num_layers)]
-        if cfg.scan_layers:
-            # One Block whose params carry a leading layer axis; built from the same
-            # per-layer inits as the unrolled list so both layouts compute the same model.
-            graphdef = nnx.split(blocks[0])[0]
-            states = [nnx.split(b)[1] for b in blocks]
-            self.layers = nnx.merge(graphdef, jax.tree.map(lambda *xs: jnp.stack(xs), *states))
+        # One Block's init under vmap over per-layer keys: the init program holds one set
+        # of normal() calls whatever the depth (80 unrolled copies made a huge program and
+        # a long TPU compile). Both layouts come from the same stacked params, so scanned
+        # and unrolled layers compute the same model.
+        graphdef = nnx.split(nnx.eval_shape(lambda: Block(cfg, Keys(0))))[0]
+        stacked = jax.vmap(lambda key: nnx.split(Block(cfg, Keys(key)))[1])(
+            jax.random.split(keys(), cfg.num_layers))
+        if cfg.scan_layers:  # one Block whose params carry a leading layer axis
+            self.layers = nnx.merge(graphdef, stacked)
         else:
-            self.layers = nnx.List(blocks)
+            self.layers = nnx.List([nnx.merge(graphdef, jax.tree.map(lambda x, i=i: x[i], stacked))
+                                    for i in range(cfg.num_layers)])
         self.final_norm = RMSNorm(cfg)
         if not cfg.tie_embeddings:
             self.unembed = _param(keys, (D, V), ("embed", "vocab"), D ** -0.5, dt)
+
+    def position_table(self, size: int) -> jax.Array | None:
+        """Every layer's W_r R for a cache of `size` slots, [L, N, S, H] sharded over heads
+        (None without relative positions)."""
+        cfg = self.cfg
+        if cfg.pos_encoding != "relative":
+            return None
+        ct = jnp.dtype(cfg.compute_dtype)
+        if cfg.scan_layers:  # one layer at a time: no [L, ...] float32 temporaries
+            table = jax.lax.map(lambda wr: position_table(wr, size, ct), self.layers.attn.wr.value)
+        else:
+            table = jnp.stack([position_table(block.attn.wr.value, size, ct) for block in self.layers])
+        return sharding.constrain(table, kv_cache.TABLE_AXES)
 
     def __call__(self, tokens, positions, cache: KVCache):
         cfg = self.cfg
@@ -239,26 +286,29 @@ class Transformer(nnx.Module):
             x = x * cfg.input_embedding_scale
         lengths = jnp.maximum(cache.lengths, positions[:, -1] + 1).astype(jnp.int32)
         k_all, v_all = cache.k, cache.v
+        pos_table = cache.position_table
+        if pos_table is None:  # an empty cache (prefill, training): computed once, then carried
+            pos_table = self.position_table(cache.size)
         if cfg.scan_layers:
             graphdef, stacked = nnx.split(self.layers)
 
             def body(carry, layer_params):
                 x, k_all, v_all, i = carry
                 block = nnx.merge(graphdef, layer_params)
-                x, k_all, v_all = block(x, positions, k_all, v_all, i, lengths)
+                x, k_all, v_all = block(x, positions, k_all, v_all, pos_table, i, lengths)
                 return (x, k_all, v_all, i + 1), None
 
             (x, k_all, v_all, _), _ = jax.lax.scan(body, (x, k_all, v_all, 0), stacked)
         else:
             for i, block in enumerate(self.layers):
-                x, k_all, v_all = block(x, positions, k_all, v_all, i, lengths)
+                x, k_all, v_all = block(x, positions, k_all, v_all, pos_table, i, lengths)
         x = self.final_norm(x)
         table = self.embed.value.T if cfg.tie_embeddings else self.unembed.value
         logits = jnp.einsum("BTD,DV->BTV", x, table.astype(ct), preferred_element_type=jnp.float32)
         # Pinned vocab-parallel (Megatron): otherwise a consumer that wants whole rows (the
         # sampler) can make XLA gather the [D, V] table instead of the small logits.
         logits = sharding.constrain(logits, ("batch", None, "vocab"))
-        return logits, KVCache(k_all, v_all, lengths)
+        return logits, KVCache(k_all, v_all, lengths, pos_table)
 
 
 # --------------------------------------------------------------------------- LM handle
@@ -277,6 +327,12 @@ class LM:
 
     def __call__(self, tokens, positions, cache: KVCache):
         return nnx.merge(self.graphdef, self.params)(tokens, positions, cache)
+
+    def with_position_table(self, cache: KVCache) -> KVCache:
+        """`cache` holding this model's position table (what the first forward over an
+        empty cache adds), for loops that start from `kv_cache.init_cache`."""
+        table = nnx.merge(self.graphdef, self.params).position_table(cache.size)
+        return cache if table is None else dataclasses.replace(cache, position_table=table)
 
     def tree_flatten(self):
         return (self.params,), (self.cfg, self.graphdef)
@@ -298,14 +354,20 @@ def abstract_lm(cfg: ModelConfig, mesh: jax.sharding.Mesh | None = None) -> LM:
     return LM(cfg, graphdef, state)
 
 
-def init_lm(cfg: ModelConfig, mesh: jax.sharding.Mesh, seed: int | None = None) -> LM:
-    """Random params created already sharded (jit with out_shardings: no host copy)."""
-    sharding.check_divisible(cfg, mesh)
+def init_program(cfg: ModelConfig, mesh: jax.sharding.Mesh, seed: int | None = None):
+    """(graphdef, the jitted random init `() -> params`), params created already sharded
+    (out_shardings: no host copy). `plan` compiles the same function without running it."""
     seed = cfg.init_seed if seed is None else seed
     graphdef, abstract = nnx.split(nnx.eval_shape(lambda: Transformer(cfg, Keys(seed))))
     shardings = sharding.param_shardings(abstract, mesh)
-    state = jax.jit(lambda: nnx.split(Transformer(cfg, Keys(seed)))[1], out_shardings=shardings)()
-    return LM(cfg, graphdef, state)
+    return graphdef, jax.jit(lambda: nnx.split(Transformer(cfg, Keys(seed)))[1], out_shardings=shardings)
+
+
+def init_lm(cfg: ModelConfig, mesh: jax.sharding.Mesh, seed: int | None = None) -> LM:
+    """Random params created already sharded."""
+    sharding.check_divisible(cfg, mesh)
+    graphdef, init = init_program(cfg, mesh, seed)
+    return LM(cfg, graphdef, init())
 
 
 def full_forward(lm: LM, tokens: jax.Array) -> jax.Array:

@@ -13,6 +13,7 @@
   equals greedy ArS token for token.
 """
 import dataclasses
+import functools
 import json
 import math
 import os
@@ -131,6 +132,24 @@ def test_roofline_is_memory_bound_and_spans_the_paper(chinchilla):
     assert 0.6 < alphas[0] < alphas[1] < alphas[2] < 0.95  # XSum nucleus < XSum greedy < HumanEval
     fitted = chinchilla[0]["roofline_fitted"]
     assert fitted["ars"]["ms_per_token"] == pytest.approx(14.1, rel=1e-6)
+
+
+def test_roofline_reads_the_position_table_instead_of_w_r(chinchilla):
+    """Per step, the Transformer-XL term reads each layer's head shard of the precomputed
+    table (80 layers x 64/16 heads x 2048 slots x 128 x 2 bytes = 160 MiB per chip) and no
+    W_r (80 x 8192 x 4 x 128 x 2 = 640 MiB, read only at prefill): a step reads less than
+    the weights and KV cache, not 2.5 GiB of [S, D] sinusoid tables more."""
+    report = chinchilla[0]
+    target, draft = report["models"]["target"], report["models"]["draft"]
+    rel = report["roofline"]["ars"]["relative"]
+    assert rel["table_bytes"] == target["position_table_bytes_per_device"] == 80 * 4 * 2048 * 128 * 2
+    assert rel["w_r_bytes"] == 80 * 8192 * 4 * 128 * 2
+    assert rel["score_bytes"] == 80 * 2 * 4 * 2048 * 4  # [1, 4, 1, 2048] f32 per layer, written and read
+    assert report["roofline"]["draft"]["relative"]["table_bytes"] == draft["position_table_bytes_per_device"] \
+        == 8 * 3 * 2048 * 128 * 2
+    step = report["roofline"]["ars"]["hbm_bytes"]
+    assert step == target["weight_bytes_per_device"] + target["cache_bytes_per_device"] - 640 * 2 ** 20 \
+        + 160 * 2 ** 20 + 5 * 2 ** 20
 
 
 def test_expected_tokens_per_loop_and_its_inverse():
@@ -354,6 +373,72 @@ def test_relative_k_plus_1_scoring_with_rollback_equals_full_forward(tiny):
     print(f"K+1 scoring with rollback: {checked} positions, max |diff| {worst:.2e}")
     assert checked == (T - prompt_lens).sum()  # every position after the prompts was scored once
     assert worst < ATOL
+
+
+def _position_term_by_gather(qr, wr, positions, size):
+    """The position term as specjax first computed it, kept as the reference: project
+    (q_i + v) W_r^T to [B, T, N, D], score every distance 0..S-1 against the [S, D]
+    sinusoid table, then pick distance i - j element by element ([B, N, T, S] indices)."""
+    qw = jnp.einsum("BTNH,DNH->BTND", qr, wr)
+    by_dist = jnp.einsum("BTND,RD->BNTR", qw, model.sinusoid(jnp.arange(size), wr.shape[0]))
+    dist = jnp.clip(positions[:, :, None] - jnp.arange(size)[None, None, :], 0, size - 1)
+    return jnp.take_along_axis(by_dist, jnp.broadcast_to(dist[:, None], by_dist.shape), axis=-1)
+
+
+@pytest.mark.parametrize("size,d_model", [(29, 48), (70, 16)], ids=["S<D", "S>D"])
+def test_precomputed_table_and_shift_equal_the_gather_formulation(size, d_model):
+    """Ragged rows scoring K+1 positions each at their own offsets, a first draft step
+    (two tokens, the same position twice at the start), and a row at the last slot: the
+    table + shift gives every visible (j <= i) score of the gather formulation."""
+    N, H = 4, 8
+    rng = np.random.default_rng(7)
+    qr = jnp.asarray(rng.standard_normal((5, K + 1, N, H)), jnp.float32)
+    wr = jnp.asarray(rng.standard_normal((d_model, N, H)) * d_model ** -0.5, jnp.float32)
+    starts = np.array([0, 3, 11, size - 9, size - K - 1])
+    positions = starts[:, None] + np.arange(K + 1)[None]
+    positions[0, :2] = 0  # the first draft step of a one-token prompt feeds position 0 twice
+    table = model.position_table(wr, size, jnp.float32)  # [N, S, H]
+    by_reversed = jnp.einsum("BTNH,NSH->BNTS", qr, table)
+    got = np.asarray(jax.jit(model.relative_shift)(by_reversed, jnp.asarray(positions)))
+    ref = np.asarray(_position_term_by_gather(qr, wr, jnp.asarray(positions), size))
+    visible = np.broadcast_to(np.arange(size)[None, None, None, :] <= positions[:, None, :, None], ref.shape)
+    assert got.shape == ref.shape == (5, N, K + 1, size)
+    np.testing.assert_allclose(np.where(visible, got, 0), np.where(visible, ref, 0), atol=1e-4, rtol=1e-4)
+    assert np.abs(ref[visible]).max() > 0.5  # the compared scores are not all near zero
+
+
+def _eqns(jaxpr):
+    """Every equation of a jaxpr, nested jaxprs (jit, scan, while, cond) included."""
+    for eqn in jaxpr.eqns:
+        yield eqn
+        for value in eqn.params.values():
+            for sub in value if isinstance(value, (list, tuple)) else [value]:
+                inner = getattr(sub, "jaxpr", sub)
+                if hasattr(inner, "eqns"):
+                    yield from _eqns(inner)
+
+
+def test_position_table_is_computed_once_per_program_not_per_step():
+    """In the SpS program of a relative-position pair, the loop neither builds a sinusoid
+    (sin/cos: the table is made at prefill and carried in the cache) nor gathers with an
+    index tensor that has a cache-sized axis (the old [B, N, T, S] element-wise pick)."""
+    cfg = load_config("tiny", ["target.pos_encoding=relative", "draft.pos_encoding=relative"])
+    mesh = mesh_for("1x8")
+    target, draft = random_lm(cfg.target, mesh, seed=1), random_lm(cfg.draft, mesh, seed=2)
+    prog = specjax.decode.program.build(target, draft, [[1, 2, 3], [4, 5, 6, 7, 8]],
+                                        dataclasses.replace(cfg.sampling, max_new_tokens=32))
+    with jax.set_mesh(prog.mesh):
+        closed = jax.make_jaxpr(functools.partial(prog.fn, **prog.settings))(*prog.args)
+    loops = [e for e in _eqns(closed.jaxpr) if e.primitive.name == "while"]
+    loop = max(loops, key=lambda e: len(list(_eqns(e.params["body_jaxpr"].jaxpr))))  # the generation loop
+    body = list(_eqns(loop.params["body_jaxpr"].jaxpr))
+    everywhere = [e.primitive.name for e in _eqns(closed.jaxpr)]
+    assert "sin" in everywhere and "cos" in everywhere  # the tables are built (at prefill)
+    assert not {"sin", "cos"} & {e.primitive.name for e in body}
+    gathers = [e for e in body if e.primitive.name == "gather"]
+    assert gathers  # the token buffer reads and the shift's slices
+    for e in gathers:
+        assert prog.size not in e.invars[1].aval.shape, (e.invars[0].aval.shape, e.invars[1].aval.shape)
 
 
 @pytest.fixture(scope="module")

@@ -3,7 +3,8 @@
 Every parameter is a sharded `jax.ShapeDtypeStruct` (`model.abstract_lm`), the program
 is built by `program.build` (the path `generate` takes) and compiled the way `generate`
 compiles it; the report holds bytes per device (`memory_analysis`), collectives per SpS
-loop / ArS step and outside it (`hlo`), and the roofline (`roofline`).
+loop / ArS step and outside it (`hlo`), and the roofline (`roofline`). The random init
+that `init_lm` would run is compiled too (its size must not grow with the layer count).
 """
 from __future__ import annotations
 
@@ -20,7 +21,7 @@ from specjax.analysis.hlo import HloProgram, summarize
 from specjax.analysis.roofline import Chip, fitted_latency, is_paper_scale, roofline, shard_bytes
 from specjax.config import MeshConfig, UsageError
 from specjax.decode import program as program_lib
-from specjax.model import abstract_lm
+from specjax.model import abstract_lm, init_program
 
 
 def compile_program(target, draft, sampling, batch: int, prompt_len: int, cache_len: int) -> dict:
@@ -55,6 +56,17 @@ def compile_program(target, draft, sampling, batch: int, prompt_len: int, cache_
             "per_loop": summarize(per_loop), "outside_loop": summarize(outside)}
 
 
+def compile_init(cfg, mesh) -> dict:
+    """Lower + compile (never run) the random init `init_lm` runs for `cfg` on `mesh`:
+    its compile seconds and size (instructions in the compiled HLO)."""
+    _, init = init_program(cfg, mesh)
+    start = time.perf_counter()
+    with jax.set_mesh(mesh):
+        text = program_lib.compile_lowered(init.lower()).as_text()
+    return {"compile_seconds": time.perf_counter() - start,
+            "hlo_instructions": sum(1 for line in text.splitlines() if " = " in line)}
+
+
 def plan(cfg, data: int, model: int, batch: int = 1, prompt_len: int = 128, cache_len: int | None = None,
          chip: Chip = Chip()) -> dict:
     """Compile SpS (when the config has a draft), ArS for the target, and ArS for the
@@ -83,8 +95,11 @@ def plan(cfg, data: int, model: int, batch: int = 1, prompt_len: int = 128, cach
                                         kv_cache.cache_shardings(lm.cfg, batch, cache_len, mesh))
         report["models"][name] = {"params": lm.num_params, "param_dtype": lm.cfg.param_dtype,
                                   "weight_bytes_per_device": shard_bytes(lm.params),
-                                  "cache_bytes_per_device": shard_bytes(cache), "layers": lm.cfg.num_layers,
-                                  "pos_encoding": lm.cfg.pos_encoding}
+                                  "cache_bytes_per_device": shard_bytes(cache),
+                                  "position_table_bytes_per_device": shard_bytes(
+                                      [kv_cache.table_shape(lm.cfg, cache_len, mesh)]),
+                                  "layers": lm.cfg.num_layers,
+                                  "pos_encoding": lm.cfg.pos_encoding, "init": compile_init(lm.cfg, mesh)}
     runs = [("ars_target", lms["target"], None)]
     if "draft" in lms:
         runs = [("sps", lms["target"], lms["draft"])] + runs + [("ars_draft", lms["draft"], None)]

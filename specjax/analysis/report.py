@@ -35,11 +35,12 @@ def format_report(r: dict) -> str:
            f"prompt {s['prompt_len']} tokens, cache {s['cache_len']}, K={s['lookahead']}",
            f"XLA_FLAGS: {s['xla_flags']}", "",
            f"{'model':<8} {'params':>10} {'dtype':>9} {'layers':>6} {'positions':>9} {'weights/dev':>12} "
-           f"{'kv cache/dev':>12}"]
+           f"{'kv cache/dev':>12} {'pos. table/dev':>14}  random init program (compile, HLO instructions)"]
     for name, m in r["models"].items():
         out.append(f"{name:<8} {_count(m['params']):>10} {m['param_dtype']:>9} {m['layers']:>6} "
                    f"{m['pos_encoding']:>9} {_gib(m['weight_bytes_per_device']):>12} "
-                   f"{_gib(m['cache_bytes_per_device']):>12}")
+                   f"{_gib(m['cache_bytes_per_device']):>12} {_gib(m['position_table_bytes_per_device']):>14}  "
+                   f"{m['init']['compile_seconds']:.1f}s, {m['init']['hlo_instructions']}")
     out += ["", f"{'program':<11} {'compile':>8} {'arguments':>11} {'outputs':>9} {'temporaries':>12} "
                 f"{'total/dev':>11}  fits {chip['name']} ({_gib(chip['hbm_bytes'])})"]
     for name, p in r["programs"].items():
@@ -88,6 +89,15 @@ def format_report(r: dict) -> str:
             f = fit["sps"]["by_alpha"][i] if fit else None
             out.append(f"    {row['alpha']:>6.2f} {row['tokens_per_loop']:>12.2f} {row['ms_per_token']:>9.2f} "
                        f"{row['speedup']:>7.2f}x" + (f" {f['ms_per_token']:>7.2f} {f['speedup']:>7.2f}x" if f else ""))
+    relative = [(label, rel) for label, rel in (("target step", rf["ars"]["relative"]),
+                                                ("draft step", rf.get("draft", {}).get("relative")),
+                                                ("K+1 scoring", rf.get("sps", {}).get("score_relative")))
+                if rel and rel["table_bytes"]]
+    if relative:
+        out += ["", "  Transformer-XL position term, bytes per chip (in HBM/chip above): position table + scores by "
+                "distance read, W_r not read (the table is built at prefill)"]
+        out += [f"    {label:<12} table {_size(rel['table_bytes'])} + scores {_size(rel['score_bytes'])} "
+                f"- W_r {_size(rel['w_r_bytes'])}" for label, rel in relative]
     if "table1" in rf:
         out += ["", "  paper Table 1 (K=4, 16 TPU v4): alpha implied by the paper's own timings (4 x 1.8 ms draft + "
                     "one 14.1 ms scoring pass per loop), and this roofline at that alpha",

@@ -10,6 +10,8 @@ from __future__ import annotations
 import dataclasses
 import math
 
+import numpy as np
+
 GiB = 1024 ** 3
 ALPHAS = (0.5, 0.6, 0.7, 0.8, 0.9, 1.0)
 
@@ -70,7 +72,6 @@ def shard_bytes(tree) -> int:
     """Bytes one device holds of a pytree of sharded ShapeDtypeStructs / arrays (the max
     over devices is the same for the even shardings used here)."""
     import jax
-    import numpy as np
     total = 0
     for leaf in jax.tree.leaves(tree):
         shard = leaf.sharding.shard_shape(leaf.shape) if getattr(leaf, "sharding", None) else leaf.shape
@@ -78,21 +79,41 @@ def shard_bytes(tree) -> int:
     return total
 
 
+def relative_cost(cfg, model_shards: int, batch: float, tokens: int, cache_len: int) -> dict:
+    """What the Transformer-XL position term adds per device to one forward after the
+    prefill (`model.position_table`, `model.relative_shift`). Bytes read: every layer's
+    shard of the position table ([N/m, S, H] in the compute dtype) and its scores by
+    distance ([B, N/m, T, S] float32, written by the dot and read by the shift). W_r is
+    read only when the table is built, so a step skips those weight bytes and their 2
+    FLOPs per weight per token ('w_r_bytes', 'w_r_flops': to subtract); the dot against
+    the table costs 2 x N/m x H x S FLOPs per token and layer. Zeros without relative
+    positions."""
+    if cfg.pos_encoding != "relative":
+        return {"table_bytes": 0, "score_bytes": 0, "w_r_bytes": 0, "flops": 0, "w_r_flops": 0}
+    heads, H, D, L, S = cfg.num_heads / model_shards, cfg.head_dim, cfg.d_model, cfg.num_layers, cache_len
+    return {"table_bytes": L * heads * S * H * np.dtype(cfg.compute_dtype).itemsize,
+            "score_bytes": L * 2 * batch * heads * tokens * S * 4,
+            "w_r_bytes": L * D * heads * H * np.dtype(cfg.param_dtype).itemsize,
+            "flops": L * 2 * batch * tokens * heads * H * S, "w_r_flops": L * 2 * batch * tokens * D * heads * H}
+
+
 def forward_cost(cfg, weight_bytes: int, cache_bytes: int, model_shards: int, batch_shards: int,
                  batch: int, tokens: int, cache_len: int) -> dict:
     """HBM bytes and FLOPs per device of one forward over `tokens` new tokens per row.
 
     Bytes: every weight shard once, plus the whole KV cache shard (the attention reads
-    all `cache_len` slots and masks; it does not skip the empty ones). FLOPs: 2 per
-    weight per token (the embedding lookup is a one-hot matmul here, so it counts),
-    q.k and p.v over all cache slots, and the Transformer-XL position term
-    ((q+v) W_r^T, then against R for every distance)."""
+    all `cache_len` slots and masks; it does not skip the empty ones), plus the
+    Transformer-XL position term (`relative_cost`: its table and scores, less W_r).
+    FLOPs: 2 per weight per token (the embedding lookup is a one-hot matmul here, so it
+    counts), q.k and p.v over all cache slots, and the position term."""
     B, T, S = batch / batch_shards, tokens, cache_len
-    N, H, D, L = cfg.num_heads, cfg.head_dim, cfg.d_model, cfg.num_layers
+    N, H, L = cfg.num_heads, cfg.head_dim, cfg.num_layers
     weights = 2 * B * T * cfg.num_params / model_shards
     attention = L * 4 * B * T * S * N * H / model_shards
-    relative = L * (2 * B * T * N * H * D + 2 * B * T * N * D * S) / model_shards if cfg.pos_encoding == "relative" else 0
-    return {"hbm_bytes": weight_bytes + cache_bytes, "flops": weights + attention + relative}
+    rel = relative_cost(cfg, model_shards, B, T, S)
+    relative_bytes = rel["table_bytes"] + rel["score_bytes"] - rel["w_r_bytes"]
+    return {"hbm_bytes": weight_bytes + cache_bytes + relative_bytes,
+            "flops": weights + attention + rel["flops"] - rel["w_r_flops"], "relative": rel}
 
 
 def tokens_per_loop(alpha: float, lookahead: int) -> float:
@@ -132,8 +153,9 @@ def roofline(report: dict, cfg, chip: Chip) -> dict:
         cost, compute = forward_s(which, lm_cfg, 1)
         count, wire = collective_load(programs[program]["collectives_per_step"], chip)
         coll = count * chip.collective_latency_s + wire
-        return {"hbm_bytes": cost["hbm_bytes"], "flops": cost["flops"], "compute_ms": 1e3 * compute,
-                "collectives": count, "collective_ms": 1e3 * coll, "ms_per_token": 1e3 * (compute + coll)}
+        return {"hbm_bytes": cost["hbm_bytes"], "flops": cost["flops"], "relative": cost["relative"],
+                "compute_ms": 1e3 * compute, "collectives": count, "collective_ms": 1e3 * coll,
+                "ms_per_token": 1e3 * (compute + coll)}
 
     out = {"chip": dataclasses.asdict(chip), "ars": step("target", cfg.target, "ars_target")}
     if "sps" not in programs:
@@ -151,6 +173,7 @@ def roofline(report: dict, cfg, chip: Chip) -> dict:
     out["sps"] = {"hbm_bytes": sum(c["hbm_bytes"] * n for c, n in passes),
                   "flops": sum(c["flops"] * n for c, n in passes),
                   "score_hbm_bytes": score_cost["hbm_bytes"], "score_flops": score_cost["flops"],
+                  "score_relative": score_cost["relative"],
                   "score_ms": 1e3 * score, "draft_ms": 1e3 * (first + (K - 1) * rest), "collectives": count,
                   "collective_ms": 1e3 * coll, "loop_ms": 1e3 * loop,
                   "by_alpha": [{"alpha": a, "tokens_per_loop": tokens_per_loop(a, K),
