@@ -260,7 +260,27 @@ BAD_INPUTS = [
     ("output under a regular file", ["--output={files}/bad.jsonl/out.jsonl"], {}, ["--output=", "not a directory"]),
     ("checkpoint with random init", ["--init=random", "--checkpoint={files}/tiny_seed7"], {},
      ["--checkpoint", "no effect with --init=random"]),
+    ("the headline command without weights", ["--config=chinchilla_70b", "--init=checkpoint"], {},
+     ["config 'chinchilla_70b' has no weights", "--init=random --prompt_tokens=1,2,3",
+      "--checkpoint=DIR --draft_checkpoint=DIR", "--hf_target=DIR --hf_draft=DIR"]),
 ]
+
+
+def test_the_headline_config_runs_shrunk_on_an_8_device_mesh(env, tmp_path):
+    """chinchilla_70b's architecture (relative positions, GELU, bf16, scanned layers, the
+    32k vocabulary) with random weights, shrunk to CPU size by overrides, on 1x8."""
+    shrink = [f"--config.{m}.{k}={v}" for m, fields in (
+        ("target", dict(num_layers=2, d_model=128, num_heads=8, num_kv_heads=8, head_dim=16, d_ff=512)),
+        ("draft", dict(num_layers=1, d_model=64, num_heads=8, num_kv_heads=8, head_dim=8, d_ff=256)))
+        for k, v in fields.items()]
+    proc = sample(env, "--config=chinchilla_70b", "--init=random", "--prompt_tokens=1,2,3", "--max_new_tokens=8",
+                  "--mesh=1x8", *shrink, "--noprint_samples", f"--output={tmp_path / 'out.jsonl'}",
+                  XLA_FLAGS="--xla_force_host_platform_device_count=8")
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    records = read_jsonl(tmp_path / "out.jsonl")
+    assert [r["mode"] for r in records] == ["ars", "sps"] and all(len(r["tokens"]) == 8 for r in records)
+    assert all(0 <= t < 32000 for r in records for t in r["tokens"])
+    assert "SpS speedup over ArS" in proc.stdout
 
 
 def test_failed_runs_leave_an_existing_output_file_untouched(env, files, tmp_path):

@@ -91,6 +91,9 @@ class Weights:
         target_name = config.target_from or config.name
         draft_name = config.draft_from
         target_dir = _resolve(checkpoint, target_name)
+        if init == "checkpoint" and checkpoint is None and draft_checkpoint is None and not (
+                train_missing and target_name in AUTO_TRAIN):
+            distributed.everywhere(lambda: _no_weights(config, target_name, target_dir, need_draft))
         draft_dir = None
         if need_draft:
             if draft_checkpoint is None and not draft_name and init == "checkpoint":
@@ -190,6 +193,19 @@ class Weights:
         draft = (ckpt_lib.load_lm(c.draft, mesh, self.draft_dir, config_name=c.draft_from or f"{c.name}.draft")
                  if need_draft else None)
         return target, draft
+
+
+def _no_weights(config: Config, name: str, directory, need_draft: bool) -> None:
+    """No weight flags and no default checkpoint: one message with both ways forward."""
+    if directory.is_dir():
+        return
+    draft = " --draft_checkpoint=DIR" if need_draft else ""
+    raise UsageError(
+        f"config {config.name!r} has no weights on this machine: no checkpoint for config {name!r} ({directory} "
+        f"does not exist). Time it with random weights: `python -m specjax.sample --config={config.name} "
+        f"--init=random --prompt_tokens=1,2,3`; or give it real weights: --checkpoint=DIR{draft} (what "
+        f"`{train_command(name)} --workdir=DIR` writes), or --hf_target=DIR{' --hf_draft=DIR' if need_draft else ''} "
+        "(Hugging Face Llama-family directories; see the llama3_70b_1b config)")
 
 
 def _check_visible(wanted, to_train) -> None:
