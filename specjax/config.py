@@ -441,13 +441,18 @@ def apply_override(config: Config, item: str) -> Config:
     return set_in(config, parts, "")
 
 
+def is_remote(path) -> bool:
+    """A cloud path (`gs://...`): no local file semantics (permissions, locks, appends)."""
+    return str(path).startswith("gs://")
+
+
 def user_path(text: str | os.PathLike):
-    """A path the user gave (a checkpoint, an HF directory, a prompts file, an output):
-    an `etils.epath.Path`, so `gs://bucket/...` works wherever epath (and orbax) support
-    it; `~` is expanded for local paths."""
+    """A path the user gave (a checkpoint, an HF directory, a workdir, a prompts file, an
+    output): an `etils.epath.Path`, so `gs://bucket/...` works wherever epath (and orbax)
+    support it; `~` is expanded and relative paths made absolute for local ones."""
     from etils import epath
     path = epath.Path(text)
-    return path if str(text).startswith("gs://") else path.expanduser()
+    return path if is_remote(text) else path.expanduser().absolute()
 
 
 def cache_dir() -> pathlib.Path:

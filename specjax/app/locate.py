@@ -16,7 +16,7 @@ from typing import Optional, Sequence
 import jax
 
 from specjax import distributed
-from specjax.config import Config, ModelConfig, UsageError, load_config
+from specjax.config import Config, ModelConfig, UsageError, load_config, user_path
 from specjax.model import init_lm
 from specjax.training import trainer
 from specjax.weights import checkpoint as ckpt_lib
@@ -84,7 +84,7 @@ class Weights:
                     hf.check_weights(hf_draft, config.draft)
 
             distributed.everywhere(check)
-            return cls(config, "hf", pathlib.Path(hf_target), pathlib.Path(hf_draft) if need_draft else None)
+            return cls(config, "hf", user_path(hf_target), user_path(hf_draft) if need_draft else None)
         if config.hf_weights and init == "checkpoint":
             raise UsageError(f"config {config.name!r} takes its weights from Hugging Face directories: pass "
                              "--hf_target=DIR (and --hf_draft=DIR for SpS), or use --init=random")
@@ -227,7 +227,7 @@ def _missing(flag: str, given: Optional[str], name: str, directory, what: str) -
 
 def _resolve(given: Optional[str], name: str) -> Optional[pathlib.Path]:
     if given is not None:
-        return pathlib.Path(given).expanduser()
+        return user_path(given)
     return ckpt_lib.default_dir(name) if name else None
 
 

@@ -23,11 +23,7 @@ from typing import Optional, Sequence
 import jax
 
 from specjax.app.cli import RunError
-from specjax.config import UsageError, user_path
-
-
-def is_remote(path: str) -> bool:
-    return str(path).startswith("gs://")
+from specjax.config import UsageError, is_remote, user_path
 
 
 def _path(path: str):

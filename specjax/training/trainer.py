@@ -61,7 +61,8 @@ from specjax import sharding
 from specjax.training import data
 from specjax.training.losses import make_loss
 from specjax.weights import checkpoint
-from specjax.config import Config, ConfigError, TrainConfig, UsageError, cache_dir, load_config
+from specjax.config import (Config, ConfigError, TrainConfig, UsageError, cache_dir, is_remote, load_config,
+                            user_path)
 from specjax.model import LM, init_lm
 from specjax.weights.tokenizer import Tokenizer
 
@@ -282,14 +283,18 @@ class MetricsLog:
         record = {"kind": kind, "step": int(step), "time": round(time.time(), 3)}
         record.update({k: (float(v) if isinstance(v, (np.floating, np.ndarray, jax.Array)) else v)
                        for k, v in values.items()})
+        line = json.dumps(record) + "\n"
+        if is_remote(self.path):  # cloud objects cannot be appended to: rewrite (metrics files are small)
+            self.path.write_text((self.path.read_text() if self.path.exists() else "") + line)
+            return
         with open(self.path, "a") as f:
-            f.write(json.dumps(record) + "\n")
+            f.write(line)
 
 
 def read_metrics(workdir, kind: str = "train") -> dict[int, dict]:
     """{step: last record of `kind` for that step} from a workdir's metrics.jsonl."""
     out: dict[int, dict] = {}
-    path = pathlib.Path(workdir) / METRICS_FILE
+    path = user_path(workdir) / METRICS_FILE
     if not path.exists():
         return out
     for line in path.read_text().splitlines():
@@ -378,6 +383,9 @@ class WorkdirLock:
 
     def _acquire(self) -> None:
         workdir = self.workdir
+        if is_remote(workdir):  # no flock on gs://: one writer there is the user's to ensure
+            workdir.mkdir(parents=True, exist_ok=True)
+            return
         if workdir.exists() and not workdir.is_dir():
             raise UsageError(f"workdir {workdir} is a file, not a directory: pass a directory (it is created if "
                              f"missing)")
@@ -468,7 +476,7 @@ def _teacher(config: Config, mesh) -> tuple[Optional[LM], Any]:
             tc.teacher_hf, mesh, param_dtype=teacher_cfg.param_dtype, compute_dtype=teacher_cfg.compute_dtype)
     elif tc.teacher:
         teacher_cfg = load_config(tc.teacher).target
-        directory = pathlib.Path(tc.teacher_checkpoint).expanduser() if tc.teacher_checkpoint \
+        directory = user_path(tc.teacher_checkpoint) if tc.teacher_checkpoint \
             else checkpoint.default_dir(tc.teacher)
 
         def load():
@@ -488,7 +496,7 @@ def export_hf(config: Config, workdir, directory, devices=None) -> pathlib.Path:
     """Write the newest checkpoint in `workdir` as a Hugging Face Llama directory, with
     the Hugging Face teacher's tokenizer and generation ids when it was distilled from one."""
     from specjax.weights import hf
-    workdir = pathlib.Path(workdir).expanduser() if workdir else checkpoint.default_dir(config.name)
+    workdir = user_path(workdir) if workdir else checkpoint.default_dir(config.name)
     mesh = sharding.make_mesh(config.mesh, devices)
     hf.exportable(config.target)
     lm = checkpoint.load_lm(config.target, mesh, workdir, config_name=config.name)
@@ -509,7 +517,7 @@ def train(config: Config, workdir=None, progress: bool = True, devices=None) -> 
     checkpoint in `workdir` (default `checkpoint.default_dir(config.name)`)."""
     config = config.validate()
     tc = config.train
-    workdir = pathlib.Path(workdir).expanduser() if workdir else checkpoint.default_dir(config.name)
+    workdir = user_path(workdir) if workdir else checkpoint.default_dir(config.name)
     is_main = jax.process_index() == 0
     mesh = sharding.make_mesh(config.mesh, devices)
     sharding.check_divisible(config.target, mesh, "target")

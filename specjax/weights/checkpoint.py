@@ -37,7 +37,7 @@ import orbax.checkpoint as ocp
 from absl import logging as absl_logging
 
 from specjax import sharding
-from specjax.config import ModelConfig, UsageError, cache_dir
+from specjax.config import ModelConfig, UsageError, cache_dir, user_path
 from specjax.model import LM, abstract_lm
 
 FORMAT = 1
@@ -90,7 +90,7 @@ def default_dir(config_name: str) -> pathlib.Path:
 
 
 def tokenizer_path(directory) -> pathlib.Path | None:
-    path = pathlib.Path(directory) / TOKENIZER_FILE
+    path = user_path(directory) / TOKENIZER_FILE
     return path if path.is_file() else None
 
 
@@ -141,7 +141,7 @@ class Checkpoints:
 
     def __init__(self, directory, keep: int | None = None, read_only: bool = False,
                  async_save: bool = True):
-        self.directory = pathlib.Path(directory).absolute()
+        self.directory = user_path(directory)  # gs:// too: orbax reads and writes it natively
         options = ocp.CheckpointManagerOptions(
             max_to_keep=keep, create=not read_only, read_only=read_only,
             save_interval_steps=0 if read_only else 1,
@@ -287,7 +287,7 @@ def load_lm(model_cfg: ModelConfig, mesh: jax.sharding.Mesh, directory, step: in
     """The params of `step` (default: the newest) restored directly onto `mesh`.
 
     `config_name` (default: the directory's name) only words the messages."""
-    directory = pathlib.Path(directory).expanduser()
+    directory = user_path(directory)
     name = config_name or directory.name
     if directory.exists() and not directory.is_dir():
         raise UsageError(f"{directory} is a file, not a checkpoint directory (the directory that "

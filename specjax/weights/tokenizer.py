@@ -28,6 +28,8 @@ from typing import Optional
 import numpy as np
 import sentencepiece as spm
 
+from specjax.config import user_path
+
 from specjax.config import UsageError
 
 PAD_ID, UNK_ID, BOS_ID, EOS_ID = 0, 1, 2, 3
@@ -154,11 +156,11 @@ class Tokenizer:
     """
 
     def __init__(self, path: str | os.PathLike):
-        self.path = pathlib.Path(path)
+        self.path = user_path(path)
         if not self.path.is_file():
             raise TokenizerError(f"tokenizer model not found: {self.path}")
         try:
-            self._sp = spm.SentencePieceProcessor(model_file=str(self.path))
+            self._sp = spm.SentencePieceProcessor(model_proto=self.path.read_bytes())  # gs:// too
         except (RuntimeError, OSError) as e:
             raise TokenizerError(
                 f"not a SentencePiece model: {self.path} ({e})") from e
