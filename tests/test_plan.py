@@ -27,10 +27,11 @@ import numpy as np
 import pytest
 
 import specjax
-from specjax import kv_cache, model, sharding
+from specjax import kv_cache, model
 from specjax.analysis import hlo, roofline
 from specjax.config import load_config
 from conftest import mesh_for
+from models import numpy_params, random_lm
 
 REPO = pathlib.Path(__file__).resolve().parent.parent
 GiB = 1024 ** 3
@@ -260,31 +261,6 @@ def test_plan_rejects_bad_flags_before_compiling(args, fragment):
 # --------------------------------------------------------------------------- relative positions
 
 
-def random_lm(cfg, mesh, seed: int, noise: float = 0.0, noise_seed: int = 1):
-    """An LM with numpy-drawn params placed with their shardings (no init program to
-    compile). Unlike a fresh init, u, v and the norm scales are random too, so a mistake
-    in their terms cannot hide behind zeros and ones. `noise` perturbs every param by
-    that fraction of its scale (a draft that agrees with the target only mostly)."""
-    abstract = model.abstract_lm(cfg)
-    rng, noise_rng = np.random.default_rng(seed), np.random.default_rng(noise_seed)
-
-    def one(path, named_sharding, variable):
-        name = [p.key for p in path if isinstance(p, jax.tree_util.DictKey)][-1]
-        shape, dtype = variable.get_value().shape, variable.get_value().dtype
-        offset, std = {"scale": (1.0, 0.2), "u": (0.0, 0.5), "v": (0.0, 0.5), "embed": (0.0, 1.0)}.get(
-            name, (0.0, cfg.d_model ** -0.5))
-        value = offset + std * (rng.standard_normal(shape) + noise * noise_rng.standard_normal(shape))
-        return variable.replace(jax.device_put(value.astype(dtype), named_sharding))
-
-    params = jax.tree_util.tree_map_with_path(one, sharding.param_shardings(abstract.params, mesh), abstract.params)
-    return model.LM(cfg, abstract.graphdef, params)
-
-
-def _numpy_params(lm):
-    return {jax.tree_util.keystr(p).replace(".value", ""): np.asarray(x, np.float64)
-            for p, x in jax.tree_util.tree_leaves_with_path(lm.params)}
-
-
 def _transformer_xl_reference(p, cfg, tokens):
     """Dai et al. 2019, eq. 4, for one pre-norm block, written out in float64 numpy:
     A_ij = q_i.k_j + q_i.W_r R_{i-j} + u.k_j + v.W_r R_{i-j} (j <= i), R = [sin, cos]."""
@@ -326,10 +302,10 @@ def test_relative_attention_is_transformer_xl_eq4(tiny):
     tokens = np.random.default_rng(2).integers(0, cfg.vocab_size, 12)
     logits, _ = jax.jit(lambda lm, t, p, c: lm(t, p, c))(lm, jnp.asarray(tokens)[None], jnp.arange(12)[None],
                                                          kv_cache.init_cache(cfg, 1, 16))
-    ref = _transformer_xl_reference(_numpy_params(lm), cfg, tokens)
+    ref = _transformer_xl_reference(numpy_params(lm.params, np.float64), cfg, tokens)
     np.testing.assert_allclose(np.asarray(logits[0]), ref, atol=ATOL, rtol=1e-4)
     # The position terms matter: dropping them (W_r := 0) changes the logits.
-    no_pos = _numpy_params(lm)
+    no_pos = numpy_params(lm.params, np.float64)
     no_pos["['layers'][0]['attn']['wr']"] = 0 * no_pos["['layers'][0]['attn']['wr']"]
     assert np.abs(_transformer_xl_reference(no_pos, cfg, tokens) - ref).max() > 100 * ATOL
 

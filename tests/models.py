@@ -1,0 +1,34 @@
+"""Random models for tests: numpy-drawn params placed with their shardings (no init
+program to compile), and their values back as numpy."""
+from __future__ import annotations
+
+import jax
+import numpy as np
+
+from specjax import model, sharding
+
+
+def random_lm(cfg, mesh, seed: int = 0, noise: float = 0.0, noise_seed: int = 1) -> model.LM:
+    """Every param random, at about an init's scale. Unlike a fresh init, the norm scales
+    and Transformer-XL's u, v are random too, so a mistake in their terms cannot hide
+    behind ones and zeros. `noise` perturbs every param by that fraction of its scale (a
+    draft that agrees with the target only mostly)."""
+    abstract = model.abstract_lm(cfg)
+    rng, noise_rng = np.random.default_rng(seed), np.random.default_rng(noise_seed)
+
+    def one(path, named_sharding, variable):
+        name = [p.key for p in path if isinstance(p, jax.tree_util.DictKey)][-1]
+        shape, dtype = variable.get_value().shape, variable.get_value().dtype
+        offset, std = {"scale": (1.0, 0.2), "u": (0.0, 0.5), "v": (0.0, 0.5), "embed": (0.0, 1.0)}.get(
+            name, (0.0, cfg.d_model ** -0.5))
+        value = offset + std * (rng.standard_normal(shape) + noise * noise_rng.standard_normal(shape))
+        return variable.replace(jax.device_put(value.astype(dtype), named_sharding))
+
+    params = jax.tree_util.tree_map_with_path(one, sharding.param_shardings(abstract.params, mesh), abstract.params)
+    return model.LM(cfg, abstract.graphdef, params)
+
+
+def numpy_params(params, dtype=None) -> dict:
+    """{"['layers'][0]['attn']['wq']": array, ...} of an nnx State of params."""
+    return {jax.tree_util.keystr(p).replace(".value", ""): np.asarray(x, dtype)
+            for p, x in jax.tree_util.tree_leaves_with_path(params)}
