@@ -100,6 +100,10 @@ class MeshConfig:
         return self
 
 
+VERIFY_RULES = ("block", "tokenwise")
+DRAFTERS = ("model", "ngram", "retrieval", "hybrid")
+
+
 @dataclasses.dataclass(frozen=True)
 class SamplingConfig:
     """Applied identically to draft and target logits: temperature, then top-k, then top-p."""
@@ -107,9 +111,13 @@ class SamplingConfig:
     temperature: float = 1.0  # 0 = greedy
     top_k: int = 0  # 0 = off
     top_p: float = 1.0  # 1 = off
-    lookahead: int = 4  # K, draft tokens per loop
+    lookahead: int = 4  # K, draft tokens per loop (with draft_confidence: the most per loop)
     max_new_tokens: int = 128
     eos_id: int = -1  # -1 = never stop early
+    verify: str = "block"  # 'block' (Sun et al. 2025: jointly, never worse) | 'tokenwise' (the paper's rule)
+    drafter: str = "model"  # 'model' | 'ngram' (prompt lookup) | 'retrieval' (a datastore) | 'hybrid'
+    ngram: int = 3  # longest context suffix the lookup drafters match (shorter ones down to 1 as fallback)
+    draft_confidence: float = 0.0  # > 0: a row stops drafting after a draft distribution whose top p is below it
 
     def validate(self) -> "SamplingConfig":
         if not self.temperature >= 0:
@@ -122,6 +130,15 @@ class SamplingConfig:
             raise ConfigError(f"lookahead={self.lookahead}: must be an integer >= 1")
         if not isinstance(self.max_new_tokens, int) or self.max_new_tokens < 1:
             raise ConfigError(f"max_new_tokens={self.max_new_tokens}: must be an integer >= 1")
+        for name, allowed in (("verify", VERIFY_RULES), ("drafter", DRAFTERS)):
+            if getattr(self, name) not in allowed:
+                raise ConfigError(f"{name}={getattr(self, name)!r}: allowed values are {', '.join(allowed)}")
+        if not isinstance(self.ngram, int) or isinstance(self.ngram, bool) or self.ngram < 1:
+            raise ConfigError(f"ngram={self.ngram!r}: must be an integer >= 1 (the longest context suffix "
+                              "the lookup drafters match)")
+        if not 0 <= self.draft_confidence < 1:
+            raise ConfigError(f"draft_confidence={self.draft_confidence}: must be in [0, 1) (0 turns the "
+                              "adaptive draft length off)")
         return self
 
 

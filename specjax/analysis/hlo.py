@@ -104,7 +104,8 @@ class HloProgram:
     def tally(self, name: str, skip: frozenset = frozenset()) -> Counter:
         """Collectives executed by one run of computation `name`, nested loops multiplied
         by their known trip counts; instructions named in `skip` are not entered (at any
-        depth). All branches of a conditional are counted (none occur in our programs)."""
+        depth). All branches of a conditional are counted: an upper bound (the draft steps an
+        adaptive or hybrid loop may skip sit in one branch; the other does no work)."""
         key = (name, skip)
         if key in self._memo:
             return self._memo[key]
