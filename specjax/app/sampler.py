@@ -13,7 +13,8 @@ from specjax.app.locate import Weights
 from specjax.app.output import JsonlWriter
 from specjax.app.report import Report
 from specjax.config import Config, MeshConfig, SamplingConfig, UsageError
-from specjax.decode import api
+from specjax.decode import api, drafters
+from specjax.decode.datastore import Datastore, file_sha256
 from specjax.decode.program import SEED_LIMIT
 
 MAX_ROWS = 1_000_000  # prompts x samples: beyond this the row list alone is a memory problem
@@ -38,14 +39,24 @@ class Request:
     prompts_file: Optional[str] = None
     train_missing: bool = True
     print_samples: bool = True
+    datastore: Optional[str] = None  # for drafter='retrieval' | 'hybrid'
 
 
 def run(req: Request) -> None:
     config, modes, sampling = req.config, list(req.modes), req.sampling
-    need_draft = "sps" in modes
+    need_draft = "sps" in modes and drafters.uses_model(sampling.drafter)
     if need_draft and config.draft is None:
-        raise UsageError(f"--mode={'both' if len(modes) == 2 else 'sps'} needs a draft model, and config "
-                         f"{config.name!r} has none; use --mode=ars or a config with a draft")
+        raise UsageError(f"--mode={'both' if len(modes) == 2 else 'sps'} with --drafter={sampling.drafter} needs a "
+                         f"draft model, and config {config.name!r} has none; use --mode=ars, --drafter=ngram, or a "
+                         "config with a draft")
+    if sampling.drafter == "retrieval" and req.datastore is None:
+        raise UsageError("--drafter=retrieval needs --datastore=PATH (build one with `python -m specjax.datastore`)")
+    if req.datastore is not None and sampling.drafter not in ("retrieval", "hybrid"):
+        raise UsageError(f"--datastore is used only by --drafter=retrieval or hybrid (got "
+                         f"--drafter={sampling.drafter})")
+    store = Datastore.load(req.datastore) if req.datastore is not None and "sps" in modes else None
+    if store is not None:
+        store.check(config.target.vocab_size, name=f"--datastore={req.datastore}")
     if req.init == "random" and (req.checkpoint or req.draft_checkpoint):
         raise UsageError("--checkpoint/--draft_checkpoint have no effect with --init=random: drop one of them")
     models = {"target": config.target, **({"draft": config.draft} if need_draft else {})}
@@ -71,6 +82,8 @@ def run(req: Request) -> None:
         weights = Weights.locate(config, req.init, req.checkpoint, req.draft_checkpoint, need_draft=need_draft,
                                  train_missing=req.train_missing)
         tokenizer = weights.tokenizer()
+        if store is not None:
+            store.check_tokenizer(file_sha256(tokenizer.path) if tokenizer else None, f"--datastore={req.datastore}")
         prompts = prompts_lib.encode(req.raw_prompts, tokenizer, weights.no_tokenizer_reason)
         prompts_lib.check(prompts, config.target.vocab_size, context, sampling.max_new_tokens)
         if tokenizer is not None and sampling.eos_id == -1:
@@ -79,6 +92,7 @@ def run(req: Request) -> None:
         mesh = sharding.make_checked_mesh(req.mesh, models)  # first device work: all input is valid by now
         target, draft = weights.load(mesh, need_draft=need_draft)
         row_ids = [(i, s) for i in range(len(prompts)) for s in range(req.num_samples)]
+        by_mode = {"sps": sampling, "ars": dataclasses.replace(sampling, drafter="model")}  # ArS: the target alone
         report = Report(modes, sampling, tokenizer, print_samples=req.print_samples)
         try:
             for b in range(batches):
@@ -86,8 +100,9 @@ def run(req: Request) -> None:
                 # Pad the last batch to the same shape: one compiled program serves every batch.
                 padded = list(itertools.islice(itertools.cycle(batch), batch_size))
                 tokens = [prompts[i].tokens for i, _ in padded]
-                results = {mode: api.generate(target, draft if mode == "sps" else None, tokens, sampling,
-                                              seed=req.seed + b) for mode in modes}
+                results = {mode: api.generate(target, draft if mode == "sps" else None, tokens, by_mode[mode],
+                                              seed=req.seed + b, datastore=store if mode == "sps" else None)
+                           for mode in modes}
                 writer.write(report.add_batch(b, req.seed + b, prompts, batch, results))
         except KeyboardInterrupt:
             report.print_summary(interrupted=f"{report.done_batches} of {batches} batches", output=req.output)
