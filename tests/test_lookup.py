@@ -16,15 +16,16 @@ from conftest import mesh_for
 
 
 def reference_ngram(context: list[int], n: int, K: int):
-    """The proposal prompt lookup makes for `context`, by hand: None without a match."""
+    """(proposal, matched suffix length) prompt lookup makes for `context`, by hand;
+    (None, 0) without a match."""
     L = len(context)
     for m in range(min(n, L - 1), 0, -1):
         suffix = context[L - m:]
         for t in range(L - 2, m - 2, -1):  # most recent first; occurrence context[t-m+1..t]
             if context[t - m + 1:t + 1] == suffix:
                 follow = context[t + 1:]  # up to the end of the context; then the copy repeats
-                return [follow[j % len(follow)] for j in range(K)]
-    return None
+                return [follow[j % len(follow)] for j in range(K)], m
+    return None, 0
 
 
 def test_ngram_match_finds_the_most_recent_occurrence_of_the_longest_suffix():
@@ -35,16 +36,16 @@ def test_ngram_match_finds_the_most_recent_occurrence_of_the_longest_suffix():
     buf = np.full((len(rows), size), 7, np.int32)  # stale tokens past each row's length must not matter
     for i, r in enumerate(rows):
         buf[i, :len(r)] = r
-    x, found = jax.jit(drafters.ngram_match, static_argnums=(2, 3))(
+    x, matched = jax.jit(drafters.ngram_match, static_argnums=(2, 3))(
         jnp.asarray(buf), jnp.array([len(r) for r in rows], jnp.int32), n, K)
-    x, found = np.asarray(x), np.asarray(found)
+    x, matched = np.asarray(x), np.asarray(matched)
     for i, r in enumerate(rows):
-        want = reference_ngram(r, n, K)
-        assert found[i] == (want is not None), r
+        want, m = reference_ngram(r, n, K)
+        assert matched[i] == m, r
         if want is not None:
             assert x[i].tolist() == want, r
-    assert found.mean() > 0.5  # the reference was really exercised
-    assert reference_ngram([1, 2, 3, 1, 2], 3, 4) == [3, 1, 2, 3]  # periodic copy past the context
+    assert set(matched.tolist()) == {0, 1, 2, 3}  # every match length was exercised
+    assert reference_ngram([1, 2, 3, 1, 2], 3, 4) == ([3, 1, 2, 3], 2)  # periodic copy past the context
 
 
 def reference_datastore(stream: list[int], n: int, C: int, min_count: int):
@@ -87,13 +88,14 @@ def test_datastore_holds_the_greedy_most_frequent_continuations_and_finds_them_o
     for i, r in enumerate(rows):
         buf[i, :len(r)] = r
     index = store.on_mesh(mesh_for("1x1"))
-    x, size = jax.jit(lookup, static_argnums=(3, 4))(index, jnp.asarray(buf), jnp.array([len(r) for r in rows]),
-                                                       n, K)
-    x, size = np.asarray(x), np.asarray(size)
+    x, size, matched = jax.jit(lookup, static_argnums=(3, 4))(
+        index, jnp.asarray(buf), jnp.array([len(r) for r in rows]), n, K)
+    x, size, matched = np.asarray(x), np.asarray(size), np.asarray(matched)
     for i, r in enumerate(rows):
-        hit = next((want[tuple(r[-m:])] for m in range(min(n, len(r)), 0, -1) if tuple(r[-m:]) in want), None)
+        m = next((m for m in range(min(n, len(r)), 0, -1) if tuple(r[-m:]) in want), 0)
+        hit = want[tuple(r[-m:])] if m else None
         proposal = [] if hit is None else hit[:next((j for j, t in enumerate(hit) if t < 0), len(hit))][:K]
-        assert x[i, :size[i]].tolist() == proposal, r
+        assert x[i, :size[i]].tolist() == proposal and matched[i] == m, r
     assert (size > 0).mean() > 0.5 and (size == 0).any()
 
 

@@ -73,6 +73,17 @@ def test_greedy_equals_greedy_ars_in_every_mode(pairs, greedy_reference, mesh_na
         assert summary["drafted_histogram"][greedy.lookahead] < sum(sps.loops)  # some rows stopped early
 
 
+def test_lookup_loops_without_a_proposal_are_one_greedy_step(pairs, greedy_reference):
+    """At batch 1 a loop whose lookup found nothing scores the pending token alone (the
+    other branch of a `lax.cond`); the tokens are still greedy ArS's."""
+    target, _ = pairs["1x1"]
+    greedy, ars, _ = greedy_reference
+    for i in (0, 2):
+        sps = specjax.generate(target, None, [RAGGED[i]], dataclasses.replace(greedy, drafter="ngram"))
+        assert sps.tokens[0] == ars.tokens[i]
+        assert sps.summary()["drafted_histogram"][0] > 0 and sps.summary()["accepted_by"]["ngram"] > 0
+
+
 def test_greedy_sps_equals_greedy_ars_with_a_good_draft(pairs):
     """With draft == target every draft is accepted (K+1 tokens per loop), which exercises
     the all-accepted path (bonus token, draft cache re-fed with the last two tokens)."""

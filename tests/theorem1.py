@@ -109,7 +109,7 @@ class Case(NamedTuple):
     top_k: int
     top_p: float
     K: int
-    kind: str  # 'pair' | 'ragged' | 'same' (p == q) | 'disjoint' (supports) | 'repeats' (recurring n-grams)
+    kind: str  # 'pair' | 'ragged' | 'same' (p == q) | 'disjoint' (supports) | 'repeats' | 'mixed' (groups_of)
     verify: str = "tokenwise"
     drafter: str = "model"
     draft_confidence: float = 0.0
@@ -118,7 +118,9 @@ class Case(NamedTuple):
 
 
 def groups_of(kind: str) -> list[list[int]]:
-    return {"ragged": [PROMPT, PROMPT_LONG], "repeats": REPEATS}.get(kind, [PROMPT])
+    """Prompt groups (interleaved rows of one batch); 'mixed': one whose suffix recurs and
+    one whose suffix a datastore of its samples holds, so hybrid uses every drafter."""
+    return {"ragged": [PROMPT, PROMPT_LONG], "repeats": REPEATS, "mixed": [REPEATS[1], PROMPT]}.get(kind, [PROMPT])
 
 
 def run(models, case: Case, n: int = N, seed: int = 0, datastores=None):

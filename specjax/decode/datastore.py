@@ -63,24 +63,27 @@ class Index:
 def lookup(index: Index, tokens: jax.Array, length: jax.Array, ngram: int, lookahead: int):
     """The datastore's proposal for each row's context tokens[:length]: the continuation of
     its longest suffix (at most `ngram` tokens) found in the table. Returns (x [B, K],
-    size [B]: tokens proposed, 0 when no suffix is in the table)."""
+    size [B]: tokens proposed, 0 when no suffix is in the table; m [B]: that suffix's
+    length)."""
     batch = tokens.shape[0]
     entries, width = index.contexts.shape
     places = length[:, None] - width + jnp.arange(width)[None, :]
     last = jnp.where(places >= 0, jnp.take_along_axis(tokens, jnp.maximum(places, 0), axis=1), -1)
     row = jnp.full((batch,), -1, jnp.int32)
+    matched = jnp.zeros((batch,), jnp.int32)
     for m in range(1, min(ngram, width) + 1):  # longer matches override shorter ones
         context = jnp.where(jnp.arange(width)[None, :] >= width - m, last, -1)
         h = context_hash(context[:, width - m:], jnp)
         i = jnp.clip(jnp.searchsorted(index.keys, h), 0, entries - 1).astype(jnp.int32)
         hit = (length >= m) & (index.keys[i] == h) & jnp.all(index.contexts[i] == context, axis=1)
         row = jnp.where(hit, i, row)
+        matched = jnp.where(hit, m, matched)
     cont = index.continuations[jnp.maximum(row, 0)]
     if cont.shape[1] < lookahead:
         cont = jnp.pad(cont, ((0, 0), (0, lookahead - cont.shape[1])), constant_values=-1)
     cont = cont[:, :lookahead]
     size = jnp.where(row >= 0, jnp.sum(jnp.cumprod(cont >= 0, axis=1), axis=1), 0).astype(jnp.int32)
-    return jnp.maximum(cont, 0), size
+    return jnp.maximum(cont, 0), size, matched
 
 
 def _greedy_continuations(context: np.ndarray, follow: np.ndarray):

@@ -13,11 +13,13 @@ mass for a token chosen deterministically from the context (n-gram or datastore 
              of the row's last n tokens in its own prompt + output (no model at all).
   retrieval  the continuation that most often follows the row's last n tokens in a
              corpus (`datastore`), looked up on device.
-  hybrid     per row: the n-gram proposal when the context has a match, else the
-             datastore's (when one is given), else the draft model's.
+  hybrid     per row: the n-gram proposal when the context matches its full n-token
+             suffix, else the datastore's full-suffix match (when one is given), else
+             the draft model's.
 
 A lookup that finds nothing proposes no token (length 0), and the loop is one plain
-sampling step for that row: the target's q at the pending token gives the next token.
+sampling step for that row: the target's q at the pending token gives the next token
+(when no row of a lookup-only loop proposes anything, the target scores that token alone).
 """
 from __future__ import annotations
 
@@ -126,21 +128,23 @@ def ngram_match(tokens: jax.Array, length: jax.Array, n: int, lookahead: int):
     whole buffer; the longest m with any occurrence wins, and among its occurrences the
     most recent (largest t). The proposal is what followed it, tokens[t+1 ...]; when that
     runs into the end of the context it continues the copy periodically (period
-    length-1-t), as a repeated pattern would. Returns (x [B, K], found [B])."""
+    length-1-t), as a repeated pattern would. Returns (x [B, K], m [B]: the matched
+    suffix's length, 0 without a match)."""
     batch, size = tokens.shape
     t = jnp.arange(size)[None, :]
     match = t < (length - 1)[:, None]
     best = jnp.full((batch,), -1, jnp.int32)
+    matched = jnp.zeros((batch,), jnp.int32)
     padded = jnp.concatenate([jnp.full((batch, n), -1, tokens.dtype), tokens], axis=1)
     for k in range(n):  # k-th token back from the end; m = k + 1
         last = jnp.take_along_axis(tokens, jnp.maximum(length - 1 - k, 0)[:, None], axis=1)
         match = match & (padded[:, n - k:n - k + size] == last)  # tokens[t - k] (-1 before the start)
         end = jnp.max(jnp.where(match, t, -1), axis=1).astype(jnp.int32)
         best = jnp.where(end >= 0, end, best)
-    found = best >= 0
+        matched = jnp.where(end >= 0, k + 1, matched)
     period = jnp.maximum(length - 1 - best, 1)
     index = best[:, None] + 1 + jnp.arange(lookahead)[None, :] % period[:, None]
-    return jnp.take_along_axis(tokens, jnp.clip(index, 0, size - 1), axis=1), found
+    return jnp.take_along_axis(tokens, jnp.clip(index, 0, size - 1), axis=1), matched
 
 
 def lookup_proposal(x: jax.Array, found: jax.Array, vocab: int, source: str, length=None) -> Proposal:
@@ -159,15 +163,22 @@ def select(use: jax.Array, first: Proposal, second: Proposal) -> Proposal:
 def propose(drafter: str, draft: LM | None, cache: KVCache | None, datastore, tokens: jax.Array,
             length: jax.Array, key: jax.Array, lookahead: int, warping: Warp, vocab: int, *, ngram: int,
             confidence: float):
-    """The loop's proposal for every row. Returns (Proposal, draft cache, nonfinite [B])."""
+    """The loop's proposal for every row. Returns (Proposal, draft cache, nonfinite [B]).
+
+    The lookup drafters alone fall back to shorter suffixes down to one token; hybrid
+    trusts a lookup only when it matched the full suffix (`ngram` tokens, or all the
+    datastore holds), as a one-token match is a weaker prophet than the draft model."""
     batch = tokens.shape[0]
     lookups = []
     if drafter in ("ngram", "hybrid"):
-        x, found = ngram_match(tokens, length, ngram, lookahead)
-        lookups.append((found, lookup_proposal(x, found, vocab, "ngram")))
+        x, matched = ngram_match(tokens, length, ngram, lookahead)
+        hit = matched >= (ngram if drafter == "hybrid" else 1)
+        lookups.append((hit, lookup_proposal(x, hit, vocab, "ngram")))
     if drafter == "retrieval" or (drafter == "hybrid" and datastore is not None):
-        x, size = datastore_lib.lookup(datastore, tokens, length, ngram, lookahead)
-        lookups.append((size > 0, lookup_proposal(x, size > 0, vocab, "retrieval", size)))
+        x, size, matched = datastore_lib.lookup(datastore, tokens, length, ngram, lookahead)
+        full = min(ngram, datastore.contexts.shape[1])
+        hit = (size > 0) & (matched >= (full if drafter == "hybrid" else 1))
+        lookups.append((hit, lookup_proposal(x, hit, vocab, "retrieval", size)))
     if uses_model(drafter):
         found = jnp.zeros((batch,), bool)
         for hit, _ in lookups:

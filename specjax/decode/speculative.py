@@ -174,11 +174,23 @@ def speculate(target: LM, draft: LM | None, datastore, s: SpsState, settings: Se
     pending = s.length - 1
     scored = jnp.concatenate([gather_rows(s.tokens, pending)[:, None], prop.x], axis=1)
     positions = pending[:, None] + jnp.arange(K + 1)[None, :]
-    logits, target_cache = target(scored, positions, s.target_cache)
-    q = warp(logits, warping)
+
+    def score(width: int):
+        """q for the first `width` scored positions; past them q_1 repeated, which is never
+        read (only positions past every row's length are)."""
+        logits, cache = target(scored[:, :width], positions[:, :width], s.target_cache)
+        q = warp(logits, warping)
+        if width < K + 1:
+            q = jnp.broadcast_to(q[:, :1], (q.shape[0], K + 1, q.shape[2]))
+        return q, cache, nonfinite_rows(logits)
+
+    if drafters.uses_model(settings.drafter):
+        q, target_cache, target_bad = score(K + 1)
+    else:  # a lookup that found nothing for any row: one plain sampling step scores the pending token only
+        q, target_cache, target_bad = jax.lax.cond(jnp.any(prop.length > 0), lambda: score(K + 1), lambda: score(1))
     num_accepted, next_token = verifier(settings.verify)(accept_key, prop.x, prop.p, q, prop.length)
     return key, Speculation(prop.x, prop.p, prop.length, prop.source, q, num_accepted, next_token, target_cache,
-                            draft_cache, nonfinite_rows(logits) | draft_bad)
+                            draft_cache, target_bad | draft_bad)
 
 
 def speculative_generate(target: LM, draft: LM | None, datastore, prompts: jax.Array, prompt_lens: jax.Array,
