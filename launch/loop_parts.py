@@ -4,10 +4,10 @@
 
 Each part runs N times inside one jitted `fori_loop` from the same prefilled state, as
 `generate` compiles it (api.compile_lowered), at batch 1:
-  speculate       draft K tokens, score K+1 with the target, warp, accept (one SpS loop)
-  draft_tokens    the K draft steps alone
+  speculate       draft K tokens, score K+1 with the target, warp, verify (one SpS loop)
+  model_proposal  the K draft steps alone
   target pass     one (K+1)-token target forward alone
-  target + accept the same plus the target's warp and the rejection sampling
+  target + verify the same plus the target's warp and the config's verifier
 Per-iteration time = (time of 65 iterations - time of 5) / 60, so the prefill and the
 launch cancel; medians over repeats. If `speculate` costs more than the sum of its parts,
 the difference is interaction (both models' weights and caches sharing the caches of
@@ -31,7 +31,7 @@ from absl import flags  # noqa: E402
 from specjax import sharding  # noqa: E402
 from specjax.app import cli  # noqa: E402
 from specjax.app.locate import Weights  # noqa: E402
-from specjax.decode import program as program_lib, speculative as sps  # noqa: E402
+from specjax.decode import drafters, program as program_lib, speculative as sps  # noqa: E402
 from specjax.decode.sampling import Warp, warp  # noqa: E402
 
 FLAGS = flags.FLAGS
@@ -50,18 +50,18 @@ def never(x) -> jax.Array:
     return (x == -7).astype(jnp.int32)
 
 
-def parts(K: int, w: Warp):
+def parts(K: int, w: Warp, verify: str):
     def speculate(t, d, s):
-        key, r = sps.speculate(t, d, s, K, w)
+        key, r = sps.speculate(t, d, None, s, sps.Settings(K, w, verify))
         return dataclasses.replace(s, key=key, target_cache=r.target_cache.with_lengths(s.length + 2),
                                    draft_cache=r.draft_cache.with_lengths(s.length + 1),
                                    length=s.length + 3 + never(r.num_accepted) + never(r.next_token))
 
     def draft_tokens(t, d, s):
         key, sub = jax.random.split(s.key)
-        x, p, cache, bad = sps.draft_tokens(d, s.draft_cache, s.tokens, s.length, sub, K, w)
+        prop, cache, bad = drafters.model_proposal(d, s.draft_cache, s.tokens, s.length, sub, K, w)
         return dataclasses.replace(s, key=key, draft_cache=cache.with_lengths(s.length + 1),
-                                   length=s.length + 3 + never(x[:, -1]) + never(p[:, -1, 0]) + bad)
+                                   length=s.length + 3 + never(prop.x[:, -1]) + never(prop.p[:, -1, 0]) + bad)
 
     def target(t, d, s, accept: bool):
         pos = s.length[:, None] - 1 + jnp.arange(K + 1)[None]
@@ -69,13 +69,13 @@ def parts(K: int, w: Warp):
         out = never(logits[:, 0, 0])
         if accept:
             q, bad = warp(logits, w)
-            n, token, empty = sps.accept(s.key, s.tokens[:, 1:K + 1], q[:, :K], q)
+            n, token, empty = sps.verifier(verify)(s.key, s.tokens[:, 1:K + 1], q[:, :K], q)
             out = never(n) + never(token) + jnp.any(bad, axis=1) + empty
         return dataclasses.replace(s, target_cache=cache.with_lengths(s.length + 2), length=s.length + 3 + out)
 
-    return {"speculate (one SpS loop)": speculate, "draft_tokens (K steps)": draft_tokens,
+    return {"speculate (one SpS loop)": speculate, "model_proposal (K steps)": draft_tokens,
             f"target pass ({K + 1} tokens)": lambda t, d, s: target(t, d, s, False),
-            "target + warp + accept": lambda t, d, s: target(t, d, s, True)}
+            f"target + warp + {verify} verify": lambda t, d, s: target(t, d, s, True)}
 
 
 def main(argv):
@@ -94,7 +94,7 @@ def main(argv):
                           jnp.int32)
     lens = jnp.array([FLAGS.prompt_len], jnp.int32)
     print(f"{config.name}: K={K}, prompt {FLAGS.prompt_len}, cache {FLAGS.cache}, {w}")
-    for name, body in parts(K, w).items():
+    for name, body in parts(K, w, config.sampling.verify).items():
         def program(t, d, p, n, body=body):
             state = sps.start(t, d, p, lens, jax.random.key(0), K, FLAGS.cache)
             return jax.lax.fori_loop(0, n, lambda i, st: body(t, d, st), state).length
@@ -109,7 +109,7 @@ def main(argv):
                 middle = time.perf_counter()
                 runs[5](target, draft, prompts).block_until_ready()
                 times.append(((middle - start) - (time.perf_counter() - middle)) / 60 * 1e3)
-        print(f"  {name:26s} {np.median(times):7.2f} ms per iteration")
+        print(f"  {name:32s} {np.median(times):7.2f} ms per iteration")
 
 
 if __name__ == "__main__":

@@ -6,6 +6,12 @@ asks for more. For every K it reports the time to generate --max_new_tokens toke
 acceptance rate, and the time per loop next to its model: K draft steps + one target
 pass over K+1 tokens (both timed separately here), which says where the time goes.
 Writes --json and, with --plot, the three Figure-1 panels as one PNG.
+
+SpS variants are compared side by side, each at every K (one Figure-1 line each):
+
+    python -m specjax.bench --verify=tokenwise,block --lookahead=2,4,6,8
+    python -m specjax.bench --draft_confidence=0,0.2,0.4,0.6 --lookahead=8
+    python -m specjax.bench --drafter=model,ngram,retrieval,hybrid --datastore=stdlib.npz --prompts=rewrite
 """
 from __future__ import annotations
 
@@ -21,7 +27,9 @@ from specjax import sharding
 from specjax.analysis import timing
 from specjax.app import cli, output, prompts as prompts_lib
 from specjax.app.locate import Weights, with_hf_models
-from specjax.config import UsageError
+from specjax.config import DRAFTERS, VERIFY_RULES, UsageError
+from specjax.decode import drafters
+from specjax.decode.datastore import Datastore, file_sha256
 
 FLAGS = flags.FLAGS
 
@@ -40,6 +48,17 @@ def define_flags() -> None:
     flags.DEFINE_string("plot", None, "Write the Figure-1 panels (PNG) here.")
     flags.DEFINE_integer("seed", 0, "Sampling seed.")
     flags.DEFINE_integer("repeats", 20, "Repeats for the single-pass timings.")
+    flags.DEFINE_string("verify", None, "Comma-separated acceptance rules to compare (block, tokenwise; default: "
+                        "the config's).")
+    flags.DEFINE_string("drafter", None, "Comma-separated drafters to compare (model, ngram, retrieval, hybrid; "
+                        "default: the config's).")
+    flags.DEFINE_string("draft_confidence", None, "Comma-separated adaptive-length thresholds in [0, 1) to compare "
+                        "(0 = fixed K; default: the config's).")
+    flags.DEFINE_integer("ngram", None, "Longest suffix the lookup drafters match (default: the config's).")
+    flags.DEFINE_string("datastore", None, "Datastore for the retrieval and hybrid drafters.")
+    flags.DEFINE_enum("prompts", "humaneval", ["humaneval", "rewrite"], "With a tokenizer: HumanEval prompts, or "
+                      "'rewrite' (held-out standard-library functions, each followed by its own def line: a "
+                      "copy-heavy task).")
 
 
 def main(argv):
@@ -53,30 +72,73 @@ def main(argv):
         raise UsageError("--hf_target needs --hf_draft: bench compares ArS with SpS")
     config = with_hf_models(cli.config(), FLAGS.hf_target, FLAGS.hf_draft, init=FLAGS.init, checkpoint=None,
                             draft_checkpoint=None)
-    if config.draft is None:
-        raise UsageError(f"--config={FLAGS.config}: has no draft model; bench compares ArS with SpS")
-    weights = Weights.locate(config, FLAGS.init, None, None, need_draft=True, train_missing=False,
+    base = config.sampling if FLAGS.ngram is None else dataclasses.replace(config.sampling, ngram=FLAGS.ngram)
+    variants = [dict(verify=v, drafter=d, draft_confidence=c)
+                for d in names("drafter", FLAGS.drafter, base.drafter, DRAFTERS)
+                for v in names("verify", FLAGS.verify, base.verify, VERIFY_RULES)
+                for c in confidences(FLAGS.draft_confidence, base.draft_confidence)
+                if drafters.uses_model(d) or c == 0]  # a lookup has no draft distribution to be unsure about
+    for v in variants:
+        dataclasses.replace(base, **v).validate()
+    need_draft = any(drafters.uses_model(v["drafter"]) for v in variants)
+    if need_draft and config.draft is None:
+        raise UsageError(f"--config={FLAGS.config}: has no draft model, which --drafter=model|hybrid needs")
+    if any(v["drafter"] == "retrieval" for v in variants) and FLAGS.datastore is None:
+        raise UsageError("--drafter=retrieval needs --datastore=PATH (build one with `python -m specjax.datastore`)")
+    store = Datastore.load(FLAGS.datastore) if FLAGS.datastore else None
+    if store is not None:
+        store.check(config.target.vocab_size, f"--datastore={FLAGS.datastore}")
+    weights = Weights.locate(config, FLAGS.init, None, None, need_draft=need_draft, train_missing=False,
                              hf_target=FLAGS.hf_target, hf_draft=FLAGS.hf_draft)
     tokenizer = weights.tokenizer()
+    if store is not None:
+        store.check_tokenizer(file_sha256(tokenizer.path) if tokenizer else None, f"--datastore={FLAGS.datastore}")
     if tokenizer is not None:
-        prompts = [p.tokens for p in prompts_lib.encode(prompts_lib.humaneval(num_prompts), tokenizer)]
+        chosen = (prompts_lib.humaneval if FLAGS.prompts == "humaneval" else prompts_lib.rewrite)(num_prompts)
+        prompts = [p.tokens for p in prompts_lib.encode(chosen, tokenizer)]
     else:
         rng = np.random.default_rng(seed)
         prompts = [rng.integers(0, config.target.vocab_size, prompt_len).tolist() for _ in range(num_prompts)]
-    base = dataclasses.replace(config.sampling, max_new_tokens=max_new, eos_id=-1)
+    base = dataclasses.replace(base, max_new_tokens=max_new, eos_id=-1)
+    models = {"target": config.target, **({"draft": config.draft} if need_draft else {})}
     prompts_lib.check([prompts_lib.Prompt(f"prompt {i}", p) for i, p in enumerate(prompts)],
-                      config.target.vocab_size, min(config.target.max_seq_len, config.draft.max_seq_len), max_new)
-    mesh = sharding.make_checked_mesh(config.mesh, {"target": config.target, "draft": config.draft})
-    target, draft = weights.load(mesh, need_draft=True)
+                      config.target.vocab_size, min(m.max_seq_len for m in models.values()), max_new)
+    mesh = sharding.make_checked_mesh(config.mesh, models)
+    target, draft = weights.load(mesh, need_draft=need_draft)
     report = {"config": config.name, **({"hf_target": FLAGS.hf_target, "hf_draft": FLAGS.hf_draft} if FLAGS.hf_target
-                                         else {}),
+                                        else {}),
               "machine": f"{jax.device_count()}x {jax.devices()[0].device_kind}",
-              "init": FLAGS.init, **timing.bench(target, draft, prompts, base, ks, batch_sizes, repeats, seed)}
+              "init": FLAGS.init, "prompts": FLAGS.prompts if tokenizer is not None else "random ids",
+              **timing.bench(target, draft, prompts, base, ks, batch_sizes, repeats, seed, variants=variants,
+                             datastore=store)}
     sys.stdout.flush()
     if FLAGS.json:
         output.save(FLAGS.json, json.dumps(report, indent=1), "--json")
     if FLAGS.plot:
         output.save(FLAGS.plot, timing.plot(report), "--plot")
+
+
+def names(flag: str, text, default: str, allowed) -> list[str]:
+    """A comma-separated list of choices (None: [default])."""
+    if text is None:
+        return [default]
+    values = [v.strip() for v in text.split(",") if v.strip()]
+    bad = [v for v in values if v not in allowed]
+    if not values or bad:
+        raise UsageError(f"--{flag}={text!r}: expected comma-separated values from {', '.join(allowed)}")
+    return values
+
+
+def confidences(text, default: float) -> list[float]:
+    if text is None:
+        return [default]
+    try:
+        values = [float(v) for v in text.split(",") if v.strip()]
+    except ValueError:
+        values = []
+    if not values or not all(0 <= v < 1 for v in values):
+        raise UsageError(f"--draft_confidence={text!r}: expected comma-separated numbers in [0, 1), e.g. 0,0.4")
+    return values
 
 
 if __name__ == "__main__":

@@ -193,6 +193,10 @@ class MeshConfig:
         return self
 
 
+VERIFY_RULES = ("block", "tokenwise")
+DRAFTERS = ("model", "ngram", "retrieval", "hybrid")
+
+
 @dataclasses.dataclass(frozen=True)
 class SamplingConfig:
     """Applied identically to draft and target logits: temperature, then top-k, then top-p.
@@ -206,10 +210,14 @@ class SamplingConfig:
     temperature: float = 1.0  # 0 = greedy, inf = uniform
     top_k: int = 0  # 0 = off
     top_p: float = 1.0  # 1 = off
-    lookahead: int = 4  # K, draft tokens per loop
+    lookahead: int = 4  # K, draft tokens per loop (with draft_confidence: the most per loop)
     max_new_tokens: int = 128
     # -1 = never stop early; a tuple stops at any of its ids (Llama 3 lists several).
     eos_id: Union[int, tuple[int, ...]] = -1
+    verify: str = "block"  # 'block' (Sun et al. 2025: jointly, never worse) | 'tokenwise' (the paper's rule)
+    drafter: str = "model"  # 'model' | 'ngram' (prompt lookup) | 'retrieval' (a datastore) | 'hybrid'
+    ngram: int = 3  # longest context suffix the lookup drafters match (shorter ones down to 1 as fallback)
+    draft_confidence: float = 0.0  # > 0: a row stops drafting after a draft distribution whose top p is below it
 
     def __post_init__(self):
         _plain_numbers(self)
@@ -230,6 +238,12 @@ class SamplingConfig:
                 or min(ids) < (0 if isinstance(self.eos_id, tuple) else -1)):
             raise ConfigError(f"eos_id={self.eos_id!r}: must be a token id, -1 (never stop early) or a "
                               "tuple of token ids")
+        for name, allowed in (("verify", VERIFY_RULES), ("drafter", DRAFTERS)):
+            if getattr(self, name) not in allowed:
+                raise ConfigError(f"{name}={getattr(self, name)!r}: allowed values are {', '.join(allowed)}")
+        _integer(self, "ngram", 1, hint=" (the longest context suffix the lookup drafters match)", label="ngram")
+        _number(self, "draft_confidence", "in [0, 1) (0 turns the adaptive draft length off)",
+                lambda v: 0 <= v < 1, "draft_confidence")
         return self
 
     @property

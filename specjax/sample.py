@@ -7,6 +7,7 @@ with their ms/token. Typical use:
     python -m specjax.sample --config=tiny --init=random --mode=sps --prompt_tokens=1,2,3 --temperature=0
     python -m specjax.sample --prompts_file=prompts.jsonl --num_samples=4 --batch_size=4 --output=out.jsonl
     python -m specjax.sample --hf_target=SmolLM2-360M --hf_draft=SmolLM2-135M --prompt="def fib(n):"
+    python -m specjax.sample --mode=sps --drafter=ngram --verify=block --lookahead=6
 
 Every input is checked before a model is built or compiled; bad input is one line on
 stderr and exit code 2. `--output` gets one JSON line per sample, written and flushed per
@@ -19,9 +20,11 @@ import dataclasses
 from absl import flags
 
 from specjax.app import cli, locate, sampler
+from specjax.config import DRAFTERS, VERIFY_RULES
 
 FLAGS = flags.FLAGS
-SAMPLING_FLAGS = ("lookahead", "temperature", "top_k", "top_p", "max_new_tokens")
+SAMPLING_FLAGS = ("lookahead", "temperature", "top_k", "top_p", "max_new_tokens", "verify", "drafter", "ngram",
+                  "draft_confidence")
 
 
 def define_flags() -> None:
@@ -34,6 +37,15 @@ def define_flags() -> None:
     flags.DEFINE_integer("top_k", None, "Keep the k most likely tokens; 0 = off (default: the config's).")
     flags.DEFINE_float("top_p", None, "Nucleus sampling mass in (0, 1]; 1 = off (default: the config's).")
     flags.DEFINE_integer("max_new_tokens", None, "Tokens to generate per sample (default: the config's).")
+    flags.DEFINE_enum("verify", None, list(VERIFY_RULES), "SpS acceptance rule: block (block verification, "
+                      "never worse) or tokenwise (the paper's); default: the config's.")
+    flags.DEFINE_enum("drafter", None, list(DRAFTERS), "Who proposes: the draft model, ngram (prompt lookup in "
+                      "the row's own context), retrieval (--datastore), or hybrid (ngram, else the datastore, else "
+                      "the model); default: the config's.")
+    flags.DEFINE_integer("ngram", None, "Longest context suffix the lookup drafters match (default: the config's).")
+    flags.DEFINE_float("draft_confidence", None, "In [0, 1): a row stops drafting after a draft distribution whose "
+                       "top probability is below this (--lookahead is the most); 0 = fixed K.")
+    flags.DEFINE_string("datastore", None, "Datastore for --drafter=retrieval|hybrid (python -m specjax.datastore).")
     flags.DEFINE_integer("num_samples", 1, "Samples per prompt.")
     flags.DEFINE_integer("batch_size", 1, "Rows per generate call (prompts x num_samples rows are split into "
                          "batches; batch 1 gives the paper's ms/token).")
@@ -74,7 +86,7 @@ def main(argv):
         batch_size=cli.positive("batch_size", FLAGS.batch_size), seed=cli.seed("seed", FLAGS.seed),
         init=FLAGS.init, checkpoint=FLAGS.checkpoint, draft_checkpoint=FLAGS.draft_checkpoint,
         output=FLAGS.output, train_missing=FLAGS.train_missing, print_samples=FLAGS.print_samples,
-        hf_target=FLAGS.hf_target, hf_draft=FLAGS.hf_draft))
+        hf_target=FLAGS.hf_target, hf_draft=FLAGS.hf_draft, datastore=FLAGS.datastore))
 
 
 if __name__ == "__main__":

@@ -20,8 +20,9 @@ def mesh_for(name: str):
 # Longest files first. `--dist loadfile` hands whole files to the two workers in collection
 # order, and alphabetical order put the two longest (test_speculative, test_train) last,
 # leaving one worker idle for minutes at the end.
-LONGEST_FIRST = ["test_speculative.py", "test_sample_cli.py", "test_train.py", "test_hf.py", "test_temperature.py",
-                 "test_loop.py", "test_model.py", "test_hf_cli.py", "test_evaluate.py", "test_colab.py"]
+LONGEST_FIRST = ["test_speculative.py", "test_drafters.py", "test_sample_cli.py", "test_train.py", "test_hf.py",
+                 "test_temperature.py", "test_loop.py", "test_model.py", "test_hf_cli.py", "test_evaluate.py",
+                 "test_colab.py"]
 
 
 def pytest_collection_modifyitems(config, items):

@@ -12,11 +12,14 @@ def test_bench_writes_json_and_png(tmp_path):
     env = dict(os.environ, XLA_FLAGS="--xla_force_host_platform_device_count=1", JAX_PLATFORMS="cpu")
     proc = subprocess.run([sys.executable, "-m", "specjax.bench", "--config=tiny", "--init=random",
                            "--lookahead=2", "--batch_sizes=1,2", "--num_prompts=2", "--prompt_len=5",
-                           "--max_new_tokens=12", "--repeats=2", f"--json={out}", f"--plot={png}"],
+                           "--max_new_tokens=12", "--repeats=2", "--verify=tokenwise,block", "--drafter=model,ngram",
+                           f"--json={out}", f"--plot={png}"],
                           capture_output=True, text=True, env=env, timeout=600)
     assert proc.returncode == 0, proc.stderr[-2000:]
     report = json.loads(out.read_text())
-    assert [row["lookahead"] for row in report["sps"]] == [2]
+    assert [(row["lookahead"], row["drafter"], row["verify"]) for row in report["sps"]] == [
+        (2, "model", "tokenwise"), (2, "model", "block"), (2, "ngram", "tokenwise"), (2, "ngram", "block")]
+    assert set(report["lookup_ms"]) == {"ngram"}
     for row in report["sps"]:
         assert 0 <= row["acceptance_rate"] <= 1
         assert 1 <= row["tokens_per_loop"] <= row["lookahead"] + 1
@@ -33,6 +36,9 @@ def test_bench_writes_json_and_png(tmp_path):
     (["--repeats=0"], "--repeats=0: must be a positive integer"),
     (["--json=/"], "--json='/': cannot write it, it is a directory"),
     (["--plot=/"], "--plot='/': cannot write it, it is a directory"),
+    (["--verify=block,nope"], "--verify='block,nope'"),
+    (["--draft_confidence=0,1.5"], "--draft_confidence='0,1.5'"),
+    (["--drafter=retrieval"], "--drafter=retrieval needs --datastore=PATH"),
 ])
 def test_bench_rejects_bad_input_before_any_work(args, fragment):
     proc = subprocess.run([sys.executable, "-m", "specjax.bench", "--config=tiny", "--init=random", *args],

@@ -35,7 +35,8 @@ from specjax.decode.sampling import Warp
 from specjax.weights import checkpoint, hf
 from specjax.weights.tokenizer import HFTokenizer
 from conftest import mesh_for
-from test_speculative import ALPHA, N, N_NEGATIVE, chi_square_pvalue, exact_joint, use_accept  # noqa: F401
+from test_speculative import use_accept  # noqa: F401 (a fixture)
+from theorem1 import ALPHA, N, N_NEGATIVE, chi_square_pvalue, exact_joint
 
 FIXTURES = pathlib.Path(__file__).resolve().parent / "fixtures" / "hf"
 ROOT = FIXTURES.parent.parent.parent

@@ -5,6 +5,7 @@ import dataclasses
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 import pytest
 
 import specjax
@@ -12,6 +13,7 @@ from specjax import model
 from specjax.decode import program
 from specjax.config import SamplingConfig, load_config
 from specjax.analysis.hlo import HloProgram
+from specjax.decode.datastore import Datastore
 from conftest import mesh_for
 
 RAGGED = [[1, 2, 3], [4, 5, 6, 7, 8, 9, 10, 11, 12], [13], [14, 15, 16, 17, 18]]
@@ -32,6 +34,55 @@ def test_greedy_sps_equals_greedy_ars(pairs, mesh_name):
     assert [len(t) for t in ars.tokens] == [256] * len(RAGGED)
     assert sps.tokens == ars.tokens
     assert sps.accepted.sum() > 0  # some loops really emitted accepted draft tokens
+
+
+# Every mode beyond the paper: block verification, adaptive K (the greedy rule reads the
+# draft's plain softmax), prompt lookup, the datastore, and hybrid (with and without one).
+MODES = {"block": dict(verify="block"), "adaptive": dict(draft_confidence=0.2),
+         "ngram": dict(drafter="ngram"), "retrieval": dict(drafter="retrieval"),
+         "hybrid": dict(drafter="hybrid", draft_confidence=0.2), "hybrid_datastore": dict(drafter="hybrid")}
+
+
+@pytest.fixture(scope="module")
+def greedy_reference(pairs):
+    """Greedy ArS tokens of RAGGED, and a datastore built from other rows' greedy output
+    (prompts shifted by one token), so retrieval proposes often but not always right."""
+    target, _ = pairs["1x1"]
+    greedy = SamplingConfig(temperature=0, lookahead=4, max_new_tokens=48, verify="tokenwise")
+    ars = specjax.generate(target, None, RAGGED, greedy)
+    other = specjax.generate(target, None, [[t + 1 for t in p] for p in RAGGED], greedy)
+    stream = np.concatenate([np.array(p + t) for p, t in zip(RAGGED, other.tokens)])
+    return greedy, ars, Datastore.build(stream, vocab_size=target.cfg.vocab_size, ngram=3, min_count=1)
+
+
+@pytest.mark.parametrize("mesh_name", ["1x1", "1x8"])
+@pytest.mark.parametrize("mode", sorted(MODES))
+def test_greedy_equals_greedy_ars_in_every_mode(pairs, greedy_reference, mesh_name, mode):
+    target, draft = pairs[mesh_name]
+    greedy, ars, store = greedy_reference
+    settings = MODES[mode]
+    sps = specjax.generate(target, draft, RAGGED, dataclasses.replace(greedy, **settings),
+                           datastore=store if mode in ("retrieval", "hybrid_datastore") else None)
+    assert sps.tokens == ars.tokens
+    summary = sps.summary()
+    if settings.get("drafter", "model") != "model":
+        lookup = "ngram" if mode != "retrieval" else "retrieval"
+        assert summary["accepted_by"][lookup] > 0  # proposals happened and were accepted
+    if mode == "hybrid_datastore":
+        assert summary["accepted_by"]["retrieval"] > 0
+    if settings.get("draft_confidence"):
+        assert summary["drafted_histogram"][greedy.lookahead] < sum(sps.loops)  # some rows stopped early
+
+
+def test_lookup_loops_without_a_proposal_are_one_greedy_step(pairs, greedy_reference):
+    """At batch 1 a loop whose lookup found nothing scores the pending token alone (the
+    other branch of a `lax.cond`); the tokens are still greedy ArS's."""
+    target, _ = pairs["1x1"]
+    greedy, ars, _ = greedy_reference
+    for i in (0, 2):
+        sps = specjax.generate(target, None, [RAGGED[i]], dataclasses.replace(greedy, drafter="ngram"))
+        assert sps.tokens[0] == ars.tokens[i]
+        assert sps.summary()["drafted_histogram"][0] > 0 and sps.summary()["accepted_by"]["ngram"] > 0
 
 
 def test_greedy_sps_equals_greedy_ars_with_a_good_draft(pairs):
@@ -72,10 +123,16 @@ def test_bf16_greedy_sps_and_ars_agree_on_the_first_tokens(pos_encoding):
     assert min(common) >= BF16_AGREE
 
 
-def test_one_fused_while_loop_with_megatron_all_reduces(pairs):
+@pytest.mark.parametrize("mode", ["tokenwise", "block", "ngram", "hybrid_adaptive"])
+def test_one_fused_while_loop_with_megatron_all_reduces(pairs, mode):
+    """Block verification adds no all-reduce to a loop, n-gram drafting removes the
+    draft's; adaptive and hybrid drafting keep the draft's count (its later steps sit in
+    a `lax.cond`, whose branch runs at most once per step)."""
     target, draft = pairs["1x8"]
     K = 4
-    sampling = SamplingConfig(temperature=0.8, top_p=0.9, lookahead=K, max_new_tokens=32)
+    settings = {"tokenwise": dict(verify="tokenwise"), "block": dict(verify="block"), "ngram": dict(drafter="ngram"),
+                "hybrid_adaptive": dict(drafter="hybrid", draft_confidence=0.5)}[mode]
+    sampling = SamplingConfig(temperature=0.8, top_p=0.9, lookahead=K, max_new_tokens=32, **settings)
     text = program.build(target, draft, RAGGED, sampling, seed=0).compile().as_text()
     for host_op in ("outfeed", "infeed", "send(", "recv(", "host_callback", "xla_python_cpu_callback"):
         assert host_op not in text, host_op
@@ -91,11 +148,12 @@ def test_one_fused_while_loop_with_megatron_all_reduces(pairs):
     # draft runs K forwards per loop (a 2-token first step, then K-1 single steps), the
     # target ONE pass over K+1 tokens.
     assert all_reduces(target.cfg.d_model) == 2 * target.cfg.num_layers + 1
-    assert all_reduces(draft.cfg.d_model) == K * (2 * draft.cfg.num_layers + 1)
-    # And nothing else: warping, sampling and the NaN/inf checks run on the gathered
-    # (replicated) logits, so they add no all-reduce at all.
+    draft_passes = 0 if mode == "ngram" else K
+    assert all_reduces(draft.cfg.d_model) == draft_passes * (2 * draft.cfg.num_layers + 1)
+    # And nothing else: warping, sampling, verification and the NaN/inf checks run on the
+    # gathered (replicated) logits, so they add no all-reduce at all.
     total = sum(n for c, n in per_loop.items() if c.kind == "all-reduce")
-    assert total == 2 * (target.cfg.num_layers + K * draft.cfg.num_layers) + K + 1
+    assert total == 2 * (target.cfg.num_layers + draft_passes * draft.cfg.num_layers) + draft_passes + 1
 
 
 def test_ars_step_has_exactly_one_forward_of_all_reduces(pairs):

@@ -18,6 +18,7 @@ import sys
 import time
 
 import jax
+import numpy as np
 import pytest
 from clitools import TEXT_CONFIG, interruptible
 
@@ -71,6 +72,7 @@ def files(tmp_path_factory):
     from specjax.config import MeshConfig, load_config
     from specjax.model import init_lm
     from specjax.weights.tokenizer import train_tokenizer
+    from specjax.decode.datastore import Datastore, file_sha256
 
     base = tmp_path_factory.mktemp("sample_files")
     mesh = sharding.make_mesh(MeshConfig(1, 1), jax.devices()[:1])
@@ -91,6 +93,9 @@ def files(tmp_path_factory):
     (base / "bad.jsonl").write_text('{"prompt": "def f():"}\n{"prompt": 3}\n')
     (base / "surrogate.jsonl").write_text('{"prompt": "\\ud800"}\n')  # a JSON escape no UTF-8 can hold
     (base / "tokens.jsonl").write_text('{"prompt_tokens": [1, 2, 3]}\n')
+    # A datastore built with the draft's other tokenizer.
+    Datastore.build(np.arange(2000) % 512, vocab_size=512, ngram=2, min_count=1,
+                    tokenizer_sha256=file_sha256(other_tok)).save(base / "other_tok.npz")
     return base
 
 
@@ -246,6 +251,26 @@ BAD_INPUTS = [
     ("mode misspelled", ["--mode=spd"], {}, ["--mode=spd", "sps|ars|both"]),
     ("sps without a draft", ["--config=mini_target"], {}, ["--mode=sps", "no", "draft", "--mode=ars"]),
     ("num_samples 0", ["--num_samples=0"], {}, ["--num_samples=0", "positive integer"]),
+    ("verify misspelled", ["--verify=greedy"], {}, ["--verify=greedy", "block|tokenwise"]),
+    ("drafter unknown", ["--drafter=tree"], {}, ["--drafter=tree", "model|ngram|retrieval|hybrid"]),
+    ("ngram 0", ["--drafter=ngram", "--ngram=0"], {}, ["ngram=0", "integer >= 1"]),
+    ("draft_confidence 1", ["--draft_confidence=1"], {}, ["draft_confidence=1.0", "[0, 1)"]),
+    ("draft_confidence negative", ["--draft_confidence=-0.2"], {}, ["draft_confidence=-0.2", "[0, 1)"]),
+    ("hybrid without a draft", ["--config=mini_target", "--drafter=hybrid"], {},
+     ["--drafter=hybrid needs a draft model", "'mini_target' has none"]),
+    ("retrieval without a datastore", ["--drafter=retrieval"], {}, ["--drafter=retrieval needs --datastore=PATH"]),
+    ("datastore missing", ["--drafter=retrieval", "--datastore={files}/nothing.npz"], {},
+     ["--datastore=", "nothing.npz", "no such file", "python -m specjax.datastore"]),
+    ("datastore not a datastore", ["--drafter=retrieval", "--datastore={files}/bad.jsonl"], {},
+     ["bad.jsonl", "not a specjax datastore"]),
+    ("datastore of another vocabulary", ["--drafter=retrieval", "--datastore={files}/other_tok.npz"], {},
+     ["vocabulary of 512 tokens, the model has 32"]),
+    ("datastore of another tokenizer", ["--config={files}/tiny_text.py", "--checkpoint={files}/tiny_text",
+                                        "--drafter=retrieval", "--datastore={files}/other_tok.npz",
+                                        "--prompt=def f():"], {},
+     ["other_tok.npz", "built with tokenizer sha256", "this model has tokenizer sha256", "rebuild"]),
+    ("datastore without its drafter", ["--datastore={files}/other_tok.npz"], {},
+     ["--datastore is used only by --drafter=retrieval or hybrid"]),
     ("stray argument", ["oops"], {}, ["unexpected arguments ['oops']"]),
     ("lookahead beyond context", ["--lookahead=100000000"], {}, ["--lookahead=100000000", "context of 512"]),
     ("rows beyond the limit", ["--num_samples=1000000000"], {}, ["= 1000000000 rows", "at most 1000000"]),
@@ -346,6 +371,26 @@ def test_bad_input_is_one_line_and_exit_2(bad_runs, files, case):
     assert proc.stdout.strip() == ""  # nothing ran
 
 
+def test_datastore_is_built_by_its_command_and_used_by_sample(env, tmp_path):
+    """`python -m specjax.datastore` indexes tiny's (synthetic) training corpus; greedy
+    SpS with --drafter=retrieval from it gives ArS's tokens, with retrieval proposals."""
+    missing = subprocess.run([sys.executable, "-m", "specjax.datastore", "--config=tiny"], cwd=ROOT, env=env,
+                             capture_output=True, text=True, timeout=120)
+    assert missing.returncode == 2 and "--out=PATH is required" in missing.stderr
+    store = tmp_path / "tiny.npz"
+    built = subprocess.run([sys.executable, "-m", "specjax.datastore", "--config=tiny", f"--out={store}"], cwd=ROOT,
+                           env=env, capture_output=True, text=True, timeout=300)
+    assert built.returncode == 0, built.stderr[-2000:]
+    assert "contexts of 1..3 tokens" in built.stdout and "built in" in built.stdout
+    proc = sample(env, *TINY, "--mode=both", "--drafter=retrieval", f"--datastore={store}", *GREEDY,
+                  f"--output={tmp_path / 'out.jsonl'}")
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    records = read_jsonl(tmp_path / "out.jsonl")
+    assert by_row(records, "sps") == by_row(records, "ars")
+    assert sum(r["stats"]["accepted_by"].get("retrieval", 0) for r in records if r["mode"] == "sps") > 0
+    assert "accepted/proposed by drafter: retrieval" in proc.stdout
+
+
 # ------------------------------------------------------------------ helpers, in process
 
 
@@ -426,7 +471,8 @@ def test_report_totals_skip_padding_rows_and_weigh_batches_by_time():
                                               "sps": result("sps", [30], [10], [16], 0.1)})
     ars, sps, speedup = report.summary_lines()
     assert ars.startswith("ArS: 2 samples, 40 tokens, 10.00 ms/token, 1.00 tokens/loop;")
-    assert sps.startswith("SpS: 2 samples, 40 tokens, 3.50 ms/token, 2.86 tokens/loop, acceptance rate 0.429 (K=4);")
+    assert sps.startswith("SpS: 2 samples, 40 tokens, 3.50 ms/token, 2.86 tokens/loop, acceptance rate 0.429 (K=4, "
+                          "model drafter, block verification);")
     assert speedup == "SpS speedup over ArS: 2.86x (ms/token)"
 
 

@@ -104,7 +104,9 @@ class HloProgram:
     def tally(self, name: str, skip: frozenset = frozenset()) -> Counter:
         """Collectives executed by one run of computation `name`, nested loops multiplied
         by their known trip counts; instructions named in `skip` are not entered (at any
-        depth). All branches of a conditional are counted (none occur in our programs)."""
+        depth). A conditional runs one branch: it counts as its costliest (most collectives,
+        then most bytes), an upper bound (the draft steps an adaptive or hybrid loop may skip
+        sit in one branch; a lookup loop without proposals scores one token in the other)."""
         key = (name, skip)
         if key in self._memo:
             return self._memo[key]
@@ -120,8 +122,11 @@ class HloProgram:
                     size = max(_shape_bytes(a) for a in re.findall(r"\w+\[[\d,]*\]", shape))  # (in, out): out
                 counts[Collective(base, shape, size, _group_size(line))] += 1
             times = (self.trip_count(line) or 1) if op == "while" else 1
-            for callee in self._callees(line):
-                for c, n in self.tally(callee, skip).items():
+            called = [self.tally(callee, skip) for callee in self._callees(line)]
+            if op == "conditional" and called:
+                called = [max(called, key=lambda t: (sum(t.values()), sum(c.bytes * n for c, n in t.items())))]
+            for tally in called:
+                for c, n in tally.items():
                     counts[c] += n * times
         self._memo[key] = counts
         return counts

@@ -1,8 +1,9 @@
 """ArS vs SpS in one process, same compiled models, same prompts (what `specjax.bench`
 runs): time per sequence with its spread and percentiles, ms/token, speedup, tokens per
 loop, acceptance, and the time per loop next to its model, K draft steps + one target
-pass over K+1 tokens (both timed on their own), which says where the time goes; the
-three Figure-1 panels as one PNG."""
+pass over K+1 tokens (both timed on their own), which says where the time goes; SpS
+variants (verifier, drafter, adaptive draft length) side by side; the three Figure-1
+panels as one PNG, one line per variant."""
 from __future__ import annotations
 
 import dataclasses
@@ -35,11 +36,37 @@ def time_forward(lm, tokens: int, context: int, repeats: int) -> float:
     return float(np.median(times))
 
 
-def run_prompts(target, draft, prompts, sampling, seed):
+def time_lookup(mesh, datastore, lookahead: int, ngram: int, context: int, repeats: int) -> dict:
+    """Milliseconds of the lookup drafters' device work alone at batch 1 after `context`
+    tokens: the n-gram match over the token buffer and (given a datastore) its query."""
+    from specjax.decode import datastore as datastore_lib, drafters
+    size = context + 256
+    tokens = jnp.asarray(np.random.default_rng(0).integers(0, 64, (1, size)), jnp.int32)
+    length = jnp.array([context], jnp.int32)
+    parts = {"ngram": (jax.jit(drafters.ngram_match, static_argnums=(2, 3)), (tokens, length, ngram, lookahead))}
+    if datastore is not None:
+        index = datastore.on_mesh(mesh)
+        parts["retrieval"] = (jax.jit(datastore_lib.lookup, static_argnums=(3, 4)),
+                              (index, tokens, length, ngram, lookahead))
+    out = {}
+    with jax.set_mesh(mesh):
+        for name, (fn, args) in parts.items():
+            jax.block_until_ready(fn(*args))
+            times = []
+            for _ in range(repeats):
+                start = time.perf_counter()
+                jax.block_until_ready(fn(*args))
+                times.append(time.perf_counter() - start)
+            out[name] = 1000 * float(np.median(times))
+    return out
+
+
+def run_prompts(target, draft, prompts, sampling, seed, datastore=None):
     """One generate call per prompt (batch 1); returns per-sequence results."""
     out = []
     for i, prompt in enumerate(prompts):
-        out.append(generate(target, draft, [prompt], sampling, seed=seed + i))
+        out.append(generate(target, draft, [prompt], sampling, seed=seed + i,
+                            datastore=datastore if sampling.drafter in ("retrieval", "hybrid") else None))
     return out
 
 
@@ -57,7 +84,16 @@ def describe(results) -> dict:
     if results[0].mode == "sps":
         row["acceptance_rate"] = totals.acceptance_rate
         row["accepted_per_k_plus_1"] = totals.accepted / totals.loops / (results[0].lookahead + 1)
+        row["proposed_per_loop"] = totals.proposed / totals.loops
+        row["drafted_histogram"] = np.sum([r.drafted.sum(0) for r in results], axis=0).tolist()
+        row["accepted_by"], row["proposed_by"] = totals.accepted_by, totals.proposed_by
     return row
+
+
+def label(row: dict) -> str:
+    """A Figure-1 line's name: drafter and verifier (the paper's is 'model, tokenwise')."""
+    text = f"{row['drafter']}, {row['verify']}"
+    return text + (f", confidence {row['draft_confidence']}" if row.get("draft_confidence") else "")
 
 
 def plot(report: dict) -> bytes:
@@ -67,24 +103,26 @@ def plot(report: dict) -> bytes:
     import matplotlib
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
-    ks = [r["lookahead"] for r in report["sps"]]
     fig, axes = plt.subplots(1, 3, figsize=(14, 4))
     n = report["max_new_tokens"]
-    axes[0].errorbar(ks, [r["seconds_mean"] * 1000 for r in report["sps"]],
-                     yerr=[r["seconds_std"] * 1000 for r in report["sps"]], marker="o", capsize=3, label="SpS")
+    lines = {}
+    for r in report["sps"]:
+        lines.setdefault(label(r), []).append(r)
+    for name, rows in lines.items():
+        ks = [r["lookahead"] for r in rows]
+        axes[0].errorbar(ks, [r["seconds_mean"] * 1000 for r in rows], yerr=[r["seconds_std"] * 1000 for r in rows],
+                         marker="o", capsize=3, label=f"SpS ({name})")
+        axes[1].plot(ks, [r["acceptance_rate"] for r in rows], marker="o", label=f"acceptance ({name})")
+        axes[1].plot(ks, [r["accepted_per_k_plus_1"] for r in rows], marker="s", ls="--",
+                     label=f"accepted / (K+1) ({name})")
+        axes[2].plot(ks, [r["ms_per_loop"] for r in rows], marker="o", label=f"measured ({name})")
+        axes[2].plot(ks, [r["model_ms_per_loop"] for r in rows], marker="x", ls=":", label=f"model ({name})")
     axes[0].axhline(report["ars"]["seconds_mean"] * 1000, color="gray", ls="--", label="ArS")
     axes[0].set(xlabel="K (lookahead)", ylabel=f"ms per {n} tokens", title="Time per sequence (mean, std)")
-    axes[0].legend()
-    axes[1].plot(ks, [r["acceptance_rate"] for r in report["sps"]], marker="o", label="acceptance rate")
-    axes[1].plot(ks, [r["accepted_per_k_plus_1"] for r in report["sps"]], marker="s",
-                 label="mean accepted / (K+1)")
     axes[1].set(xlabel="K (lookahead)", title="Acceptance efficiency", ylim=(0, 1))
-    axes[1].legend()
-    axes[2].plot(ks, [r["ms_per_loop"] for r in report["sps"]], marker="o", label="measured")
-    axes[2].plot(ks, [r["model_ms_per_loop"] for r in report["sps"]], marker="x", ls=":",
-                 label="K x draft step + target(K+1)")
-    axes[2].set(xlabel="K (lookahead)", ylabel="ms", title="Time per loop")
-    axes[2].legend()
+    axes[2].set(xlabel="K (lookahead)", ylabel="ms", title="Time per loop (model: K draft steps + target(K+1))")
+    for ax in axes:
+        ax.legend(fontsize=7)
     fig.suptitle(f"{report['config']}: {report['machine']}")
     fig.tight_layout()
     png = io.BytesIO()
@@ -93,45 +131,58 @@ def plot(report: dict) -> bytes:
     return png.getvalue()
 
 
-def bench(target, draft, prompts, base, ks, batch_sizes, repeats: int, seed: int, log=print) -> dict:
-    """The whole comparison: single-pass costs, ArS, SpS for every K, batch scaling.
-    `base` is the SamplingConfig (eos_id -1: every sequence has the same length)."""
+def bench(target, draft, prompts, base, ks, batch_sizes, repeats: int, seed: int, log=print,
+          variants=({},), datastore=None) -> dict:
+    """The whole comparison: single-pass costs, ArS, SpS for every variant and K, batch
+    scaling. `base` is the SamplingConfig (eos_id -1: every sequence has the same length);
+    `variants` are SamplingConfig overrides (verify, drafter, draft_confidence) compared
+    side by side, each at every K, interleaved K by K so machine noise hits them alike."""
     context = max(len(p) for p in prompts)
-    draft_step = time_forward(draft, 1, context, repeats)
+    draft_step = time_forward(draft, 1, context, repeats) if draft is not None else 0.0
     target_step = time_forward(target, 1, context, repeats)
+    ars_sampling = dataclasses.replace(base, drafter="model")
     report = {"max_new_tokens": base.max_new_tokens, "num_prompts": len(prompts),
               "sampling": dataclasses.asdict(base), "draft_forward_ms": 1000 * draft_step,
-              "target_forward_ms": 1000 * target_step, "target_scoring_ms": {}}
-    run_prompts(target, None, prompts[:1], base, seed)  # compile outside the timing
-    ars = describe(run_prompts(target, None, prompts, base, seed))
+              "target_forward_ms": 1000 * target_step, "target_scoring_ms": {},
+              "lookup_ms": time_lookup(program_lib.mesh_of(target), datastore, max(ks), base.ngram, context, repeats)}
+    if datastore is not None:
+        report["datastore"] = datastore.meta
+    run_prompts(target, None, prompts[:1], ars_sampling, seed)  # compile outside the timing
+    ars = describe(run_prompts(target, None, prompts, ars_sampling, seed))
     report["ars"] = ars
     log(f"ArS: {ars['ms_per_token']:.2f} ms/token; draft forward {1000 * draft_step:.2f} ms, "
-        f"target forward {1000 * target_step:.2f} ms (1 token)")
+        f"target forward {1000 * target_step:.2f} ms (1 token); lookups "
+        + ", ".join(f"{k} {v:.3f} ms" for k, v in report["lookup_ms"].items()))
     report["sps"] = []
     for k in ks:
-        sampling = dataclasses.replace(base, lookahead=k)
         score = time_forward(target, k + 1, context, repeats)
         report["target_scoring_ms"][k + 1] = 1000 * score
-        run_prompts(target, draft, prompts[:1], sampling, seed)
-        results = run_prompts(target, draft, prompts, sampling, seed)
-        row = describe(results)
-        row.update(lookahead=k, speedup=ars["ms_per_token"] / row["ms_per_token"],
-                   model_ms_per_loop=1000 * (k * draft_step + score),
-                   tokens_per_sequence=float(np.mean([r.total_tokens for r in results])))
-        report["sps"].append(row)
-        log(f"K={k}: SpS {row['ms_per_token']:.2f} ms/token ({row['speedup']:.2f}x), "
-            f"{row['tokens_per_loop']:.2f} tokens/loop, acceptance {row['acceptance_rate']:.3f}, "
-            f"loop {row['ms_per_loop']:.2f} ms vs model {row['model_ms_per_loop']:.2f} ms "
-            f"(target scoring {k + 1} tokens: {1000 * score:.2f} ms = {score / target_step:.2f}x one token)")
+        for variant in variants:
+            sampling = dataclasses.replace(base, lookahead=k, **variant)
+            run_prompts(target, draft, prompts[:1], sampling, seed, datastore)
+            results = run_prompts(target, draft, prompts, sampling, seed, datastore)
+            row = describe(results)
+            steps = k * draft_step if sampling.drafter in ("model", "hybrid") else 0.0
+            row.update(lookahead=k, verify=sampling.verify, drafter=sampling.drafter,
+                       draft_confidence=sampling.draft_confidence, speedup=ars["ms_per_token"] / row["ms_per_token"],
+                       model_ms_per_loop=1000 * (steps + score),
+                       tokens_per_sequence=float(np.mean([r.total_tokens for r in results])))
+            report["sps"].append(row)
+            log(f"K={k} {label(row)}: SpS {row['ms_per_token']:.2f} ms/token ({row['speedup']:.2f}x), "
+                f"{row['tokens_per_loop']:.2f} tokens/loop, acceptance {row['acceptance_rate']:.3f} of "
+                f"{row['proposed_per_loop']:.2f} proposed/loop, loop {row['ms_per_loop']:.2f} ms vs model "
+                f"{row['model_ms_per_loop']:.2f} ms (target scoring {k + 1} tokens: {1000 * score:.2f} ms = "
+                f"{score / target_step:.2f}x one token)")
     report["batch"] = []
     for b in batch_sizes:
         if b == 1:
             continue
         batch = [prompts[i % len(prompts)] for i in range(b)]
         row = {"batch": b}
-        for mode, d in (("ars", None), ("sps", draft)):
-            generate(target, d, batch, base, seed=seed)
-            row[f"{mode}_ms_per_token"] = generate(target, d, batch, base, seed=seed).ms_per_token
+        for mode, d, sampling in (("ars", None, ars_sampling), ("sps", draft, base)):
+            ds = datastore if mode == "sps" and sampling.drafter in ("retrieval", "hybrid") else None
+            generate(target, d, batch, sampling, seed=seed, datastore=ds)
+            row[f"{mode}_ms_per_token"] = generate(target, d, batch, sampling, seed=seed, datastore=ds).ms_per_token
         row["speedup"] = row["ars_ms_per_token"] / row["sps_ms_per_token"]
         report["batch"].append(row)
         log(f"batch {b}: ArS {row['ars_ms_per_token']:.2f} ms/token, SpS {row['sps_ms_per_token']:.2f} "

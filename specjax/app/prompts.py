@@ -130,6 +130,37 @@ def humaneval(n: int) -> list[_Raw]:
     return [_Raw(task_id, text=problem["prompt"]) for task_id, problem in problems[:n]]
 
 
+def rewrite(n: int) -> list[_Raw]:
+    """A copy-heavy task: `n` functions from the last files of the standard-library corpus
+    (the last 0.5% of its bytes, inside the validation tail that training and the default
+    datastore hold out), each followed by a blank line and its own `def` line again, so a
+    continuation that rewrites the function repeats most of its prompt."""
+    import ast
+    import os
+
+    from specjax.training.data import default_corpus_files
+    files = default_corpus_files()
+    budget, tail = 0.005 * sum(os.stat(f).st_size for f in files), []
+    for f in reversed(files):
+        budget -= os.stat(f).st_size
+        if budget < 0:
+            break
+        tail.append(f)
+    out = []
+    for f in reversed(tail):
+        source = f.read_text(encoding="utf-8")
+        lines = source.splitlines()
+        for node in ast.walk(ast.parse(source)):
+            if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)) and 6 <= node.end_lineno - node.lineno <= 30:
+                body = lines[node.lineno - 1:node.end_lineno]
+                indent = len(body[0]) - len(body[0].lstrip())
+                body = [line[indent:] for line in body]
+                out.append(_Raw(f"{f.name}:{node.lineno}", text="\n".join(body) + "\n\n\n" + body[0] + "\n"))
+    if not 1 <= n <= len(out):
+        raise UsageError(f"rewrite prompts: {n} asked for, between 1 and {len(out)} available")
+    return out[:n]
+
+
 def gather(texts: Sequence[str] = (), prompts_file: Optional[str] = None,
            token_lists: Sequence[str] = (), humaneval_n: int = 3) -> list[_Raw]:
     """Every prompt the flags name, not yet tokenised (no tokenizer or JAX needed)."""

@@ -54,7 +54,7 @@ class Report:
     def _header(self, mode: str, result) -> str:
         head = f"{LABEL[mode]}{f' K={result.lookahead}' if mode == 'sps' else ''}: {result.ms_per_token:.2f} ms/token"
         if mode == "sps":
-            head += f", acceptance {result.acceptance_rate:.2f}"
+            head += f", acceptance {result.acceptance_rate:.2f} ({result.drafter}, {result.verify})"
         return head
 
     def _print_batch(self, prompts, rows, results: dict) -> None:
@@ -77,7 +77,13 @@ class Report:
             line = (f"{LABEL[mode]}: {t.rows} samples, {t.tokens} tokens, {t.ms_per_token:.2f} ms/token, "
                     f"{t.tokens / max(1, t.loops):.2f} tokens/loop")
             if mode == "sps":
-                line += f", acceptance rate {t.acceptance_rate:.3f} (K={self.sampling.lookahead})"
+                s = self.sampling
+                adaptive = f", draft confidence {s.draft_confidence}" if s.draft_confidence else ""
+                line += (f", acceptance rate {t.acceptance_rate:.3f} (K={s.lookahead}, {s.drafter} drafter, "
+                         f"{s.verify} verification{adaptive})")
+                if set(t.proposed_by) - {"model"}:
+                    line += "; accepted/proposed by drafter: " + ", ".join(
+                        f"{name} {t.accepted_by.get(name, 0)}/{n}" for name, n in t.proposed_by.items())
             line += f"; {t.seconds:.2f} s sampling, {t.compile_seconds:.1f} s compiling"
             lines.append(line)
         if {"ars", "sps"} <= set(self.totals) and self.totals["sps"].steps:

@@ -12,9 +12,9 @@ from specjax.app import cli, prompts as prompts_lib
 from specjax.app.locate import Weights, with_hf_models
 from specjax.app.output import JsonlWriter, check_writable
 from specjax.app.report import Report
-from specjax.config import Config, MeshConfig, SamplingConfig, UsageError
-from specjax.decode import api
-from specjax.decode.program import SEED_LIMIT
+from specjax.config import SEED_LIMIT, Config, MeshConfig, SamplingConfig, UsageError
+from specjax.decode import api, drafters
+from specjax.decode.datastore import Datastore, file_sha256
 
 MAX_ROWS = 1_000_000  # prompts x samples: beyond this the row list alone is a memory problem
 
@@ -39,6 +39,7 @@ class Request:
     hf_draft: Optional[str] = None
     train_missing: bool = True
     print_samples: bool = True
+    datastore: Optional[str] = None  # for drafter='retrieval' | 'hybrid'
 
 
 @dataclasses.dataclass(frozen=True)
@@ -49,6 +50,7 @@ class Inputs:
     sampling: SamplingConfig  # with the tokenizer's eos_id
     batch_size: int
     batches: int
+    datastore: Optional[Datastore]  # for drafter='retrieval' | 'hybrid', checked against the tokenizer
 
 
 def check(req: Request) -> None:
@@ -57,9 +59,15 @@ def check(req: Request) -> None:
     if "sps" in req.modes and req.hf_target is not None and req.hf_draft is None:
         raise UsageError(f"--mode={'both' if len(req.modes) == 2 else 'sps'} needs a draft: pass --hf_draft=DIR (a "
                          "model with the target's tokenizer), or use --mode=ars")
-    if "sps" in req.modes and config.draft is None:
-        raise UsageError(f"--mode={'both' if len(req.modes) == 2 else 'sps'} needs a draft model, and config "
-                         f"{config.name!r} has none; use --mode=ars or a config with a draft")
+    if need_draft(req) and config.draft is None:
+        raise UsageError(f"--mode={'both' if len(req.modes) == 2 else 'sps'} with --drafter={sampling.drafter} "
+                         f"needs a draft model, and config {config.name!r} has none; use --mode=ars, "
+                         "--drafter=ngram, or a config with a draft")
+    if sampling.drafter == "retrieval" and req.datastore is None:
+        raise UsageError("--drafter=retrieval needs --datastore=PATH (build one with `python -m specjax.datastore`)")
+    if req.datastore is not None and sampling.drafter not in ("retrieval", "hybrid"):
+        raise UsageError(f"--datastore is used only by --drafter=retrieval or hybrid (got "
+                         f"--drafter={sampling.drafter})")
     if req.init == "random" and (req.checkpoint or req.draft_checkpoint):
         raise UsageError("--checkpoint/--draft_checkpoint have no effect with --init=random: drop one of them")
     context = min(m.max_seq_len for m in models(req).values())
@@ -83,8 +91,12 @@ def check_rows(req: Request, raw_prompts) -> None:
         prompts_lib.check(token_prompts, req.config.target.vocab_size, context, req.sampling.max_new_tokens)
 
 
+def need_draft(req: Request) -> bool:
+    return "sps" in req.modes and drafters.uses_model(req.sampling.drafter)
+
+
 def models(req: Request) -> dict:
-    return {"target": req.config.target, **({"draft": req.config.draft} if "sps" in req.modes else {})}
+    return {"target": req.config.target, **({"draft": req.config.draft} if need_draft(req) else {})}
 
 
 def read_inputs(req: Request, raw_prompts, weights: Weights) -> Inputs:
@@ -96,9 +108,14 @@ def read_inputs(req: Request, raw_prompts, weights: Weights) -> Inputs:
     sampling, stop = req.sampling, weights.stop_ids(tokenizer)
     if stop and sampling.eos_id == -1:
         sampling = dataclasses.replace(sampling, eos_id=stop[0] if len(stop) == 1 else stop)
+    store = None
+    if req.datastore is not None and "sps" in req.modes:
+        store = Datastore.load(req.datastore)
+        store.check(req.config.target.vocab_size, name=f"--datastore={req.datastore}")
+        store.check_tokenizer(file_sha256(tokenizer.path) if tokenizer else None, f"--datastore={req.datastore}")
     rows = len(prompts) * req.num_samples
     batch_size = min(req.batch_size, rows)  # a bigger batch would only compute padding rows
-    return Inputs(prompts, sampling, batch_size, -(-rows // batch_size))
+    return Inputs(prompts, sampling, batch_size, -(-rows // batch_size), store)
 
 
 def gather_and_check(req: Request):
@@ -120,11 +137,12 @@ def run(req: Request) -> None:
     # Host inputs are read by process 0 and shared: one answer (or one error) everywhere.
     raw_prompts = distributed.agreed(lambda: gather_and_check(req))
     weights = Weights.locate(req.config, req.init, req.checkpoint, req.draft_checkpoint,
-                             need_draft="sps" in req.modes, train_missing=req.train_missing,
+                             need_draft=need_draft(req), train_missing=req.train_missing,
                              hf_target=req.hf_target, hf_draft=req.hf_draft)
     inputs = distributed.agreed(lambda: read_inputs(req, raw_prompts, weights))
     mesh = sharding.make_checked_mesh(req.mesh, models(req))  # first device work: all input is valid by now
-    target, draft = weights.load(mesh, need_draft="sps" in req.modes)
+    target, draft = weights.load(mesh, need_draft=need_draft(req))
+    by_mode = {"sps": inputs.sampling, "ars": dataclasses.replace(inputs.sampling, drafter="model")}  # ArS: target alone
     report = Report(req.modes, inputs.sampling, weights.tokenizer() if distributed.is_main() else None,
                     print_samples=req.print_samples)
     row_ids = [(i, s) for i in range(len(inputs.prompts)) for s in range(req.num_samples)]
@@ -135,8 +153,9 @@ def run(req: Request) -> None:
                 # Pad the last batch to the same shape: one compiled program serves every batch.
                 padded = list(itertools.islice(itertools.cycle(batch), inputs.batch_size))
                 tokens = [inputs.prompts[i].tokens for i, _ in padded]
-                results = {mode: api.generate(target, draft if mode == "sps" else None, tokens, inputs.sampling,
-                                              seed=req.seed + b) for mode in req.modes}
+                results = {mode: api.generate(target, draft if mode == "sps" else None, tokens, by_mode[mode],
+                                              seed=req.seed + b, datastore=inputs.datastore if mode == "sps" else None)
+                           for mode in req.modes}
                 writer.write(report.add_batch(b, req.seed + b, inputs.prompts, batch, results))
         except KeyboardInterrupt:
             report.print_summary(interrupted=f"{report.done_batches} of {inputs.batches} batches",

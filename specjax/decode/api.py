@@ -17,7 +17,8 @@ import numpy as np
 
 from specjax import distributed, model, sharding
 from specjax.config import SamplingConfig, UsageError
-from specjax.decode import program as program_lib, speculative
+from specjax.decode import drafters, program as program_lib, speculative
+from specjax.decode.datastore import Datastore
 from specjax.decode.sampling import warp
 from specjax.model import LM
 
@@ -41,6 +42,21 @@ class Result:
     histogram: np.ndarray  # [B, K+1] loops by number of accepted drafts
     seconds: float  # device time of the run (compile excluded)
     compile_seconds: float
+    drafted: np.ndarray | None = None  # [B, K+1] loops by number of proposed tokens (SpS)
+    accepted_by: np.ndarray | None = None  # [B, len(SOURCES)] accepted tokens by drafter (SpS)
+    proposed_by: np.ndarray | None = None  # [B, len(SOURCES)] proposed tokens by drafter (SpS)
+    drafter: str = ""  # SamplingConfig.drafter of an SpS run
+    verify: str = ""  # SamplingConfig.verify of an SpS run
+
+    def __post_init__(self):
+        if self.drafted is None:  # counts not given: every loop drafted K tokens with the draft model
+            rows = len(self.loops)
+            self.drafted = np.zeros((rows, self.lookahead + 1), np.int64)
+            self.drafted[:, self.lookahead] = self.loops if self.mode == "sps" else 0
+            self.accepted_by = np.zeros((rows, len(drafters.SOURCES)), np.int64)
+            self.accepted_by[:, 0] = self.accepted
+            self.proposed_by = np.zeros((rows, len(drafters.SOURCES)), np.int64)
+            self.proposed_by[:, 0] = self.drafted[:, self.lookahead] * self.lookahead
 
     @property
     def total_tokens(self) -> int:
@@ -61,19 +77,37 @@ class Result:
         return float(self.num_new.sum() / max(1, self.loops.sum()))
 
     @property
+    def proposed_rows(self) -> np.ndarray:
+        """[B] tokens proposed per row: K per loop unless the draft length is adaptive or a
+        lookup found nothing."""
+        if self.mode != "sps":
+            return np.zeros_like(self.loops)
+        return self.proposed_by.sum(1)
+
+    @property
     def proposed(self) -> int:
-        return int(self.loops.sum()) * self.lookahead if self.mode == "sps" else 0
+        return int(self.proposed_rows.sum())
 
     @property
     def acceptance_rate(self) -> float:
-        """Accepted / proposed draft tokens (SpS); nan for ArS."""
+        """Accepted / proposed tokens (SpS); nan for ArS or when nothing was proposed."""
         return float(self.accepted.sum() / self.proposed) if self.proposed else math.nan
+
+    @property
+    def proposed_at(self) -> np.ndarray:
+        """[K] loops (all rows) that proposed position j."""
+        return self.drafted.sum(0)[::-1].cumsum()[::-1][1:]
+
+    def by_drafter(self, counts: np.ndarray) -> dict:
+        """{drafter: count} for the drafters that proposed (and the run's own drafter)."""
+        return {name: int(n) for name, n in zip(drafters.SOURCES, counts) if n or name == self.drafter}
 
     def row_stats(self, i: int) -> dict:
         out = {"num_new": int(self.num_new[i]), "loops": int(self.loops[i])}
         if self.mode == "sps":
-            out.update(accepted=int(self.accepted[i]), proposed=int(self.loops[i] * self.lookahead),
-                       accepted_histogram=self.histogram[i].tolist())
+            out.update(accepted=int(self.accepted[i]), proposed=int(self.proposed_rows[i]),
+                       accepted_histogram=self.histogram[i].tolist(), drafted_histogram=self.drafted[i].tolist(),
+                       accepted_by=self.by_drafter(self.accepted_by[i]))
         return out
 
     def summary(self) -> dict:
@@ -81,9 +115,13 @@ class Result:
                "seconds": self.seconds, "compile_seconds": self.compile_seconds,
                "ms_per_token": self.ms_per_token, "tokens_per_loop": self.tokens_per_loop}
         if self.mode == "sps":
-            out.update(lookahead=self.lookahead, acceptance_rate=self.acceptance_rate,
-                       acceptance_by_position=(self.accepted_at.sum(0) / max(1, self.loops.sum())).tolist(),
-                       accepted_histogram=self.histogram.sum(0).tolist())
+            out.update(lookahead=self.lookahead, drafter=self.drafter, verify=self.verify,
+                       acceptance_rate=self.acceptance_rate,
+                       acceptance_by_position=(self.accepted_at.sum(0) / np.maximum(1, self.proposed_at)).tolist(),
+                       accepted_histogram=self.histogram.sum(0).tolist(),
+                       drafted_histogram=self.drafted.sum(0).tolist(),
+                       accepted_by=self.by_drafter(self.accepted_by.sum(0)),
+                       proposed_by=self.by_drafter(self.proposed_by.sum(0)))
         return out
 
 
@@ -106,6 +144,8 @@ class Totals:
     proposed: int = 0
     seconds: float = 0.0
     compile_seconds: float = 0.0
+    accepted_by: dict = dataclasses.field(default_factory=dict)  # drafter -> accepted tokens (SpS)
+    proposed_by: dict = dataclasses.field(default_factory=dict)  # drafter -> proposed tokens (SpS)
 
     def add(self, result: Result, rows: int | None = None) -> None:
         """Add a run; `rows` counts only its first rows (the others padded the batch)."""
@@ -115,10 +155,14 @@ class Totals:
         self.tokens += int(result.num_new[:n].sum())
         self.loops += int(result.loops[:n].sum())
         self.accepted += int(result.accepted[:n].sum())
-        self.proposed += int(result.loops[:n].sum()) * result.lookahead if result.mode == "sps" else 0
+        self.proposed += int(result.proposed_rows[:n].sum())
         self.steps += result.steps
         self.seconds += result.seconds
         self.compile_seconds += result.compile_seconds
+        if result.mode == "sps":
+            for total, counts in ((self.accepted_by, result.accepted_by), (self.proposed_by, result.proposed_by)):
+                for name, k in result.by_drafter(counts[:n].sum(0)).items():
+                    total[name] = total.get(name, 0) + k
 
     @property
     def ms_per_token(self) -> float:
@@ -135,29 +179,34 @@ class Totals:
     def as_dict(self) -> dict:
         return {"seconds": self.seconds, "tokens": self.tokens, "steps": self.steps, "loops": self.loops,
                 "ms_per_token": self.ms_per_token, "tokens_per_loop": self.tokens_per_loop,
-                "acceptance_rate": None if math.isnan(self.acceptance_rate) else self.acceptance_rate}
+                "acceptance_rate": None if math.isnan(self.acceptance_rate) else self.acceptance_rate,
+                **({"accepted_by": self.accepted_by, "proposed_by": self.proposed_by} if self.proposed_by else {})}
 
 
 def generate(target: LM, draft: LM | None, prompts: Sequence[Sequence[int]],
              sampling: SamplingConfig = SamplingConfig(), *, seed: int = 0, pad_to: int = program_lib.PAD_TO,
-             names: Sequence[str] | None = None) -> Result:
+             names: Sequence[str] | None = None, datastore: Datastore | None = None) -> Result:
     """Sample continuations of `prompts` (lists of token ids) from `target`.
 
     With a `draft`, speculative sampling with K = sampling.lookahead (Algorithm 2);
-    with draft=None, plain autoregressive sampling (Algorithm 1). Both give samples
-    distributed exactly as the target's (warped) distribution; greedy (temperature 0)
-    gives identical tokens. Prompts are right-padded to a power of two >= `pad_to`
-    tokens, so prompts of similar length share one compiled program. With several
-    processes, every process passes the same prompts and gets the same Result."""
-    prog = program_lib.build(target, draft, prompts, sampling, seed, pad_to, names)
+    with draft=None, plain autoregressive sampling (Algorithm 1). sampling.drafter
+    'ngram' (prompt lookup) or 'retrieval' (from `datastore`) is speculative sampling
+    without a draft model; 'hybrid' falls back to the draft where a lookup finds nothing.
+    Every mode gives samples distributed exactly as the target's (warped) distribution;
+    greedy (temperature 0) gives identical tokens. Prompts are right-padded to a power of
+    two >= `pad_to` tokens, so prompts of similar length share one compiled program. With
+    several processes, every process passes the same prompts and gets the same Result."""
+    prog = program_lib.build(target, draft, prompts, sampling, seed, pad_to, names, datastore)
     (tokens, length, stats), seconds, compile_seconds = prog.run()
     if stats.nonfinite.any():
         rows = np.flatnonzero(stats.nonfinite).tolist()
         raise NonFiniteLogitsError(f"the model produced NaN or inf logits for batch rows {rows}; "
                                    "check the checkpoint and dtype (no tokens from those steps were used)")
     generated = [tokens[i, n:length[i]].tolist() for i, n in enumerate(prog.prompt_lens)]
+    settings = prog.settings
     return Result(generated, prog.mode, prog.lookahead, stats.loops, stats.num_new, stats.accepted,
-                  stats.accepted_at, stats.histogram, seconds, compile_seconds)
+                  stats.accepted_at, stats.histogram, seconds, compile_seconds, stats.drafted, stats.accepted_by,
+                  stats.proposed_by, settings.get("drafter", ""), settings.get("verify", ""))
 
 
 # --------------------------------------------------------------------------- explain
@@ -167,11 +216,12 @@ def generate(target: LM, draft: LM | None, prompts: Sequence[Sequence[int]],
 class LoopTrace:
     """The first SpS loop after a prompt, as `generate` with the same seed runs it."""
 
-    draft_tokens: list[int]  # x_1..x_K, sampled by the draft
-    p: np.ndarray  # [K, V] the draft's warped distributions p_1..p_K
-    q: np.ndarray  # [K+1, V] the target's q_1..q_{K+1}, from its one scoring pass
+    draft_tokens: list[int]  # x_1..x_L, proposed (L = K unless adaptive or a lookup found less)
+    p: np.ndarray  # [L, V] their distributions p_1..p_L (the draft's warped ones; point masses for lookups)
+    q: np.ndarray  # [L+1, V] the target's q_1..q_{L+1}, from its one scoring pass
     num_accepted: int  # n: x_1..x_n were kept
-    next_token: int  # drawn from norm(max(0, q_{n+1} - p_{n+1})), or the bonus from q_{K+1} (n == K)
+    next_token: int  # drawn from the residual at n+1, or the bonus from q_{L+1} (n == L)
+    verify: str = "tokenwise"  # the rule that decided n: 'tokenwise' (accept_prob's tests) or 'block'
 
     @property
     def lookahead(self) -> int:
@@ -189,7 +239,8 @@ class LoopTrace:
 
     @property
     def accept_prob(self) -> np.ndarray:
-        """[K] min(1, q_j(x_j) / p_j(x_j)): the chance each draft token passes its test."""
+        """[L] min(1, q_j(x_j) / p_j(x_j)): the chance each draft token passes the token-wise
+        test (block verification decides jointly, and keeps at least as many in expectation)."""
         return np.minimum(1.0, self.q_draft / self.p_draft)
 
     @property
@@ -200,7 +251,7 @@ class LoopTrace:
 
     @property
     def bonus(self) -> bool:
-        """True when all K drafts were accepted and `next_token` came from q_{K+1}."""
+        """True when all proposed tokens were accepted and `next_token` came from q_{L+1}."""
         return self.num_accepted == self.lookahead
 
     @property
@@ -209,28 +260,32 @@ class LoopTrace:
         return self.draft_tokens[:self.num_accepted] + [self.next_token]
 
 
-@functools.partial(jax.jit, static_argnames=("warping", "lookahead", "size"))
-def explain_program(target, draft, prompts, prompt_lens, seed, *, warping, lookahead, size):
+@functools.partial(jax.jit, static_argnames=program_lib.SPS_STATICS)
+def explain_program(target, draft, datastore, prompts, prompt_lens, seed, *, warping, lookahead, verify, drafter,
+                    ngram, draft_confidence, max_new, eos_id, size):
+    del max_new, eos_id  # one loop: no stopping rule
+    settings = speculative.Settings(lookahead, warping, verify, drafter, ngram, draft_confidence)
     state = speculative.start(target, draft, prompts, prompt_lens, program_lib.seed_key(seed), lookahead, size)
-    _, sp = speculative.speculate(target, draft, state, lookahead, warping)
-    return sp.x, sp.p, sp.q, sp.num_accepted, sp.next_token
+    _, sp = speculative.speculate(target, draft, datastore, state, settings)
+    return sp.x, sp.p, sp.length, sp.q, sp.num_accepted, sp.next_token
 
 
-def explain_loop(target: LM, draft: LM, prompt: Sequence[int], sampling: SamplingConfig = SamplingConfig(),
-                 *, seed: int = 0, pad_to: int = program_lib.PAD_TO) -> LoopTrace:
-    """Run the first SpS loop for one prompt and return what happened in it: the K draft
-    tokens with p and q, the accept/reject outcome and the residual or bonus token. It
-    calls the same `speculative.speculate` as the fused loop, with the same key, so
+def explain_loop(target: LM, draft: LM | None, prompt: Sequence[int], sampling: SamplingConfig = SamplingConfig(),
+                 *, seed: int = 0, pad_to: int = program_lib.PAD_TO, datastore: Datastore | None = None) -> LoopTrace:
+    """Run the first SpS loop for one prompt and return what happened in it: the proposed
+    tokens with p and q, the verifier's outcome and the residual or bonus token. It calls
+    the same `speculative.speculate` as the fused loop, with the same key, so
     `trace.tokens` are the first tokens `generate(target, draft, [prompt], sampling,
     seed=seed)` emits (when max_new_tokens allows)."""
-    if draft is None:
-        raise UsageError("explain_loop shows one speculative loop and needs a draft model (got draft=None)")
-    prog = program_lib.build(target, draft, [prompt], sampling, seed, pad_to)
+    prog = program_lib.build(target, draft, [prompt], sampling, seed, pad_to, datastore=datastore)
+    if prog.mode != "sps":
+        raise UsageError("explain_loop shows one speculative loop and needs a draft model (got draft=None) or a "
+                         "lookup drafter (sampling.drafter='ngram' or 'retrieval')")
     with jax.set_mesh(prog.mesh):
-        out = explain_program(*prog.args, warping=prog.settings["warping"], lookahead=prog.lookahead,
-                              size=prog.size)
-    x, p, q, n, token = distributed.fetch(out)
-    return LoopTrace(x[0].tolist(), p[0], q[0], int(n[0]), int(token[0]))
+        out = explain_program(*prog.args, **prog.settings)
+    x, p, length, q, n, token = distributed.fetch(out)
+    m = int(length[0])
+    return LoopTrace(x[0, :m].tolist(), p[0, :m], q[0, :m + 1], int(n[0]), int(token[0]), prog.settings["verify"])
 
 
 @functools.partial(jax.jit, static_argnames=("warping",))

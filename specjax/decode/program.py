@@ -25,7 +25,8 @@ from specjax import distributed, sharding
 from specjax.config import SEED_LIMIT, SamplingConfig, UsageError
 from specjax.decode.ars import autoregressive_generate
 from specjax.decode.sampling import Warp
-from specjax.decode.speculative import speculative_generate
+from specjax.decode.datastore import Datastore
+from specjax.decode.speculative import Settings, speculative_generate
 from specjax.model import LM
 
 PAD_TO = 16  # the narrowest prompt bucket
@@ -52,10 +53,16 @@ def seed_key(seed: jax.Array) -> jax.Array:
     return jax.random.wrap_key_data(data)
 
 
-@functools.partial(jax.jit, static_argnames=("warping", "lookahead", "max_new", "eos_id", "size"))
-def sps_program(target, draft, prompts, prompt_lens, seed, *, warping, lookahead, max_new, eos_id, size):
-    return speculative_generate(target, draft, prompts, prompt_lens, seed_key(seed), warping=warping,
-                                lookahead=lookahead, max_new=max_new, eos_id=eos_id, size=size)
+SPS_STATICS = ("warping", "lookahead", "verify", "drafter", "ngram", "draft_confidence", "max_new", "eos_id",
+               "size")
+
+
+@functools.partial(jax.jit, static_argnames=SPS_STATICS)
+def sps_program(target, draft, datastore, prompts, prompt_lens, seed, *, warping, lookahead, verify, drafter,
+                ngram, draft_confidence, max_new, eos_id, size):
+    settings = Settings(lookahead, warping, verify, drafter, ngram, draft_confidence)
+    return speculative_generate(target, draft, datastore, prompts, prompt_lens, seed_key(seed), settings=settings,
+                                max_new=max_new, eos_id=eos_id, size=size)
 
 
 @functools.partial(jax.jit, static_argnames=("warping", "max_new", "eos_id", "size"))
@@ -230,12 +237,36 @@ def check_models(target: LM, draft: LM | None) -> None:
                          f"{target.cfg.vocab_size}: speculative sampling needs one shared vocabulary")
 
 
+def speculative_inputs(target: LM, draft: LM | None, sampling: SamplingConfig, datastore) -> tuple:
+    """(speculative?, the draft the program gets, the datastore): drafter='model' with a
+    draft is SpS and without one ArS; 'ngram' and 'retrieval' need no draft (one given is
+    not used); 'hybrid' needs one; 'retrieval' needs a datastore."""
+    drafter = sampling.drafter
+    if datastore is not None:
+        if not isinstance(datastore, Datastore):
+            raise UsageError(f"datastore: expected a specjax Datastore (Datastore.load / Datastore.build), got "
+                             f"{type(datastore).__name__}")
+        if drafter not in ("retrieval", "hybrid"):
+            raise UsageError(f"a datastore is used only by drafter='retrieval' or 'hybrid' (drafter={drafter!r})")
+        datastore.check(target.cfg.vocab_size)
+    if drafter == "retrieval" and datastore is None:
+        raise UsageError("drafter='retrieval' needs a datastore (--datastore=PATH; build one with "
+                         "`python -m specjax.datastore`)")
+    if drafter == "hybrid" and draft is None:
+        raise UsageError("drafter='hybrid' falls back to a draft model, and none was given (draft=None)")
+    if drafter in ("ngram", "retrieval"):
+        return True, None, datastore
+    return draft is not None, draft, datastore
+
+
 def build(target: LM, draft: LM | None, prompts, sampling: SamplingConfig, seed: int = 0,
-          pad_to: int = PAD_TO, names: Sequence[str] | None = None) -> Program:
+          pad_to: int = PAD_TO, names: Sequence[str] | None = None, datastore: Datastore | None = None) -> Program:
     """Validate everything, bucket and place the prompts: the program that generates
-    continuations of `prompts` with SpS (a draft) or ArS (draft=None)."""
+    continuations of `prompts` with SpS (a draft, or a lookup drafter) or ArS
+    (drafter='model' and draft=None)."""
     sampling.validate()
     check_models(target, draft)
+    speculative, draft, datastore = speculative_inputs(target, draft, sampling, datastore)
     seed = check_seed(seed)
     prompts = as_token_lists(prompts, names)
     context = context_of(target, draft)
@@ -243,7 +274,7 @@ def build(target: LM, draft: LM | None, prompts, sampling: SamplingConfig, seed:
     if any(i >= target.cfg.vocab_size for i in sampling.stop_ids):
         raise UsageError(f"eos_id={sampling.eos_id}: outside the vocabulary (a row would never stop on it); "
                          f"allowed are token ids 0..{target.cfg.vocab_size - 1}, or -1 to never stop early")
-    lookahead = sampling.lookahead if draft is not None else 1
+    lookahead = sampling.lookahead if speculative else 1
     if lookahead >= context:
         raise UsageError(f"lookahead={lookahead}: must be below the model's context of {context} tokens")
     mesh = mesh_of(target)
@@ -258,8 +289,11 @@ def build(target: LM, draft: LM | None, prompts, sampling: SamplingConfig, seed:
             distributed.put(lens, sharding.named(mesh, ("batch",), lens.shape)),
             distributed.put(words, sharding.replicated(mesh)))
     statics = dict(warping=warping_of(sampling), max_new=sampling.max_new_tokens, eos_id=sampling.eos_id, size=size)
-    if draft is not None:
-        fn, args, statics, mode = sps_program, (target, draft) + args, dict(statics, lookahead=lookahead), "sps"
+    if speculative:
+        index = datastore.on_mesh(mesh) if datastore is not None else None
+        statics = dict(statics, lookahead=lookahead, verify=sampling.verify, drafter=sampling.drafter,
+                       ngram=sampling.ngram, draft_confidence=float(sampling.draft_confidence))
+        fn, args, mode = sps_program, (target, draft, index) + args, "sps"
     else:
         fn, args, mode = ars_program, (target,) + args, "ars"
     return Program(fn, args, tuple(sorted(statics.items(), key=operator.itemgetter(0))), mesh, len(prompts),

@@ -1,15 +1,19 @@
 """Speculative sampling (Chen et al. 2023, Algorithm 2), fused into one `lax.while_loop`.
 
 Each loop, for every row at once:
-  1. `draft_tokens`: the draft samples K tokens autoregressively (x_1..x_K, with p_j).
+  1. `drafters.propose`: up to K tokens x_1..x_K with the distributions p_j they were
+     drawn from (the draft model samples them; the lookup drafters copy them from the
+     context or a datastore, as point masses); rows may propose fewer (`length`).
   2. the target scores [pending, x_1..x_K] in ONE pass -> q_1..q_{K+1}.
-  3. `accept`: x_j is kept with probability min(1, q_j(x_j) / p_j(x_j)), left to right;
-     the first rejected one is replaced by a `residual` sample from norm(max(0, q - p)),
-     and if all K are kept a `bonus` token comes from q_{K+1}.
+  3. a verifier keeps a prefix of the proposal and draws the next token:
+     `accept` (the paper's rule): x_j is kept with probability min(1, q_j(x_j) / p_j(x_j)),
+     left to right; the first rejected one is replaced by a residual sample from
+     norm(max(0, q - p)), and if all are kept a bonus token comes from q_{length+1};
+     `accept_block` (block verification): the same outputs decided jointly.
 So each loop emits 1..K+1 tokens and (Theorem 1) the output is distributed exactly as q.
 `speculate` is steps 1-3 for one loop (`api.explain_loop` shows them for the first loop);
 `speculative_generate` wraps it with the stopping rules, rollback and statistics.
-Rows are ragged: each has its own length, accepted count and stopping state.
+Rows are ragged: each has its own length, proposal, accepted count and stopping state.
 """
 from __future__ import annotations
 
@@ -19,65 +23,109 @@ from typing import NamedTuple
 import jax
 import jax.numpy as jnp
 
+from specjax.decode import drafters
 from specjax.decode.sampling import Warp, sample, warp
 from specjax.decode.state import Stats, gather_rows, prefill, stop_after, token_buffer, write_rows
 from specjax.kv_cache import KVCache
 from specjax.model import LM
 
 
-def draft_tokens(draft: LM, cache: KVCache, tokens: jax.Array, length: jax.Array, key: jax.Array,
-                 lookahead: int, warping: Warp):
-    """K autoregressive draft steps. Returns (x [B,K], p [B,K,V], cache, bad [B]): bad
-    marks rows where a draft distribution was not one (NaN/inf logits, no mass).
-
-    The first step feeds the last TWO tokens (positions length-2, length-1): when the
-    previous loop accepted all K drafts, x_K was never fed to the draft, and this keeps
-    its cache complete without a data-dependent shape."""
-    before = jnp.maximum(length - 2, 0)
-    first = jnp.stack([gather_rows(tokens, before), gather_rows(tokens, length - 1)], axis=1)
-    logits, cache = draft(first, jnp.stack([before, length - 1], axis=1), cache)
-    keys = jax.random.split(key, lookahead)
-
-    def propose(logits, j):
-        probs, bad = warp(logits, warping)
-        x, empty = sample(keys[j], probs)
-        return x, probs, bad | empty
-
-    def step(carry, j):
-        logits, cache, bad = carry
-        x, probs, bad_j = propose(logits, j)
-        logits, cache = draft(x[:, None], (length + j)[:, None], cache)
-        return (logits[:, 0], cache, bad | bad_j), (x, probs)
-
-    (logits, cache, bad), (xs, ps) = jax.lax.scan(step, (logits[:, -1], cache, jnp.zeros(length.shape, bool)),
-                                                  jnp.arange(lookahead - 1))
-    x_last, probs, bad_last = propose(logits, lookahead - 1)
-    xs = jnp.concatenate([xs, x_last[None]], axis=0).T  # [B, K]
-    ps = jnp.concatenate([ps, probs[None]], axis=0).transpose(1, 0, 2)  # [B, K, V]
-    return xs, ps, cache, bad | bad_last
+def acceptance_draws(key: jax.Array, shape) -> jax.Array:
+    """The U[0, 1) draws that decide acceptance (Algorithm 2's r; block verification's eta)."""
+    return jax.random.uniform(key, shape)
 
 
-def accept(key: jax.Array, x: jax.Array, p: jax.Array, q: jax.Array):
-    """Modified rejection sampling, vectorised over rows and draft positions.
+def drafted_mask(x: jax.Array, length: jax.Array | None) -> jax.Array:
+    """[B, K] True at the proposed positions j < length (all K when length is None)."""
+    if length is None:
+        return jnp.ones(x.shape, bool)
+    return jnp.arange(x.shape[1])[None, :] < length[:, None]
 
-    x [B,K] draft tokens, p [B,K,V] draft probs, q [B,K+1,V] target probs.
-    Returns (num_accepted [B] in 0..K, next_token [B], empty [B]): the residual sample at
-    the first rejection, or the bonus sample from q_{K+1} when all K were accepted; empty
-    marks a row whose distribution for it had no mass (only when p or q was not one)."""
+
+def resample(key: jax.Array, q: jax.Array, p: jax.Array, weight: jax.Array, n: jax.Array):
+    """The token after n accepted drafts: a sample from norm(max(0, weight * q_{n+1} - p_{n+1})),
+    with p = 0 past the proposed positions (so after a full accept it is the bonus q_{n+1}),
+    and q_{n+1} itself when that has no mass. q [B, K+1, V], p [B, K, V] (masked), n [B].
+    Returns (token [B], empty [B]: the distribution had no mass, only when q was not one)."""
+    p_ext = jnp.concatenate([p, jnp.zeros_like(p[:, :1])], axis=1)
+    q_n = jnp.take_along_axis(q, n[:, None, None], axis=1)[:, 0]
+    p_n = jnp.take_along_axis(p_ext, n[:, None, None], axis=1)[:, 0]
+    residual = jnp.maximum(weight[:, None] * q_n - p_n, 0.0)
+    mass = jnp.sum(residual, axis=-1, keepdims=True)
+    residual = jnp.where(mass > 0, residual / jnp.where(mass > 0, mass, 1.0), q_n)  # q - p <= 0 everywhere: use q
+    return sample(key, residual)
+
+
+def accept(key: jax.Array, x: jax.Array, p: jax.Array, q: jax.Array, length: jax.Array | None = None):
+    """Modified rejection sampling (Algorithm 2), token by token, vectorised over rows.
+
+    x [B,K] proposed tokens, p [B,K,V] their distributions, q [B,K+1,V] target probs,
+    length [B] proposed tokens per row (None: all K). Returns (num_accepted [B] in
+    0..length, next_token [B], empty [B]): the residual sample at the first rejection, or
+    the bonus sample from q_{length+1} when every proposed token was accepted; empty marks
+    a row whose distribution for it had no mass (only when p or q was not one)."""
     batch, lookahead = x.shape
+    drafted = drafted_mask(x, length)
     accept_key, resample_key = jax.random.split(key)
     p_x = jnp.take_along_axis(p, x[..., None], axis=-1)[..., 0]
     q_x = jnp.take_along_axis(q[:, :lookahead], x[..., None], axis=-1)[..., 0]
-    u = jax.random.uniform(accept_key, (batch, lookahead))
-    accepted = u * p_x < q_x  # u < q/p without dividing; p_x > 0 as x was drawn from p
-    num_accepted = jnp.sum(jnp.cumprod(accepted, axis=1), axis=1)
-    p_ext = jnp.concatenate([p, jnp.zeros_like(p[:, :1])], axis=1)  # p = 0 at K+1: residual = q (bonus)
-    q_n = jnp.take_along_axis(q, num_accepted[:, None, None], axis=1)[:, 0]
-    residual = jnp.maximum(q_n - jnp.take_along_axis(p_ext, num_accepted[:, None, None], axis=1)[:, 0], 0.0)
-    mass = jnp.sum(residual, axis=-1, keepdims=True)
-    residual = jnp.where(mass > 0, residual / jnp.where(mass > 0, mass, 1.0), q_n)  # q - p <= 0 everywhere: use q
-    next_token, empty = sample(resample_key, residual)
-    return num_accepted.astype(jnp.int32), next_token, empty
+    u = acceptance_draws(accept_key, (batch, lookahead))
+    accepted = (u * p_x < q_x) & drafted  # u < q/p without dividing; p_x > 0 as x was drawn from p
+    num_accepted = jnp.sum(jnp.cumprod(accepted, axis=1), axis=1).astype(jnp.int32)
+    p = jnp.where(drafted[..., None], p, 0.0)
+    return (num_accepted, *resample(resample_key, q, p, jnp.ones((batch,), q.dtype), num_accepted))
+
+
+def accept_block(key: jax.Array, x: jax.Array, p: jax.Array, q: jax.Array, length: jax.Array | None = None):
+    """Block verification (Sun et al., "Block Verification Accelerates Speculative
+    Decoding", ICLR 2025, arXiv 2403.10444, Algorithm 2): the proposed block is verified
+    jointly. Same signature and meaning as `accept`; exact like it, and never fewer
+    accepted tokens in expectation (optimal among verifiers that see only the block).
+
+    With weights w_0 = 1, w_i = min(1, w_{i-1} q_i(x_i) / p_i(x_i)) and, for i < L,
+    h_i = S_i / (S_i + 1 - w_i) where S_i = sum_x max(0, w_i q_{i+1}(x) - p_{i+1}(x)),
+    and h_L = w_L (L = the row's length): draw eta_i ~ U(0, 1) and keep x_1..x_tau for
+    the largest tau with eta_tau < h_tau (0 if none); the next token comes from
+    norm(max(0, w_tau q_{tau+1} - p_{tau+1})), the bonus q_{L+1} when tau = L.
+    (S_i = 0 gives h_i = 0: no residual mass there, so the block never stops there.)"""
+    batch, lookahead = x.shape
+    drafted = drafted_mask(x, length)
+    size = jnp.full((batch,), lookahead, jnp.int32) if length is None else length
+    accept_key, resample_key = jax.random.split(key)
+    p = jnp.where(drafted[..., None], p, 0.0)
+    p_x = jnp.take_along_axis(p, x[..., None], axis=-1)[..., 0]
+    q_x = jnp.take_along_axis(q[:, :lookahead], x[..., None], axis=-1)[..., 0]
+    ratio = jnp.where(drafted, q_x / jnp.where(drafted, p_x, 1.0), 0.0)  # p_x > 0: x was drawn from p
+    weights = [jnp.ones((batch,), q.dtype)]
+    for j in range(lookahead):
+        weights.append(jnp.minimum(1.0, weights[-1] * ratio[:, j]))
+    w = jnp.stack(weights, axis=1)  # [B, K+1]: w_0..w_K
+    mass = jnp.sum(jnp.maximum(w[:, :lookahead, None] * q[:, :lookahead] - p, 0.0), axis=-1)  # S_0..S_{K-1}
+    s_i, w_i = mass[:, 1:], w[:, 1:lookahead]  # i = 1..K-1
+    h = jnp.where(s_i > 0, s_i / jnp.where(s_i > 0, s_i + 1.0 - w_i, 1.0), 0.0)
+    i = jnp.arange(1, lookahead + 1)[None, :]
+    h = jnp.concatenate([h, jnp.zeros((batch, 1), h.dtype)], axis=1)  # [B, K]: h_1..h_K
+    h = jnp.where(i < size[:, None], h, jnp.where(i == size[:, None], w[:, 1:], 0.0))
+    eta = acceptance_draws(accept_key, (batch, lookahead))
+    tau = jnp.max(jnp.where(eta < h, i, 0), axis=1).astype(jnp.int32)
+    weight = jnp.take_along_axis(w, tau[:, None], axis=1)[:, 0]
+    return (tau, *resample(resample_key, q, p, weight, tau))
+
+
+def verifier(name: str):
+    """The acceptance rule named by SamplingConfig.verify (looked up when the loop is traced)."""
+    return {"tokenwise": accept, "block": accept_block}[name]
+
+
+class Settings(NamedTuple):
+    """The loop's static settings (SamplingConfig's): each distinct value compiles its own loop."""
+
+    lookahead: int  # K: proposed tokens per loop at most
+    warping: Warp
+    verify: str = "block"  # 'block' | 'tokenwise'
+    drafter: str = "model"  # drafters.propose
+    ngram: int = 3
+    draft_confidence: float = 0.0
 
 
 @jax.tree_util.register_dataclass
@@ -87,7 +135,7 @@ class SpsState:
     length: jax.Array
     done: jax.Array
     target_cache: KVCache
-    draft_cache: KVCache
+    draft_cache: KVCache | None  # None without a draft model (lookup drafters)
     key: jax.Array
     stats: Stats
 
@@ -95,70 +143,93 @@ class SpsState:
 class Speculation(NamedTuple):
     """Steps 1-3 of one loop, for every row: what was drafted, scored and accepted."""
 
-    x: jax.Array  # [B, K] draft tokens
-    p: jax.Array  # [B, K, V] draft distributions p_1..p_K
+    x: jax.Array  # [B, K] proposed tokens
+    p: jax.Array  # [B, K, V] their distributions p_1..p_K (point masses for lookups)
+    length: jax.Array  # [B] proposed tokens per row (K unless adaptive or a lookup found nothing)
+    source: jax.Array  # [B] drafters.SOURCES index of the row's proposal
     q: jax.Array  # [B, K+1, V] target distributions q_1..q_{K+1}, from one scoring pass
-    num_accepted: jax.Array  # [B] n in 0..K
-    next_token: jax.Array  # [B] the residual sample at x_{n+1}, or the bonus token (n == K)
+    num_accepted: jax.Array  # [B] n in 0..length
+    next_token: jax.Array  # [B] the residual sample at x_{n+1}, or the bonus token (n == length)
     target_cache: KVCache
-    draft_cache: KVCache
+    draft_cache: KVCache | None
     nonfinite: jax.Array  # [B] NaN/inf in either model's logits, or a distribution without mass
 
 
-def start(target: LM, draft: LM, prompts: jax.Array, prompt_lens: jax.Array, key: jax.Array,
+def start(target: LM, draft: LM | None, prompts: jax.Array, prompt_lens: jax.Array, key: jax.Array,
           lookahead: int, size: int) -> SpsState:
     """The loop's state after prefilling both models' caches with the prompts."""
     batch = prompts.shape[0]
+    draft_cache = prefill(draft, prompts, prompt_lens, size) if draft is not None else None
     return SpsState(token_buffer(prompts, size), prompt_lens, jnp.zeros((batch,), bool),
-                    prefill(target, prompts, prompt_lens, size), prefill(draft, prompts, prompt_lens, size),
-                    key, Stats.zeros(batch, lookahead))
+                    prefill(target, prompts, prompt_lens, size), draft_cache, key,
+                    Stats.zeros(batch, lookahead, len(drafters.SOURCES)))
 
 
-def speculate(target: LM, draft: LM, s: SpsState, lookahead: int, warping: Warp):
-    """Draft K tokens, score [pending, x_1..x_K] in ONE target pass, accept/reject.
+def speculate(target: LM, draft: LM | None, datastore, s: SpsState, settings: Settings):
+    """Propose up to K tokens, score [pending, x_1..x_K] in ONE target pass, verify.
     Returns (the state's next key, Speculation)."""
+    K, warping = settings.lookahead, settings.warping
     key, draft_key, accept_key = jax.random.split(s.key, 3)
-    x, p, draft_cache, draft_bad = draft_tokens(draft, s.draft_cache, s.tokens, s.length, draft_key,
-                                                lookahead, warping)
+    prop, draft_cache, draft_bad = drafters.propose(
+        settings.drafter, draft, s.draft_cache, datastore, s.tokens, s.length, draft_key, K, warping,
+        target.cfg.vocab_size, ngram=settings.ngram, confidence=settings.draft_confidence)
     pending = s.length - 1
-    scored = jnp.concatenate([gather_rows(s.tokens, pending)[:, None], x], axis=1)
-    positions = pending[:, None] + jnp.arange(lookahead + 1)[None, :]
-    logits, target_cache = target(scored, positions, s.target_cache)
-    q, target_bad = warp(logits, warping)
-    num_accepted, next_token, empty = accept(accept_key, x, p, q)
-    return key, Speculation(x, p, q, num_accepted, next_token, target_cache, draft_cache,
-                            jnp.any(target_bad, axis=1) | draft_bad | empty)
+    scored = jnp.concatenate([gather_rows(s.tokens, pending)[:, None], prop.x], axis=1)
+    positions = pending[:, None] + jnp.arange(K + 1)[None, :]
+
+    def score(width: int):
+        """q for the first `width` scored positions; past them q_1 repeated, which is never
+        read (only positions past every row's length are)."""
+        logits, cache = target(scored[:, :width], positions[:, :width], s.target_cache)
+        q, bad = warp(logits, warping)
+        if width < K + 1:
+            q = jnp.broadcast_to(q[:, :1], (q.shape[0], K + 1, q.shape[2]))
+        return q, cache, jnp.any(bad, axis=1)
+
+    if drafters.uses_model(settings.drafter):
+        q, target_cache, target_bad = score(K + 1)
+    else:  # a lookup that found nothing for any row: one plain sampling step scores the pending token only
+        q, target_cache, target_bad = jax.lax.cond(jnp.any(prop.length > 0), lambda: score(K + 1), lambda: score(1))
+    num_accepted, next_token, empty = verifier(settings.verify)(accept_key, prop.x, prop.p, q, prop.length)
+    return key, Speculation(prop.x, prop.p, prop.length, prop.source, q, num_accepted, next_token, target_cache,
+                            draft_cache, target_bad | draft_bad | empty)
 
 
-def speculative_generate(target: LM, draft: LM, prompts: jax.Array, prompt_lens: jax.Array,
-                         key: jax.Array, *, warping: Warp, lookahead: int, max_new: int, eos_id: int,
-                         size: int):
+def speculative_generate(target: LM, draft: LM | None, datastore, prompts: jax.Array, prompt_lens: jax.Array,
+                         key: jax.Array, *, settings: Settings, max_new: int, eos_id: int, size: int):
     """Algorithm 2 as one `lax.while_loop`. Returns (tokens [B, size], length [B], Stats)."""
-    state = start(target, draft, prompts, prompt_lens, key, lookahead, size)
+    K = settings.lookahead
+    state = start(target, draft, prompts, prompt_lens, key, K, size)
+    window = drafters.cache_window(settings.drafter, K)
 
     def loop(s: SpsState) -> SpsState:
-        key, sp = speculate(target, draft, s, lookahead, warping)
+        key, sp = speculate(target, draft, datastore, s, settings)
         x, num_accepted = sp.x, sp.num_accepted
         # Emitted: x_1..x_n, then the residual/bonus token at index n.
         new = jnp.concatenate([x, jnp.zeros_like(x[:, :1])], axis=1)
-        new = jnp.where(jnp.arange(lookahead + 1)[None, :] == num_accepted[:, None], sp.next_token[:, None], new)
-        bad = sp.nonfinite & ~s.done
+        new = jnp.where(jnp.arange(K + 1)[None, :] == num_accepted[:, None], sp.next_token[:, None], new)
+        bad = sp.nonfinite & ~s.done  # such a row emits nothing and stops (NonFiniteLogitsError)
         active = ~s.done & ~bad
         count, finished = stop_after(new, jnp.where(active, num_accepted + 1, 0), s.stats.num_new,
                                      max_new, eos_id)
         length = s.length + count
-        # Roll back: the target holds [0, length-1) after this loop; the draft's cache may
-        # lack x_K, which its next first step re-feeds at position length-2.
+        # Roll back: the target holds [0, length-1) after this loop. The draft's cache holds
+        # at least [0, length - window): its next first step re-feeds the rest.
         target_cache = sp.target_cache.with_lengths(length - 1)
-        draft_cache = sp.draft_cache.with_lengths(jnp.maximum(length - 2, 0))
+        draft_cache = (sp.draft_cache.with_lengths(jnp.maximum(length - window, 0))
+                       if sp.draft_cache is not None else None)
         live = active[:, None].astype(jnp.int32)
+        by_source = live * (jnp.arange(len(drafters.SOURCES))[None, :] == sp.source[:, None])
         st = s.stats
         stats = Stats(
             loops=st.loops + active,
             num_new=st.num_new + count,
             accepted=st.accepted + jnp.where(active, num_accepted, 0),
-            accepted_at=st.accepted_at + live * (jnp.arange(lookahead)[None, :] < num_accepted[:, None]),
-            histogram=st.histogram + live * (jnp.arange(lookahead + 1)[None, :] == num_accepted[:, None]),
+            accepted_at=st.accepted_at + live * (jnp.arange(K)[None, :] < num_accepted[:, None]),
+            histogram=st.histogram + live * (jnp.arange(K + 1)[None, :] == num_accepted[:, None]),
+            drafted=st.drafted + live * (jnp.arange(K + 1)[None, :] == sp.length[:, None]),
+            accepted_by=st.accepted_by + by_source * num_accepted[:, None],
+            proposed_by=st.proposed_by + by_source * sp.length[:, None],
             nonfinite=st.nonfinite | bad)
         return SpsState(write_rows(s.tokens, s.length, new, count), length, s.done | finished | bad,
                         target_cache, draft_cache, key, stats)

@@ -75,10 +75,15 @@ class Stats:
     accepted: jax.Array  # [B] draft tokens accepted (SpS)
     accepted_at: jax.Array  # [B, K] loops in which draft position j was accepted
     histogram: jax.Array  # [B, K+1] loops that accepted exactly n draft tokens
+    drafted: jax.Array  # [B, K+1] loops that proposed exactly n tokens (all K unless adaptive or a lookup)
+    accepted_by: jax.Array  # [B, drafters] accepted tokens by the drafter that proposed them
+    proposed_by: jax.Array  # [B, drafters] proposed tokens by drafter
     nonfinite: jax.Array  # [B] a NaN/inf logit was seen
 
     @classmethod
-    def zeros(cls, batch: int, lookahead: int) -> "Stats":
+    def zeros(cls, batch: int, lookahead: int, drafters: int = 3) -> "Stats":
         z = jnp.zeros((batch,), jnp.int32)
-        return cls(z, z, z, jnp.zeros((batch, lookahead), jnp.int32),
-                   jnp.zeros((batch, lookahead + 1), jnp.int32), jnp.zeros((batch,), bool))
+        hist = jnp.zeros((batch, lookahead + 1), jnp.int32)
+        by = jnp.zeros((batch, drafters), jnp.int32)
+        return cls(z, z, z, jnp.zeros((batch, lookahead), jnp.int32), hist, hist, by, by,
+                   jnp.zeros((batch,), bool))
