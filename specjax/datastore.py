@@ -52,15 +52,15 @@ def main(argv):
     source = load_config(config.target_from) if config.target_from else config
     if FLAGS.corpus is not None:
         source = dataclasses.replace(source, train=dataclasses.replace(source.train, corpus=FLAGS.corpus))
-    tokenizer_dir = None
+    tokenizer = None
     if source.tokenizer_vocab:  # the target checkpoint's tokenizer, never a freshly trained one
         weights = Weights.locate(config, "checkpoint", FLAGS.checkpoint, None, need_draft=False,
                                  train_missing=False)
-        if weights.tokenizer() is None:
+        tokenizer = weights.tokenizer()
+        if tokenizer is None:
             raise UsageError(f"{weights.no_tokenizer_reason}: the datastore must use the target's tokenizer")
-        tokenizer_dir = weights.target_dir
     start = time.perf_counter()
-    corpus = trainer.load_corpus(source, teacher_dir=tokenizer_dir)
+    corpus = trainer.load_corpus(source, teacher_tokenizer=tokenizer)
     tokens = np.concatenate([corpus.train, corpus.val]) if FLAGS.include_validation else corpus.train
     read_seconds = time.perf_counter() - start
     store = Datastore.build(tokens, vocab_size=config.target.vocab_size, ngram=FLAGS.ngram,

@@ -328,7 +328,9 @@ PROMPT = [0, 17, 5]
 
 def theorem_1(pair, n):
     target, draft = pair
-    sampling = SamplingConfig(temperature=1.0, lookahead=3, max_new_tokens=3)
+    # The paper's token-wise rule: the rule the control swaps out (block verification,
+    # the default, has its own tests in test_drafters.py).
+    sampling = SamplingConfig(temperature=1.0, lookahead=3, max_new_tokens=3, verify="tokenwise")
     result = specjax.generate(target, draft, [PROMPT] * n, sampling, seed=0, pad_to=8)
     return chi_square_pvalue(np.array(result.tokens), exact_joint(target, PROMPT, Warp(1.0, 0, 1.0))), result
 
