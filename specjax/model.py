@@ -22,7 +22,7 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
-from specjax import sharding
+from specjax import kernels, sharding
 from specjax.config import ModelConfig
 from specjax.kv_cache import CACHE_AXES, KVCache
 
@@ -101,9 +101,9 @@ class Attention(nnx.Module):
         cfg = self.cfg
         ct = jnp.dtype(cfg.compute_dtype)
         B, T, _ = x.shape
-        q = jnp.einsum("BTD,DNH->BTNH", x, self.wq.value.astype(ct))
-        k = jnp.einsum("BTD,DKH->BTKH", x, self.wk.value.astype(ct))
-        v = jnp.einsum("BTD,DKH->BTKH", x, self.wv.value.astype(ct))
+        q = kernels.einsum("BTD,DNH->BTNH", x, self.wq.value.astype(ct))
+        k = kernels.einsum("BTD,DKH->BTKH", x, self.wk.value.astype(ct))
+        v = kernels.einsum("BTD,DKH->BTKH", x, self.wv.value.astype(ct))
         if cfg.pos_encoding == "rope":
             q = rotary(q, positions, cfg.rope_theta)
             k = rotary(k, positions, cfg.rope_theta)
@@ -146,7 +146,7 @@ class Attention(nnx.Module):
         weights = jax.nn.softmax(logits, axis=-1).astype(ct)
         out = jnp.einsum("BKGTS,BKSH->BTKGH", weights, v_cache.astype(ct)).reshape(B, T, N * H)
         # One [N*H, D] contraction: as "BTNH,NHD" XLA:CPU transposed wo (a weight copy per step).
-        return jnp.einsum("BTF,FD->BTD", out, self.wo.value.astype(ct).reshape(N * H, -1)), k_all, v_all
+        return kernels.einsum("BTF,FD->BTD", out, self.wo.value.astype(ct).reshape(N * H, -1)), k_all, v_all
 
 
 class FeedForward(nnx.Module):
@@ -160,12 +160,12 @@ class FeedForward(nnx.Module):
 
     def __call__(self, x):
         ct = jnp.dtype(self.cfg.compute_dtype)
-        h = jnp.einsum("BTD,DF->BTF", x, self.w_in.value.astype(ct))
+        h = kernels.einsum("BTD,DF->BTF", x, self.w_in.value.astype(ct))
         if self.cfg.ffw == "swiglu":
-            h = jax.nn.silu(jnp.einsum("BTD,DF->BTF", x, self.w_gate.value.astype(ct))) * h
+            h = jax.nn.silu(kernels.einsum("BTD,DF->BTF", x, self.w_gate.value.astype(ct))) * h
         else:
             h = jax.nn.gelu(h)
-        return jnp.einsum("BTF,FD->BTD", h, self.w_out.value.astype(ct))
+        return kernels.einsum("BTF,FD->BTD", h, self.w_out.value.astype(ct))
 
 
 class Block(nnx.Module):
@@ -230,8 +230,10 @@ class Transformer(nnx.Module):
             for i, block in enumerate(self.layers):
                 x, k_all, v_all = block(x, positions, k_all, v_all, i, lengths)
         x = self.final_norm(x)
+        # A tied table is [V, D]: the few-row kernel would need a transposed copy of it.
+        matmul = jnp.einsum if cfg.tie_embeddings else kernels.einsum
         table = self.embed.value.T if cfg.tie_embeddings else self.unembed.value
-        logits = jnp.einsum("BTD,DV->BTV", x, table.astype(ct), preferred_element_type=jnp.float32)
+        logits = matmul("BTD,DV->BTV", x, table.astype(ct), preferred_element_type=jnp.float32)
         # Pinned vocab-parallel (Megatron): otherwise a consumer that wants whole rows (the
         # sampler) can make XLA gather the [D, V] table instead of the small logits.
         logits = sharding.constrain(logits, ("batch", None, "vocab"))
