@@ -5,10 +5,14 @@
 Each measurement is N forwards inside one jitted `fori_loop` with the cache donated, as
 in the sampling loops (in-place cache writes), at batch 1 with the cache one third full,
 compiled as `generate` compiles (api.compile_lowered); medians over repeats. T=1 is an
-ArS step or a draft step; T=K+1 is SpS's scoring pass.
+ArS step or a draft step; T=K+1 is SpS's scoring pass. `--kernels=off,on` compiles each
+program without and with specjax's CPU kernels (SPECJAX_KERNELS at trace time) and
+interleaves all of them, for an A/B within one run.
 """
 from __future__ import annotations
 
+import functools
+import os
 import time
 
 import jax
@@ -24,6 +28,7 @@ flags.DEFINE_string("tokens", "1,2,5", "Tokens per forward (T).")
 flags.DEFINE_string("cache", "64,512,1024", "Cache slots (S).")
 flags.DEFINE_integer("steps", 16, "Forwards per timed loop.")
 flags.DEFINE_integer("repeats", 10, "Timed loops per setting (median).")
+flags.DEFINE_list("kernels", ["default"], "Kernel settings to compare: on, off, default ($SPECJAX_KERNELS).")
 flags.DEFINE_integer("bandwidth_mb", 512, "Array size for the memory-bandwidth measurement (0: skip).")
 FLAGS = flags.FLAGS
 
@@ -62,20 +67,47 @@ def main(argv):
         print(f"memory read bandwidth {gbps:.1f} GB/s -> 1-token roofline {weight_bytes / gbps / 1e6:.2f} ms "
               "(weights read once, cache ignored)")
     print(f"ms per forward (median of {FLAGS.repeats})")
-    print("cache S  " + "  ".join(f"T={t:<6}" for t in ts) + "  T_max/T_1")
+    label = len(FLAGS.kernels) > 1
+    print("cache S  " + ("kernels  " if label else "") + "  ".join(f"T={t:<6}" for t in ts) + "  T_max/T_1")
     for size in (int(s) for s in FLAGS.cache.split(",")):
         fresh = lambda: kv_cache.init_cache(cfg, 1, size).with_lengths(jnp.array([size // 3], jnp.int32))
-        progs = {t: api.compile_lowered(jax.jit(loop, static_argnums=(2, 3), donate_argnums=1)
-                                        .lower(lm, fresh(), t, FLAGS.steps)) for t in ts}
-        times = {t: [] for t in ts}
+        progs = {}
+        for setting in FLAGS.kernels:
+            for t in ts:
+                with kernels_setting(setting):  # a fresh function: jit's trace cache does not see the setting
+                    fn = jax.jit(functools.partial(loop), static_argnums=(2, 3), donate_argnums=1)
+                    progs[setting, t] = api.compile_lowered(fn.lower(lm, fresh(), t, FLAGS.steps))
+        times = {key: [] for key in progs}
         for _ in range(FLAGS.repeats):
-            for t, prog in progs.items():  # interleaved: machine noise hits every T alike
+            for key, prog in progs.items():  # interleaved: machine noise hits every T (and setting) alike
                 c = jax.block_until_ready(fresh())
                 start = time.perf_counter()
                 jax.block_until_ready(prog(lm, c))
-                times[t].append((time.perf_counter() - start) / FLAGS.steps * 1e3)
-        med = {t: float(np.median(v)) for t, v in times.items()}
-        print(f"{size:<8} " + "  ".join(f"{med[t]:<8.2f}" for t in ts) + f"  {med[ts[-1]] / med[ts[0]]:.2f}")
+                times[key].append((time.perf_counter() - start) / FLAGS.steps * 1e3)
+        for setting in FLAGS.kernels:
+            med = {t: float(np.median(times[setting, t])) for t in ts}
+            print(f"{size:<8} " + (f"{setting:<8} " if label else "") + "  ".join(f"{med[t]:<8.2f}" for t in ts)
+                  + f"  {med[ts[-1]] / med[ts[0]]:.2f}")
+
+
+class kernels_setting:
+    """SPECJAX_KERNELS for the programs traced inside: on (1), off (0) or left as it is."""
+
+    def __init__(self, setting: str):
+        if setting not in ("on", "off", "default"):
+            raise app.UsageError(f"--kernels: {setting!r} is not on, off or default")
+        self.value = {"on": "1", "off": "0"}.get(setting)
+
+    def __enter__(self):
+        self.saved = os.environ.get("SPECJAX_KERNELS")
+        if self.value is not None:
+            os.environ["SPECJAX_KERNELS"] = self.value
+
+    def __exit__(self, *exc):
+        if self.saved is None:
+            os.environ.pop("SPECJAX_KERNELS", None)
+        else:
+            os.environ["SPECJAX_KERNELS"] = self.saved
 
 
 if __name__ == "__main__":

@@ -32,10 +32,16 @@ constexpr int kWidth = 16;
 #else
 constexpr int kWidth = 8;
 #endif
-constexpr int kBand = 6;          // rows of w per pass
-constexpr int kMaxRows = 8;       // T
-constexpr int64_t kMinBlock = 64;  // rows of w per thread, at least
+constexpr int kMaxRows = 8;             // T
+constexpr int64_t kMinBlock = 64;        // rows of w per thread, at least
 constexpr int64_t kMinSplit = 1 << 16;  // elements of w below which one thread does it all
+
+constexpr int kBand = 8;                 // rows of w per pass
+// Prefetch the next band? With one row the loop is light enough for the hardware
+// prefetchers alone (explicit prefetches slowed it down); with more rows each byte of w
+// costs more work and the prefetches pay.
+template <int T>
+constexpr bool kPrefetch = T > 1;
 
 typedef float Vec __attribute__((vector_size(kWidth * sizeof(float))));
 
@@ -61,7 +67,8 @@ inline void Band(const float* x, const float* w, float* y, int64_t K, int64_t N,
     for (int r = 0; r < R; ++r) b[t][r] = Splat(x[t * K + k + r]);
   const float* wk = w + k * N;
   for (int64_t n = 0; n < nv; n += kWidth) {
-    for (int r = 0; r < R; ++r) __builtin_prefetch(wk + (R + r) * N + n);
+    if (kPrefetch<T>)
+      for (int r = 0; r < R; ++r) __builtin_prefetch(wk + (R + r) * N + n);
     Vec wr[R];
     for (int r = 0; r < R; ++r) wr[r] = Load(wk + r * N + n);
     for (int t = 0; t < T; ++t) {
@@ -77,13 +84,14 @@ template <int T>
 void Block(const float* x, const float* w, float* y, int64_t K, int64_t N, int64_t k0, int64_t k1) {
   const int64_t nv = N / kWidth * kWidth;
   int64_t k = k0;
-  if (k1 - k0 >= kBand) {
-    Band<T, kBand, true>(x, w, y, K, N, nv, k);
-    k += kBand;
+  constexpr int R = kBand;
+  if (k1 - k0 >= R) {
+    Band<T, R, true>(x, w, y, K, N, nv, k);
+    k += R;
   } else {
     Band<T, 1, true>(x, w, y, K, N, nv, k++);
   }
-  for (; k + kBand <= k1; k += kBand) Band<T, kBand, false>(x, w, y, K, N, nv, k);
+  for (; k + R <= k1; k += R) Band<T, R, false>(x, w, y, K, N, nv, k);
   for (; k < k1; ++k) Band<T, 1, false>(x, w, y, K, N, nv, k);
   for (int64_t n = nv; n < N; ++n)  // columns past the last full vector (where N % kWidth != 0)
     for (int t = 0; t < T; ++t) {
