@@ -6,8 +6,8 @@ setup(
     version="0.1.0",
     description="Accelerating LLM decoding with speculative sampling, in JAX/Flax NNX.",
     packages=find_packages(include=["specjax", "specjax.*"]),
-    # The few-row CPU matmul is compiled from its source on first use (specjax/kernels).
-    package_data={"specjax.kernels": ["*.cc"]},
+    # The CPU kernels are compiled from their sources on first use (specjax/kernels).
+    package_data={"specjax.kernels": ["*.cc", "*.h"]},
     python_requires=">=3.10",
     install_requires=[
         "jax>=0.10",

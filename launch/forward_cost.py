@@ -20,7 +20,7 @@ import jax.numpy as jnp
 import numpy as np
 from absl import app, flags
 
-from specjax import api, kv_cache, model, sharding
+from specjax import api, kernels, kv_cache, model, sharding
 from specjax.config import MeshConfig, load_config
 
 flags.DEFINE_string("config", "mini_target", "Config whose target model is measured.")
@@ -28,7 +28,8 @@ flags.DEFINE_string("tokens", "1,2,5", "Tokens per forward (T).")
 flags.DEFINE_string("cache", "64,512,1024", "Cache slots (S).")
 flags.DEFINE_integer("steps", 16, "Forwards per timed loop.")
 flags.DEFINE_integer("repeats", 10, "Timed loops per setting (median).")
-flags.DEFINE_list("kernels", ["default"], "Kernel settings to compare: on, off, default ($SPECJAX_KERNELS).")
+flags.DEFINE_list("kernels", ["default"], "Kernel settings to compare: on, off, default ($SPECJAX_KERNELS), "
+                  "or one kernel's name (matmul, attention).")
 flags.DEFINE_integer("bandwidth_mb", 512, "Array size for the memory-bandwidth measurement (0: skip).")
 FLAGS = flags.FLAGS
 
@@ -91,12 +92,12 @@ def main(argv):
 
 
 class kernels_setting:
-    """SPECJAX_KERNELS for the programs traced inside: on (1), off (0) or left as it is."""
+    """SPECJAX_KERNELS for the programs traced inside: on (1), off (0), one kernel, or left as it is."""
 
     def __init__(self, setting: str):
-        if setting not in ("on", "off", "default"):
-            raise app.UsageError(f"--kernels: {setting!r} is not on, off or default")
-        self.value = {"on": "1", "off": "0"}.get(setting)
+        if setting not in ("on", "off", "default", *kernels.KERNELS):
+            raise app.UsageError(f"--kernels: {setting!r} is not on, off, default or one of {kernels.KERNELS}")
+        self.value = {"on": "1", "off": "0", "default": None}.get(setting, setting)
 
     def __enter__(self):
         self.saved = os.environ.get("SPECJAX_KERNELS")

@@ -116,35 +116,43 @@ class Attention(nnx.Module):
         v_all = v_all.at[layer, rows, :, positions].set(v.astype(v_all.dtype), mode="drop")
         k_all = sharding.constrain(k_all, CACHE_AXES)
         v_all = sharding.constrain(v_all, CACHE_AXES)
-        k_cache, v_cache = k_all[layer], v_all[layer]
-
-        S, K, N = k_cache.shape[2], cfg.num_kv_heads, cfg.num_heads
+        S, K, N = k_all.shape[3], cfg.num_kv_heads, cfg.num_heads
         G, H = N // K, cfg.head_dim
-        key_pos = jnp.arange(S)
-        if cfg.pos_encoding == "relative":
-            u = self.u.value.astype(ct)
-            qc = (q + u).reshape(B, T, K, G, H)
+
+        def attend(q, k_all, v_all):  # [B,T,N,H] -> [B,T,N,H]
+            k_cache, v_cache = k_all[layer], v_all[layer]
+            key_pos = jnp.arange(S)
+            if cfg.pos_encoding == "relative":
+                u = self.u.value.astype(ct)
+                qc = (q + u).reshape(B, T, K, G, H)
+            else:
+                qc = q.reshape(B, T, K, G, H)
+            logits = jnp.einsum("BTKGH,BKSH->BKGTS", qc, k_cache.astype(ct),
+                                preferred_element_type=jnp.float32)
+            if cfg.pos_encoding == "relative":
+                # Position term (q_i + v) . W_r R_{i-j}, factored as ((q_i + v) W_r^T) . R_{i-j}
+                # so no [S, D] x [D, N, H] projection runs per step: score every distance
+                # 0..S-1 once, then pick distance i - j for each query/key pair.
+                qr = q + self.v.value.astype(ct)
+                qw = jnp.einsum("BTNH,DNH->BTND", qr, self.wr.value.astype(ct))
+                rel = sinusoid(jnp.arange(S), cfg.d_model).astype(ct)  # [R=S, D]
+                by_dist = jnp.einsum("BTND,RD->BNTR", qw, rel, preferred_element_type=jnp.float32)
+                by_dist = by_dist.reshape(B, K, G, T, S)
+                dist = jnp.clip(positions[:, :, None] - key_pos[None, None, :], 0, S - 1)  # [B,T,S]
+                idx = jnp.broadcast_to(dist[:, None, None], (B, K, G, T, S))
+                logits = logits + jnp.take_along_axis(by_dist, idx, axis=-1)
+            logits = logits * (H ** -0.5)
+            visible = (key_pos[None, None, :] <= positions[:, :, None]) & (key_pos[None, None, :] < lengths[:, None, None])
+            logits = jnp.where(visible[:, None, None], logits, MASKED)
+            weights = jax.nn.softmax(logits, axis=-1).astype(ct)
+            return jnp.einsum("BKGTS,BKSH->BTKGH", weights, v_cache.astype(ct)).reshape(B, T, N, H)
+
+        if cfg.pos_encoding != "relative" and kernels.use_attention(q, k_all, v_all):
+            # Reads this layer of the cache in place (XLA copies each layer's slice per step).
+            out = kernels.attention(q, k_all, v_all, layer, positions, lengths, H ** -0.5, attend)
         else:
-            qc = q.reshape(B, T, K, G, H)
-        logits = jnp.einsum("BTKGH,BKSH->BKGTS", qc, k_cache.astype(ct),
-                            preferred_element_type=jnp.float32)
-        if cfg.pos_encoding == "relative":
-            # Position term (q_i + v) . W_r R_{i-j}, factored as ((q_i + v) W_r^T) . R_{i-j}
-            # so no [S, D] x [D, N, H] projection runs per step: score every distance
-            # 0..S-1 once, then pick distance i - j for each query/key pair.
-            qr = q + self.v.value.astype(ct)
-            qw = jnp.einsum("BTNH,DNH->BTND", qr, self.wr.value.astype(ct))
-            rel = sinusoid(jnp.arange(S), cfg.d_model).astype(ct)  # [R=S, D]
-            by_dist = jnp.einsum("BTND,RD->BNTR", qw, rel, preferred_element_type=jnp.float32)
-            by_dist = by_dist.reshape(B, K, G, T, S)
-            dist = jnp.clip(positions[:, :, None] - key_pos[None, None, :], 0, S - 1)  # [B,T,S]
-            idx = jnp.broadcast_to(dist[:, None, None], (B, K, G, T, S))
-            logits = logits + jnp.take_along_axis(by_dist, idx, axis=-1)
-        logits = logits * (H ** -0.5)
-        visible = (key_pos[None, None, :] <= positions[:, :, None]) & (key_pos[None, None, :] < lengths[:, None, None])
-        logits = jnp.where(visible[:, None, None], logits, MASKED)
-        weights = jax.nn.softmax(logits, axis=-1).astype(ct)
-        out = jnp.einsum("BKGTS,BKSH->BTKGH", weights, v_cache.astype(ct)).reshape(B, T, N * H)
+            out = attend(q, k_all, v_all)
+        out = out.reshape(B, T, N * H)
         # One [N*H, D] contraction: as "BTNH,NHD" XLA:CPU transposed wo (a weight copy per step).
         return kernels.einsum("BTF,FD->BTD", out, self.wo.value.astype(ct).reshape(N * H, -1)), k_all, v_all
 

@@ -17,21 +17,15 @@
 #include <memory>
 #include <vector>
 
+#include "simd.h"
 #include "xla/ffi/api/ffi.h"
-
-#if defined(__AVX512F__) || defined(__AVX__)
-#include <immintrin.h>
-#endif
 
 namespace ffi = xla::ffi;
 
 namespace {
 
-#if defined(__AVX512F__)
-constexpr int kWidth = 16;
-#else
-constexpr int kWidth = 8;
-#endif
+using namespace specjax;
+
 constexpr int kMaxRows = 8;             // T
 constexpr int64_t kMinBlock = 64;        // rows of w per thread, at least
 constexpr int64_t kMinSplit = 1 << 16;  // elements of w below which one thread does it all
@@ -42,22 +36,6 @@ constexpr int kBand = 8;                 // rows of w per pass
 // costs more work and the prefetches pay.
 template <int T>
 constexpr bool kPrefetch = T > 1;
-
-typedef float Vec __attribute__((vector_size(kWidth * sizeof(float))));
-
-inline Vec Load(const float* p) { Vec v; std::memcpy(&v, p, sizeof v); return v; }
-inline void Store(float* p, Vec v) { std::memcpy(p, &v, sizeof v); }
-inline Vec Splat(float s) {
-#if defined(__AVX512F__)
-  return (Vec)_mm512_set1_ps(s);
-#elif defined(__AVX__)
-  return (Vec)_mm256_set1_ps(s);
-#else
-  Vec v;
-  for (int i = 0; i < kWidth; ++i) v[i] = s;
-  return v;
-#endif
-}
 
 // y[:, :nv] (+)= x[:, k:k+R] @ w[k:k+R, :nv], prefetching the rows of the next band.
 template <int T, int R, bool First>
@@ -149,11 +127,7 @@ ffi::Error FewRowMatmul(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::Buff
   job->partial.resize((job->blocks - 1) * T * N);
   for (int i = 1; i < job->blocks; ++i) pool.Schedule([job] { job->Work(); });
   job->Work();
-  while (job->done.load(std::memory_order_acquire) < job->blocks) {
-#if defined(__x86_64__)
-    _mm_pause();
-#endif
-  }
+  WaitFor(job->done, job->blocks);
   float* out = job->y;
   for (int c = 1; c < job->blocks; ++c) {
     const float* p = job->partial.data() + (c - 1) * T * N;
