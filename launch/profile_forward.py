@@ -32,7 +32,7 @@ import numpy as np  # noqa: E402
 from absl import app, flags  # noqa: E402
 
 from forward_cost import loop  # noqa: E402  (also defines --config, --tokens, --cache, --steps, --repeats)
-from specjax import api, kv_cache, model, sharding  # noqa: E402
+from specjax import api, kernels, kv_cache, model, sharding  # noqa: E402
 from specjax.config import MeshConfig, load_config  # noqa: E402
 
 flags.DEFINE_integer("traced", 3, "Timed loops traced per setting.")
@@ -68,8 +68,10 @@ def parse_hlo(text: str) -> dict:
     for name, (m, line) in lines.items():
         op_name = re.search(r'op_name="([^"]*)"', line)
         calls = re.search(r"calls=%([\w.-]+)", line)
+        target = re.search(r'custom_call_target="([^"]*)"', line)
         operands = [dims.get(o.strip().lstrip("%"), ()) for o in m.group(4).split(",")]
-        out[name] = (m.group(3), op_name.group(1) if op_name else "", computations.get(calls and calls.group(1), set()) | {m.group(3)},
+        ops = computations.get(calls and calls.group(1), set()) | {m.group(3)} | ({target.group(1)} if target else set())
+        out[name] = (m.group(3), op_name.group(1) if op_name else "", ops,
                      dims[name], operands, "lhs_batch_dims" in line)
     return out
 
@@ -78,6 +80,8 @@ def kind(cfg, opcode: str, op_name: str, ops: set, shape: tuple, operands: list,
     if opcode in ("while", "call", "conditional", "parameter", "get-tuple-element", "tuple", "bitcast", "constant"):
         return None  # containers and no-ops: their children are counted
     scope = next((s for s in SCOPES.values() if f"/{s}/" in op_name + "/"), "")
+    if kernels.ATTENTION_TARGET in ops:
+        return "attention: cached-attention kernel (all of it)"
     if (opcode == "custom-call" or "dot" in ops) and not batched:  # a weight-reading matmul (maybe fused)
         if shape and shape[-1] == cfg.vocab_size:
             return "matmul: logits (unembed)"
