@@ -114,6 +114,10 @@ ffi::Error FewRowMatmul(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::Buff
   // Small matrices: a second thread costs more to wake than it saves.
   int64_t threads = K * N >= kMinSplit ? std::max<int64_t>(1, pool.num_threads()) : 1;
   threads = std::max<int64_t>(1, std::min(threads, K / kMinBlock));
+  if (threads == 1) {  // no job to share
+    kBlock[T](x.typed_data(), w.typed_data(), y->typed_data(), K, N, 0, K);
+    return ffi::Error::Success();
+  }
   auto job = std::make_shared<Job>();
   job->fn = kBlock[T];
   job->x = x.typed_data();
