@@ -76,7 +76,8 @@ def main(argv):
         rates = read_bandwidth(FLAGS.bandwidth_mb)
         gbps = max(rates.values())
         print("memory read bandwidth " + ", ".join(f"{v:.1f} GB/s ({k})" for k, v in rates.items())
-              + f" -> 1-token roofline {weight_bytes / gbps / 1e6:.2f} ms (weights read once at the best rate, cache ignored)")
+              + f" -> 1-token roofline {weight_bytes / gbps / 1e6:.2f} ms"
+              " (weights read once at the best rate, cache ignored)")
     print(f"ms per forward (median of {FLAGS.repeats})")
     label = len(FLAGS.kernels) > 1
     print("cache S  " + ("kernels  " if label else "") + "  ".join(f"T={t:<6}" for t in ts) + "  T_max/T_1")

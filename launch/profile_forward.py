@@ -63,14 +63,16 @@ def parse_hlo(text: str) -> dict:
         if m:
             computations[current].add(m.group(3))
             lines[m.group(1)] = (m, line)
-    dims = {name: tuple(int(d) for d in (m.group(2) or "").strip("[]").split(",") if d) for name, (m, _) in lines.items()}
+    dims = {name: tuple(int(d) for d in (m.group(2) or "").strip("[]").split(",") if d)
+            for name, (m, _) in lines.items()}
     out = {}
     for name, (m, line) in lines.items():
         op_name = re.search(r'op_name="([^"]*)"', line)
         calls = re.search(r"calls=%([\w.-]+)", line)
         target = re.search(r'custom_call_target="([^"]*)"', line)
         operands = [dims.get(o.strip().lstrip("%"), ()) for o in m.group(4).split(",")]
-        ops = computations.get(calls and calls.group(1), set()) | {m.group(3)} | ({target.group(1)} if target else set())
+        ops = computations.get(calls and calls.group(1), set()) | {m.group(3)}
+        ops |= {target.group(1)} if target else set()
         out[name] = (m.group(3), op_name.group(1) if op_name else "", ops,
                      dims[name], operands, "lhs_batch_dims" in line)
     return out
@@ -116,7 +118,8 @@ def traced_events(trace_dir: str):
 
 def profile(lm, cfg, size: int, tokens: int):
     fresh = lambda: kv_cache.init_cache(cfg, 1, size).with_lengths(jnp.array([size // 3], jnp.int32))
-    prog = api.compile_lowered(jax.jit(loop, static_argnums=(2, 3), donate_argnums=1).lower(lm, fresh(), tokens, FLAGS.steps))
+    fn = jax.jit(loop, static_argnums=(2, 3), donate_argnums=1)
+    prog = api.compile_lowered(fn.lower(lm, fresh(), tokens, FLAGS.steps))
     hlo = parse_hlo(prog.as_text())
     times = []
     for _ in range(FLAGS.repeats):
@@ -154,7 +157,7 @@ def main(argv):
         results = {t: profile(lm, cfg, size, t) for t in ts}
         kinds = sorted({k for r in results.values() for k in r[2]}, key=lambda k: -results[ts[-1]][2][k])
         print(f"\n{FLAGS.config}, cache S={size}: ms per forward, summed over thunks (both threads)")
-        print(f"| op kind | " + " | ".join(f"T={t}" for t in ts) + " |")
+        print("| op kind | " + " | ".join(f"T={t}" for t in ts) + " |")
         print("|---" * (len(ts) + 1) + "|")
         for k in kinds:
             print(f"| {k} | " + " | ".join(f"{results[t][2][k]:.3f}" for t in ts) + " |")

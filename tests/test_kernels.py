@@ -3,7 +3,6 @@ inside jit and loops, with gradients; the cached attention equal to the model's 
 attention over ragged positions, GQA and edge cases; the fallback where they are off or
 cannot be built; the model's logits with them equal those without; and multi-device
 meshes never use them."""
-import dataclasses
 import pathlib
 import threading
 
@@ -163,7 +162,8 @@ def test_cached_attention_matches_jnp(B, T, N, K, H, S):
     fn = jax.jit(lambda q, k, v, layer, p, n: kernels.attention(q, k, v, layer, p, n, H ** -0.5, None))
     ref = jax.jit(attention_reference)
     for layer in range(L):
-        close(fn(q, k_all, v_all, layer, positions, lengths), np.asarray(ref(q, k_all, v_all, layer, positions, lengths)))
+        args = (q, k_all, v_all, layer, positions, lengths)
+        close(fn(*args), np.asarray(ref(*args)))
 
 
 @needs_kernel
@@ -205,7 +205,7 @@ def test_model_logits_with_and_without_kernel(monkeypatch, config, B, T):
 
 @pytest.mark.parametrize("mesh_name", ["1x8", "2x4"])
 def test_multi_device_mesh_compiles_no_custom_call(tiny, mesh_name):
-    cfg = dataclasses.replace(tiny.target)
+    cfg = tiny.target
     mesh = mesh_for(mesh_name)
     lm = model.init_lm(cfg, mesh)
     B = mesh.shape["data"]  # rows: B * T <= MAX_ROWS, where the kernel would apply on one device

@@ -5,8 +5,8 @@ never training or a long prefill); the decision is made at trace time.
 
 * `einsum(spec, x, w)` is `jnp.einsum` for the model's weight projections, by
   `fewrow_matmul.cc`: XLA:CPU's dot for 2-8 rows runs well below the rate at which the
-  weights can be read, so scoring K+1 tokens cost about twice one token; the kernel reads
-  each weight once for all rows.
+  weights can be read, so scoring K+1 tokens cost far more than one token; the kernel
+  reads each weight once for all rows.
 * `attention(...)` is attention of the new queries over one layer of the stacked cache,
   by `cached_attention.cc`, which reads the cache in place (XLA copied each layer's
   slice every step) and only its visible prefix.
@@ -39,13 +39,11 @@ SOURCES = tuple(pathlib.Path(__file__).with_name(name) for name in ("fewrow_matm
 HEADERS = (pathlib.Path(__file__).with_name("simd.h"),)
 TARGET = "specjax_fewrow_matmul"
 ATTENTION_TARGET = "specjax_cached_attention"
+KERNELS = ("matmul", "attention")
 MAX_ROWS = 8
 FLAGS = ("-O3", "-march=native", "-std=c++17", "-shared", "-fPIC", "-w")
 
 log = logging.getLogger(__name__)
-
-
-KERNELS = ("matmul", "attention")
 
 
 def enabled(kernel: str) -> bool:

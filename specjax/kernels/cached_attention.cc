@@ -142,7 +142,8 @@ ffi::Error CachedAttention(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> q, ffi::B
                            ffi::Buffer<ffi::F32> v_all, ffi::Buffer<ffi::S32> layer, ffi::Buffer<ffi::S32> positions,
                            ffi::Buffer<ffi::S32> lengths, ffi::ResultBuffer<ffi::F32> out, float scale) {
   auto qd = q.dimensions(), cd = k_all.dimensions();
-  const bool same = v_all.dimensions().size() == cd.size() && std::equal(cd.begin(), cd.end(), v_all.dimensions().begin());
+  const auto vd = v_all.dimensions();
+  const bool same = vd.size() == cd.size() && std::equal(cd.begin(), cd.end(), vd.begin());
   if (qd.size() != 4 || cd.size() != 5 || !same || cd[1] != qd[0] || cd[4] != qd[3] || qd[2] % cd[2] != 0 ||
       positions.element_count() != qd[0] * qd[1] || lengths.element_count() != qd[0])
     return ffi::Error::InvalidArgument("specjax_cached_attention: want q[B,T,N,H], caches [L,B,K,S,H]");
@@ -161,7 +162,8 @@ ffi::Error CachedAttention(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> q, ffi::B
   const Shapes& d = job->d;
   int64_t keys = 0;  // the most keys any query sees
   for (int64_t i = 0; i < d.B * d.T; ++i)
-    keys = std::max<int64_t>(keys, std::clamp<int64_t>(std::min<int64_t>(job->positions[i] + 1, job->lengths[i / d.T]), 1, d.S));
+    keys = std::max<int64_t>(
+        keys, std::clamp<int64_t>(std::min<int64_t>(job->positions[i] + 1, job->lengths[i / d.T]), 1, d.S));
   // Cache elements read plus multiply-adds: below kMinSplit a helper costs more to wake than it saves.
   const bool split = d.B * d.K * keys * d.H * (2 + 2 * d.T * d.G) >= kMinSplit;
   const int64_t items = d.B * d.K;
