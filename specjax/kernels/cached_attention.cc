@@ -63,8 +63,6 @@ inline float Dot(const float* a, const float* b, int64_t H) {
   return s;
 }
 
-constexpr int64_t kMinSplit = 1 << 18;
-
 struct Shapes {
   int64_t B, T, N, K, S, H, G;
 };
@@ -159,15 +157,8 @@ ffi::Error CachedAttention(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> q, ffi::B
   job->lengths = lengths.typed_data();
   job->scale = scale;
   job->out = out->typed_data();
-  const Shapes& d = job->d;
-  int64_t keys = 0;  // the most keys any query sees
-  for (int64_t i = 0; i < d.B * d.T; ++i)
-    keys = std::max<int64_t>(
-        keys, std::clamp<int64_t>(std::min<int64_t>(job->positions[i] + 1, job->lengths[i / d.T]), 1, d.S));
-  // Cache elements read plus multiply-adds: below kMinSplit a helper costs more to wake than it saves.
-  const bool split = d.B * d.K * keys * d.H * (2 + 2 * d.T * d.G) >= kMinSplit;
-  const int64_t items = d.B * d.K;
-  const int64_t helpers = split ? std::min<int64_t>(items, std::max<int64_t>(1, pool.num_threads())) - 1 : 0;
+  const int64_t items = job->d.B * job->d.K;
+  const int64_t helpers = std::min<int64_t>(items, std::max<int64_t>(1, pool.num_threads())) - 1;
   for (int64_t i = 0; i < helpers; ++i) pool.Schedule([job] { job->Work(); });
   job->Work();
   WaitFor(job->done, items);
