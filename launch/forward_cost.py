@@ -11,6 +11,7 @@ interleaves all of them, for an A/B within one run.
 """
 from __future__ import annotations
 
+import contextlib
 import functools
 import os
 import time
@@ -102,24 +103,21 @@ def main(argv):
                   + f"  {med[ts[-1]] / med[ts[0]]:.2f}")
 
 
-class kernels_setting:
-    """SPECJAX_KERNELS for the programs traced inside: on (1), off (0), one kernel, or left as it is."""
-
-    def __init__(self, setting: str):
-        if setting not in ("on", "off", "default", *kernels.KERNELS):
-            raise app.UsageError(f"--kernels: {setting!r} is not on, off, default or one of {kernels.KERNELS}")
-        self.value = {"on": "1", "off": "0", "default": None}.get(setting, setting)
-
-    def __enter__(self):
-        self.saved = os.environ.get("SPECJAX_KERNELS")
-        if self.value is not None:
-            os.environ["SPECJAX_KERNELS"] = self.value
-
-    def __exit__(self, *exc):
-        if self.saved is None:
+@contextlib.contextmanager
+def kernels_setting(setting: str):
+    """SPECJAX_KERNELS for the programs traced inside: on (1), off (0), one kernel, or as it is."""
+    if setting not in ("on", "off", "default", *kernels.KERNELS):
+        raise app.UsageError(f"--kernels: {setting!r} is not on, off, default or one of {kernels.KERNELS}")
+    value, saved = {"on": "1", "off": "0", "default": None}.get(setting, setting), os.environ.get("SPECJAX_KERNELS")
+    if value is not None:
+        os.environ["SPECJAX_KERNELS"] = value
+    try:
+        yield
+    finally:
+        if saved is None:
             os.environ.pop("SPECJAX_KERNELS", None)
         else:
-            os.environ["SPECJAX_KERNELS"] = self.saved
+            os.environ["SPECJAX_KERNELS"] = saved
 
 
 if __name__ == "__main__":
