@@ -6,7 +6,9 @@ setup(
     version="0.1.0",
     description="Accelerating LLM decoding with speculative sampling, in JAX/Flax NNX.",
     packages=find_packages(include=["specjax", "specjax.*"]),
-    package_data={"specjax": ["configs/*.py"]},
+    # Configs ship with the package; the CPU kernels are compiled from their sources on
+    # first use (specjax/kernels).
+    package_data={"specjax": ["configs/*.py"], "specjax.kernels": ["*.cc", "*.h"]},
     python_requires=">=3.11",
     install_requires=[
         "jax>=0.10",

@@ -5,10 +5,15 @@
 Each measurement is N forwards inside one jitted `fori_loop` with the cache donated, as
 in the sampling loops (in-place cache writes), at batch 1 with the cache one third full,
 compiled as `generate` compiles (program.compile_lowered); medians over repeats. T=1 is an
-ArS step or a draft step; T=K+1 is SpS's scoring pass.
+ArS step or a draft step; T=K+1 is SpS's scoring pass. `--kernels=off,on` compiles each
+program without and with specjax's CPU kernels (SPECJAX_KERNELS at trace time) and
+interleaves all of them, for an A/B within one run.
 """
 from __future__ import annotations
 
+import contextlib
+import functools
+import os
 import time
 
 import jax
@@ -16,7 +21,7 @@ import jax.numpy as jnp
 import numpy as np
 from absl import app, flags
 
-from specjax import kv_cache, model, sharding
+from specjax import kernels, kv_cache, model, sharding
 from specjax.decode import program
 from specjax.config import MeshConfig, load_config
 
@@ -25,6 +30,8 @@ flags.DEFINE_string("tokens", "1,2,5", "Tokens per forward (T).")
 flags.DEFINE_string("cache", "64,512,1024", "Cache slots (S).")
 flags.DEFINE_integer("steps", 16, "Forwards per timed loop.")
 flags.DEFINE_integer("repeats", 10, "Timed loops per setting (median).")
+flags.DEFINE_list("kernels", ["default"], "Kernel settings to compare: on, off, default ($SPECJAX_KERNELS), "
+                  "or one kernel's name (matmul, attention).")
 flags.DEFINE_integer("bandwidth_mb", 512, "Array size for the memory-bandwidth measurement (0: skip).")
 FLAGS = flags.FLAGS
 
@@ -38,18 +45,27 @@ def loop(lm, cache, tokens: int, steps: int):
     return jax.lax.fori_loop(0, steps, body, cache)
 
 
-def read_bandwidth(megabytes: int, repeats: int = 10) -> float:
-    """GB/s of a jitted float32 row sum over `megabytes` (far larger than the caches; 64
-    rows so that XLA:CPU can spread them over its threads)."""
-    x = jnp.ones((64, megabytes * 2**20 // 4 // 64), jnp.float32)
-    total = jax.jit(lambda a: a.sum(axis=1))
-    total(x).block_until_ready()
-    times = []
-    for _ in range(repeats):
-        start = time.perf_counter()
-        total(x).block_until_ready()
-        times.append(time.perf_counter() - start)
-    return x.nbytes / float(np.median(times)) / 1e9
+def read_bandwidth(megabytes: int, repeats: int = 10) -> dict[str, float]:
+    """GB/s reading `megabytes` (far larger than the caches) two ways: a jitted float32 row
+    sum (64 rows so that XLA:CPU can spread them over its threads), and, where specjax's
+    CPU kernels are available, a one-row matmul by the few-row kernel (which streams the
+    weights faster than XLA's reduction does, so the row sum alone understates the rate)."""
+    rows = 64
+    x = jnp.ones((rows, megabytes * 2**20 // 4 // rows), jnp.float32)
+    readers = {"XLA row sum": (jax.jit(lambda a: a.sum(axis=1)), x)}
+    if kernels.available():
+        w = x.reshape(-1, 4096)
+        readers["few-row kernel, 1 row"] = (jax.jit(kernels.fewrow_matmul), jnp.ones((1, w.shape[0])), w)
+    rates = {}
+    for name, (fn, *args) in readers.items():
+        fn(*args).block_until_ready()
+        times = []
+        for _ in range(repeats):
+            start = time.perf_counter()
+            fn(*args).block_until_ready()
+            times.append(time.perf_counter() - start)
+        rates[name] = x.nbytes / float(np.median(times)) / 1e9
+    return rates
 
 
 def main(argv):
@@ -59,26 +75,52 @@ def main(argv):
     weight_bytes = sum(x.nbytes for x in jax.tree.leaves(lm.params))
     print(f"{FLAGS.config}: {lm.num_params / 1e6:.1f}M params, {weight_bytes / 1e6:.1f} MB")
     if FLAGS.bandwidth_mb:
-        gbps = read_bandwidth(FLAGS.bandwidth_mb)
-        print(f"memory read bandwidth {gbps:.1f} GB/s -> 1-token roofline {weight_bytes / gbps / 1e6:.2f} ms "
-              "(weights read once, cache ignored)")
+        rates = read_bandwidth(FLAGS.bandwidth_mb)
+        gbps = max(rates.values())
+        print("memory read bandwidth " + ", ".join(f"{v:.1f} GB/s ({k})" for k, v in rates.items())
+              + f" -> 1-token roofline {weight_bytes / gbps / 1e6:.2f} ms"
+              " (weights read once at the best rate, cache ignored)")
     print(f"ms per forward (median of {FLAGS.repeats})")
-    print("cache S  " + "  ".join(f"T={t:<6}" for t in ts) + "  T_max/T_1")
+    label = len(FLAGS.kernels) > 1
+    print("cache S  " + ("kernels  " if label else "") + "  ".join(f"T={t:<6}" for t in ts) + "  T_max/T_1")
     for size in (int(s) for s in FLAGS.cache.split(",")):
         # A relative-position model's table is made at prefill, so outside the timed loop.
         fresh = lambda: lm.with_position_table(kv_cache.init_cache(cfg, 1, size)).with_lengths(
             jnp.array([size // 3], jnp.int32))
-        progs = {t: program.compile_lowered(jax.jit(loop, static_argnums=(2, 3), donate_argnums=1)
-                                        .lower(lm, fresh(), t, FLAGS.steps)) for t in ts}
-        times = {t: [] for t in ts}
+        progs = {}
+        for setting in FLAGS.kernels:
+            for t in ts:
+                with kernels_setting(setting):  # a fresh function: jit's trace cache does not see the setting
+                    fn = jax.jit(functools.partial(loop), static_argnums=(2, 3), donate_argnums=1)
+                    progs[setting, t] = program.compile_lowered(fn.lower(lm, fresh(), t, FLAGS.steps))
+        times = {key: [] for key in progs}
         for _ in range(FLAGS.repeats):
-            for t, prog in progs.items():  # interleaved: machine noise hits every T alike
+            for key, prog in progs.items():  # interleaved: machine noise hits every T (and setting) alike
                 c = jax.block_until_ready(fresh())
                 start = time.perf_counter()
                 jax.block_until_ready(prog(lm, c))
-                times[t].append((time.perf_counter() - start) / FLAGS.steps * 1e3)
-        med = {t: float(np.median(v)) for t, v in times.items()}
-        print(f"{size:<8} " + "  ".join(f"{med[t]:<8.2f}" for t in ts) + f"  {med[ts[-1]] / med[ts[0]]:.2f}")
+                times[key].append((time.perf_counter() - start) / FLAGS.steps * 1e3)
+        for setting in FLAGS.kernels:
+            med = {t: float(np.median(times[setting, t])) for t in ts}
+            print(f"{size:<8} " + (f"{setting:<8} " if label else "") + "  ".join(f"{med[t]:<8.2f}" for t in ts)
+                  + f"  {med[ts[-1]] / med[ts[0]]:.2f}")
+
+
+@contextlib.contextmanager
+def kernels_setting(setting: str):
+    """SPECJAX_KERNELS for the programs traced inside: on (1), off (0), one kernel, or as it is."""
+    if setting not in ("on", "off", "default", *kernels.KERNELS):
+        raise app.UsageError(f"--kernels: {setting!r} is not on, off, default or one of {kernels.KERNELS}")
+    value, saved = {"on": "1", "off": "0", "default": None}.get(setting, setting), os.environ.get("SPECJAX_KERNELS")
+    if value is not None:
+        os.environ["SPECJAX_KERNELS"] = value
+    try:
+        yield
+    finally:
+        if saved is None:
+            os.environ.pop("SPECJAX_KERNELS", None)
+        else:
+            os.environ["SPECJAX_KERNELS"] = saved
 
 
 if __name__ == "__main__":

@@ -23,7 +23,7 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
-from specjax import kv_cache, sharding
+from specjax import kernels, kv_cache, sharding
 from specjax.config import ModelConfig
 from specjax.kv_cache import CACHE_AXES, KVCache
 
@@ -159,9 +159,9 @@ class Attention(nnx.Module):
         cfg = self.cfg
         ct = jnp.dtype(cfg.compute_dtype)
         B, T, _ = x.shape
-        q = jnp.einsum("BTD,DNH->BTNH", x, self.wq.value.astype(ct))
-        k = jnp.einsum("BTD,DKH->BTKH", x, self.wk.value.astype(ct))
-        v = jnp.einsum("BTD,DKH->BTKH", x, self.wv.value.astype(ct))
+        q = kernels.einsum("BTD,DNH->BTNH", x, self.wq.value.astype(ct))
+        k = kernels.einsum("BTD,DKH->BTKH", x, self.wk.value.astype(ct))
+        v = kernels.einsum("BTD,DKH->BTKH", x, self.wv.value.astype(ct))
         if cfg.pos_encoding == "rope":
             freqs = rope_frequencies(cfg)
             q = rotary(q, positions, freqs)
@@ -175,32 +175,41 @@ class Attention(nnx.Module):
         v_all = v_all.at[layer, rows, :, positions].set(v.astype(v_all.dtype), mode="drop")
         k_all = sharding.constrain(k_all, CACHE_AXES)
         v_all = sharding.constrain(v_all, CACHE_AXES)
-        k_cache, v_cache = k_all[layer], v_all[layer]
-
-        S, K, N = k_cache.shape[2], cfg.num_kv_heads, cfg.num_heads
+        S, K, N = k_all.shape[3], cfg.num_kv_heads, cfg.num_heads
         G, H = N // K, cfg.head_dim
-        key_pos = jnp.arange(S)
-        if cfg.pos_encoding == "relative":
-            u = self.u.value.astype(ct)
-            qc = (q + u).reshape(B, T, K, G, H)
+
+        def attend(q, k_all, v_all):  # [B,T,N,H] -> [B,T,N,H]
+            k_cache, v_cache = k_all[layer], v_all[layer]
+            key_pos = jnp.arange(S)
+            if cfg.pos_encoding == "relative":
+                u = self.u.value.astype(ct)
+                qc = (q + u).reshape(B, T, K, G, H)
+            else:
+                qc = q.reshape(B, T, K, G, H)
+            logits = jnp.einsum("BTKGH,BKSH->BKGTS", qc, k_cache.astype(ct),
+                                preferred_element_type=jnp.float32)
+            if cfg.pos_encoding == "relative":
+                # Position term (q_i + v) . W_r R_{i-j}: score every distance once against the
+                # precomputed table, then shift each query's scores to its own position.
+                qr = (q + self.v.value.astype(ct)).reshape(B, T, K, G, H)
+                by_reversed = jnp.einsum("BTKGH,KGSH->BKGTS", qr, table[layer].reshape(K, G, S, H),
+                                         preferred_element_type=jnp.float32)
+                logits = logits + relative_shift(by_reversed, positions)
+            logits = logits * (H ** -0.5)
+            visible = ((key_pos[None, None, :] <= positions[:, :, None])
+                       & (key_pos[None, None, :] < lengths[:, None, None]))
+            logits = jnp.where(visible[:, None, None], logits, MASKED)
+            weights = jax.nn.softmax(logits, axis=-1).astype(ct)
+            return jnp.einsum("BKGTS,BKSH->BTKGH", weights, v_cache.astype(ct)).reshape(B, T, N, H)
+
+        if cfg.pos_encoding != "relative" and kernels.use_attention(q, k_all, v_all):
+            # Reads this layer of the cache in place (XLA copies each layer's slice per step).
+            out = kernels.attention(q, k_all, v_all, layer, positions, lengths, H ** -0.5, attend)
         else:
-            qc = q.reshape(B, T, K, G, H)
-        logits = jnp.einsum("BTKGH,BKSH->BKGTS", qc, k_cache.astype(ct),
-                            preferred_element_type=jnp.float32)
-        if cfg.pos_encoding == "relative":
-            # Position term (q_i + v) . W_r R_{i-j}: score every distance once against the
-            # precomputed table, then shift each query's scores to its own position.
-            qr = (q + self.v.value.astype(ct)).reshape(B, T, K, G, H)
-            by_reversed = jnp.einsum("BTKGH,KGSH->BKGTS", qr, table[layer].reshape(K, G, S, H),
-                                     preferred_element_type=jnp.float32)
-            logits = logits + relative_shift(by_reversed, positions)
-        logits = logits * (H ** -0.5)
-        visible = (key_pos[None, None, :] <= positions[:, :, None]) & (key_pos[None, None, :] < lengths[:, None, None])
-        logits = jnp.where(visible[:, None, None], logits, MASKED)
-        weights = jax.nn.softmax(logits, axis=-1).astype(ct)
-        out = jnp.einsum("BKGTS,BKSH->BTKGH", weights, v_cache.astype(ct)).reshape(B, T, N * H)
+            out = attend(q, k_all, v_all)
+        out = out.reshape(B, T, N * H)
         # One [N*H, D] contraction: as "BTNH,NHD" XLA:CPU transposed wo (a weight copy per step).
-        return jnp.einsum("BTF,FD->BTD", out, self.wo.value.astype(ct).reshape(N * H, -1)), k_all, v_all
+        return kernels.einsum("BTF,FD->BTD", out, self.wo.value.astype(ct).reshape(N * H, -1)), k_all, v_all
 
 
 class FeedForward(nnx.Module):
@@ -214,12 +223,12 @@ class FeedForward(nnx.Module):
 
     def __call__(self, x):
         ct = jnp.dtype(self.cfg.compute_dtype)
-        h = jnp.einsum("BTD,DF->BTF", x, self.w_in.value.astype(ct))
+        h = kernels.einsum("BTD,DF->BTF", x, self.w_in.value.astype(ct))
         if self.cfg.ffw == "swiglu":
-            h = jax.nn.silu(jnp.einsum("BTD,DF->BTF", x, self.w_gate.value.astype(ct))) * h
+            h = jax.nn.silu(kernels.einsum("BTD,DF->BTF", x, self.w_gate.value.astype(ct))) * h
         else:
             h = jax.nn.gelu(h)
-        return jnp.einsum("BTF,FD->BTD", h, self.w_out.value.astype(ct))
+        return kernels.einsum("BTF,FD->BTD", h, self.w_out.value.astype(ct))
 
 
 class Block(nnx.Module):
@@ -303,8 +312,10 @@ class Transformer(nnx.Module):
             for i, block in enumerate(self.layers):
                 x, k_all, v_all = block(x, positions, k_all, v_all, pos_table, i, lengths)
         x = self.final_norm(x)
+        # A tied table is [V, D]: the few-row kernel would need a transposed copy of it.
+        matmul = jnp.einsum if cfg.tie_embeddings else kernels.einsum
         table = self.embed.value.T if cfg.tie_embeddings else self.unembed.value
-        logits = jnp.einsum("BTD,DV->BTV", x, table.astype(ct), preferred_element_type=jnp.float32)
+        logits = matmul("BTD,DV->BTV", x, table.astype(ct), preferred_element_type=jnp.float32)
         # Pinned vocab-parallel (Megatron): otherwise a consumer that wants whole rows (the
         # sampler) can make XLA gather the [D, V] table instead of the small logits.
         logits = sharding.constrain(logits, ("batch", None, "vocab"))

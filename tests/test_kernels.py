@@ -1,0 +1,216 @@
+"""The CPU kernels (specjax/kernels): the few-row matmul equal to jnp.dot over shapes,
+inside jit and loops, with gradients; the cached attention equal to the model's jnp
+attention over ragged positions, GQA and edge cases; the fallback where they are off or
+cannot be built; the model's logits with them equal those without; and multi-device
+meshes never use them."""
+import pathlib
+import threading
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from specjax import kernels, kv_cache, model
+from specjax.config import load_config
+from conftest import mesh_for
+
+needs_kernel = pytest.mark.skipif(not kernels.available(), reason="kernel not built here (no C++ compiler?)")
+CUSTOM_CALL = kernels.TARGET  # as named in lowered and compiled text
+
+
+def operands(T, K, N, seed=0):
+    kx, kw = jax.random.split(jax.random.key(seed))
+    return jax.random.normal(kx, (T, K)), jax.random.normal(kw, (K, N)) * K ** -0.5
+
+
+def reference(x, w):
+    return np.asarray(x, np.float64) @ np.asarray(w, np.float64)
+
+
+def close(a, b):
+    np.testing.assert_allclose(np.asarray(a), b, rtol=1e-5, atol=1e-5)
+
+
+@needs_kernel
+@pytest.mark.parametrize("K,N", [(1, 1), (3, 17), (33, 47), (100, 1000), (32, 64), (128, 512), (512, 512),
+                                 (512, 2048), (2048, 512), (512, 4096)])
+def test_matches_dot_for_every_row_count(K, N):
+    for T in range(1, kernels.MAX_ROWS + 1):
+        x, w = operands(T, K, N, seed=T)
+        close(jax.jit(kernels.fewrow_matmul)(x, w), reference(x, w))
+
+
+@needs_kernel
+def test_inside_while_loop_and_scan():
+    x0, w = operands(5, 256, 256)
+
+    def step(x):
+        return jnp.tanh(kernels.fewrow_matmul(x, w))
+
+    def step_ref(x):
+        return jnp.tanh(jnp.dot(x, w, precision="highest"))
+
+    def while_(f):
+        return jax.jit(lambda x: jax.lax.while_loop(lambda c: c[0] < 6, lambda c: (c[0] + 1, f(c[1])), (0, x))[1])
+
+    def scan(f):
+        return jax.jit(lambda x: jax.lax.scan(lambda c, _: (f(c), c.sum()), x, None, length=6))
+
+    close(while_(step)(x0), np.asarray(while_(step_ref)(x0)))
+    (last, sums), (last_ref, sums_ref) = scan(step)(x0), scan(step_ref)(x0)
+    close(last, np.asarray(last_ref))
+    np.testing.assert_allclose(np.asarray(sums), np.asarray(sums_ref), rtol=1e-4)
+
+
+@needs_kernel
+def test_gradient_goes_through_the_dot_rule():
+    x, w = operands(3, 40, 24)
+    loss = lambda f: jax.grad(lambda x, w: jnp.sum(jnp.sin(f(x, w))), argnums=(0, 1))
+    for g, g_ref in zip(loss(kernels.fewrow_matmul)(x, w), loss(jnp.dot)(x, w)):
+        close(g, np.asarray(g_ref))
+
+
+def test_einsum_dispatch_decided_from_static_facts(monkeypatch):
+    x, w = jnp.ones((1, 5, 64)), jnp.ones((64, 4, 16))
+
+    def hlo(spec="BTD,DNH->BTNH", x=x, w=w, **kw):
+        return jax.jit(lambda x, w: kernels.einsum(spec, x, w, **kw)).lower(x, w).as_text()
+
+    with jax.set_mesh(mesh_for("1x1")):
+        assert (CUSTOM_CALL in hlo()) == kernels.available()
+        assert CUSTOM_CALL not in hlo(x=jnp.ones((3, 3, 64)))  # 9 rows: more than MAX_ROWS
+        assert CUSTOM_CALL not in hlo(x=x.astype(jnp.bfloat16), w=w.astype(jnp.bfloat16))
+        assert CUSTOM_CALL not in hlo("BTD,DNH->BNTH")  # not a plain x @ w
+        assert CUSTOM_CALL not in hlo(preferred_element_type=jnp.bfloat16)
+        monkeypatch.setenv("SPECJAX_KERNELS", "0")
+        assert CUSTOM_CALL not in hlo()
+    assert CUSTOM_CALL not in hlo()  # no mesh and 8 devices
+
+
+@pytest.mark.parametrize("forced", ["env", "no compiler"])
+def test_fallback_gives_the_same_values(monkeypatch, tmp_path, forced):
+    x, w = operands(5, 96, 80)
+    spec = "TK,KN->TN"
+    with jax.set_mesh(mesh_for("1x1")):
+        used = jax.jit(lambda x, w: kernels.einsum(spec, x, w))
+        expect_kernel = kernels.available()
+        assert (CUSTOM_CALL in used.lower(x, w).as_text()) == expect_kernel
+        value = used(x, w)
+        if forced == "env":
+            monkeypatch.setenv("SPECJAX_KERNELS", "0")
+        else:  # a fresh machine without a compiler: building fails, nothing raises
+            monkeypatch.setenv("SPECJAX_CACHE", str(tmp_path))
+            monkeypatch.setenv("CXX", str(tmp_path / "no-such-compiler"))
+            kernels.available.cache_clear()
+        try:
+            fallback = jax.jit(lambda x, w: kernels.einsum(spec, x, w))
+            assert not kernels.use_kernel(spec, x, w)
+            assert CUSTOM_CALL not in fallback.lower(x, w).as_text()
+            close(fallback(x, w), np.asarray(value))
+            close(value, reference(x, w))
+        finally:
+            kernels.available.cache_clear()
+    if forced == "no compiler":
+        assert not list(tmp_path.rglob("*.so"))
+
+
+@needs_kernel
+def test_two_builds_at_once_leave_one_library(tmp_path):
+    results, errors = [], []
+
+    def build():
+        try:
+            results.append(kernels.build(tmp_path))
+        except Exception as e:  # noqa: BLE001
+            errors.append(e)
+
+    threads = [threading.Thread(target=build) for _ in range(2)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert not errors and len(set(results)) == 1
+    assert [p.name for p in pathlib.Path(results[0]).parent.iterdir()] == ["libspecjax_kernels.so"]
+
+
+def attention_reference(q, k_all, v_all, layer, positions, lengths):
+    """The model's jnp attention (MHA/GQA, rope), written out: q [B,T,N,H] -> [B,T,N,H]."""
+    B, T, N, H = q.shape
+    K, S = k_all.shape[2], k_all.shape[3]
+    qc = q.reshape(B, T, K, N // K, H)
+    logits = jnp.einsum("BTKGH,BKSH->BKGTS", qc, k_all[layer], preferred_element_type=jnp.float32) * H ** -0.5
+    key_pos = jnp.arange(S)
+    visible = (key_pos[None, None] <= positions[:, :, None]) & (key_pos[None, None] < lengths[:, None, None])
+    weights = jax.nn.softmax(jnp.where(visible[:, None, None], logits, model.MASKED), axis=-1)
+    return jnp.einsum("BKGTS,BKSH->BTKGH", weights, v_all[layer]).reshape(B, T, N, H)
+
+
+@needs_kernel
+@pytest.mark.parametrize("B,T,N,K,H,S", [(1, 1, 8, 8, 64, 512), (1, 5, 8, 8, 64, 64), (2, 4, 8, 4, 8, 40),
+                                         (8, 1, 8, 8, 16, 33), (1, 8, 4, 1, 20, 17), (2, 3, 6, 2, 3, 5)])
+def test_cached_attention_matches_jnp(B, T, N, K, H, S):
+    L = 3
+    keys = jax.random.split(jax.random.key(B * 100 + T), 4)
+    q = jax.random.normal(keys[0], (B, T, N, H))
+    k_all, v_all = (jax.random.normal(k, (L, B, K, S, H)) for k in keys[1:3])
+    # Ragged rows: one mid-cache, one whose queries run past the cache's end (dropped writes),
+    # one at position 0, one with every key masked (a negative position) where B allows.
+    starts = np.array([S // 3, S - 2, 0, -T - 2, 5, 1, 2, 3])[:B]
+    positions = jnp.asarray(starts[:, None] + np.arange(T)[None], jnp.int32)
+    lengths = jnp.asarray(np.clip(starts + T, 0, S), jnp.int32)
+    fn = jax.jit(lambda q, k, v, layer, p, n: kernels.attention(q, k, v, layer, p, n, H ** -0.5, None))
+    ref = jax.jit(attention_reference)
+    for layer in range(L):
+        args = (q, k_all, v_all, layer, positions, lengths)
+        close(fn(*args), np.asarray(ref(*args)))
+
+
+@needs_kernel
+def test_cached_attention_gradient_uses_the_reference():
+    B, T, N, K, H, S = 1, 3, 4, 2, 8, 12
+    keys = jax.random.split(jax.random.key(3), 3)
+    q = jax.random.normal(keys[0], (B, T, N, H))
+    k_all, v_all = (jax.random.normal(k, (2, B, K, S, H)) for k in keys[1:])
+    positions, lengths = jnp.array([[4, 5, 6]]), jnp.array([7])
+    ref = lambda q, k, v: attention_reference(q, k, v, 1, positions, lengths)
+    loss = lambda f: jax.grad(lambda q, k, v: jnp.sum(jnp.sin(f(q, k, v))), argnums=(0, 1, 2))
+    fast = lambda q, k, v: kernels.attention(q, k, v, 1, positions, lengths, H ** -0.5, ref)
+    for g, g_ref in zip(loss(fast)(q, k_all, v_all), loss(ref)(q, k_all, v_all)):
+        close(g, np.asarray(g_ref))
+
+
+@needs_kernel
+@pytest.mark.parametrize("config,B,T", [("tiny", 1, 1), ("tiny", 2, 4), ("mini_target", 1, 5), ("mini_target", 1, 1)])
+def test_model_logits_with_and_without_kernel(monkeypatch, config, B, T):
+    cfg = load_config(config).target
+    mesh = mesh_for("1x1")
+    lm = model.init_lm(cfg, mesh)
+    prompt = 7
+    tokens = jax.random.randint(jax.random.key(0), (B, prompt + T), 0, cfg.vocab_size)
+    cache = kv_cache.init_cache(cfg, B, 32)
+    with jax.set_mesh(mesh):
+        _, cache = jax.jit(lambda lm, t, p, c: lm(t, p, c))(lm, tokens[:, :prompt],
+                                                             jnp.broadcast_to(jnp.arange(prompt), (B, prompt)), cache)
+        positions = jnp.broadcast_to(prompt + jnp.arange(T), (B, T))
+        args = (lm, tokens[:, prompt:], positions, cache)
+        fast = jax.jit(lambda lm, t, p, c: lm(t, p, c)[0])
+        assert CUSTOM_CALL in fast.lower(*args).as_text()
+        with_kernel = fast(*args)
+        monkeypatch.setenv("SPECJAX_KERNELS", "0")
+        plain = jax.jit(lambda lm, t, p, c: lm(t, p, c)[0])
+        assert CUSTOM_CALL not in plain.lower(*args).as_text()
+        np.testing.assert_allclose(np.asarray(with_kernel), np.asarray(plain(*args)), rtol=1e-5, atol=2e-5)
+
+
+@pytest.mark.parametrize("mesh_name", ["1x8", "2x4"])
+def test_multi_device_mesh_compiles_no_custom_call(tiny, mesh_name):
+    cfg = tiny.target
+    mesh = mesh_for(mesh_name)
+    lm = model.init_lm(cfg, mesh)
+    B = mesh.shape["data"]  # rows: B * T <= MAX_ROWS, where the kernel would apply on one device
+    tokens = jnp.zeros((B, 1), jnp.int32)
+    cache = kv_cache.init_cache(cfg, B, 16)
+    with jax.set_mesh(mesh):
+        text = jax.jit(lambda lm, t, c: lm(t, c.lengths[:, None], c)[0]).lower(lm, tokens, cache).compile().as_text()
+    assert "custom-call" not in text and "all-reduce" in text
