@@ -54,6 +54,8 @@ def define_flags() -> None:
                         "default: the config's).")
     flags.DEFINE_string("draft_confidence", None, "Comma-separated adaptive-length thresholds in [0, 1) to compare "
                         "(0 = fixed K; default: the config's).")
+    flags.DEFINE_string("num_drafts", None, "Comma-separated draft chains per loop to compare (1 = one chain; "
+                        "more are verified as a tree; default: the config's).")
     flags.DEFINE_integer("ngram", None, "Longest suffix the lookup drafters match (default: the config's).")
     flags.DEFINE_string("datastore", None, "Datastore for the retrieval and hybrid drafters.")
     flags.DEFINE_enum("prompts", "humaneval", ["humaneval", "rewrite"], "With a tokenizer: HumanEval prompts, or "
@@ -73,11 +75,17 @@ def main(argv):
     config = with_hf_models(cli.config(), FLAGS.hf_target, FLAGS.hf_draft, init=FLAGS.init, checkpoint=None,
                             draft_checkpoint=None)
     base = config.sampling if FLAGS.ngram is None else dataclasses.replace(config.sampling, ngram=FLAGS.ngram)
-    variants = [dict(verify=v, drafter=d, draft_confidence=c)
+    num_drafts = [base.num_drafts] if FLAGS.num_drafts is None else cli.int_list("num_drafts", FLAGS.num_drafts)
+    variants = [dict(verify=v, drafter=d, draft_confidence=c, num_drafts=m)
                 for d in names("drafter", FLAGS.drafter, base.drafter, DRAFTERS)
+                for m in num_drafts
                 for v in names("verify", FLAGS.verify, base.verify, VERIFY_RULES)
                 for c in confidences(FLAGS.draft_confidence, base.draft_confidence)
-                if drafters.uses_model(d) or c == 0]  # a lookup has no draft distribution to be unsure about
+                if (drafters.uses_model(d) or c == 0)  # a lookup has no draft distribution to be unsure about
+                and (drafters.uses_model(d) or m == 1)]  # nor several chains
+    if not variants:
+        raise UsageError(f"--drafter={FLAGS.drafter}: lookup drafters propose one chain with no draft distribution, "
+                         "so --num_drafts > 1 and --draft_confidence > 0 leave nothing to compare")
     for v in variants:
         dataclasses.replace(base, **v).validate()
     need_draft = any(drafters.uses_model(v["drafter"]) for v in variants)

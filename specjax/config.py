@@ -218,6 +218,9 @@ class SamplingConfig:
     drafter: str = "model"  # 'model' | 'ngram' (prompt lookup) | 'retrieval' (a datastore) | 'hybrid'
     ngram: int = 3  # longest context suffix the lookup drafters match (shorter ones down to 1 as fallback)
     draft_confidence: float = 0.0  # > 0: a row stops drafting after a draft distribution whose top p is below it
+    # M draft chains per loop, scored as one tree and verified jointly (multi-draft rejection
+    # sampling; `verify` picks the rule for a single chain). 'model' or 'hybrid' drafters only.
+    num_drafts: int = 1
 
     def __post_init__(self):
         _plain_numbers(self)
@@ -244,6 +247,11 @@ class SamplingConfig:
         _integer(self, "ngram", 1, hint=" (the longest context suffix the lookup drafters match)", label="ngram")
         _number(self, "draft_confidence", "in [0, 1) (0 turns the adaptive draft length off)",
                 lambda v: 0 <= v < 1, "draft_confidence")
+        _integer(self, "num_drafts", 1, hint=" (draft chains per loop; 1 = one chain)", label="num_drafts")
+        if self.num_drafts > 1 and self.drafter not in ("model", "hybrid"):
+            raise ConfigError(f"num_drafts={self.num_drafts} with drafter={self.drafter!r}: several drafts are "
+                              "drawn from the draft model, so they need drafter 'model' or 'hybrid' (a lookup "
+                              "proposes one chain)")
         return self
 
     @property

@@ -25,6 +25,7 @@ from specjax.config import ModelConfig
 
 CACHE_AXES = ("layers", "batch", "kv_heads", "cache_seq", "head_dim")
 TABLE_AXES = ("layers", "heads", "cache_seq", "head_dim")
+TREE_AXES = ("layers", "batch", None, "kv_heads", "head_dim")  # a tree pass's own keys/values [L, B, T, K, H]
 
 
 @jax.tree_util.register_dataclass
@@ -80,3 +81,20 @@ def init_cache(cfg: ModelConfig, batch: int, size: int, mesh: jax.sharding.Mesh 
     if mesh is None:
         return empty(cfg, batch, size)
     return jax.jit(lambda: empty(cfg, batch, size), out_shardings=cache_shardings(cfg, batch, size, mesh))()
+
+
+def commit(cache: KVCache, k_tree: jax.Array, v_tree: jax.Array, nodes: jax.Array, start: jax.Array) -> KVCache:
+    """Write the tree nodes `nodes` [B, P] (a path: the pending token, then one chain's
+    nodes) into every layer at consecutive positions start[b]..start[b]+P-1. One scatter
+    of P entries per layer and row, in place; `lengths` is left to the caller's rollback."""
+    batch, width = nodes.shape
+    index = nodes[None, :, :, None, None]
+    layers = jnp.arange(cache.k.shape[0])[:, None, None]
+    rows = jnp.arange(batch)[None, :, None]
+    positions = (start[:, None] + jnp.arange(width)[None, :])[None]
+
+    def put(buf, tree):  # buf[l, b, :, start[b] + j] = tree[l, b, nodes[b, j]]
+        path = jnp.take_along_axis(tree, index, axis=2).astype(buf.dtype)  # [L, B, P, K, H]
+        return sharding.constrain(buf.at[layers, rows, :, positions].set(path, mode="drop"), CACHE_AXES)
+
+    return dataclasses.replace(cache, k=put(cache.k, k_tree), v=put(cache.v, v_tree))

@@ -7,7 +7,11 @@ carries logical axis names (`logical=` metadata) that `sharding.RULES` maps to t
 ONE forward serves prefill of ragged prompts, one-token decode and scoring of K+1
 tokens: `forward(tokens[B,T], positions[B,T], cache) -> logits[B,T,V] float32, cache`.
 Each row writes its T keys/values at its own positions; a query at position i sees the
-keys at positions <= i that are below the row's length.
+keys at positions <= i that are below the row's length. With `ancestors` (a static
+[T, T] mask) the T tokens are a tree scored in one pass instead (several draft chains
+share positions): each sees the cache below the row's length and its own tree
+ancestors, and the tree's keys/values are returned, not written (`kv_cache.commit`
+writes the accepted path).
 
 Letters: B batch, T query, S key/cache, N heads, K kv heads, G = N // K, H head dim,
 D model, F ffw, V vocab, L layers.
@@ -151,11 +155,13 @@ class Attention(nnx.Module):
             self.u = nnx.Param(jnp.zeros((N, H), dt), logical=("heads", "head_dim"))
             self.v = nnx.Param(jnp.zeros((N, H), dt), logical=("heads", "head_dim"))
 
-    def __call__(self, x, positions, k_all, v_all, table, layer, lengths):
+    def __call__(self, x, positions, k_all, v_all, table, layer, lengths, ancestors=None):
         """x [B,T,D]; k_all/v_all: the whole stacked cache [L,B,K,S,H]; table: the stacked
         position table [L,N,S,H] (relative positions) or None. Writes this layer's T new
         entries straight into the cache (an in-place scatter inside the loop: no copy of a
-        layer slice) and returns (out [B,T,D], k_all, v_all)."""
+        layer slice) and returns (out [B,T,D], k_all, v_all). With `ancestors` [T,T] (a
+        tree, see the module docstring) nothing is written and it returns (out, k, v),
+        the tree's own keys/values [B,T,K,H]."""
         cfg = self.cfg
         ct = jnp.dtype(cfg.compute_dtype)
         B, T, _ = x.shape
@@ -170,6 +176,10 @@ class Attention(nnx.Module):
         # every device computes the (small) k, v itself instead of gathering them.
         k = sharding.constrain(k, ("batch", None, "kv_heads", "head_dim"))
         v = sharding.constrain(v, ("batch", None, "kv_heads", "head_dim"))
+        if ancestors is not None:
+            out = self.attend_tree(q, k, v, k_all, v_all, table, layer, positions, lengths, ancestors)
+            return kernels.einsum("BTF,FD->BTD", out, self.wo.value.astype(ct).reshape(cfg.num_heads * cfg.head_dim,
+                                                                                           -1)), k, v
         rows = jnp.arange(B)[:, None]  # k[b, t] goes to [layer, b, :, positions[b, t]]
         k_all = k_all.at[layer, rows, :, positions].set(k.astype(k_all.dtype), mode="drop")
         v_all = v_all.at[layer, rows, :, positions].set(v.astype(v_all.dtype), mode="drop")
@@ -212,6 +222,39 @@ class Attention(nnx.Module):
         return kernels.einsum("BTF,FD->BTD", out, self.wo.value.astype(ct).reshape(N * H, -1)), k_all, v_all
 
 
+    def attend_tree(self, q, k, v, k_all, v_all, table, layer, positions, lengths, ancestors):
+        """Tree attention -> [B,T,N*H]: one softmax over the row's cache entries below
+        `lengths` and the tree nodes in `ancestors[t]`, with the same content and
+        position terms as a plain forward over each node's path (a node's position is its
+        depth past the pending token, so its distance to an ancestor is their position
+        difference). The jnp path throughout: the tree pass is one per loop."""
+        cfg = self.cfg
+        ct = jnp.dtype(cfg.compute_dtype)
+        B, T = q.shape[:2]
+        S, K, N, H = k_all.shape[3], cfg.num_kv_heads, cfg.num_heads, cfg.head_dim
+        G = N // K
+        k_cache, v_cache = k_all[layer].astype(ct), v_all[layer].astype(ct)
+        qc = q + self.u.value.astype(ct) if cfg.pos_encoding == "relative" else q
+        qc = qc.reshape(B, T, K, G, H)
+        f32 = dict(preferred_element_type=jnp.float32)
+        cached = jnp.einsum("BTKGH,BKSH->BKGTS", qc, k_cache, **f32)
+        own = jnp.einsum("BTKGH,BUKH->BKGTU", qc, k.astype(ct), **f32)
+        if cfg.pos_encoding == "relative":
+            qr = (q + self.v.value.astype(ct)).reshape(B, T, K, G, H)
+            by_reversed = jnp.einsum("BTKGH,KGSH->BKGTS", qr, table[layer].reshape(K, G, S, H), **f32)
+            cached = cached + relative_shift(by_reversed, positions)
+            distance = jnp.clip(positions[:, :, None] - positions[:, None, :], 0, S - 1)  # [B,T,U]
+            index = jnp.broadcast_to((S - 1 - distance)[:, None, None], (B, K, G, T, T))
+            own = own + jnp.take_along_axis(by_reversed, index, axis=-1)
+        visible = jnp.arange(S)[None, None, :] < lengths[:, None, None]  # [B,1,S]: all below every node
+        cached = jnp.where(visible[:, None, None], cached, MASKED)
+        own = jnp.where(jnp.asarray(ancestors)[None, None, None], own, MASKED)
+        weights = jax.nn.softmax(jnp.concatenate([cached, own], axis=-1) * (H ** -0.5), axis=-1).astype(ct)
+        out = (jnp.einsum("BKGTS,BKSH->BTKGH", weights[..., :S], v_cache)
+               + jnp.einsum("BKGTU,BUKH->BTKGH", weights[..., S:], v.astype(ct)))
+        return out.reshape(B, T, N * H)
+
+
 class FeedForward(nnx.Module):
     def __init__(self, cfg: ModelConfig, keys: Keys, out_std: float):
         D, F, dt = cfg.d_model, cfg.d_ff, cfg.param_dtype
@@ -239,8 +282,8 @@ class Block(nnx.Module):
         self.ffw_norm = RMSNorm(cfg)
         self.ffw = FeedForward(cfg, keys, out_std)
 
-    def __call__(self, x, positions, k_all, v_all, table, layer, lengths):
-        h, k_all, v_all = self.attn(self.attn_norm(x), positions, k_all, v_all, table, layer, lengths)
+    def __call__(self, x, positions, k_all, v_all, table, layer, lengths, ancestors=None):
+        h, k_all, v_all = self.attn(self.attn_norm(x), positions, k_all, v_all, table, layer, lengths, ancestors)
         x = x + h
         x = x + self.ffw(self.ffw_norm(x))
         return x, k_all, v_all
@@ -280,7 +323,9 @@ class Transformer(nnx.Module):
             table = jnp.stack([position_table(block.attn.wr.value, size, ct) for block in self.layers])
         return sharding.constrain(table, kv_cache.TABLE_AXES)
 
-    def __call__(self, tokens, positions, cache: KVCache):
+    def __call__(self, tokens, positions, cache: KVCache, ancestors=None):
+        """-> (logits, cache); with `ancestors` (a tree) -> (logits, (k, v)): the tree's
+        keys/values [L,B,T,K,H], the cache left as it was."""
         cfg = self.cfg
         ct = jnp.dtype(cfg.compute_dtype)
         mesh = jax.sharding.get_abstract_mesh()
@@ -293,7 +338,10 @@ class Transformer(nnx.Module):
             x = jnp.take(self.embed.value, tokens, axis=0).astype(ct)
         if cfg.input_embedding_scale != 1.0:
             x = x * cfg.input_embedding_scale
-        lengths = jnp.maximum(cache.lengths, positions[:, -1] + 1).astype(jnp.int32)
+        if ancestors is None:
+            lengths = jnp.maximum(cache.lengths, positions[:, -1] + 1).astype(jnp.int32)
+        else:
+            lengths = cache.lengths
         k_all, v_all = cache.k, cache.v
         pos_table = cache.position_table
         if pos_table is None:  # an empty cache (prefill, training): computed once, then carried
@@ -304,13 +352,22 @@ class Transformer(nnx.Module):
             def body(carry, layer_params):
                 x, k_all, v_all, i = carry
                 block = nnx.merge(graphdef, layer_params)
-                x, k_all, v_all = block(x, positions, k_all, v_all, pos_table, i, lengths)
-                return (x, k_all, v_all, i + 1), None
+                x, k_out, v_out = block(x, positions, k_all, v_all, pos_table, i, lengths, ancestors)
+                if ancestors is None:
+                    return (x, k_out, v_out, i + 1), None
+                return (x, k_all, v_all, i + 1), (k_out, v_out)
 
-            (x, k_all, v_all, _), _ = jax.lax.scan(body, (x, k_all, v_all, 0), stacked)
+            (x, k_all, v_all, _), tree_kv = jax.lax.scan(body, (x, k_all, v_all, 0), stacked)
         else:
+            tree_kv = []
             for i, block in enumerate(self.layers):
-                x, k_all, v_all = block(x, positions, k_all, v_all, pos_table, i, lengths)
+                x, k_out, v_out = block(x, positions, k_all, v_all, pos_table, i, lengths, ancestors)
+                if ancestors is None:
+                    k_all, v_all = k_out, v_out
+                else:
+                    tree_kv.append((k_out, v_out))
+            if ancestors is not None:
+                tree_kv = tuple(jnp.stack(kv) for kv in zip(*tree_kv))
         x = self.final_norm(x)
         # A tied table is [V, D]: the few-row kernel would need a transposed copy of it.
         matmul = jnp.einsum if cfg.tie_embeddings else kernels.einsum
@@ -319,6 +376,8 @@ class Transformer(nnx.Module):
         # Pinned vocab-parallel (Megatron): otherwise a consumer that wants whole rows (the
         # sampler) can make XLA gather the [D, V] table instead of the small logits.
         logits = sharding.constrain(logits, ("batch", None, "vocab"))
+        if ancestors is not None:
+            return logits, tuple(sharding.constrain(a, kv_cache.TREE_AXES) for a in tree_kv)
         return logits, KVCache(k_all, v_all, lengths, pos_table)
 
 
@@ -336,8 +395,8 @@ class LM:
     graphdef: Any
     params: Any
 
-    def __call__(self, tokens, positions, cache: KVCache):
-        return nnx.merge(self.graphdef, self.params)(tokens, positions, cache)
+    def __call__(self, tokens, positions, cache: KVCache, ancestors=None):
+        return nnx.merge(self.graphdef, self.params)(tokens, positions, cache, ancestors)
 
     def with_position_table(self, cache: KVCache) -> KVCache:
         """`cache` holding this model's position table (what the first forward over an

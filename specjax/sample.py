@@ -24,7 +24,7 @@ from specjax.config import DRAFTERS, VERIFY_RULES
 
 FLAGS = flags.FLAGS
 SAMPLING_FLAGS = ("lookahead", "temperature", "top_k", "top_p", "max_new_tokens", "verify", "drafter", "ngram",
-                  "draft_confidence")
+                  "draft_confidence", "num_drafts")
 
 
 def define_flags() -> None:
@@ -45,6 +45,8 @@ def define_flags() -> None:
     flags.DEFINE_integer("ngram", None, "Longest context suffix the lookup drafters match (default: the config's).")
     flags.DEFINE_float("draft_confidence", None, "In [0, 1): a row stops drafting after a draft distribution whose "
                        "top probability is below this (--lookahead is the most); 0 = fixed K.")
+    flags.DEFINE_integer("num_drafts", None, "M draft chains per loop, scored as one tree and verified jointly "
+                         "(exact multi-draft rejection sampling); 1 = one chain (default: the config's).")
     flags.DEFINE_string("datastore", None, "Datastore for --drafter=retrieval|hybrid (python -m specjax.datastore).")
     flags.DEFINE_integer("num_samples", 1, "Samples per prompt.")
     flags.DEFINE_integer("batch_size", 1, "Rows per generate call (prompts x num_samples rows are split into "

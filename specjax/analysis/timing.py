@@ -14,19 +14,27 @@ import jax.numpy as jnp
 import numpy as np
 
 from specjax import kv_cache
-from specjax.decode import program as program_lib
+from specjax.decode import program as program_lib, tree as tree_lib
 from specjax.decode.api import Totals, generate
 
 
-def time_forward(lm, tokens: int, context: int, repeats: int) -> float:
-    """Seconds for one cached forward of `tokens` new tokens at batch 1 after `context`."""
+def time_forward(lm, tokens: int, context: int, repeats: int, batch: int = 1, tree: tuple[int, int] | None = None
+                 ) -> float:
+    """Seconds for one cached forward of `tokens` new tokens per row after `context`; with
+    `tree` = (M, K), the tree pass over 1 + M*K tokens that several drafts score."""
     mesh = program_lib.mesh_of(lm)
+    if tree is not None:
+        tokens = 1 + tree[0] * tree[1]
     with jax.set_mesh(mesh):
-        cache = kv_cache.init_cache(lm.cfg, 1, context + tokens + 1, mesh).with_lengths(jnp.array([context]))
+        cache = kv_cache.init_cache(lm.cfg, batch, context + tokens + 1, mesh).with_lengths(
+            jnp.full((batch,), context))
         cache = lm.with_position_table(cache)  # as after a prefill: not timed as part of the step
-        ids = jnp.zeros((1, tokens), jnp.int32)
-        pos = context + jnp.arange(tokens, dtype=jnp.int32)[None]
-        step = program_lib.compile_lowered(jax.jit(lambda lm, t, p, c: lm(t, p, c)[0]).lower(lm, ids, pos, cache))
+        ids = jnp.zeros((batch, tokens), jnp.int32)
+        offsets = jnp.arange(tokens, dtype=jnp.int32) if tree is None else jnp.asarray(tree_lib.depths(*tree))
+        pos = jnp.broadcast_to(context + offsets[None], (batch, tokens))
+        ancestors = None if tree is None else tree_lib.ancestors(*tree)
+        step = program_lib.compile_lowered(
+            jax.jit(lambda lm, t, p, c: lm(t, p, c, ancestors)[0]).lower(lm, ids, pos, cache))
         jax.block_until_ready(step(lm, ids, pos, cache))
         times = []
         for _ in range(repeats):
@@ -92,7 +100,8 @@ def describe(results) -> dict:
 
 def label(row: dict) -> str:
     """A Figure-1 line's name: drafter and verifier (the paper's is 'model, tokenwise')."""
-    text = f"{row['drafter']}, {row['verify']}"
+    text = f"{row['drafter']}, {row['verify']}" if row.get("num_drafts", 1) == 1 else \
+        f"{row['drafter']}, {row['num_drafts']} drafts"
     return text + (f", confidence {row['draft_confidence']}" if row.get("draft_confidence") else "")
 
 
@@ -135,8 +144,10 @@ def bench(target, draft, prompts, base, ks, batch_sizes, repeats: int, seed: int
           variants=({},), datastore=None) -> dict:
     """The whole comparison: single-pass costs, ArS, SpS for every variant and K, batch
     scaling. `base` is the SamplingConfig (eos_id -1: every sequence has the same length);
-    `variants` are SamplingConfig overrides (verify, drafter, draft_confidence) compared
-    side by side, each at every K, interleaved K by K so machine noise hits them alike."""
+    `variants` are SamplingConfig overrides (verify, drafter, draft_confidence, num_drafts)
+    compared side by side, each at every K, interleaved K by K so machine noise hits them
+    alike. With M > 1 drafts the model of a loop is K draft steps over M rows plus the
+    tree pass over 1 + M*K tokens, each timed on its own."""
     context = max(len(p) for p in prompts)
     draft_step = time_forward(draft, 1, context, repeats) if draft is not None else 0.0
     target_step = time_forward(target, 1, context, repeats)
@@ -162,17 +173,23 @@ def bench(target, draft, prompts, base, ks, batch_sizes, repeats: int, seed: int
             run_prompts(target, draft, prompts[:1], sampling, seed, datastore)
             results = run_prompts(target, draft, prompts, sampling, seed, datastore)
             row = describe(results)
-            steps = k * draft_step if sampling.drafter in ("model", "hybrid") else 0.0
-            row.update(lookahead=k, verify=sampling.verify, drafter=sampling.drafter,
+            m = sampling.num_drafts
+            step, scoring = draft_step, score
+            if m > 1:
+                step = time_forward(draft, 1, context, repeats, batch=m)
+                scoring = time_forward(target, 0, context, repeats, tree=(m, k))
+                report["target_scoring_ms"][f"tree {m}x{k}"] = 1000 * scoring
+            steps = k * step if sampling.drafter in ("model", "hybrid") else 0.0
+            row.update(lookahead=k, verify=sampling.verify, drafter=sampling.drafter, num_drafts=m,
                        draft_confidence=sampling.draft_confidence, speedup=ars["ms_per_token"] / row["ms_per_token"],
-                       model_ms_per_loop=1000 * (steps + score),
+                       model_ms_per_loop=1000 * (steps + scoring), scoring_ms=1000 * scoring,
                        tokens_per_sequence=float(np.mean([r.total_tokens for r in results])))
             report["sps"].append(row)
             log(f"K={k} {label(row)}: SpS {row['ms_per_token']:.2f} ms/token ({row['speedup']:.2f}x), "
                 f"{row['tokens_per_loop']:.2f} tokens/loop, acceptance {row['acceptance_rate']:.3f} of "
                 f"{row['proposed_per_loop']:.2f} proposed/loop, loop {row['ms_per_loop']:.2f} ms vs model "
-                f"{row['model_ms_per_loop']:.2f} ms (target scoring {k + 1} tokens: {1000 * score:.2f} ms = "
-                f"{score / target_step:.2f}x one token)")
+                f"{row['model_ms_per_loop']:.2f} ms (target scoring {1 + m * k} tokens: {1000 * scoring:.2f} ms = "
+                f"{scoring / target_step:.2f}x one token)")
     report["batch"] = []
     for b in batch_sizes:
         if b == 1:

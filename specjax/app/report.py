@@ -53,7 +53,9 @@ class Report:
 
     def _header(self, mode: str, result) -> str:
         head = f"{LABEL[mode]}{f' K={result.lookahead}' if mode == 'sps' else ''}: {result.ms_per_token:.2f} ms/token"
-        if mode == "sps":
+        if mode == "sps" and result.num_drafts > 1:
+            head += f", {result.tokens_per_loop:.2f} tokens/loop ({result.drafter}, {result.num_drafts} drafts)"
+        elif mode == "sps":
             head += f", acceptance {result.acceptance_rate:.2f} ({result.drafter}, {result.verify})"
         return head
 
@@ -79,8 +81,11 @@ class Report:
             if mode == "sps":
                 s = self.sampling
                 adaptive = f", draft confidence {s.draft_confidence}" if s.draft_confidence else ""
+                rule = f"{s.verify} verification" if s.num_drafts == 1 else f"{s.num_drafts} drafts verified as a tree"
                 line += (f", acceptance rate {t.acceptance_rate:.3f} (K={s.lookahead}, {s.drafter} drafter, "
-                         f"{s.verify} verification{adaptive})")
+                         f"{rule}{adaptive})")
+                if s.num_drafts > 1:
+                    line += "; loops won by chain " + "/".join(map(str, t.chain_won))
                 if set(t.proposed_by) - {"model"}:
                     line += "; accepted/proposed by drafter: " + ", ".join(
                         f"{name} {t.accepted_by.get(name, 0)}/{n}" for name, n in t.proposed_by.items())

@@ -47,6 +47,10 @@ class Result:
     proposed_by: np.ndarray | None = None  # [B, len(SOURCES)] proposed tokens by drafter (SpS)
     drafter: str = ""  # SamplingConfig.drafter of an SpS run
     verify: str = ""  # SamplingConfig.verify of an SpS run
+    num_drafts: int = 1  # M, draft chains per loop (SpS)
+    chain_won: np.ndarray | None = None  # [B, M] loops whose kept path ended on chain m (SpS)
+    chain_accepted: np.ndarray | None = None  # [B, M] kept tokens by the chain picked at their depth (SpS)
+    chain_proposed: np.ndarray | None = None  # [B, M] tokens proposed by chain m (SpS)
 
     def __post_init__(self):
         if self.drafted is None:  # counts not given: every loop drafted K tokens with the draft model
@@ -57,6 +61,10 @@ class Result:
             self.accepted_by[:, 0] = self.accepted
             self.proposed_by = np.zeros((rows, len(drafters.SOURCES)), np.int64)
             self.proposed_by[:, 0] = self.drafted[:, self.lookahead] * self.lookahead
+        if self.chain_won is None:  # one chain
+            self.chain_won = (self.histogram[:, 1:].sum(1) if self.mode == "sps" else 0 * self.loops)[:, None]
+            self.chain_accepted = self.accepted[:, None]
+            self.chain_proposed = self.proposed_by.sum(1)[:, None]
 
     @property
     def total_tokens(self) -> int:
@@ -90,7 +98,9 @@ class Result:
 
     @property
     def acceptance_rate(self) -> float:
-        """Accepted / proposed tokens (SpS); nan for ArS or when nothing was proposed."""
+        """Accepted / proposed tokens (SpS; with several drafts every chain's tokens count as
+        proposed, so `accepted_path` and tokens per loop are the comparable figures); nan for
+        ArS or when nothing was proposed."""
         return float(self.accepted.sum() / self.proposed) if self.proposed else math.nan
 
     @property
@@ -102,12 +112,27 @@ class Result:
         """{drafter: count} for the drafters that proposed (and the run's own drafter)."""
         return {name: int(n) for name, n in zip(drafters.SOURCES, counts) if n or name == self.drafter}
 
+    @property
+    def accepted_path(self) -> float:
+        """Mean kept draft tokens per loop (the accepted path's length; tokens per loop - 1)."""
+        return float(self.accepted.sum() / max(1, self.loops.sum()))
+
+    def by_chain(self, rows=slice(None)) -> dict:
+        """Several drafts: which chain won (loops whose kept path ended on it) and each
+        chain's acceptance (its kept tokens / its proposed tokens), over `rows`."""
+        won, kept = self.chain_won[rows].sum(0), self.chain_accepted[rows].sum(0)
+        proposed = self.chain_proposed[rows].sum(0)
+        return {"won_by_chain": won.tolist(), "accepted_by_chain": kept.tolist(),
+                "acceptance_by_chain": (kept / np.maximum(1, proposed)).tolist()}
+
     def row_stats(self, i: int) -> dict:
         out = {"num_new": int(self.num_new[i]), "loops": int(self.loops[i])}
         if self.mode == "sps":
             out.update(accepted=int(self.accepted[i]), proposed=int(self.proposed_rows[i]),
                        accepted_histogram=self.histogram[i].tolist(), drafted_histogram=self.drafted[i].tolist(),
                        accepted_by=self.by_drafter(self.accepted_by[i]))
+            if self.num_drafts > 1:
+                out.update(self.by_chain(slice(i, i + 1)))
         return out
 
     def summary(self) -> dict:
@@ -122,6 +147,8 @@ class Result:
                        drafted_histogram=self.drafted.sum(0).tolist(),
                        accepted_by=self.by_drafter(self.accepted_by.sum(0)),
                        proposed_by=self.by_drafter(self.proposed_by.sum(0)))
+            if self.num_drafts > 1:
+                out.update(num_drafts=self.num_drafts, accepted_path=self.accepted_path, **self.by_chain())
         return out
 
 
@@ -146,6 +173,7 @@ class Totals:
     compile_seconds: float = 0.0
     accepted_by: dict = dataclasses.field(default_factory=dict)  # drafter -> accepted tokens (SpS)
     proposed_by: dict = dataclasses.field(default_factory=dict)  # drafter -> proposed tokens (SpS)
+    chain_won: list = dataclasses.field(default_factory=list)  # [M] loops whose kept path ended on chain m (SpS)
 
     def add(self, result: Result, rows: int | None = None) -> None:
         """Add a run; `rows` counts only its first rows (the others padded the batch)."""
@@ -160,6 +188,8 @@ class Totals:
         self.seconds += result.seconds
         self.compile_seconds += result.compile_seconds
         if result.mode == "sps":
+            won = result.chain_won[:n].sum(0).tolist()
+            self.chain_won = [a + b for a, b in zip(self.chain_won, won)] if self.chain_won else won
             for total, counts in ((self.accepted_by, result.accepted_by), (self.proposed_by, result.proposed_by)):
                 for name, k in result.by_drafter(counts[:n].sum(0)).items():
                     total[name] = total.get(name, 0) + k
@@ -206,7 +236,8 @@ def generate(target: LM, draft: LM | None, prompts: Sequence[Sequence[int]],
     settings = prog.settings
     return Result(generated, prog.mode, prog.lookahead, stats.loops, stats.num_new, stats.accepted,
                   stats.accepted_at, stats.histogram, seconds, compile_seconds, stats.drafted, stats.accepted_by,
-                  stats.proposed_by, settings.get("drafter", ""), settings.get("verify", ""))
+                  stats.proposed_by, settings.get("drafter", ""), settings.get("verify", ""),
+                  settings.get("num_drafts", 1), stats.chain_won, stats.chain_accepted, stats.chain_proposed)
 
 
 # --------------------------------------------------------------------------- explain
@@ -262,10 +293,11 @@ class LoopTrace:
 
 @functools.partial(jax.jit, static_argnames=program_lib.SPS_STATICS)
 def explain_program(target, draft, datastore, prompts, prompt_lens, seed, *, warping, lookahead, verify, drafter,
-                    ngram, draft_confidence, max_new, eos_id, size):
+                    ngram, draft_confidence, num_drafts, max_new, eos_id, size):
     del max_new, eos_id  # one loop: no stopping rule
-    settings = speculative.Settings(lookahead, warping, verify, drafter, ngram, draft_confidence)
-    state = speculative.start(target, draft, prompts, prompt_lens, program_lib.seed_key(seed), lookahead, size)
+    settings = speculative.Settings(lookahead, warping, verify, drafter, ngram, draft_confidence, num_drafts)
+    state = speculative.start(target, draft, prompts, prompt_lens, program_lib.seed_key(seed), lookahead, size,
+                              num_drafts)
     _, sp = speculative.speculate(target, draft, datastore, state, settings)
     return sp.x, sp.p, sp.length, sp.q, sp.num_accepted, sp.next_token
 

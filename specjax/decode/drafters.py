@@ -49,14 +49,16 @@ def uses_model(drafter: str) -> bool:
     return drafter in ("model", "hybrid")
 
 
-def cache_window(drafter: str, lookahead: int) -> int:
+def cache_window(drafter: str, lookahead: int, num_drafts: int = 1) -> int:
     """Tokens the draft model's first step of a loop feeds, ending at the pending token.
 
     Model drafting: the last TWO. When the previous loop accepted all K drafts, x_K was
     never fed to the draft, and re-feeding it keeps the draft cache complete without a
     data-dependent shape. Hybrid: K+1, because a row whose previous loop used a lookup
-    proposal fed the draft nothing in it and may have emitted up to K+1 tokens since."""
-    return lookahead + 1 if drafter == "hybrid" else 2
+    proposal fed the draft nothing in it and may have emitted up to K+1 tokens since.
+    Several drafts: K+1 too, as each chain has its own draft-cache row and only the
+    winner's holds the kept path (the others are right only up to the old pending token)."""
+    return lookahead + 1 if drafter == "hybrid" or num_drafts > 1 else 2
 
 
 def model_proposal(draft: LM, cache: KVCache, tokens: jax.Array, length: jax.Array, key: jax.Array,
@@ -171,16 +173,7 @@ def propose(drafter: str, draft: LM | None, cache: KVCache | None, datastore, to
     trusts a lookup only when it matched the full suffix (`ngram` tokens, or all the
     datastore holds), as a one-token match is a weaker prophet than the draft model."""
     batch = tokens.shape[0]
-    lookups = []
-    if drafter in ("ngram", "hybrid"):
-        x, matched = ngram_match(tokens, length, ngram, lookahead)
-        hit = matched >= (ngram if drafter == "hybrid" else 1)
-        lookups.append((hit, lookup_proposal(x, hit, vocab, "ngram")))
-    if drafter == "retrieval" or (drafter == "hybrid" and datastore is not None):
-        x, size, matched = datastore_lib.lookup(datastore, tokens, length, ngram, lookahead)
-        full = min(ngram, datastore.contexts.shape[1])
-        hit = (size > 0) & (matched >= (full if drafter == "hybrid" else 1))
-        lookups.append((hit, lookup_proposal(x, hit, vocab, "retrieval", size)))
+    lookups = lookup_proposals(drafter, datastore, tokens, length, lookahead, vocab, ngram)
     if uses_model(drafter):
         found = jnp.zeros((batch,), bool)
         for hit, _ in lookups:
@@ -192,4 +185,45 @@ def propose(drafter: str, draft: LM | None, cache: KVCache | None, datastore, to
         prop, bad = lookups[-1][1], jnp.zeros((batch,), bool)
     for hit, lookup in reversed(lookups):  # the first drafter with a proposal wins
         prop = select(hit, lookup, prop)
+    return prop, cache, bad
+
+
+def lookup_proposals(drafter: str, datastore, tokens: jax.Array, length: jax.Array, lookahead: int, vocab: int,
+                     ngram: int) -> list[tuple[jax.Array, Proposal]]:
+    """[(hit [B], Proposal)] of the lookup drafters `drafter` uses, in order of preference."""
+    lookups = []
+    if drafter in ("ngram", "hybrid"):
+        x, matched = ngram_match(tokens, length, ngram, lookahead)
+        hit = matched >= (ngram if drafter == "hybrid" else 1)
+        lookups.append((hit, lookup_proposal(x, hit, vocab, "ngram")))
+    if drafter == "retrieval" or (drafter == "hybrid" and datastore is not None):
+        x, size, matched = datastore_lib.lookup(datastore, tokens, length, ngram, lookahead)
+        full = min(ngram, datastore.contexts.shape[1])
+        hit = (size > 0) & (matched >= (full if drafter == "hybrid" else 1))
+        lookups.append((hit, lookup_proposal(x, hit, vocab, "retrieval", size)))
+    return lookups
+
+
+def propose_chains(drafter: str, draft: LM, cache: KVCache, datastore, tokens: jax.Array, length: jax.Array,
+                   key: jax.Array, lookahead: int, num_drafts: int, warping: Warp, vocab: int, *, ngram: int,
+                   confidence: float):
+    """M = num_drafts chains per row for a tree loop. Returns (Proposal with fields
+    [B, M, ...], draft cache, nonfinite [B]).
+
+    The draft cache has B*M rows, one per chain (row b's chains are rows b*M .. b*M+M-1),
+    so the M chains are M independent draws of the draft's chain, batched. With 'hybrid'
+    chain 0 is the lookup's proposal where a lookup matched (the draft's chain there
+    is drawn but not proposed): two different prophets in one tree."""
+    batch, drafts = tokens.shape[0], num_drafts
+    prop, cache, bad = model_proposal(draft, cache, jnp.repeat(tokens, drafts, axis=0),
+                                      jnp.repeat(length, drafts, axis=0), key, lookahead, warping,
+                                      window=cache_window(drafter, lookahead, drafts), confidence=confidence)
+    prop = Proposal(*(a.reshape((batch, drafts) + a.shape[1:]) for a in prop))
+    bad = jnp.any(bad.reshape(batch, drafts), axis=1)
+    lookups = lookup_proposals(drafter, datastore, tokens, length, lookahead, vocab, ngram) if drafter == "hybrid" else []
+    if lookups:
+        first = Proposal(*(a[:, 0] for a in prop))
+        for hit, lookup in reversed(lookups):
+            first = select(hit, lookup, first)
+        prop = Proposal(*(a.at[:, 0].set(b) for a, b in zip(prop, first)))
     return prop, cache, bad

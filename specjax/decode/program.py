@@ -53,14 +53,14 @@ def seed_key(seed: jax.Array) -> jax.Array:
     return jax.random.wrap_key_data(data)
 
 
-SPS_STATICS = ("warping", "lookahead", "verify", "drafter", "ngram", "draft_confidence", "max_new", "eos_id",
-               "size")
+SPS_STATICS = ("warping", "lookahead", "verify", "drafter", "ngram", "draft_confidence", "num_drafts", "max_new",
+               "eos_id", "size")
 
 
 @functools.partial(jax.jit, static_argnames=SPS_STATICS)
 def sps_program(target, draft, datastore, prompts, prompt_lens, seed, *, warping, lookahead, verify, drafter,
-                ngram, draft_confidence, max_new, eos_id, size):
-    settings = Settings(lookahead, warping, verify, drafter, ngram, draft_confidence)
+                ngram, draft_confidence, num_drafts, max_new, eos_id, size):
+    settings = Settings(lookahead, warping, verify, drafter, ngram, draft_confidence, num_drafts)
     return speculative_generate(target, draft, datastore, prompts, prompt_lens, seed_key(seed), settings=settings,
                                 max_new=max_new, eos_id=eos_id, size=size)
 
@@ -292,7 +292,8 @@ def build(target: LM, draft: LM | None, prompts, sampling: SamplingConfig, seed:
     if speculative:
         index = datastore.on_mesh(mesh) if datastore is not None else None
         statics = dict(statics, lookahead=lookahead, verify=sampling.verify, drafter=sampling.drafter,
-                       ngram=sampling.ngram, draft_confidence=float(sampling.draft_confidence))
+                       ngram=sampling.ngram, draft_confidence=float(sampling.draft_confidence),
+                       num_drafts=sampling.num_drafts)
         fn, args, mode = sps_program, (target, draft, index) + args, "sps"
     else:
         fn, args, mode = ars_program, (target,) + args, "ars"

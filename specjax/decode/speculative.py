@@ -11,6 +11,9 @@ Each loop, for every row at once:
      norm(max(0, q - p)), and if all are kept a bonus token comes from q_{length+1};
      `accept_block` (block verification): the same outputs decided jointly.
 So each loop emits 1..K+1 tokens and (Theorem 1) the output is distributed exactly as q.
+With num_drafts = M > 1 (`speculate_tree`) step 1 draws M chains, step 2 scores them as
+one tree (a shared pending token, then M branches) and step 3 is `tree.accept`'s
+multi-draft rule; only the kept path's keys/values enter the target's cache.
 `speculate` is steps 1-3 for one loop (`api.explain_loop` shows them for the first loop);
 `speculative_generate` wraps it with the stopping rules, rollback and statistics.
 Rows are ragged: each has its own length, proposal, accepted count and stopping state.
@@ -23,7 +26,8 @@ from typing import NamedTuple
 import jax
 import jax.numpy as jnp
 
-from specjax.decode import drafters
+from specjax import kv_cache
+from specjax.decode import drafters, tree
 from specjax.decode.sampling import Warp, sample, warp
 from specjax.decode.state import Stats, gather_rows, prefill, stop_after, token_buffer, write_rows
 from specjax.kv_cache import KVCache
@@ -126,6 +130,7 @@ class Settings(NamedTuple):
     drafter: str = "model"  # drafters.propose
     ngram: int = 3
     draft_confidence: float = 0.0
+    num_drafts: int = 1  # M: draft chains per loop, verified jointly as a tree when > 1 (`verify` is for one chain)
 
 
 @jax.tree_util.register_dataclass
@@ -153,21 +158,29 @@ class Speculation(NamedTuple):
     target_cache: KVCache
     draft_cache: KVCache | None
     nonfinite: jax.Array  # [B] NaN/inf in either model's logits, or a distribution without mass
+    picks: jax.Array | None = None  # [B, K] the chain kept at each depth, -1 past n (several drafts)
+    chains: drafters.Proposal | None = None  # all M chains, fields [B, M, ...] (several drafts)
 
 
 def start(target: LM, draft: LM | None, prompts: jax.Array, prompt_lens: jax.Array, key: jax.Array,
-          lookahead: int, size: int) -> SpsState:
-    """The loop's state after prefilling both models' caches with the prompts."""
+          lookahead: int, size: int, num_drafts: int = 1) -> SpsState:
+    """The loop's state after prefilling both models' caches with the prompts (the
+    draft's with every prompt once per chain: one draft-cache row per chain)."""
     batch = prompts.shape[0]
-    draft_cache = prefill(draft, prompts, prompt_lens, size) if draft is not None else None
+    draft_cache = None
+    if draft is not None:
+        rows = lambda a: jnp.repeat(a, num_drafts, axis=0) if num_drafts > 1 else a
+        draft_cache = prefill(draft, rows(prompts), rows(prompt_lens), size)
     return SpsState(token_buffer(prompts, size), prompt_lens, jnp.zeros((batch,), bool),
                     prefill(target, prompts, prompt_lens, size), draft_cache, key,
-                    Stats.zeros(batch, lookahead, len(drafters.SOURCES)))
+                    Stats.zeros(batch, lookahead, len(drafters.SOURCES), num_drafts))
 
 
 def speculate(target: LM, draft: LM | None, datastore, s: SpsState, settings: Settings):
     """Propose up to K tokens, score [pending, x_1..x_K] in ONE target pass, verify.
     Returns (the state's next key, Speculation)."""
+    if settings.num_drafts > 1:
+        return speculate_tree(target, draft, datastore, s, settings)
     K, warping = settings.lookahead, settings.warping
     key, draft_key, accept_key = jax.random.split(s.key, 3)
     prop, draft_cache, draft_bad = drafters.propose(
@@ -195,12 +208,40 @@ def speculate(target: LM, draft: LM | None, datastore, s: SpsState, settings: Se
                             draft_cache, target_bad | draft_bad | empty)
 
 
+def speculate_tree(target: LM, draft: LM, datastore, s: SpsState, settings: Settings):
+    """`speculate` with M draft chains: the target scores the tree [pending, M chains of
+    K] in ONE pass (`tree` module), `tree.accept` keeps a path, and the pending token and
+    the winning chain's K nodes are written into the target's cache at consecutive
+    positions (past the kept ones they are masked by the rollback, as in a chain loop).
+    The returned Speculation describes the winning chain."""
+    K, M, warping = settings.lookahead, settings.num_drafts, settings.warping
+    batch = s.tokens.shape[0]
+    key, draft_key, accept_key = jax.random.split(s.key, 3)
+    chains, draft_cache, draft_bad = drafters.propose_chains(
+        settings.drafter, draft, s.draft_cache, datastore, s.tokens, s.length, draft_key, K, M, warping,
+        target.cfg.vocab_size, ngram=settings.ngram, confidence=settings.draft_confidence)
+    pending = s.length - 1
+    scored = jnp.concatenate([gather_rows(s.tokens, pending)[:, None], chains.x.reshape(batch, M * K)], axis=1)
+    positions = pending[:, None] + tree.depths(M, K)[None, :]
+    logits, (k_tree, v_tree) = target(scored, positions, s.target_cache, tree.ancestors(M, K))
+    q_tree, bad = warp(logits, warping)
+    num_accepted, picks, next_token, empty = tree.accept(accept_key, chains.x, chains.p, q_tree, chains.length)
+    win = tree.winner(picks, num_accepted)
+    path = tree.path_nodes(win, K)
+    target_cache = kv_cache.commit(s.target_cache, k_tree, v_tree, path, pending)
+    chain = lambda a: jnp.take_along_axis(a, win.reshape((batch, 1) + (1,) * (a.ndim - 2)), axis=1)[:, 0]
+    q = jnp.take_along_axis(q_tree, path[:, :, None], axis=1)
+    return key, Speculation(chain(chains.x), chain(chains.p), jnp.max(chains.length, axis=1), chain(chains.source), q,
+                            num_accepted, next_token, target_cache, draft_cache,
+                            jnp.any(bad, axis=1) | draft_bad | empty, picks, chains)
+
+
 def speculative_generate(target: LM, draft: LM | None, datastore, prompts: jax.Array, prompt_lens: jax.Array,
                          key: jax.Array, *, settings: Settings, max_new: int, eos_id: int, size: int):
     """Algorithm 2 as one `lax.while_loop`. Returns (tokens [B, size], length [B], Stats)."""
-    K = settings.lookahead
-    state = start(target, draft, prompts, prompt_lens, key, K, size)
-    window = drafters.cache_window(settings.drafter, K)
+    K, M = settings.lookahead, settings.num_drafts
+    state = start(target, draft, prompts, prompt_lens, key, K, size, M)
+    window = drafters.cache_window(settings.drafter, K, M)
 
     def loop(s: SpsState) -> SpsState:
         key, sp = speculate(target, draft, datastore, s, settings)
@@ -216,10 +257,27 @@ def speculative_generate(target: LM, draft: LM | None, datastore, prompts: jax.A
         # Roll back: the target holds [0, length-1) after this loop. The draft's cache holds
         # at least [0, length - window): its next first step re-feeds the rest.
         target_cache = sp.target_cache.with_lengths(length - 1)
-        draft_cache = (sp.draft_cache.with_lengths(jnp.maximum(length - window, 0))
-                       if sp.draft_cache is not None else None)
+        if sp.draft_cache is not None:
+            draft_length = jnp.repeat(length, M, axis=0) if M > 1 else length
+            draft_cache = sp.draft_cache.with_lengths(jnp.maximum(draft_length - window, 0))
+        else:
+            draft_cache = None
         live = active[:, None].astype(jnp.int32)
-        by_source = live * (jnp.arange(len(drafters.SOURCES))[None, :] == sp.source[:, None])
+        kept = jnp.where(active, num_accepted, 0)
+        one_hot = lambda i, n: (i[..., None] == jnp.arange(n)).astype(jnp.int32)
+        sources = len(drafters.SOURCES)
+        if M > 1:  # by chain, and by drafter per chain (hybrid's chain 0 may be a lookup's)
+            picked = sp.picks >= 0
+            chain_accepted = live * jnp.sum(one_hot(sp.picks, M), axis=1)
+            chain_won = live * one_hot(tree.winner(sp.picks, num_accepted), M) * (num_accepted > 0)[:, None]
+            chain_proposed = live * sp.chains.length
+            source_at = jnp.take_along_axis(sp.chains.source, jnp.maximum(sp.picks, 0), axis=1)  # [B, K]
+            accepted_by = live * jnp.sum(one_hot(source_at, sources) * picked[..., None], axis=1)
+            proposed_by = live * jnp.sum(one_hot(sp.chains.source, sources) * sp.chains.length[..., None], axis=1)
+        else:
+            by_source = live * one_hot(sp.source, sources)
+            chain_accepted, chain_won, chain_proposed = kept[:, None], live * (kept > 0)[:, None], live * sp.length[:, None]
+            accepted_by, proposed_by = by_source * num_accepted[:, None], by_source * sp.length[:, None]
         st = s.stats
         stats = Stats(
             loops=st.loops + active,
@@ -228,9 +286,12 @@ def speculative_generate(target: LM, draft: LM | None, datastore, prompts: jax.A
             accepted_at=st.accepted_at + live * (jnp.arange(K)[None, :] < num_accepted[:, None]),
             histogram=st.histogram + live * (jnp.arange(K + 1)[None, :] == num_accepted[:, None]),
             drafted=st.drafted + live * (jnp.arange(K + 1)[None, :] == sp.length[:, None]),
-            accepted_by=st.accepted_by + by_source * num_accepted[:, None],
-            proposed_by=st.proposed_by + by_source * sp.length[:, None],
-            nonfinite=st.nonfinite | bad)
+            accepted_by=st.accepted_by + accepted_by,
+            proposed_by=st.proposed_by + proposed_by,
+            nonfinite=st.nonfinite | bad,
+            chain_won=st.chain_won + chain_won,
+            chain_accepted=st.chain_accepted + chain_accepted,
+            chain_proposed=st.chain_proposed + chain_proposed)
         return SpsState(write_rows(s.tokens, s.length, new, count), length, s.done | finished | bad,
                         target_cache, draft_cache, key, stats)
 

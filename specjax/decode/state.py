@@ -79,11 +79,16 @@ class Stats:
     accepted_by: jax.Array  # [B, drafters] accepted tokens by the drafter that proposed them
     proposed_by: jax.Array  # [B, drafters] proposed tokens by drafter
     nonfinite: jax.Array  # [B] a NaN/inf logit was seen
+    # Per draft chain m (SpS; one chain unless num_drafts > 1):
+    chain_won: jax.Array  # [B, M] loops whose kept path ended on chain m (loops keeping nothing: none)
+    chain_accepted: jax.Array  # [B, M] kept tokens, by the chain picked at their depth
+    chain_proposed: jax.Array  # [B, M] tokens chain m proposed
 
     @classmethod
-    def zeros(cls, batch: int, lookahead: int, drafters: int = 3) -> "Stats":
+    def zeros(cls, batch: int, lookahead: int, drafters: int = 3, num_drafts: int = 1) -> "Stats":
         z = jnp.zeros((batch,), jnp.int32)
         hist = jnp.zeros((batch, lookahead + 1), jnp.int32)
         by = jnp.zeros((batch, drafters), jnp.int32)
+        chains = jnp.zeros((batch, num_drafts), jnp.int32)
         return cls(z, z, z, jnp.zeros((batch, lookahead), jnp.int32), hist, hist, by, by,
-                   jnp.zeros((batch,), bool))
+                   jnp.zeros((batch,), bool), chains, chains, chains)

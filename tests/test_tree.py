@@ -1,0 +1,349 @@
+"""Several drafts verified as one tree (`decode/tree.py`, `speculative.speculate_tree`).
+
+1. Tree attention: the logits of every tree node equal those of a plain forward over
+   that node's path (ragged rows, rotary and Transformer-XL positions, 1 device and a
+   2x4 mesh), and the committed path is what the next forward attends to.
+2. The multi-draft rule alone, over whole trees of M chains (as test_verify does for one
+   chain): the models are tables over V = 4 tokens for every prefix, M chains of K tokens
+   are drawn (i.i.d. from p; or chain 0 a point mass, as hybrid's lookup chain; or chains
+   cut short by a draft-side rule; or p == q; or disjoint supports), the verifier keeps a
+   path and draws one token, and the target completes the sequence to K+1 tokens. A
+   lossless rule makes those K+1 tokens follow q's exact joint over all 4^(K+1)
+   sequences. Chi-square at ALPHA = 0.001, N = 200,000 trees per case (cells expected
+   below 5 pooled). Three negative controls, each rejected by the same test: accept a
+   candidate that equals a target sample of its own (the biased multi-candidate rule),
+   verify each chain on its own and keep the longest, and skip the residual update
+   between candidates.
+3. Greedy multi-draft SpS gives exactly greedy ArS's tokens; the tree loop is one while
+   loop without host callbacks and with the chain loop's all-reduces.
+The end-to-end Theorem-1 enumeration for the tree loop is in test_tree_theorem1.py.
+"""
+import dataclasses
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from scipy import stats as scipy_stats
+
+import specjax
+from specjax import kv_cache, model
+from specjax.analysis.hlo import HloProgram
+from specjax.config import ConfigError, SamplingConfig
+from specjax.decode import program, speculative, tree
+from specjax.decode.sampling import sample
+from specjax.decode.state import prefill
+from conftest import mesh_for
+
+ALPHA = 1e-3
+N = 200_000
+V = 4
+
+
+# --------------------------------------------------------------------------- 1. tree attention
+
+
+@pytest.mark.parametrize("mesh_name", ["1x1", "2x4"])
+@pytest.mark.parametrize("pos_encoding", ["rope", "relative"])
+def test_tree_attention_equals_a_plain_forward_over_each_path(tiny, mesh_name, pos_encoding):
+    lm = model.init_lm(dataclasses.replace(tiny.target, pos_encoding=pos_encoding), mesh_for(mesh_name))
+    M, K = 3, 3
+    prompts = np.array([[1, 2, 3, 4, 5, 6, 0, 0], [7, 8, 9, 0, 0, 0, 0, 0]], np.int32)
+    lens = np.array([6, 3], np.int32)  # ragged
+    rng = np.random.default_rng(0)
+    chains = rng.integers(0, tiny.target.vocab_size, (2, M, K)).astype(np.int32)
+    chains[:, 1, 0] = chains[:, 0, 0]  # two branches that start alike
+    pending = lens - 1
+    scored = np.concatenate([prompts[np.arange(2), pending][:, None], chains.reshape(2, -1)], axis=1)
+    positions = pending[:, None] + tree.depths(M, K)[None]
+    winner = np.array([2, 0])
+    with jax.set_mesh(mesh_for(mesh_name)):
+        cache = jax.jit(prefill, static_argnums=3)(lm, jnp.asarray(prompts), jnp.asarray(lens), 32)
+
+        @jax.jit
+        def tree_then_next(lm, cache, scored, positions, winner, after):
+            logits, (k, v) = lm(scored, positions, cache, tree.ancestors(M, K))
+            committed = kv_cache.commit(cache, k, v, tree.path_nodes(winner, K), positions[:, 0])
+            committed = committed.with_lengths(positions[:, 0] + K + 1)
+            next_logits, _ = lm(after[:, None], (positions[:, 0] + K + 1)[:, None], committed)
+            return logits, next_logits[:, 0]
+
+        after = jnp.array([5, 6], jnp.int32)
+        logits, next_logits = tree_then_next(lm, cache, jnp.asarray(scored), jnp.asarray(positions),
+                                             jnp.asarray(winner), after)
+    logits, next_logits = np.asarray(logits), np.asarray(next_logits)
+    for b in range(2):
+        context = prompts[b, :lens[b]].tolist()
+        for t in range(1 + M * K):
+            path = [] if t == 0 else chains[b, (t - 1) // K, :(t - 1) % K + 1].tolist()
+            reference = model.full_forward(lm, jnp.asarray([context + path]))[0, -1]
+            np.testing.assert_allclose(logits[b, t], reference, atol=2e-5, err_msg=f"row {b} node {t}")
+        reference = model.full_forward(lm, jnp.asarray([context + chains[b, winner[b]].tolist() + [int(after[b])]]))
+        np.testing.assert_allclose(next_logits[b], reference[0, -1], atol=2e-5, err_msg=f"row {b} after the commit")
+
+
+def test_tree_layout():
+    assert tree.depths(2, 3).tolist() == [0, 1, 2, 3, 1, 2, 3]
+    a = tree.ancestors(2, 2)  # nodes: pending, chain 0 (1, 2), chain 1 (3, 4)
+    assert a.astype(int).tolist() == [[1, 0, 0, 0, 0], [1, 1, 0, 0, 0], [1, 1, 1, 0, 0], [1, 0, 0, 1, 0],
+                                      [1, 0, 0, 1, 1]]
+
+
+# --------------------------------------------------------------------------- 2. the rule over tables
+
+
+def node(prefix) -> int:
+    """A prefix's index among all prefixes, shortest first: children of i are V*i + 1 + t."""
+    i = 0
+    for t in prefix:
+        i = i * V + 1 + t
+    return i
+
+
+def make_tables(K: int, kind: str):
+    rng = np.random.default_rng(K)
+    nodes = sum(V ** m for m in range(K + 2))
+    q = rng.dirichlet(np.full(V, 0.7), nodes)
+    if kind == "same":
+        return q, q
+    if kind == "disjoint":
+        q[:, 1::2] = 0.0
+        p = rng.dirichlet(np.full(V, 0.7), nodes)
+        p[:, 0::2] = 0.0
+        return p / p.sum(1, keepdims=True), q / q.sum(1, keepdims=True)
+    p = 0.5 * q + 0.5 * rng.dirichlet(np.full(V, 0.7), nodes)  # like q, not equal
+    p[rng.random(nodes) < 0.3, 0] = 0.0  # some tokens the draft never proposes
+    return p / p.sum(1, keepdims=True), q
+
+
+def sample_rows(rng, dist):
+    return (rng.random((len(dist), 1)) > np.cumsum(dist, 1)).sum(1).clip(0, V - 1)
+
+
+def exact_joint(q, K) -> np.ndarray:
+    joint = np.ones([V] * (K + 1))
+    for i in range(K + 1):
+        for prefix in np.ndindex(*([V] * i)):
+            joint[prefix] *= q[node(prefix)][(slice(None),) + (None,) * (K - i)] if i < K else q[node(prefix)]
+    return joint
+
+
+def run_tables(verifier, M: int, K: int, proposal: str, kind: str = "pair", seed: int = 0):
+    p_table, q_table = make_tables(K, kind)
+    rng = np.random.default_rng(seed)
+    x = np.zeros((N, M, K), np.int64)
+    p = np.zeros((N, M, K, V), np.float32)
+    q = np.zeros((N, 1 + M * K, V), np.float32)
+    length = np.full((N, M), K)
+    q[:, 0] = q_table[0]
+    for m in range(M):
+        ids = np.zeros(N, np.int64)
+        for j in range(K):
+            if proposal == "point" and m == 0:  # a lookup's deterministic chain next to sampled ones
+                x[:, m, j] = (ids * 7 + j) % V
+                p[:, m, j] = np.eye(V)[x[:, m, j]]
+            else:
+                p[:, m, j] = p_table[ids]
+                x[:, m, j] = sample_rows(rng, p_table[ids])
+            if proposal == "adaptive":  # a chain stops after a token its own p was unsure of
+                length[:, m] = np.where((length[:, m] == K) & (p[np.arange(N), m, j, x[:, m, j]] < 0.35), j + 1,
+                                        length[:, m])
+            ids = ids * V + 1 + x[:, m, j]
+            q[:, 1 + m * K + j] = q_table[ids]
+    n, picks, token, _ = jax.jit(verifier)(jax.random.key(seed), jnp.asarray(x, jnp.int32), jnp.asarray(p),
+                                           jnp.asarray(q), jnp.asarray(length, jnp.int32))
+    n, picks, token = np.asarray(n), np.asarray(picks), np.asarray(token)
+    win = np.where(n > 0, picks[np.arange(N), np.maximum(n - 1, 0)], 0)
+    assert (n <= length[np.arange(N), win]).all()
+    seqs = np.zeros((N, K + 1), np.int64)
+    cur = np.zeros(N, np.int64)
+    for i in range(K + 1):  # the kept path, the verifier's token, then the target's own samples
+        kept = x[np.arange(N), win, min(i, K - 1)]
+        t = np.where(i < n, kept, np.where(i == n, token, sample_rows(rng, q_table[cur])))
+        seqs[:, i] = t
+        cur = cur * V + 1 + t
+    observed = np.bincount(np.ravel_multi_index(seqs.T, [V] * (K + 1)), minlength=V ** (K + 1))
+    expected = exact_joint(q_table, K).ravel() * N
+    if observed[expected == 0].sum():
+        return 0.0, n.mean()
+    big = expected >= 5
+    o, e = np.append(observed[big], observed[~big].sum()), np.append(expected[big], expected[~big].sum())
+    keep = e > 0
+    return float(scipy_stats.chi2.sf(np.sum((o[keep] - e[keep]) ** 2 / e[keep]), keep.sum() - 1)), n.mean()
+
+
+TABLE_CASES = [(2, 1, "sampled", "pair"), (3, 1, "sampled", "pair"), (2, 3, "sampled", "pair"),
+               (3, 3, "sampled", "pair"), (2, 3, "point", "pair"), (3, 3, "adaptive", "pair"),
+               (3, 1, "point", "pair"), (2, 3, "sampled", "same"), (3, 3, "sampled", "disjoint")]
+
+
+@pytest.mark.parametrize("M,K,proposal,kind", TABLE_CASES)
+def test_multi_draft_rule_is_lossless_over_whole_trees(M, K, proposal, kind):
+    pvalue, kept = run_tables(tree.accept, M, K, proposal, kind)
+    print(f"M={M} K={K} {proposal} {kind}: p = {pvalue:.4f}, mean kept {kept:.3f}")
+    assert pvalue > ALPHA
+    if kind == "same":
+        assert kept == K  # p == q: every first candidate is kept
+    if kind == "disjoint":
+        assert kept == 0
+
+
+def test_more_drafts_keep_more():
+    """The point of several drafts: more kept tokens per loop (same tables and seed)."""
+    one = run_tables(tree.accept, 1, 3, "sampled")[1]
+    three = run_tables(tree.accept, 3, 3, "sampled")[1]
+    assert three > one + 0.2
+
+
+# Deliberately wrong multi-draft rules (negative controls), same signature as tree.accept.
+def match_own_target_sample(key, x, p, q, length):
+    """Each candidate is checked against a target sample of its own: kept if equal."""
+    batch, drafts, lookahead = x.shape
+    keys = jax.random.split(key, lookahead * drafts + 1)
+    chain = jnp.zeros((batch,), jnp.int32)
+    alive, stopped = length > 0, jnp.zeros((batch,), bool)
+    n, picks, final = jnp.zeros((batch,), jnp.int32), [], q[:, 0]
+    for d in range(lookahead):
+        r = tree.take_node(q, tree.node(chain, d, lookahead))
+        found, token, pick = jnp.zeros((batch,), bool), jnp.zeros((batch,), jnp.int32), jnp.full((batch,), -1)
+        for m in range(drafts):
+            y, _ = sample(keys[d * drafts + m], r)
+            ok = alive[:, m] & (length[:, m] > d) & ~found & ~stopped & (x[:, m, d] == y)
+            token, pick, found = jnp.where(ok, x[:, m, d], token), jnp.where(ok, m, pick), found | ok
+        stop = ~stopped & ~found
+        final, stopped = jnp.where(stop[:, None], r, final), stopped | stop
+        n, chain = n + found, jnp.where(found, pick, chain)
+        alive = alive & found[:, None] & (length > d) & (x[:, :, d] == token[:, None])
+        picks.append(pick)
+    final = jnp.where(stopped[:, None], final, tree.take_node(q, tree.node(chain, lookahead, lookahead)))
+    token, empty = sample(keys[-1], final)
+    return n.astype(jnp.int32), jnp.stack(picks, 1), token, empty
+
+
+def longest_of_independent_chains(key, x, p, q, length):
+    """Each chain verified on its own by the paper's rule; the longest kept prefix wins."""
+    batch, drafts, lookahead = x.shape
+    nodes = jax.vmap(lambda m: tree.path_nodes(jnp.full((batch,), m), lookahead), out_axes=1)(jnp.arange(drafts))
+    q_chain = jnp.take_along_axis(q[:, None], nodes[..., None], axis=2)  # [B, M, K+1, V]
+    flat = lambda a: a.reshape((batch * drafts,) + a.shape[2:])
+    n, token, empty = speculative.accept(key, flat(x), flat(p), flat(q_chain), flat(length))
+    n, token, empty = n.reshape(batch, drafts), token.reshape(batch, drafts), empty.reshape(batch, drafts)
+    best = jnp.argmax(n, axis=1)
+    pick = lambda a: jnp.take_along_axis(a, best[:, None], axis=1)[:, 0]
+    kept = pick(n)
+    picks = jnp.where(jnp.arange(lookahead)[None] < kept[:, None], best[:, None], -1)
+    return kept, picks, pick(token), pick(empty)
+
+
+def no_residual_update(key, x, p, q, length):
+    """Every candidate is tested against the target's q itself, never the residual."""
+    batch, drafts, lookahead = x.shape
+    accept_key, sample_key = jax.random.split(key)
+    u = jax.random.uniform(accept_key, (batch, lookahead, drafts))
+    chain, alive, stopped = jnp.zeros((batch,), jnp.int32), length > 0, jnp.zeros((batch,), bool)
+    n, picks, final = jnp.zeros((batch,), jnp.int32), [], q[:, 0]
+    for d in range(lookahead):
+        r = tree.take_node(q, tree.node(chain, d, lookahead))
+        last = r
+        found, token, pick = jnp.zeros((batch,), bool), jnp.zeros((batch,), jnp.int32), jnp.full((batch,), -1)
+        for m in range(drafts):
+            t, p_m = x[:, m, d], p[:, m, d]
+            candidate = alive[:, m] & (length[:, m] > d) & ~found & ~stopped
+            ok = candidate & (u[:, d, m] * jnp.take_along_axis(p_m, t[:, None], 1)[:, 0]
+                              < jnp.take_along_axis(r, t[:, None], 1)[:, 0])
+            token, pick, found = jnp.where(ok, t, token), jnp.where(ok, m, pick), found | ok
+            res = jnp.maximum(r - p_m, 0.0)
+            res = res / jnp.maximum(res.sum(-1, keepdims=True), 1e-30)
+            last = jnp.where((candidate & ~ok)[:, None], res, last)
+        stop = ~stopped & ~found
+        final, stopped = jnp.where(stop[:, None], last, final), stopped | stop
+        n, chain = n + found, jnp.where(found, pick, chain)
+        alive = alive & found[:, None] & (length > d) & (x[:, :, d] == token[:, None])
+        picks.append(pick)
+    final = jnp.where(stopped[:, None], final, tree.take_node(q, tree.node(chain, lookahead, lookahead)))
+    token, empty = sample(sample_key, final)
+    return n.astype(jnp.int32), jnp.stack(picks, 1), token, empty
+
+
+WRONG_RULES = {"match_own_target_sample": match_own_target_sample,
+               "longest_of_independent_chains": longest_of_independent_chains,
+               "no_residual_update": no_residual_update}
+
+
+@pytest.mark.parametrize("wrong", sorted(WRONG_RULES))
+@pytest.mark.parametrize("M,K", [(2, 3), (3, 1)])
+def test_negative_control_wrong_multi_draft_rule_is_rejected(wrong, M, K):
+    pvalue, _ = run_tables(WRONG_RULES[wrong], M, K, "sampled")
+    print(f"{wrong} M={M} K={K}: p = {pvalue:.2e}")
+    assert pvalue < ALPHA
+
+
+# --------------------------------------------------------------------------- 3. the loop
+
+RAGGED = [[1, 2, 3], [4, 5, 6, 7, 8, 9, 10, 11, 12], [13], [14, 15, 16, 17, 18]]
+
+
+@pytest.fixture(scope="module")
+def pairs(tiny):
+    return {name: (model.init_lm(tiny.target, mesh_for(name)), model.init_lm(tiny.draft, mesh_for(name)))
+            for name in ("1x1", "1x8")}
+
+
+@pytest.mark.parametrize("mesh_name", ["1x1", "1x8"])
+def test_greedy_multi_draft_equals_greedy_ars(pairs, mesh_name):
+    """With the random draft (mostly rejected) and with the target as its own draft (all
+    kept), for the model drafter and hybrid (whose chain 0 is the n-gram proposal)."""
+    target, draft = pairs[mesh_name]
+    greedy = SamplingConfig(temperature=0, lookahead=3, max_new_tokens=48)
+    ars = specjax.generate(target, None, RAGGED, greedy)
+    for d, drafter, M in ((draft, "model", 2), (target, "model", 3), (draft, "hybrid", 3)):
+        sps = specjax.generate(target, d, RAGGED, dataclasses.replace(greedy, drafter=drafter, num_drafts=M))
+        assert sps.tokens == ars.tokens, (drafter, M)
+        assert sps.accepted.sum() > 0
+        if d is target:
+            assert sps.tokens_per_loop > 3.5  # every draft kept: K+1 per loop but at the budget's end
+            assert sps.chain_won[:, 0].sum() == sps.chain_won.sum()  # the first chain wins every tie
+
+
+def test_tree_loop_is_one_fused_loop_with_the_chain_loops_all_reduces(pairs):
+    """The wider pass adds bytes, not collectives: the same all-reduces per loop as the
+    chain loop (Megatron's 2 per layer + 1 for the embedding per forward: the draft's K
+    steps over M rows each, the target's one tree pass), plus 0."""
+    target, draft = pairs["1x8"]
+    K = 3
+    counts = {}
+    for M in (1, 3):
+        sampling = SamplingConfig(temperature=0.8, top_p=0.9, lookahead=K, max_new_tokens=32, num_drafts=M,
+                                  verify="tokenwise")
+        text = program.build(target, draft, RAGGED, sampling, seed=0).compile().as_text()
+        for host_op in ("outfeed", "infeed", "send(", "recv(", "host_callback", "xla_python_cpu_callback"):
+            assert host_op not in text, host_op
+        hlo = HloProgram(text)
+        hlo.generation_loop()  # raises unless ENTRY holds exactly one data-dependent while loop
+        per_loop, _ = hlo.loop_and_outside()
+        counts[M] = sum(n for c, n in per_loop.items() if c.kind == "all-reduce")
+    assert counts[1] == 2 * (target.cfg.num_layers + K * draft.cfg.num_layers) + K + 1
+    assert counts[3] == counts[1] + 0
+
+
+def test_statistics_of_a_tree_run(pairs):
+    target, draft = pairs["1x1"]
+    sampling = SamplingConfig(temperature=1.0, lookahead=3, max_new_tokens=24, num_drafts=3)
+    result = specjax.generate(target, draft, RAGGED, sampling, seed=1)
+    assert result.chain_won.shape == result.chain_accepted.shape == (len(RAGGED), 3)
+    assert (result.chain_accepted.sum(1) == result.accepted).all()
+    assert (result.chain_proposed.sum(1) == result.proposed_rows).all()
+    assert (result.chain_won.sum(1) == result.histogram[:, 1:].sum(1)).all()  # loops that kept a token
+    summary = result.summary()
+    assert summary["num_drafts"] == 3 and len(summary["won_by_chain"]) == 3
+    # Kept drafts per loop: tokens per loop less the one sampled token, except where the
+    # budget cut a last loop short.
+    assert result.tokens_per_loop - 1 <= summary["accepted_path"] < result.tokens_per_loop
+    assert set(result.row_stats(0)) >= {"won_by_chain", "acceptance_by_chain"}
+
+
+@pytest.mark.parametrize("bad,message", [(dict(num_drafts=0), "num_drafts=0"),
+                                         (dict(num_drafts=2, drafter="ngram"), "num_drafts=2 with drafter='ngram'")])
+def test_bad_num_drafts_is_refused(bad, message):
+    with pytest.raises(ConfigError, match=message):
+        SamplingConfig(**bad).validate()
