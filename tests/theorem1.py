@@ -50,8 +50,8 @@ class ParityLM(model.LM):
 
     parity: int = 0
 
-    def __call__(self, tokens, positions, cache):
-        logits, cache = super().__call__(tokens, positions, cache)
+    def __call__(self, tokens, positions, cache, ancestors=None):
+        logits, cache = super().__call__(tokens, positions, cache, ancestors)
         return jnp.where(jnp.arange(V) % 2 == self.parity, logits, -1e9), cache
 
     def tree_flatten(self):
@@ -117,6 +117,7 @@ class Case(NamedTuple):
     draft_confidence: float = 0.0
     datastore: str = ""  # which of the run's datastores to pass ('samples' for drafter='retrieval')
     prompts: str = ""  # prompts of another kind than `kind` (e.g. 'repeats' with kind 'same')
+    num_drafts: int = 1  # M draft chains per loop (a tree when > 1)
 
 
 def groups_of(kind: str) -> list[list[int]]:
@@ -137,7 +138,7 @@ def run(models, case: Case, n: int = N, seed: int = 0, datastores=None):
     prompts = [groups[i % len(groups)] for i in range(n)]  # interleaved: ragged rows in one batch
     sampling = SamplingConfig(temperature=case.temperature, top_k=case.top_k, top_p=case.top_p, lookahead=case.K,
                               max_new_tokens=3, verify=case.verify, drafter=case.drafter,
-                              draft_confidence=case.draft_confidence)
+                              draft_confidence=case.draft_confidence, num_drafts=case.num_drafts)
     name = case.datastore or ("samples" if case.drafter == "retrieval" else "")
     result = specjax.generate(target, draft, prompts, sampling, seed=seed, pad_to=8,  # short cache: cheaper
                               datastore=datastores[name] if name else None)
