@@ -56,6 +56,7 @@ def main(argv):
     distributed.maybe_initialize()
     import specjax
     from specjax.analysis import compile as compile_lib
+    from specjax.app import output
     from specjax.decode import program
     from specjax.model import init_lm
     from specjax.sharding import make_mesh
@@ -81,13 +82,7 @@ def main(argv):
         out[f"{mode}_plan_fingerprint"] = compile_lib.compile_program(
             target, d, sampling, batch=len(rows), prompt_len=max(len(r) for r in rows), cache_len=prog.size)["fingerprint"]
     out["compiled_programs"] = len(program._COMPILED)
-    if distributed.is_main():
-        text = json.dumps(out)
-        if flags.FLAGS.output:
-            with open(flags.FLAGS.output, "w") as f:
-                f.write(text + "\n")
-        else:
-            print(text)
+    output.print_or_save(flags.FLAGS.output, json.dumps(out))
 
 
 if __name__ == "__main__":

@@ -92,6 +92,7 @@ def main(argv):
     import numpy as np
 
     from specjax import distributed, model, sharding
+    from specjax.app import output
     from specjax.weights import hf
     distributed.maybe_initialize()
     mesh = sharding.make_mesh(mesh_cfg)
@@ -113,13 +114,7 @@ def main(argv):
         tokens = distributed.put(ids, sharding.replicated(mesh))
         with jax.set_mesh(mesh):
             out["logits"] = distributed.fetch(jax.jit(model.full_forward)(lm, tokens)).tolist()
-    if distributed.is_main():
-        text = json.dumps(out)
-        if FLAGS.output:
-            with open(FLAGS.output, "w") as f:
-                f.write(text + "\n")
-        else:
-            print(text)
+    output.print_or_save(FLAGS.output, json.dumps(out))
 
 
 if __name__ == "__main__":

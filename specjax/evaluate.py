@@ -39,7 +39,8 @@ def define_flags() -> None:
                         "default: the built-in standard-library docstring set.")
     flags.DEFINE_integer("lookahead", None, "K (default: the config's).")
     flags.DEFINE_integer("max_new_tokens", None, "Override the task's new-token budget (quick runs).")
-    flags.DEFINE_integer("seed", 0, "Sample j of item i uses seed + 1000 * i + j in both modes.")
+    flags.DEFINE_integer("seed", 0, "Sample j of item i uses seed + 1000 * i + j in both modes "
+                         "(the last of them must stay below 2**63).")
     flags.DEFINE_string("output", None, "Write the table, per-item scores and every sample to this JSON file.")
     flags.DEFINE_string("checkpoint", None, "Target checkpoint directory (default: the training recipe's).")
     flags.DEFINE_string("draft_checkpoint", None, "Draft checkpoint directory (default: the training recipe's).")

@@ -3,7 +3,7 @@
 k, v: [L, B, K, S, H] (layers, batch, kv_heads, cache_seq, head_dim); lengths: [B].
 Heads before positions: a layer's slice [B, K, S, H] is already the layout both
 attention dots contract over (with [.., S, K, ..] XLA:CPU transposed a copy of every
-layer's keys and values on every step: 24 -> 16 ms per mini_target token at S=1024).
+layer's keys and values on every step; BENCHMARKS.md, "Micro-benchmarks behind design choices").
 A forward writes its T new entries at the rows' own positions; `lengths` says how many
 entries of each row are valid. Rolling back rejected draft tokens is just setting
 `lengths` (the stale entries beyond it are masked, and overwritten later).

@@ -36,8 +36,8 @@ MASKED = -1e30
 
 class Keys:
     """A fresh key per parameter (fold_in of a counter) from a seed or a key. Cheaper to
-    trace than nnx.Rngs, whose per-call state update made building 80 layers take ~35 s
-    (quadratic in L)."""
+    trace than nnx.Rngs, whose per-call state update made tracing a deep model's init
+    quadratic in L (BENCHMARKS.md, "Micro-benchmarks behind design choices")."""
 
     def __init__(self, seed: int | jax.Array):
         self.base = seed if isinstance(seed, jax.Array) else jax.random.key(seed)

@@ -237,6 +237,27 @@ def test_ctrl_c_scores_the_finished_samples_and_exits_130(text_pair):
     assert b"interrupted" in stderr and b"ROUGE-2" in stdout
 
 
+def test_a_seed_whose_derived_seeds_pass_2_63_is_refused_before_any_weights(tmp_path):
+    """Sample j of item i runs with seed + 1000 * i + j: a --seed that is valid itself but
+    pushes the last sample's seed to 2**63 is refused up front, naming the largest --seed
+    these items and samples allow, before a checkpoint is looked at or an output written."""
+    env = {**os.environ, "JAX_PLATFORMS": "cpu", "SPECJAX_CACHE": str(tmp_path / "cache"), "PYTHONPATH": str(ROOT)}
+    largest_allowed = 2 ** 63 - 1 - (1000 * 2 + 3)  # 3 items, 4 samples each
+    missing = tmp_path / "no_such_checkpoint"
+    out = tmp_path / "out" / "result.json"
+    common = ["--config=tiny", f"--checkpoint={missing}", f"--draft_checkpoint={missing}", "--notrain_missing",
+              "--task=humaneval", "--limit=3", "--num_samples=4", "--max_new_tokens=8", "--noprogress",
+              f"--output={out}"]
+    proc = run_evaluate(env, *common, f"--seed={largest_allowed + 1}", timeout=120)
+    assert proc.returncode == 2, proc.stderr
+    assert "Traceback" not in proc.stderr and len(proc.stderr.strip().splitlines()) == 1, proc.stderr
+    assert f"--seed={largest_allowed + 1}" in proc.stderr and f"[0, {largest_allowed}]" in proc.stderr, proc.stderr
+    assert not out.parent.exists() and not (tmp_path / "cache").exists()
+    # The largest allowed seed gets past the check: the run then stops at the missing checkpoint.
+    proc = run_evaluate(env, *common, f"--seed={largest_allowed}", timeout=120)
+    assert proc.returncode == 2 and "--seed" not in proc.stderr and str(missing) in proc.stderr, proc.stderr
+
+
 BAD = [
     (["--task=humaneval", "--pass_k=3", "--num_samples=2"], ["--pass_k='3'", "between 1 and --num_samples=2"]),
     (["--task=xsum", "--execute"], ["--execute only applies to --task=humaneval"]),

@@ -111,6 +111,17 @@ class JsonlWriter:
                 pass
 
 
+def print_or_save(path: Optional[str], text: str) -> None:
+    """`text` and a newline to `path` (as `save` writes it), or printed without a path;
+    on process 0 only."""
+    if jax.process_index() != 0:
+        return
+    if path:
+        save(path, text + "\n")
+    else:
+        print(text)
+
+
 def save(path: str, data: str | bytes, flag: str = "--output") -> None:
     """Write `data` to `path` (atomically where `path` is a regular file), on process 0.
     On failure the data is saved to a temporary file and RunError names it."""

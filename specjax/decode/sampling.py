@@ -64,8 +64,9 @@ def nucleus(probs: jax.Array, top_p: float) -> jax.Array:
     boundary kept together), renormalised. Equivalently: keep p >= t*, the largest
     threshold whose kept mass is still >= top_p. t* is found by bisection over the bit
     patterns of the float32 probabilities (ordered like the values, as p >= 0), so it is
-    one of the probabilities exactly, without sorting the vocabulary: 32 masked sums cost
-    ~0.3 ms where a sort of 4096 entries cost ~4.6 ms per 5 distributions on CPU."""
+    one of the probabilities exactly, without sorting the vocabulary: on CPU a sort of the
+    vocabulary costs far more than 32 masked sums, and top-p runs on every distribution
+    of every loop (BENCHMARKS.md, "Micro-benchmarks behind design choices")."""
     bits = jax.lax.bitcast_convert_type(probs, jnp.int32)
     lo = jnp.zeros(probs.shape[:-1] + (1,), jnp.int32)  # keeps everything: mass 1 >= top_p
     hi = jnp.max(bits, axis=-1, keepdims=True) + 1  # keeps nothing
@@ -83,8 +84,10 @@ def nucleus(probs: jax.Array, top_p: float) -> jax.Array:
 
 def cumulative(probs: jax.Array, block: int = 64) -> jax.Array:
     """cumsum over the last axis as two small triangular matmuls (within blocks of 64,
-    then the block offsets): 14 us for 4096 entries on CPU where `jnp.cumsum` took 47 us;
-    same float32 error (~1e-7). `highest` keeps TPUs from rounding the operands to bf16."""
+    then the block offsets): on CPU the two small dots cost less than `jnp.cumsum`, and
+    this runs on every draw of every loop (BENCHMARKS.md, "Micro-benchmarks behind design
+    choices"); the same float32 error (~1e-7). `highest` keeps TPUs from rounding the
+    operands to bf16."""
     V = probs.shape[-1]
     n = -(-V // block)
     blocks = jnp.pad(probs, [(0, 0)] * (probs.ndim - 1) + [(0, n * block - V)]).reshape(probs.shape[:-1] + (n, block))
@@ -101,8 +104,9 @@ def sample(key: jax.Array, probs: jax.Array) -> tuple[jax.Array, jax.Array]:
 
     Inverse CDF: the first token whose cumulative mass exceeds u * total, u ~ U[0, 1).
     One uniform per distribution; `jax.random.categorical` draws a Gumbel per vocabulary
-    entry, and generating 4096 of them cost ~0.38 ms per call on CPU (5 calls per K=4
-    loop) against ~0.02 ms here. A zero-probability token repeats its predecessor's cumulative
+    entry, and generating a vocabulary's worth of random bits costs far more on CPU than
+    this CDF, on every one of the K+1 draws of a loop (BENCHMARKS.md, "Micro-benchmarks
+    behind design choices"). A zero-probability token repeats its predecessor's cumulative
     mass, so it is never the first to exceed u * total; the clamp to the last token with
     mass covers u * total rounding up to the total itself."""
     cdf = cumulative(probs)

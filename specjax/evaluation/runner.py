@@ -13,7 +13,7 @@ from tqdm import tqdm
 from specjax import sharding
 from specjax.app import cli
 from specjax.app.locate import Weights
-from specjax.config import UsageError
+from specjax.config import SEED_LIMIT, UsageError
 from specjax.decode.api import Totals, generate
 from specjax.evaluation.metrics import execute_humaneval, parses, pass_at_k, rouge, summary_of
 from specjax.evaluation.stats import mean_ci, paired_agreement
@@ -39,6 +39,21 @@ def parse_ks(text: str, num_samples: int) -> list[int]:
     return ks
 
 
+SEED_STRIDE = 1000  # sample j of item i runs with seed + SEED_STRIDE * i + j, in both modes
+
+
+def check_seeds(seed: int, task: str, num_items: int, num_samples: int) -> None:
+    """Refuse a `seed` whose last derived seed would leave [0, 2**63): better now than
+    after the models load and the samples before it have run."""
+    if num_items == 0:
+        return
+    span = SEED_STRIDE * (num_items - 1) + num_samples - 1
+    if seed + span >= SEED_LIMIT:
+        raise UsageError(f"--seed={seed}: must be in [0, {SEED_LIMIT - 1 - span}] for {num_items} {task} items with "
+                         f"{num_samples} samples each (sample j of item i uses seed + {SEED_STRIDE} * i + j, "
+                         "and seeds are integers in [0, 2**63))")
+
+
 def run_setting(setting: Setting, items: Sequence[Item], prompts: Sequence[list[int]], num_samples: int,
                 target, draft, tokenizer, seed: int, bar) -> tuple[list[dict], dict[str, Totals], bool]:
     """Every sample of every item with ArS then SpS; stops early (cleanly) on Ctrl-C."""
@@ -46,7 +61,7 @@ def run_setting(setting: Setting, items: Sequence[Item], prompts: Sequence[list[
     try:
         for i, (item, prompt) in enumerate(zip(items, prompts)):
             for j in range(num_samples):
-                row = {"id": item.id, "sample": j, "seed": seed + 1000 * i + j}
+                row = {"id": item.id, "sample": j, "seed": seed + SEED_STRIDE * i + j}
                 for mode, d in (("ars", None), ("sps", draft)):
                     res = generate(target, d, [prompt], setting.sampling, seed=row["seed"])
                     totals[mode].add(res)
@@ -156,6 +171,7 @@ def evaluate(config, task: str, *, limit=None, num_samples: int, ks: Sequence[in
         s.sampling, lookahead=lookahead, max_new_tokens=max_new_tokens or s.sampling.max_new_tokens).validate())
         for s in SETTINGS[task]]
     items = humaneval_items(limit) if task == "humaneval" else xsum_items(xsum_file, limit)
+    check_seeds(seed, task, len(items), num_samples)
     budget = max(s.sampling.max_new_tokens for s in settings)
     context = min(config.target.max_seq_len, config.draft.max_seq_len)
     if budget >= context:
