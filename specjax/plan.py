@@ -28,7 +28,7 @@ from absl import flags
 from specjax.analysis import compile as compile_lib, report as report_lib
 from specjax.analysis.roofline import Chip
 from specjax.app import cli, output
-from specjax.config import MeshConfig
+from specjax.config import MeshConfig, UsageError
 
 FLAGS = flags.FLAGS
 
@@ -43,6 +43,8 @@ def define_flags() -> None:
     flags.DEFINE_integer("cache_len", None, "KV-cache (and token buffer) length; default min(2048, max_seq_len).")
     flags.DEFINE_float("collective_latency_us", Chip.collective_latency_s * 1e6,
                        "Fixed latency per collective in the TPU v4 roofline (microseconds).")
+    flags.DEFINE_integer("num_drafts", 1, "Also compile the tree loop with this many draft chains (> 1) and "
+                         "report its scoring pass against the chain's.")
     flags.DEFINE_bool("licm", False, "Keep XLA's while-loop-invariant-code-motion pass (XLA:CPU then hoists "
                       "the f32 copy of the stacked weights out of the layer loop; unrealistic temporaries).")
 
@@ -67,11 +69,14 @@ def main(argv):
     batch, prompt_len = cli.positive("batch", FLAGS.batch), cli.positive("prompt_len", FLAGS.prompt_len)
     cache_len = cli.positive("cache_len", FLAGS.cache_len)
     latency = cli.finite("collective_latency_us", FLAGS.collective_latency_us, 0.0, 1e6)
+    num_drafts = cli.positive("num_drafts", FLAGS.num_drafts)
+    if num_drafts > 1 and cfg.draft is None:
+        raise UsageError(f"--num_drafts={num_drafts}: --config={FLAGS.config} has no draft model to draw chains from")
     output.check_writable(FLAGS.json, "--json")
     configure_xla(data * model, FLAGS.licm)
     jax.config.update("jax_platforms", "cpu")
     chip = dataclasses.replace(Chip(), collective_latency_s=latency * 1e-6)
-    report = compile_lib.plan(cfg, data, model, batch, prompt_len, cache_len, chip)
+    report = compile_lib.plan(cfg, data, model, batch, prompt_len, cache_len, chip, num_drafts)
     print(report_lib.format_report(report))
     if FLAGS.json:
         output.save(FLAGS.json, json.dumps(report, indent=1, default=str), "--json")

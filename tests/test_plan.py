@@ -40,6 +40,7 @@ TARGET_LAYERS, DRAFT_LAYERS = 80, 8
 # All-reduces per SpS loop beyond Megatron's 2 per layer per forward: exactly K+1
 # vocab-parallel embedding lookups (one per forward: the scoring pass and K draft steps).
 # Warping, sampling and the NaN/inf checks work on gathered logits and add none.
+M = 4  # draft chains of the tree loop plan also compiles
 ATOL = 1e-4  # float32 logits of magnitude ~1-10; observed max |diff| ~1e-6 (see the tests)
 
 
@@ -50,7 +51,8 @@ ATOL = 1e-4  # float32 logits of magnitude ~1-10; observed max |diff| ~1e-6 (see
 def chinchilla(tmp_path_factory):
     out = tmp_path_factory.mktemp("plan") / "chinchilla_70b.json"
     env = {k: v for k, v in os.environ.items() if k not in ("XLA_FLAGS", "JAX_PLATFORMS")}
-    proc = subprocess.run([sys.executable, "-m", "specjax.plan", "--config=chinchilla_70b", f"--json={out}"],
+    proc = subprocess.run([sys.executable, "-m", "specjax.plan", "--config=chinchilla_70b", f"--num_drafts={M}",
+                           f"--json={out}"],
                           cwd=REPO, env=env, capture_output=True, text=True, timeout=900)
     assert proc.returncode == 0, proc.stderr[-4000:]
     print(proc.stdout)
@@ -111,6 +113,23 @@ def test_sps_loop_has_exactly_megatron_and_embedding_all_reduces(chinchilla):
     gathers = loop.get("all-gather", {}).get("messages", [])
     assert max((m["bytes"] for m in gathers), default=0) <= (K + 1) * 32000 * 4
     assert not {"reduce-scatter", "all-to-all", "collective-permute"} & set(loop)
+
+
+def test_tree_loop_adds_bytes_not_collectives_and_its_scoring_is_nearly_free(chinchilla):
+    """The tree of M chains: the same all-reduces per loop as the chain loop (the target's
+    pass is wider, the draft's K steps run over M rows), and on the roofline its 1 + M*K
+    token pass costs within 2% of the K+1-token pass (weights and cache dominate)."""
+    report, text = chinchilla
+    chain, tree = (report["programs"][k]["collectives_per_loop"] for k in ("sps", "sps_tree"))
+    _, chain_total = _all_reduces(chain)
+    by_shape, tree_total = _all_reduces(tree)
+    assert tree_total == chain_total + 0
+    assert by_shape[f"f32[1,{1 + M * K},8192]"]["count"] == 2 * TARGET_LAYERS + 1  # ONE tree pass
+    assert by_shape[f"f32[{M},{K + 1},6144]"]["count"] == 2 * DRAFT_LAYERS + 1  # the re-feeding first draft step
+    roof = report["roofline"]["sps_tree"]
+    assert roof["score_tokens"] == 1 + M * K and roof["extra_score_flops"] > 0
+    assert roof["score_ms"] < 1.02 * roof["chain_score_ms"]
+    assert "Tree loop, 4 drafts" in text
 
 
 def test_ars_step_has_one_forward_of_all_reduces_and_prefill_is_counted_apart(chinchilla):

@@ -68,9 +68,10 @@ def compile_init(cfg, mesh) -> dict:
 
 
 def plan(cfg, data: int, model: int, batch: int = 1, prompt_len: int = 128, cache_len: int | None = None,
-         chip: Chip = Chip()) -> dict:
+         chip: Chip = Chip(), num_drafts: int = 1) -> dict:
     """Compile SpS (when the config has a draft), ArS for the target, and ArS for the
-    draft alone on a data x model mesh of the process's (fake CPU) devices."""
+    draft alone on a data x model mesh of the process's (fake CPU) devices; with
+    num_drafts > 1 also the tree loop of that many draft chains ('sps_tree')."""
     devices = jax.devices()
     if len(devices) < data * model:
         raise UsageError(f"mesh {data}x{model} needs {data * model} devices, this process has {len(devices)}")
@@ -86,7 +87,7 @@ def plan(cfg, data: int, model: int, batch: int = 1, prompt_len: int = 128, cach
     report: dict[str, Any] = {
         "config": cfg.name,
         "setup": {"data": data, "model": model, "devices": data * model, "batch": batch, "prompt_len": prompt_len,
-                  "cache_len": cache_len, "lookahead": cfg.sampling.lookahead,
+                  "cache_len": cache_len, "lookahead": cfg.sampling.lookahead, "num_drafts": num_drafts,
                   "sampling": dataclasses.asdict(cfg.sampling),
                   "xla_flags": os.environ.get("XLA_FLAGS", "")},
         "models": {}, "programs": {}}
@@ -100,12 +101,16 @@ def plan(cfg, data: int, model: int, batch: int = 1, prompt_len: int = 128, cach
                                       [kv_cache.table_shape(lm.cfg, cache_len, mesh)]),
                                   "layers": lm.cfg.num_layers,
                                   "pos_encoding": lm.cfg.pos_encoding, "init": compile_init(lm.cfg, mesh)}
-    runs = [("ars_target", lms["target"], None)]
+    runs = [("ars_target", lms["target"], None, cfg.sampling)]
     if "draft" in lms:
-        runs = [("sps", lms["target"], lms["draft"])] + runs + [("ars_draft", lms["draft"], None)]
-    for name, target, draft in runs:
-        result = compile_program(target, draft, cfg.sampling, batch, prompt_len, cache_len)
-        per = "collectives_per_loop" if name == "sps" else "collectives_per_step"
+        runs = [("sps", lms["target"], lms["draft"], cfg.sampling)] + runs + [("ars_draft", lms["draft"], None,
+                                                                              cfg.sampling)]
+        if num_drafts > 1:
+            tree = dataclasses.replace(cfg.sampling, num_drafts=num_drafts).validate()
+            runs.insert(1, ("sps_tree", lms["target"], lms["draft"], tree))
+    for name, target, draft, sampling in runs:
+        result = compile_program(target, draft, sampling, batch, prompt_len, cache_len)
+        per = "collectives_per_loop" if name.startswith("sps") else "collectives_per_step"
         result[per] = result.pop("per_loop")
         result["fits"] = result["memory"]["total"] <= chip.hbm_bytes
         report["programs"][name] = result

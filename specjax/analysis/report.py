@@ -89,6 +89,15 @@ def format_report(r: dict) -> str:
             f = fit["sps"]["by_alpha"][i] if fit else None
             out.append(f"    {row['alpha']:>6.2f} {row['tokens_per_loop']:>12.2f} {row['ms_per_token']:>9.2f} "
                        f"{row['speedup']:>7.2f}x" + (f" {f['ms_per_token']:>7.2f} {f['speedup']:>7.2f}x" if f else ""))
+    if "sps_tree" in rf:
+        t = rf["sps_tree"]
+        out += ["", f"  Tree loop, {t['num_drafts']} drafts (scores {t['score_tokens']} tokens in one pass where the "
+                f"chain scores {t['chain_score_tokens']}):",
+                f"    scoring pass: +{_size(t['extra_score_hbm_bytes'])} HBM/chip, "
+                f"+{t['extra_score_flops'] / 1e9:.1f} GFLOP/chip: {t['score_ms']:.2f} ms vs {t['chain_score_ms']:.2f} ms",
+                f"    loop: {t['loop_ms']:.2f} ms (draft {t['draft_ms']:.2f} ms over {t['num_drafts']} rows, "
+                f"{t['collectives']} collectives {t['collective_ms']:.2f} ms) vs the chain's {t['chain_loop_ms']:.2f} ms:"
+                f" the tree pays off above {t['break_even_ratio']:.3f}x the chain's tokens per loop"]
     relative = [(label, rel) for label, rel in (("target step", rf["ars"]["relative"]),
                                                 ("draft step", rf.get("draft", {}).get("relative")),
                                                 ("K+1 scoring", rf.get("sps", {}).get("score_relative")))

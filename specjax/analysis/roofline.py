@@ -143,10 +143,12 @@ def roofline(report: dict, cfg, chip: Chip) -> dict:
     programs, setup = report["programs"], report["setup"]
     batch, batch_shards = setup["batch"], (setup["data"] if setup["batch"] % setup["data"] == 0 else 1)
 
-    def forward_s(which: str, lm_cfg, tokens: int) -> tuple[dict, float]:
+    def forward_s(which: str, lm_cfg, tokens: int, rows: int = 1) -> tuple[dict, float]:
+        """One forward of `tokens` per row over `rows` x batch rows (several drafts: one
+        draft-cache row per chain)."""
         m = report["models"][which]
-        cost = forward_cost(lm_cfg, m["weight_bytes_per_device"], m["cache_bytes_per_device"], setup["model"],
-                            batch_shards, batch, tokens, setup["cache_len"])
+        cost = forward_cost(lm_cfg, m["weight_bytes_per_device"], rows * m["cache_bytes_per_device"], setup["model"],
+                            batch_shards, rows * batch, tokens, setup["cache_len"])
         return cost, max(cost["hbm_bytes"] / chip.hbm_bandwidth, cost["flops"] / chip.flops)
 
     def step(which, lm_cfg, program) -> dict:
@@ -179,6 +181,27 @@ def roofline(report: dict, cfg, chip: Chip) -> dict:
                   "by_alpha": [{"alpha": a, "tokens_per_loop": tokens_per_loop(a, K),
                                 "ms_per_token": 1e3 * loop / tokens_per_loop(a, K),
                                 "speedup": ars_ms / (1e3 * loop / tokens_per_loop(a, K))} for a in ALPHAS]}
+    if "sps_tree" in programs:
+        # The tree pass scores 1 + M*K tokens against the same weights and cache: more
+        # FLOPs and activation bytes, the same weight and cache bytes; the draft runs its
+        # K steps over M rows (M x its cache read). Tokens per loop are measured, not
+        # modelled: `break_even_ratio` (tree loop / chain loop time) is how many times the
+        # chain loop's tokens per loop the tree must reach to match its ms/token.
+        M = setup["num_drafts"]
+        tree_cost, tree_score = forward_s("target", cfg.target, 1 + M * K)
+        tree_first_cost, tree_first = forward_s("draft", cfg.draft, K + 1, M)  # re-feeds K+1 tokens per chain
+        tree_rest_cost, tree_rest = forward_s("draft", cfg.draft, 1, M)
+        count, wire = collective_load(programs["sps_tree"]["collectives_per_loop"], chip)
+        tree_coll = count * chip.collective_latency_s + wire
+        tree_loop = tree_score + tree_first + (K - 1) * tree_rest + tree_coll
+        out["sps_tree"] = {"num_drafts": M, "score_tokens": 1 + M * K, "chain_score_tokens": K + 1,
+                           "score_hbm_bytes": tree_cost["hbm_bytes"], "score_flops": tree_cost["flops"],
+                           "extra_score_hbm_bytes": tree_cost["hbm_bytes"] - score_cost["hbm_bytes"],
+                           "extra_score_flops": tree_cost["flops"] - score_cost["flops"],
+                           "score_ms": 1e3 * tree_score, "chain_score_ms": 1e3 * score,
+                           "draft_ms": 1e3 * (tree_first + (K - 1) * tree_rest), "collectives": count,
+                           "collective_ms": 1e3 * tree_coll, "loop_ms": 1e3 * tree_loop,
+                           "chain_loop_ms": 1e3 * loop, "break_even_ratio": tree_loop / loop}
     if K == PAPER["lookahead"] and is_paper_scale(cfg):
         out["table1"] = []
         for row in paper_table1():
