@@ -39,6 +39,8 @@ def test_bench_writes_json_and_png(tmp_path):
     (["--verify=block,nope"], "--verify='block,nope'"),
     (["--draft_confidence=0,1.5"], "--draft_confidence='0,1.5'"),
     (["--drafter=retrieval"], "--drafter=retrieval needs --datastore=PATH"),
+    (["--num_drafts=0,2"], "--num_drafts='0,2'"),
+    (["--drafter=ngram", "--num_drafts=2"], "leave nothing to compare"),
 ])
 def test_bench_rejects_bad_input_before_any_work(args, fragment):
     proc = subprocess.run([sys.executable, "-m", "specjax.bench", "--config=tiny", "--init=random", *args],

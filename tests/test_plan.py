@@ -269,6 +269,7 @@ def test_plan_rejects_a_mesh_the_draft_does_not_divide():
     (["--json=/"], "--json='/': cannot write it, it is a directory"),
     (["--mesh=1x"], "--mesh='1x': expected DATAxMODEL"),
     (["--batch=0"], "--batch=0: must be a positive integer"),
+    (["--num_drafts=0"], "--num_drafts=0: must be a positive integer"),
 ])
 def test_plan_rejects_bad_flags_before_compiling(args, fragment):
     proc = subprocess.run([sys.executable, "-m", "specjax.plan", "--config=tiny", *args], cwd=REPO,

@@ -141,6 +141,19 @@ def test_greedy_sps_equals_greedy_ars(greedy):
     assert sps[0, 0] != sps[1, 0]  # different prompts, different continuations: the comparison has teeth
 
 
+def test_several_drafts_from_the_command_line(env, greedy, tmp_path):
+    """--num_drafts=3 --drafter=hybrid: the tree loop gives the greedy tokens of the chain
+    loop (both are greedy ArS's), with per-chain statistics in the JSONL and the summary."""
+    out = tmp_path / "tree.jsonl"
+    proc = sample(env, *TINY, "--mode=sps", *GREEDY, "--num_drafts=3", "--drafter=hybrid", f"--output={out}")
+    assert proc.returncode == 0, proc.stderr
+    records = read_jsonl(out)
+    assert by_row(records, "sps") == by_row(greedy["sps"][1], "sps")
+    for r in records:
+        assert len(r["stats"]["won_by_chain"]) == 3 and len(r["stats"]["acceptance_by_chain"]) == 3
+    assert "3 drafts verified as a tree" in proc.stdout and "loops won by chain" in proc.stdout
+
+
 def test_both_modes_print_side_by_side(env, greedy, tmp_path):
     args = [a for a in GREEDY if a != "--noprint_samples"]
     proc = sample(env, *TINY, "--mode=both", *args, f"--output={tmp_path / 'both.jsonl'}")
@@ -256,6 +269,9 @@ BAD_INPUTS = [
     ("ngram 0", ["--drafter=ngram", "--ngram=0"], {}, ["ngram=0", "integer >= 1"]),
     ("draft_confidence 1", ["--draft_confidence=1"], {}, ["draft_confidence=1.0", "[0, 1)"]),
     ("draft_confidence negative", ["--draft_confidence=-0.2"], {}, ["draft_confidence=-0.2", "[0, 1)"]),
+    ("num_drafts 0", ["--num_drafts=0"], {}, ["num_drafts=0", "integer >= 1"]),
+    ("num_drafts with a lookup", ["--drafter=ngram", "--num_drafts=2"], {},
+     ["num_drafts=2 with drafter='ngram'", "'model' or 'hybrid'"]),
     ("hybrid without a draft", ["--config=mini_target", "--drafter=hybrid"], {},
      ["--drafter=hybrid needs a draft model", "'mini_target' has none"]),
     ("retrieval without a datastore", ["--drafter=retrieval"], {}, ["--drafter=retrieval needs --datastore=PATH"]),

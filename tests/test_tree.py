@@ -342,6 +342,16 @@ def test_statistics_of_a_tree_run(pairs):
     assert set(result.row_stats(0)) >= {"won_by_chain", "acceptance_by_chain"}
 
 
+def test_explain_loop_shows_the_winning_chain_of_the_first_tree_loop(pairs):
+    target, draft = pairs["1x1"]
+    sampling = SamplingConfig(temperature=1.0, lookahead=3, max_new_tokens=8, num_drafts=3)
+    for seed in range(4):
+        trace = specjax.explain_loop(target, draft, RAGGED[1], sampling, seed=seed)
+        assert trace.verify == "tree"
+        tokens = specjax.generate(target, draft, [RAGGED[1]], sampling, seed=seed).tokens[0]
+        assert tokens[:len(trace.tokens)] == trace.tokens
+
+
 @pytest.mark.parametrize("bad,message", [(dict(num_drafts=0), "num_drafts=0"),
                                          (dict(num_drafts=2, drafter="ngram"), "num_drafts=2 with drafter='ngram'")])
 def test_bad_num_drafts_is_refused(bad, message):

@@ -252,7 +252,8 @@ class LoopTrace:
     q: np.ndarray  # [L+1, V] the target's q_1..q_{L+1}, from its one scoring pass
     num_accepted: int  # n: x_1..x_n were kept
     next_token: int  # drawn from the residual at n+1, or the bonus from q_{L+1} (n == L)
-    verify: str = "tokenwise"  # the rule that decided n: 'tokenwise' (accept_prob's tests) or 'block'
+    verify: str = "tokenwise"  # the rule that decided n: 'tokenwise' (accept_prob's tests), 'block' or 'tree'
+    # (several drafts: draft_tokens, p and q are the winning chain's, the one whose path was kept)
 
     @property
     def lookahead(self) -> int:
@@ -317,7 +318,8 @@ def explain_loop(target: LM, draft: LM | None, prompt: Sequence[int], sampling: 
         out = explain_program(*prog.args, **prog.settings)
     x, p, length, q, n, token = distributed.fetch(out)
     m = int(length[0])
-    return LoopTrace(x[0, :m].tolist(), p[0, :m], q[0, :m + 1], int(n[0]), int(token[0]), prog.settings["verify"])
+    rule = "tree" if prog.settings["num_drafts"] > 1 else prog.settings["verify"]
+    return LoopTrace(x[0, :m].tolist(), p[0, :m], q[0, :m + 1], int(n[0]), int(token[0]), rule)
 
 
 @functools.partial(jax.jit, static_argnames=("warping",))

@@ -158,8 +158,8 @@ class Speculation(NamedTuple):
     target_cache: KVCache
     draft_cache: KVCache | None
     nonfinite: jax.Array  # [B] NaN/inf in either model's logits, or a distribution without mass
-    picks: jax.Array | None = None  # [B, K] the chain kept at each depth, -1 past n (several drafts)
-    chains: drafters.Proposal | None = None  # all M chains, fields [B, M, ...] (several drafts)
+    picks: jax.Array  # [B, K] the chain kept at each depth, -1 past n
+    chains: drafters.Proposal  # all M chains, fields [B, M, ...] (one chain: the proposal itself)
 
 
 def start(target: LM, draft: LM | None, prompts: jax.Array, prompt_lens: jax.Array, key: jax.Array,
@@ -204,8 +204,10 @@ def speculate(target: LM, draft: LM | None, datastore, s: SpsState, settings: Se
     else:  # a lookup that found nothing for any row: one plain sampling step scores the pending token only
         q, target_cache, target_bad = jax.lax.cond(jnp.any(prop.length > 0), lambda: score(K + 1), lambda: score(1))
     num_accepted, next_token, empty = verifier(settings.verify)(accept_key, prop.x, prop.p, q, prop.length)
+    picks = jnp.where(jnp.arange(K)[None, :] < num_accepted[:, None], 0, -1)  # one chain: chain 0 at every kept depth
     return key, Speculation(prop.x, prop.p, prop.length, prop.source, q, num_accepted, next_token, target_cache,
-                            draft_cache, target_bad | draft_bad | empty)
+                            draft_cache, target_bad | draft_bad | empty, picks,
+                            drafters.Proposal(*(a[:, None] for a in prop)))
 
 
 def speculate_tree(target: LM, draft: LM, datastore, s: SpsState, settings: Settings):
@@ -236,6 +238,32 @@ def speculate_tree(target: LM, draft: LM, datastore, s: SpsState, settings: Sett
                             jnp.any(bad, axis=1) | draft_bad | empty, picks, chains)
 
 
+def counted(st: Stats, sp: Speculation, active: jax.Array, count: jax.Array, bad: jax.Array) -> Stats:
+    """`st` plus one loop of `sp` for the `active` rows (`count` tokens emitted each).
+    Kept tokens count for the chain picked at their depth and for its drafter (with
+    several drafts, hybrid's chain 0 may be a lookup's and the others the model's)."""
+    K, M = sp.picks.shape[1], sp.chains.length.shape[1]
+    n = sp.num_accepted
+    live = active[:, None].astype(jnp.int32)
+    one_hot = lambda i, size: (i[..., None] == jnp.arange(size)).astype(jnp.int32)
+    sources = len(drafters.SOURCES)
+    source_at = jnp.take_along_axis(sp.chains.source, jnp.maximum(sp.picks, 0), axis=1)  # [B, K]
+    return Stats(
+        loops=st.loops + active,
+        num_new=st.num_new + count,
+        accepted=st.accepted + jnp.where(active, n, 0),
+        accepted_at=st.accepted_at + live * (jnp.arange(K)[None, :] < n[:, None]),
+        histogram=st.histogram + live * (jnp.arange(K + 1)[None, :] == n[:, None]),
+        drafted=st.drafted + live * (jnp.arange(K + 1)[None, :] == sp.length[:, None]),
+        accepted_by=st.accepted_by + live * jnp.sum(one_hot(source_at, sources) * (sp.picks >= 0)[..., None], axis=1),
+        proposed_by=st.proposed_by + live * jnp.sum(one_hot(sp.chains.source, sources)
+                                                    * sp.chains.length[..., None], axis=1),
+        nonfinite=st.nonfinite | bad,
+        chain_won=st.chain_won + live * one_hot(tree.winner(sp.picks, n), M) * (n > 0)[:, None],
+        chain_accepted=st.chain_accepted + live * jnp.sum(one_hot(sp.picks, M), axis=1),
+        chain_proposed=st.chain_proposed + live * sp.chains.length)
+
+
 def speculative_generate(target: LM, draft: LM | None, datastore, prompts: jax.Array, prompt_lens: jax.Array,
                          key: jax.Array, *, settings: Settings, max_new: int, eos_id: int, size: int):
     """Algorithm 2 as one `lax.while_loop`. Returns (tokens [B, size], length [B], Stats)."""
@@ -262,38 +290,8 @@ def speculative_generate(target: LM, draft: LM | None, datastore, prompts: jax.A
             draft_cache = sp.draft_cache.with_lengths(jnp.maximum(draft_length - window, 0))
         else:
             draft_cache = None
-        live = active[:, None].astype(jnp.int32)
-        kept = jnp.where(active, num_accepted, 0)
-        one_hot = lambda i, n: (i[..., None] == jnp.arange(n)).astype(jnp.int32)
-        sources = len(drafters.SOURCES)
-        if M > 1:  # by chain, and by drafter per chain (hybrid's chain 0 may be a lookup's)
-            picked = sp.picks >= 0
-            chain_accepted = live * jnp.sum(one_hot(sp.picks, M), axis=1)
-            chain_won = live * one_hot(tree.winner(sp.picks, num_accepted), M) * (num_accepted > 0)[:, None]
-            chain_proposed = live * sp.chains.length
-            source_at = jnp.take_along_axis(sp.chains.source, jnp.maximum(sp.picks, 0), axis=1)  # [B, K]
-            accepted_by = live * jnp.sum(one_hot(source_at, sources) * picked[..., None], axis=1)
-            proposed_by = live * jnp.sum(one_hot(sp.chains.source, sources) * sp.chains.length[..., None], axis=1)
-        else:
-            by_source = live * one_hot(sp.source, sources)
-            chain_accepted, chain_won, chain_proposed = kept[:, None], live * (kept > 0)[:, None], live * sp.length[:, None]
-            accepted_by, proposed_by = by_source * num_accepted[:, None], by_source * sp.length[:, None]
-        st = s.stats
-        stats = Stats(
-            loops=st.loops + active,
-            num_new=st.num_new + count,
-            accepted=st.accepted + jnp.where(active, num_accepted, 0),
-            accepted_at=st.accepted_at + live * (jnp.arange(K)[None, :] < num_accepted[:, None]),
-            histogram=st.histogram + live * (jnp.arange(K + 1)[None, :] == num_accepted[:, None]),
-            drafted=st.drafted + live * (jnp.arange(K + 1)[None, :] == sp.length[:, None]),
-            accepted_by=st.accepted_by + accepted_by,
-            proposed_by=st.proposed_by + proposed_by,
-            nonfinite=st.nonfinite | bad,
-            chain_won=st.chain_won + chain_won,
-            chain_accepted=st.chain_accepted + chain_accepted,
-            chain_proposed=st.chain_proposed + chain_proposed)
         return SpsState(write_rows(s.tokens, s.length, new, count), length, s.done | finished | bad,
-                        target_cache, draft_cache, key, stats)
+                        target_cache, draft_cache, key, counted(s.stats, sp, active, count, bad))
 
     state = jax.lax.while_loop(lambda s: ~jnp.all(s.done), loop, state)
     return state.tokens, state.length, state.stats
