@@ -20,7 +20,6 @@ import json
 import sys
 
 import jax
-import numpy as np
 from absl import flags
 
 from specjax import sharding
@@ -75,19 +74,11 @@ def main(argv):
     config = with_hf_models(cli.config(), FLAGS.hf_target, FLAGS.hf_draft, init=FLAGS.init, checkpoint=None,
                             draft_checkpoint=None)
     base = config.sampling if FLAGS.ngram is None else dataclasses.replace(config.sampling, ngram=FLAGS.ngram)
-    num_drafts = [base.num_drafts] if FLAGS.num_drafts is None else cli.int_list("num_drafts", FLAGS.num_drafts)
-    variants = [dict(verify=v, drafter=d, draft_confidence=c, num_drafts=m)
-                for d in names("drafter", FLAGS.drafter, base.drafter, DRAFTERS)
-                for m in num_drafts
-                for v in names("verify", FLAGS.verify, base.verify, VERIFY_RULES)
-                for c in confidences(FLAGS.draft_confidence, base.draft_confidence)
-                if (drafters.uses_model(d) or c == 0)  # a lookup has no draft distribution to be unsure about
-                and (drafters.uses_model(d) or m == 1)]  # nor several chains
-    if not variants:
-        raise UsageError(f"--drafter={FLAGS.drafter}: lookup drafters propose one chain with no draft distribution, "
-                         "so --num_drafts > 1 and --draft_confidence > 0 leave nothing to compare")
-    for v in variants:
-        dataclasses.replace(base, **v).validate()
+    variants = timing.variants(
+        base, cli.choices("drafter", FLAGS.drafter, base.drafter, DRAFTERS),
+        cli.choices("verify", FLAGS.verify, base.verify, VERIFY_RULES),
+        cli.unit_interval_list("draft_confidence", FLAGS.draft_confidence, base.draft_confidence),
+        [base.num_drafts] if FLAGS.num_drafts is None else cli.int_list("num_drafts", FLAGS.num_drafts))
     need_draft = any(drafters.uses_model(v["drafter"]) for v in variants)
     if need_draft and config.draft is None:
         raise UsageError(f"--config={FLAGS.config}: has no draft model, which --drafter=model|hybrid needs")
@@ -101,12 +92,8 @@ def main(argv):
     tokenizer = weights.tokenizer()
     if store is not None:
         store.check_tokenizer(file_sha256(tokenizer.path) if tokenizer else None, f"--datastore={FLAGS.datastore}")
-    if tokenizer is not None:
-        chosen = (prompts_lib.humaneval if FLAGS.prompts == "humaneval" else prompts_lib.rewrite)(num_prompts)
-        prompts = [p.tokens for p in prompts_lib.encode(chosen, tokenizer)]
-    else:
-        rng = np.random.default_rng(seed)
-        prompts = [rng.integers(0, config.target.vocab_size, prompt_len).tolist() for _ in range(num_prompts)]
+    prompts = prompts_lib.bench_prompts(FLAGS.prompts, tokenizer, num_prompts, config.target.vocab_size, prompt_len,
+                                        seed)
     base = dataclasses.replace(base, max_new_tokens=max_new, eos_id=-1)
     models = {"target": config.target, **({"draft": config.draft} if need_draft else {})}
     prompts_lib.check([prompts_lib.Prompt(f"prompt {i}", p) for i, p in enumerate(prompts)],
@@ -124,29 +111,6 @@ def main(argv):
         output.save(FLAGS.json, json.dumps(report, indent=1), "--json")
     if FLAGS.plot:
         output.save(FLAGS.plot, timing.plot(report), "--plot")
-
-
-def names(flag: str, text, default: str, allowed) -> list[str]:
-    """A comma-separated list of choices (None: [default])."""
-    if text is None:
-        return [default]
-    values = [v.strip() for v in text.split(",") if v.strip()]
-    bad = [v for v in values if v not in allowed]
-    if not values or bad:
-        raise UsageError(f"--{flag}={text!r}: expected comma-separated values from {', '.join(allowed)}")
-    return values
-
-
-def confidences(text, default: float) -> list[float]:
-    if text is None:
-        return [default]
-    try:
-        values = [float(v) for v in text.split(",") if v.strip()]
-    except ValueError:
-        values = []
-    if not values or not all(0 <= v < 1 for v in values):
-        raise UsageError(f"--draft_confidence={text!r}: expected comma-separated numbers in [0, 1), e.g. 0,0.4")
-    return values
 
 
 if __name__ == "__main__":

@@ -1,7 +1,7 @@
 """The KV cache: a pytree passed into the forward and returned, never module state.
 
-k, v: [L, B, K, S, H] (layers, batch, kv_heads, cache_seq, head_dim); lengths: [B].
-Heads before positions: a layer's slice [B, K, S, H] is already the layout both
+k, v: [L, B, G, S, H] (layers, batch, kv_heads, cache_seq, head_dim); lengths: [B].
+Heads before positions: a layer's slice [B, G, S, H] is already the layout both
 attention dots contract over (with [.., S, K, ..] XLA:CPU transposed a copy of every
 layer's keys and values on every step; BENCHMARKS.md, "Micro-benchmarks behind design choices").
 A forward writes its T new entries at the rows' own positions; `lengths` says how many
@@ -25,7 +25,7 @@ from specjax.config import ModelConfig
 
 CACHE_AXES = ("layers", "batch", "kv_heads", "cache_seq", "head_dim")
 TABLE_AXES = ("layers", "heads", "cache_seq", "head_dim")
-TREE_AXES = ("layers", "batch", None, "kv_heads", "head_dim")  # a tree pass's own keys/values [L, B, T, K, H]
+TREE_AXES = ("layers", "batch", None, "kv_heads", "head_dim")  # a tree pass's own keys/values [L, B, T, G, H]
 
 
 @jax.tree_util.register_dataclass

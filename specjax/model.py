@@ -13,7 +13,8 @@ share positions): each sees the cache below the row's length and its own tree
 ancestors, and the tree's keys/values are returned, not written (`kv_cache.commit`
 writes the accepted path).
 
-Letters: B batch, T query, S key/cache, N heads, K kv heads, G = N // K, H head dim,
+Letters: B batch, T query, S key/cache, N heads, G kv heads (groups of query heads),
+R = N // G query heads per kv head, H head dim,
 D model, F ffw, V vocab, L layers.
 """
 from __future__ import annotations
@@ -142,11 +143,11 @@ def relative_shift(by_reversed, positions):
 
 class Attention(nnx.Module):
     def __init__(self, cfg: ModelConfig, keys: Keys, out_std: float):
-        D, N, K, H, dt = cfg.d_model, cfg.num_heads, cfg.num_kv_heads, cfg.head_dim, cfg.param_dtype
+        D, N, G, H, dt = cfg.d_model, cfg.num_heads, cfg.num_kv_heads, cfg.head_dim, cfg.param_dtype
         self.cfg = cfg
         self.wq = _param(keys, (D, N, H), ("embed", "heads", "head_dim"), D ** -0.5, dt)
-        self.wk = _param(keys, (D, K, H), ("embed", "kv_heads", "head_dim"), D ** -0.5, dt)
-        self.wv = _param(keys, (D, K, H), ("embed", "kv_heads", "head_dim"), D ** -0.5, dt)
+        self.wk = _param(keys, (D, G, H), ("embed", "kv_heads", "head_dim"), D ** -0.5, dt)
+        self.wv = _param(keys, (D, G, H), ("embed", "kv_heads", "head_dim"), D ** -0.5, dt)
         self.wo = _param(keys, (N, H, D), ("heads", "head_dim", "embed"), out_std, dt)
         if cfg.pos_encoding == "relative":
             # Transformer-XL (Dai et al. 2019, eq. 4): W_r projects R_{i-j}; u, v are the
@@ -156,18 +157,18 @@ class Attention(nnx.Module):
             self.v = nnx.Param(jnp.zeros((N, H), dt), logical=("heads", "head_dim"))
 
     def __call__(self, x, positions, k_all, v_all, table, layer, lengths, ancestors=None):
-        """x [B,T,D]; k_all/v_all: the whole stacked cache [L,B,K,S,H]; table: the stacked
+        """x [B,T,D]; k_all/v_all: the whole stacked cache [L,B,G,S,H]; table: the stacked
         position table [L,N,S,H] (relative positions) or None. Writes this layer's T new
         entries straight into the cache (an in-place scatter inside the loop: no copy of a
         layer slice) and returns (out [B,T,D], k_all, v_all). With `ancestors` [T,T] (a
         tree, see the module docstring) nothing is written and it returns (out, k, v),
-        the tree's own keys/values [B,T,K,H]."""
+        the tree's own keys/values [B,T,G,H]."""
         cfg = self.cfg
         ct = jnp.dtype(cfg.compute_dtype)
         B, T, _ = x.shape
         q = kernels.einsum("BTD,DNH->BTNH", x, self.wq.value.astype(ct))
-        k = kernels.einsum("BTD,DKH->BTKH", x, self.wk.value.astype(ct))
-        v = kernels.einsum("BTD,DKH->BTKH", x, self.wv.value.astype(ct))
+        k = kernels.einsum("BTD,DGH->BTGH", x, self.wk.value.astype(ct))
+        v = kernels.einsum("BTD,DGH->BTGH", x, self.wv.value.astype(ct))
         if cfg.pos_encoding == "rope":
             freqs = rope_frequencies(cfg)
             q = rotary(q, positions, freqs)
@@ -185,24 +186,24 @@ class Attention(nnx.Module):
         v_all = v_all.at[layer, rows, :, positions].set(v.astype(v_all.dtype), mode="drop")
         k_all = sharding.constrain(k_all, CACHE_AXES)
         v_all = sharding.constrain(v_all, CACHE_AXES)
-        S, K, N = k_all.shape[3], cfg.num_kv_heads, cfg.num_heads
-        G, H = N // K, cfg.head_dim
+        S, G, N = k_all.shape[3], cfg.num_kv_heads, cfg.num_heads
+        R, H = N // G, cfg.head_dim
 
         def attend(q, k_all, v_all):  # [B,T,N,H] -> [B,T,N,H]
             k_cache, v_cache = k_all[layer], v_all[layer]
             key_pos = jnp.arange(S)
             if cfg.pos_encoding == "relative":
                 u = self.u.value.astype(ct)
-                qc = (q + u).reshape(B, T, K, G, H)
+                qc = (q + u).reshape(B, T, G, R, H)
             else:
-                qc = q.reshape(B, T, K, G, H)
-            logits = jnp.einsum("BTKGH,BKSH->BKGTS", qc, k_cache.astype(ct),
+                qc = q.reshape(B, T, G, R, H)
+            logits = jnp.einsum("BTGRH,BGSH->BGRTS", qc, k_cache.astype(ct),
                                 preferred_element_type=jnp.float32)
             if cfg.pos_encoding == "relative":
                 # Position term (q_i + v) . W_r R_{i-j}: score every distance once against the
                 # precomputed table, then shift each query's scores to its own position.
-                qr = (q + self.v.value.astype(ct)).reshape(B, T, K, G, H)
-                by_reversed = jnp.einsum("BTKGH,KGSH->BKGTS", qr, table[layer].reshape(K, G, S, H),
+                qr = (q + self.v.value.astype(ct)).reshape(B, T, G, R, H)
+                by_reversed = jnp.einsum("BTGRH,GRSH->BGRTS", qr, table[layer].reshape(G, R, S, H),
                                          preferred_element_type=jnp.float32)
                 logits = logits + relative_shift(by_reversed, positions)
             logits = logits * (H ** -0.5)
@@ -210,7 +211,7 @@ class Attention(nnx.Module):
                        & (key_pos[None, None, :] < lengths[:, None, None]))
             logits = jnp.where(visible[:, None, None], logits, MASKED)
             weights = jax.nn.softmax(logits, axis=-1).astype(ct)
-            return jnp.einsum("BKGTS,BKSH->BTKGH", weights, v_cache.astype(ct)).reshape(B, T, N, H)
+            return jnp.einsum("BGRTS,BGSH->BTGRH", weights, v_cache.astype(ct)).reshape(B, T, N, H)
 
         if cfg.pos_encoding != "relative" and kernels.use_attention(q, k_all, v_all):
             # Reads this layer of the cache in place (XLA copies each layer's slice per step).
@@ -231,27 +232,27 @@ class Attention(nnx.Module):
         cfg = self.cfg
         ct = jnp.dtype(cfg.compute_dtype)
         B, T = q.shape[:2]
-        S, K, N, H = k_all.shape[3], cfg.num_kv_heads, cfg.num_heads, cfg.head_dim
-        G = N // K
+        S, G, N, H = k_all.shape[3], cfg.num_kv_heads, cfg.num_heads, cfg.head_dim
+        R = N // G
         k_cache, v_cache = k_all[layer].astype(ct), v_all[layer].astype(ct)
         qc = q + self.u.value.astype(ct) if cfg.pos_encoding == "relative" else q
-        qc = qc.reshape(B, T, K, G, H)
+        qc = qc.reshape(B, T, G, R, H)
         f32 = dict(preferred_element_type=jnp.float32)
-        cached = jnp.einsum("BTKGH,BKSH->BKGTS", qc, k_cache, **f32)
-        own = jnp.einsum("BTKGH,BUKH->BKGTU", qc, k.astype(ct), **f32)
+        cached = jnp.einsum("BTGRH,BGSH->BGRTS", qc, k_cache, **f32)
+        own = jnp.einsum("BTGRH,BUGH->BGRTU", qc, k.astype(ct), **f32)
         if cfg.pos_encoding == "relative":
-            qr = (q + self.v.value.astype(ct)).reshape(B, T, K, G, H)
-            by_reversed = jnp.einsum("BTKGH,KGSH->BKGTS", qr, table[layer].reshape(K, G, S, H), **f32)
+            qr = (q + self.v.value.astype(ct)).reshape(B, T, G, R, H)
+            by_reversed = jnp.einsum("BTGRH,GRSH->BGRTS", qr, table[layer].reshape(G, R, S, H), **f32)
             cached = cached + relative_shift(by_reversed, positions)
             distance = jnp.clip(positions[:, :, None] - positions[:, None, :], 0, S - 1)  # [B,T,U]
-            index = jnp.broadcast_to((S - 1 - distance)[:, None, None], (B, K, G, T, T))
+            index = jnp.broadcast_to((S - 1 - distance)[:, None, None], (B, G, R, T, T))
             own = own + jnp.take_along_axis(by_reversed, index, axis=-1)
         visible = jnp.arange(S)[None, None, :] < lengths[:, None, None]  # [B,1,S]: all below every node
         cached = jnp.where(visible[:, None, None], cached, MASKED)
         own = jnp.where(jnp.asarray(ancestors)[None, None, None], own, MASKED)
         weights = jax.nn.softmax(jnp.concatenate([cached, own], axis=-1) * (H ** -0.5), axis=-1).astype(ct)
-        out = (jnp.einsum("BKGTS,BKSH->BTKGH", weights[..., :S], v_cache)
-               + jnp.einsum("BKGTU,BUKH->BTKGH", weights[..., S:], v.astype(ct)))
+        out = (jnp.einsum("BGRTS,BGSH->BTGRH", weights[..., :S], v_cache)
+               + jnp.einsum("BGRTU,BUGH->BTGRH", weights[..., S:], v.astype(ct)))
         return out.reshape(B, T, N * H)
 
 
@@ -325,7 +326,7 @@ class Transformer(nnx.Module):
 
     def __call__(self, tokens, positions, cache: KVCache, ancestors=None):
         """-> (logits, cache); with `ancestors` (a tree) -> (logits, (k, v)): the tree's
-        keys/values [L,B,T,K,H], the cache left as it was."""
+        keys/values [L,B,T,G,H], the cache left as it was."""
         cfg = self.cfg
         ct = jnp.dtype(cfg.compute_dtype)
         mesh = jax.sharding.get_abstract_mesh()

@@ -137,23 +137,23 @@ def test_two_builds_at_once_leave_one_library(tmp_path):
 def attention_reference(q, k_all, v_all, layer, positions, lengths):
     """The model's jnp attention (MHA/GQA, rope), written out: q [B,T,N,H] -> [B,T,N,H]."""
     B, T, N, H = q.shape
-    K, S = k_all.shape[2], k_all.shape[3]
-    qc = q.reshape(B, T, K, N // K, H)
-    logits = jnp.einsum("BTKGH,BKSH->BKGTS", qc, k_all[layer], preferred_element_type=jnp.float32) * H ** -0.5
+    G, S = k_all.shape[2], k_all.shape[3]
+    qc = q.reshape(B, T, G, N // G, H)
+    logits = jnp.einsum("BTGRH,BGSH->BGRTS", qc, k_all[layer], preferred_element_type=jnp.float32) * H ** -0.5
     key_pos = jnp.arange(S)
     visible = (key_pos[None, None] <= positions[:, :, None]) & (key_pos[None, None] < lengths[:, None, None])
     weights = jax.nn.softmax(jnp.where(visible[:, None, None], logits, model.MASKED), axis=-1)
-    return jnp.einsum("BKGTS,BKSH->BTKGH", weights, v_all[layer]).reshape(B, T, N, H)
+    return jnp.einsum("BGRTS,BGSH->BTGRH", weights, v_all[layer]).reshape(B, T, N, H)
 
 
 @needs_kernel
-@pytest.mark.parametrize("B,T,N,K,H,S", [(1, 1, 8, 8, 64, 512), (1, 5, 8, 8, 64, 64), (2, 4, 8, 4, 8, 40),
+@pytest.mark.parametrize("B,T,N,G,H,S", [(1, 1, 8, 8, 64, 512), (1, 5, 8, 8, 64, 64), (2, 4, 8, 4, 8, 40),
                                          (8, 1, 8, 8, 16, 33), (1, 8, 4, 1, 20, 17), (2, 3, 6, 2, 3, 5)])
-def test_cached_attention_matches_jnp(B, T, N, K, H, S):
+def test_cached_attention_matches_jnp(B, T, N, G, H, S):
     L = 3
     keys = jax.random.split(jax.random.key(B * 100 + T), 4)
     q = jax.random.normal(keys[0], (B, T, N, H))
-    k_all, v_all = (jax.random.normal(k, (L, B, K, S, H)) for k in keys[1:3])
+    k_all, v_all = (jax.random.normal(k, (L, B, G, S, H)) for k in keys[1:3])
     # Ragged rows: one mid-cache, one whose queries run past the cache's end (dropped writes),
     # one at position 0, one with every key masked (a negative position) where B allows.
     starts = np.array([S // 3, S - 2, 0, -T - 2, 5, 1, 2, 3])[:B]
@@ -168,10 +168,10 @@ def test_cached_attention_matches_jnp(B, T, N, K, H, S):
 
 @needs_kernel
 def test_cached_attention_gradient_uses_the_reference():
-    B, T, N, K, H, S = 1, 3, 4, 2, 8, 12
+    B, T, N, G, H, S = 1, 3, 4, 2, 8, 12
     keys = jax.random.split(jax.random.key(3), 3)
     q = jax.random.normal(keys[0], (B, T, N, H))
-    k_all, v_all = (jax.random.normal(k, (2, B, K, S, H)) for k in keys[1:])
+    k_all, v_all = (jax.random.normal(k, (2, B, G, S, H)) for k in keys[1:])
     positions, lengths = jnp.array([[4, 5, 6]]), jnp.array([7])
     ref = lambda q, k, v: attention_reference(q, k, v, 1, positions, lengths)
     loss = lambda f: jax.grad(lambda q, k, v: jnp.sum(jnp.sin(f(q, k, v))), argnums=(0, 1, 2))

@@ -14,7 +14,8 @@ import jax.numpy as jnp
 import numpy as np
 
 from specjax import kv_cache
-from specjax.decode import program as program_lib, tree as tree_lib
+from specjax.config import UsageError
+from specjax.decode import datastore as datastore_lib, drafters, program as program_lib, tree as tree_lib
 from specjax.decode.api import Totals, generate
 
 
@@ -47,7 +48,6 @@ def time_forward(lm, tokens: int, context: int, repeats: int, batch: int = 1, tr
 def time_lookup(mesh, datastore, lookahead: int, ngram: int, context: int, repeats: int) -> dict:
     """Milliseconds of the lookup drafters' device work alone at batch 1 after `context`
     tokens: the n-gram match over the token buffer and (given a datastore) its query."""
-    from specjax.decode import datastore as datastore_lib, drafters
     size = context + 256
     tokens = jnp.asarray(np.random.default_rng(0).integers(0, 64, (1, size)), jnp.int32)
     length = jnp.array([context], jnp.int32)
@@ -66,6 +66,21 @@ def time_lookup(mesh, datastore, lookahead: int, ngram: int, context: int, repea
                 jax.block_until_ready(fn(*args))
                 times.append(time.perf_counter() - start)
             out[name] = 1000 * float(np.median(times))
+    return out
+
+
+def variants(base, drafter_names, verify_rules, confidences, num_drafts) -> list[dict]:
+    """The SpS variants to compare: every combination of the given drafters, verifiers,
+    adaptive-length thresholds and draft counts that means something (a lookup has no
+    draft distribution to be unsure about, and proposes one chain), each validated."""
+    out = [dict(verify=v, drafter=d, draft_confidence=c, num_drafts=m)
+           for d in drafter_names for m in num_drafts for v in verify_rules for c in confidences
+           if drafters.uses_model(d) or (c == 0 and m == 1)]
+    if not out:
+        raise UsageError(f"--drafter={','.join(drafter_names)}: lookup drafters propose one chain with no draft "
+                         "distribution, so --num_drafts > 1 and --draft_confidence > 0 leave nothing to compare")
+    for v in out:
+        dataclasses.replace(base, **v).validate()
     return out
 
 

@@ -114,6 +114,29 @@ def int_list(name: str, text: str) -> list[int]:
     return values
 
 
+def choices(name: str, text: Optional[str], default: str, allowed) -> list[str]:
+    """'a,b' -> ['a', 'b'], each one of `allowed` (None: [default])."""
+    if text is None:
+        return [default]
+    values = [v.strip() for v in text.split(",") if v.strip()]
+    if not values or any(v not in allowed for v in values):
+        raise UsageError(f"--{name}={text!r}: expected comma-separated values from {', '.join(allowed)}")
+    return values
+
+
+def unit_interval_list(name: str, text: Optional[str], default: float) -> list[float]:
+    """'0,0.4' -> [0.0, 0.4], each in [0, 1) (None: [default])."""
+    if text is None:
+        return [default]
+    try:
+        values = [float(v) for v in text.split(",") if v.strip()]
+    except ValueError:
+        values = []
+    if not values or not all(0 <= v < 1 for v in values):
+        raise UsageError(f"--{name}={text!r}: expected comma-separated numbers in [0, 1), e.g. 0,0.4")
+    return values
+
+
 def finite(name: str, value: float, low: float = -math.inf, high: float = math.inf) -> float:
     if not (math.isfinite(value) and low <= value <= high):
         raise UsageError(f"--{name}={value}: must be a finite number in [{low}, {high}]")

@@ -23,6 +23,8 @@ import json
 import pathlib
 from typing import Optional, Protocol, Sequence
 
+import numpy as np
+
 from specjax.config import UsageError, user_path
 from specjax.decode.program import check_prompts
 
@@ -159,6 +161,18 @@ def rewrite(n: int) -> list[_Raw]:
     if not 1 <= n <= len(out):
         raise UsageError(f"rewrite prompts: {n} asked for, between 1 and {len(out)} available")
     return out[:n]
+
+
+def bench_prompts(kind: str, tokenizer: Optional[TextCodec], n: int, vocab_size: int, length: int,
+                  seed: int) -> list[list[int]]:
+    """Benchmark prompts as token ids: the first `n` HumanEval prompts or `rewrite`
+    prompts (kind 'humaneval' | 'rewrite') through the tokenizer, or, for a model
+    without one, `n` rows of `length` random ids drawn with `seed`."""
+    if tokenizer is None:
+        rng = np.random.default_rng(seed)
+        return [rng.integers(0, vocab_size, length).tolist() for _ in range(n)]
+    chosen = (humaneval if kind == "humaneval" else rewrite)(n)
+    return [p.tokens for p in encode(chosen, tokenizer)]
 
 
 def gather(texts: Sequence[str] = (), prompts_file: Optional[str] = None,

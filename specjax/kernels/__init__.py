@@ -149,7 +149,7 @@ def einsum(spec: str, x: jax.Array, w: jax.Array, **kwargs) -> jax.Array:
 
 
 def use_attention(q, k_all, v_all) -> bool:
-    """q [B, T, N, H] against caches [L, B, K, S, H]: the same static conditions as `use_kernel`."""
+    """q [B, T, N, H] against caches [L, B, G, S, H]: the same static conditions as `use_kernel`."""
     B, T = q.shape[:2]
     return (enabled("attention") and all(a.dtype == jnp.float32 for a in (q, k_all, v_all)) and 1 <= B * T <= MAX_ROWS
             and jax.default_backend() == "cpu" and _single_device() and available())

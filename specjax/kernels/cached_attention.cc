@@ -1,15 +1,15 @@
 // Attention of a few new queries over one layer of the stacked KV cache, read in place,
 // as an XLA FFI custom call for the CPU backend:
 //
-//   out[b, t, n, :] = sum_s softmax_s(q[b, t, n] . k[layer, b, n / G, s] * scale) v[layer, b, n / G, s]
+//   out[b, t, n, :] = sum_s softmax_s(q[b, t, n] . k[layer, b, n / R, s] * scale) v[layer, b, n / R, s]
 //
 // over the keys s visible to query (b, t): s <= positions[b, t] and s < lengths[b]. A
 // query that sees no key gets the uniform average over all S slots, as a softmax over
-// all-masked logits does. Given the whole [L, B, K, S, H] cache and the layer index, XLA
+// all-masked logits does. Given the whole [L, B, G, S, H] cache and the layer index, XLA
 // has no layer slice to copy (it copied, and for values transposed, each layer's cache
 // before its attention dots, every step), and only the visible prefix of the cache is
 // read, not all S slots. Work is split over (batch row, kv head) pairs, each of which
-// reads its keys and values once for all T x G queries that share them.
+// reads its keys and values once for all T x R queries that share them.
 #include <algorithm>
 #include <atomic>
 #include <cmath>
@@ -64,13 +64,13 @@ inline float Dot(const float* a, const float* b, int64_t H) {
 }
 
 struct Shapes {
-  int64_t B, T, N, K, S, H, G;
+  int64_t B, T, N, G, S, H, R;
 };
 
-// All T x G queries of batch row b that share kv head kh.
+// All T x R queries of batch row b that share kv head kh.
 void Attend(const Shapes& d, const float* q, const float* kc, const float* vc, const int32_t* positions,
             int32_t length, float scale, float* out, int64_t b, int64_t kh) {
-  const int64_t rows = d.T * d.G, H = d.H;
+  const int64_t rows = d.T * d.R, H = d.H;
   std::vector<int64_t> span(d.T);
   std::vector<bool> uniform(d.T);
   int64_t smax = 0;
@@ -82,11 +82,11 @@ void Attend(const Shapes& d, const float* q, const float* kc, const float* vc, c
   }
   const int64_t stride = (smax + kWidth - 1) / kWidth * kWidth;
   std::vector<float> p(rows * stride, -INFINITY), acc(rows * H, 0.f), total(rows);
-  const float* keys = kc + (b * d.K + kh) * d.S * H;
-  const float* values = vc + (b * d.K + kh) * d.S * H;
-  auto query = [&](int64_t row) { return q + ((b * d.T + row / d.G) * d.N + kh * d.G + row % d.G) * H; };
+  const float* keys = kc + (b * d.G + kh) * d.S * H;
+  const float* values = vc + (b * d.G + kh) * d.S * H;
+  auto query = [&](int64_t row) { return q + ((b * d.T + row / d.R) * d.N + kh * d.R + row % d.R) * H; };
   for (int64_t row = 0; row < rows; ++row) {
-    const int64_t t = row / d.G;
+    const int64_t t = row / d.R;
     float* pr = p.data() + row * stride;
     if (uniform[t]) {
       std::fill(pr, pr + d.S, 0.f);
@@ -114,7 +114,7 @@ void Attend(const Shapes& d, const float* q, const float* kc, const float* vc, c
   }
   for (int64_t row = 0; row < rows; ++row) {
     const float inv = 1.f / total[row];
-    float* o = out + ((b * d.T + row / d.G) * d.N + kh * d.G + row % d.G) * H;
+    float* o = out + ((b * d.T + row / d.R) * d.N + kh * d.R + row % d.R) * H;
     for (int64_t h = 0; h < H; ++h) o[h] = acc[row * H + h] * inv;
   }
 }
@@ -128,9 +128,9 @@ struct Job {
   std::atomic<int64_t> next{0}, done{0};
 
   void Work() {
-    const int64_t items = d.B * d.K;
+    const int64_t items = d.B * d.G;
     for (int64_t i; (i = next.fetch_add(1, std::memory_order_relaxed)) < items;) {
-      Attend(d, q, kc, vc, positions, lengths[i / d.K], scale, out, i / d.K, i % d.K);
+      Attend(d, q, kc, vc, positions, lengths[i / d.G], scale, out, i / d.G, i % d.G);
       done.fetch_add(1, std::memory_order_release);
     }
   }
@@ -144,7 +144,7 @@ ffi::Error CachedAttention(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> q, ffi::B
   const bool same = vd.size() == cd.size() && std::equal(cd.begin(), cd.end(), vd.begin());
   if (qd.size() != 4 || cd.size() != 5 || !same || cd[1] != qd[0] || cd[4] != qd[3] || qd[2] % cd[2] != 0 ||
       positions.element_count() != qd[0] * qd[1] || lengths.element_count() != qd[0])
-    return ffi::Error::InvalidArgument("specjax_cached_attention: want q[B,T,N,H], caches [L,B,K,S,H]");
+    return ffi::Error::InvalidArgument("specjax_cached_attention: want q[B,T,N,H], caches [L,B,G,S,H]");
   const int64_t L = cd[0], l = layer.typed_data()[0];
   if (l < 0 || l >= L) return ffi::Error::InvalidArgument("specjax_cached_attention: layer out of range");
   auto job = std::make_shared<Job>();
@@ -157,7 +157,7 @@ ffi::Error CachedAttention(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> q, ffi::B
   job->lengths = lengths.typed_data();
   job->scale = scale;
   job->out = out->typed_data();
-  const int64_t items = job->d.B * job->d.K;
+  const int64_t items = job->d.B * job->d.G;
   const int64_t helpers = std::min<int64_t>(items, std::max<int64_t>(1, pool.num_threads())) - 1;
   for (int64_t i = 0; i < helpers; ++i) pool.Schedule([job] { job->Work(); });
   job->Work();
