@@ -6,6 +6,17 @@ import jax
 import numpy as np
 
 from specjax import model, sharding
+from conftest import mesh_for
+
+# A ragged batch: rows of 3, 9, 1 and 5 prompt tokens.
+RAGGED = [[1, 2, 3], [4, 5, 6, 7, 8, 9, 10, 11, 12], [13], [14, 15, 16, 17, 18]]
+
+
+def tiny_pairs(tiny) -> dict:
+    """{mesh name: (target, draft)}: tiny's two models freshly initialised on 1 device and
+    on a 1x8 mesh (the same weights on both)."""
+    return {name: (model.init_lm(tiny.target, mesh_for(name)), model.init_lm(tiny.draft, mesh_for(name)))
+            for name in ("1x1", "1x8")}
 
 
 def random_lm(cfg, mesh, seed: int = 0, noise: float = 0.0, noise_seed: int = 1) -> model.LM:

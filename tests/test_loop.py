@@ -15,14 +15,11 @@ from specjax.config import SamplingConfig, load_config
 from specjax.analysis.hlo import HloProgram
 from specjax.decode.datastore import Datastore
 from conftest import mesh_for
-
-RAGGED = [[1, 2, 3], [4, 5, 6, 7, 8, 9, 10, 11, 12], [13], [14, 15, 16, 17, 18]]
-
+from models import RAGGED, tiny_pairs
 
 @pytest.fixture(scope="module")
 def pairs(tiny):
-    return {name: (model.init_lm(tiny.target, mesh_for(name)), model.init_lm(tiny.draft, mesh_for(name)))
-            for name in ("1x1", "1x8")}
+    return tiny_pairs(tiny)
 
 
 @pytest.mark.parametrize("mesh_name", ["1x1", "1x8"])

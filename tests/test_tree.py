@@ -34,6 +34,7 @@ from specjax.decode import program, speculative, tree
 from specjax.decode.sampling import sample
 from specjax.decode.state import prefill
 from conftest import mesh_for
+from models import RAGGED, tiny_pairs
 
 ALPHA = 1e-3
 N = 200_000
@@ -280,13 +281,9 @@ def test_negative_control_wrong_multi_draft_rule_is_rejected(wrong, M, K):
 
 # --------------------------------------------------------------------------- 3. the loop
 
-RAGGED = [[1, 2, 3], [4, 5, 6, 7, 8, 9, 10, 11, 12], [13], [14, 15, 16, 17, 18]]
-
-
 @pytest.fixture(scope="module")
 def pairs(tiny):
-    return {name: (model.init_lm(tiny.target, mesh_for(name)), model.init_lm(tiny.draft, mesh_for(name)))
-            for name in ("1x1", "1x8")}
+    return tiny_pairs(tiny)
 
 
 @pytest.mark.parametrize("mesh_name", ["1x1", "1x8"])
