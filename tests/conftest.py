@@ -20,9 +20,9 @@ def mesh_for(name: str):
 # Longest files first. `--dist loadfile` hands whole files to the two workers in collection
 # order, and alphabetical order put the two longest (test_speculative, test_train) last,
 # leaving one worker idle for minutes at the end.
-# (`--dist worksteal` balances by itself but splits files, so module-scoped fixtures, the
-# compiled programs and large batches the statistical tests share, are built on both
-# workers: measured slower, 60% of the suite in 14 minutes against loadfile's 52% in 5.4.)
+# `--dist worksteal` would balance by itself but splits files, so module-scoped fixtures
+# (the compiled programs and large batches the statistical tests share) get built on both
+# workers; on 2 cores it ran slower than loadfile with this order.
 LONGEST_FIRST = ["test_speculative.py", "test_drafters.py", "test_sample_cli.py", "test_train.py", "test_tree.py",
                  "test_hf.py", "test_temperature.py", "test_loop.py", "test_tree_theorem1.py", "test_model.py",
                  "test_hf_cli.py", "test_evaluate.py", "test_colab.py"]
