@@ -94,7 +94,7 @@ def commit(cache: KVCache, k_tree: jax.Array, v_tree: jax.Array, nodes: jax.Arra
     positions = (start[:, None] + jnp.arange(width)[None, :])[None]
 
     def put(buf, tree):  # buf[l, b, :, start[b] + j] = tree[l, b, nodes[b, j]]
-        path = jnp.take_along_axis(tree, index, axis=2).astype(buf.dtype)  # [L, B, P, K, H]
+        path = jnp.take_along_axis(tree, index, axis=2).astype(buf.dtype)  # [L, B, P, G, H]
         return sharding.constrain(buf.at[layers, rows, :, positions].set(path, mode="drop"), CACHE_AXES)
 
     return dataclasses.replace(cache, k=put(cache.k, k_tree), v=put(cache.v, v_tree))

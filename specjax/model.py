@@ -178,6 +178,10 @@ class Attention(nnx.Module):
         k = sharding.constrain(k, ("batch", None, "kv_heads", "head_dim"))
         v = sharding.constrain(v, ("batch", None, "kv_heads", "head_dim"))
         if ancestors is not None:
+            # Pinned as after a write: left free, XLA:CPU resharded the loop-carried cache
+            # over the query-head groups and gathered it back whole in the commit.
+            k_all = sharding.constrain(k_all, CACHE_AXES)
+            v_all = sharding.constrain(v_all, CACHE_AXES)
             out = self.attend_tree(q, k, v, k_all, v_all, table, layer, positions, lengths, ancestors)
             return kernels.einsum("BTF,FD->BTD", out, self.wo.value.astype(ct).reshape(cfg.num_heads * cfg.head_dim,
                                                                                            -1)), k, v

@@ -293,22 +293,27 @@ def test_greedy_multi_draft_equals_greedy_ars(pairs, mesh_name):
     target, draft = pairs[mesh_name]
     greedy = SamplingConfig(temperature=0, lookahead=3, max_new_tokens=48)
     ars = specjax.generate(target, None, RAGGED, greedy)
+    chain = specjax.generate(target, draft, RAGGED, greedy)
     for d, drafter, M in ((draft, "model", 2), (target, "model", 3), (draft, "hybrid", 3)):
         sps = specjax.generate(target, d, RAGGED, dataclasses.replace(greedy, drafter=drafter, num_drafts=M))
         assert sps.tokens == ars.tokens, (drafter, M)
         assert sps.accepted.sum() > 0
+        if d is draft and drafter == "model":
+            # Greedy chains start with the draft's M most likely tokens, not M copies of one.
+            assert sps.accepted.sum() > chain.accepted.sum()
+            assert sps.chain_won[:, 1:].sum() > 0
         if d is target:
             assert sps.tokens_per_loop > 3.5  # every draft kept: K+1 per loop but at the budget's end
             assert sps.chain_won[:, 0].sum() == sps.chain_won.sum()  # the first chain wins every tie
 
 
 def test_tree_loop_is_one_fused_loop_with_the_chain_loops_all_reduces(pairs):
-    """The wider pass adds bytes, not collectives: the same all-reduces per loop as the
-    chain loop (Megatron's 2 per layer + 1 for the embedding per forward: the draft's K
+    """The wider pass adds bytes, not collectives: the same all-reduces (and all-gathers) per
+    loop as the chain loop (Megatron's 2 per layer + 1 for the embedding per forward: the draft's K
     steps over M rows each, the target's one tree pass), plus 0."""
     target, draft = pairs["1x8"]
     K = 3
-    counts = {}
+    counts, gathers = {}, {}
     for M in (1, 3):
         sampling = SamplingConfig(temperature=0.8, top_p=0.9, lookahead=K, max_new_tokens=32, num_drafts=M,
                                   verify="tokenwise")
@@ -319,8 +324,15 @@ def test_tree_loop_is_one_fused_loop_with_the_chain_loops_all_reduces(pairs):
         hlo.generation_loop()  # raises unless ENTRY holds exactly one data-dependent while loop
         per_loop, _ = hlo.loop_and_outside()
         counts[M] = sum(n for c, n in per_loop.items() if c.kind == "all-reduce")
+        gathers[M] = {c.shape: n for c, n in per_loop.items() if c.kind == "all-gather"}
     assert counts[1] == 2 * (target.cfg.num_layers + K * draft.cfg.num_layers) + K + 1
     assert counts[3] == counts[1] + 0
+    # All-gathers: the vocab-parallel logits only, as many as the chain loop's (never a cache:
+    # tiny's 4 kv heads on 8 devices once made XLA reshard the target's cache and gather it
+    # back whole in the commit).
+    V = target.cfg.vocab_size
+    assert sum(gathers[3].values()) == sum(gathers[1].values())
+    assert all(shape.endswith(f",{V}]") for shape in gathers[3]), gathers[3]
 
 
 def test_statistics_of_a_tree_run(pairs):

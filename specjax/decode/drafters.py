@@ -63,7 +63,7 @@ def cache_window(drafter: str, lookahead: int, num_drafts: int = 1) -> int:
 
 def model_proposal(draft: LM, cache: KVCache, tokens: jax.Array, length: jax.Array, key: jax.Array,
                    lookahead: int, warping: Warp, *, window: int = 2, confidence: float = 0.0,
-                   active: jax.Array | None = None):
+                   active: jax.Array | None = None, distinct_first: int = 0):
     """K autoregressive draft steps. Returns (Proposal, cache, nonfinite [B]).
 
     The first step feeds the `window` tokens that end at the pending token (see
@@ -71,7 +71,12 @@ def model_proposal(draft: LM, cache: KVCache, tokens: jax.Array, length: jax.Arr
     that stopped (confidence) propose nothing further; when no row still drafts, the
     remaining draft forwards are skipped (`lax.cond`), which is where a short draft saves
     time at batch 1. Stopping looks only at the draft's own distributions, so the
-    proposal stays a draw from the draft model's (now variable-length) chain."""
+    proposal stays a draw from the draft model's (now variable-length) chain.
+
+    `distinct_first` = M > 0 (greedy only): row i's first token is the draft's (i mod
+    M)-th most likely instead of its argmax. M greedy chains of a tree would all be the
+    same chain; this way they start with M different tokens. Each is a deterministic
+    choice, so its p is a point mass, as greedy's argmax is."""
     batch = tokens.shape[0]
     positions = jnp.maximum(length[:, None] - window + jnp.arange(window)[None, :], 0)
     logits, cache = draft(jnp.take_along_axis(tokens, positions, axis=1), positions, cache)
@@ -80,10 +85,17 @@ def model_proposal(draft: LM, cache: KVCache, tokens: jax.Array, length: jax.Arr
     bad = jnp.zeros((batch,), bool)  # a draft distribution that is not one (NaN/inf logits, no mass)
     going = jnp.ones((batch,), bool) if active is None else active
     skippable = confidence > 0 or active is not None
+    first = None
+    if distinct_first and warping.temperature == 0:
+        _, ranked = jax.lax.top_k(logits, distinct_first)  # [B, M], most likely first
+        first = jnp.take_along_axis(ranked, (jnp.arange(batch) % distinct_first)[:, None], axis=1)[:, 0]
 
     def propose(logits, going, j):
         probs, bad_probs = warp(logits, warping)
         x, empty = sample(keys[j], probs)
+        if first is not None:
+            x = jnp.where(j == 0, first, x)
+            probs = jnp.where(j == 0, point_mass(x, probs.shape[-1]), probs)
         bad_j = (bad_probs | empty) & going
         if confidence == 0:
             return x, probs, going, bad_j
@@ -211,13 +223,15 @@ def propose_chains(drafter: str, draft: LM, cache: KVCache, datastore, tokens: j
     [B, M, ...], draft cache, nonfinite [B]).
 
     The draft cache has B*M rows, one per chain (row b's chains are rows b*M .. b*M+M-1),
-    so the M chains are M independent draws of the draft's chain, batched. With 'hybrid'
-    chain 0 is the lookup's proposal where a lookup matched (the draft's chain there
-    is drawn but not proposed): two different prophets in one tree."""
+    so the M chains are M independent draws of the draft's chain, batched (greedy: the
+    chains start with the draft's M most likely tokens, see `model_proposal`). With
+    'hybrid' chain 0 is the lookup's proposal where a lookup matched (the draft's chain
+    there is drawn but not proposed): two different prophets in one tree."""
     batch, drafts = tokens.shape[0], num_drafts
     prop, cache, bad = model_proposal(draft, cache, jnp.repeat(tokens, drafts, axis=0),
                                       jnp.repeat(length, drafts, axis=0), key, lookahead, warping,
-                                      window=cache_window(drafter, lookahead, drafts), confidence=confidence)
+                                      window=cache_window(drafter, lookahead, drafts), confidence=confidence,
+                                      distinct_first=drafts)
     prop = Proposal(*(a.reshape((batch, drafts) + a.shape[1:]) for a in prop))
     bad = jnp.any(bad.reshape(batch, drafts), axis=1)
     lookups = lookup_proposals(drafter, datastore, tokens, length, lookahead, vocab, ngram) if drafter == "hybrid" else []

@@ -277,6 +277,9 @@ def build(target: LM, draft: LM | None, prompts, sampling: SamplingConfig, seed:
     lookahead = sampling.lookahead if speculative else 1
     if lookahead >= context:
         raise UsageError(f"lookahead={lookahead}: must be below the model's context of {context} tokens")
+    if speculative and sampling.num_drafts > target.cfg.vocab_size:
+        raise UsageError(f"num_drafts={sampling.num_drafts}: must be at most the vocabulary's "
+                         f"{target.cfg.vocab_size} tokens")
     mesh = mesh_of(target)
     width = bucket(max(len(p) for p in prompts), pad_to)
     size = cache_size(width, sampling.max_new_tokens, lookahead)
