@@ -55,6 +55,9 @@ def main(argv):
     if FLAGS.xsum_file and task != "xsum":
         raise UsageError("--xsum_file only applies to --task=xsum")
     num_samples = cli.positive("num_samples", FLAGS.num_samples) or (4 if task == "humaneval" else 1)
+    if num_samples > runner.SEED_STRIDE:  # item i's last samples would reuse item i+1's first seeds
+        raise UsageError(f"--num_samples={num_samples}: at most {runner.SEED_STRIDE} (sample j of item i uses seed "
+                         f"+ {runner.SEED_STRIDE} * i + j)")
     output.check_writable(FLAGS.output)
     result = runner.evaluate(
         config, task, limit=cli.positive("limit", FLAGS.limit), num_samples=num_samples,

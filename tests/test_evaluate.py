@@ -267,6 +267,7 @@ BAD = [
     (["--task=xsum", "--max_new_tokens=600"], ["--max_new_tokens=600", "context of 512"]),
     (["--task=xsum", "--output=/"], ["--output='/'", "it is a directory"]),
     (["--task=humaneval", "--timeout=nan"], ["--timeout=nan", "finite"]),
+    (["--task=xsum", "--num_samples=1001"], ["--num_samples=1001", "at most 1000"]),  # else seeds would overlap
 ]
 
 
