@@ -6,6 +6,7 @@ import jax
 import numpy as np
 
 from specjax import model, sharding
+from specjax.analysis.hlo import HloProgram
 from conftest import mesh_for
 
 # A ragged batch: rows of 3, 9, 1 and 5 prompt tokens.
@@ -43,3 +44,17 @@ def numpy_params(params, dtype=None) -> dict:
     """{"['layers'][0]['attn']['wq']": array, ...} of an nnx State of params."""
     return {jax.tree_util.keystr(p).replace(".value", ""): np.asarray(x, dtype)
             for p, x in jax.tree_util.tree_leaves_with_path(params)}
+
+
+HOST_OPS = ("outfeed", "infeed", "send(", "recv(", "host_callback", "xla_python_cpu_callback")
+
+
+def fused_loop_collectives(program) -> dict:
+    """The collectives per loop of a built `program.Program`, compiled, after checking that
+    its HLO holds no host round trip and exactly one data-dependent while loop."""
+    text = program.compile().as_text()
+    for host_op in HOST_OPS:
+        assert host_op not in text, host_op
+    hlo = HloProgram(text)
+    hlo.generation_loop()  # raises unless ENTRY holds exactly one data-dependent while loop
+    return hlo.loop_and_outside()[0]
