@@ -1,5 +1,8 @@
 """8 fake CPU devices for every test, set before JAX initialises (meshes 1x8 and 2x4)."""
+import collections
+import json
 import os
+import pathlib
 
 os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "") + " --xla_force_host_platform_device_count=8").strip()
 
@@ -18,19 +21,38 @@ def mesh_for(name: str):
 
 
 # Longest files first. `--dist loadfile` hands whole files to the two workers in collection
-# order, and alphabetical order put the two longest (test_speculative, test_train) last,
-# leaving one worker idle for minutes at the end.
-# `--dist worksteal` would balance by itself but splits files, so module-scoped fixtures
-# (the compiled programs and large batches the statistical tests share) get built on both
-# workers; on 2 cores it ran slower than loadfile with this order.
-LONGEST_FIRST = ["test_speculative.py", "test_drafters.py", "test_sample_cli.py", "test_train.py", "test_tree.py",
-                 "test_hf.py", "test_temperature.py", "test_loop.py", "test_tree_theorem1.py", "test_model.py",
-                 "test_hf_cli.py", "test_evaluate.py", "test_colab.py"]
+# order; alphabetical order put the longest ones last, leaving one worker idle for minutes
+# at the end. (`--dist worksteal` balances by itself but splits files, so the module-scoped
+# compiled programs and large batches of the statistical tests get built on both workers;
+# on 2 cores it ran slower.) The order comes from FILE_SECONDS, which every passing run of
+# the whole default suite rewrites with the seconds each file took, so it follows the
+# suite instead of a hand-kept list (commit it when it changes); files it does not know
+# yet run first.
+FILE_SECONDS = pathlib.Path(__file__).with_name("file_seconds.json")
+_seconds: dict[str, float] = collections.defaultdict(float)
 
 
 def pytest_collection_modifyitems(config, items):
-    rank = {name: i for i, name in enumerate(LONGEST_FIRST)}
-    items.sort(key=lambda item: rank.get(item.path.name, len(rank)))  # stable: a file's own order is kept
+    known = json.loads(FILE_SECONDS.read_text()) if FILE_SECONDS.exists() else {}
+    # Stable sort: a file's own order is kept.
+    items.sort(key=lambda item: -known.get(item.path.name, float("inf")))
+
+
+def pytest_runtest_logreport(report):
+    _seconds[pathlib.Path(report.fspath).name] += report.duration
+
+
+def pytest_sessionfinish(session, exitstatus):
+    """Record the per-file seconds after a passing run of the whole default suite, in the
+    main process (under xdist the workers' reports reach it too)."""
+    config = session.config
+    whole = (not config.getoption("keyword") and config.getoption("markexpr") == "not slow"
+             and [pathlib.Path(a).resolve() for a in config.args] == [pathlib.Path(__file__).parent])
+    if exitstatus == 0 and whole and not hasattr(config, "workerinput") and _seconds:
+        ordered = dict(sorted(((name, round(t)) for name, t in _seconds.items()), key=lambda kv: -kv[1]))
+        known = json.loads(FILE_SECONDS.read_text()) if FILE_SECONDS.exists() else {}
+        if list(ordered) != list(known):  # rewritten only when the order changes: no churn in git
+            FILE_SECONDS.write_text(json.dumps(ordered, indent=0) + "\n")
 
 
 def pytest_configure(config):
