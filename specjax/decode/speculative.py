@@ -233,7 +233,7 @@ def speculate_tree(target: LM, draft: LM, datastore, s: SpsState, settings: Sett
     target_cache = kv_cache.commit(s.target_cache, k_tree, v_tree, path, pending)
     chain = lambda a: jnp.take_along_axis(a, win.reshape((batch, 1) + (1,) * (a.ndim - 2)), axis=1)[:, 0]
     q = jnp.take_along_axis(q_tree, path[:, :, None], axis=1)
-    return key, Speculation(chain(chains.x), chain(chains.p), jnp.max(chains.length, axis=1), chain(chains.source), q,
+    return key, Speculation(chain(chains.x), chain(chains.p), chain(chains.length), chain(chains.source), q,
                             num_accepted, next_token, target_cache, draft_cache,
                             jnp.any(bad, axis=1) | draft_bad | empty, picks, chains)
 
