@@ -25,9 +25,9 @@ def mesh_for(name: str):
 # at the end. (`--dist worksteal` balances by itself but splits files, so the module-scoped
 # compiled programs and large batches of the statistical tests get built on both workers;
 # on 2 cores it ran slower.) The order comes from FILE_SECONDS, which every passing run of
-# the whole default suite rewrites with the seconds each file took, so it follows the
-# suite instead of a hand-kept list (commit it when it changes); files it does not know
-# yet run first.
+# the whole default suite rewrites with the seconds each file took when they have drifted
+# (`drifted`), so it follows the suite instead of a hand-kept list (commit it when it
+# changes); files it does not know yet run first.
 FILE_SECONDS = pathlib.Path(__file__).with_name("file_seconds.json")
 _seconds: dict[str, float] = collections.defaultdict(float)
 
@@ -49,10 +49,19 @@ def pytest_sessionfinish(session, exitstatus):
     whole = (not config.getoption("keyword") and config.getoption("markexpr") == "not slow"
              and [pathlib.Path(a).resolve() for a in config.args] == [pathlib.Path(__file__).parent])
     if exitstatus == 0 and whole and not hasattr(config, "workerinput") and _seconds:
-        ordered = dict(sorted(((name, round(t)) for name, t in _seconds.items()), key=lambda kv: -kv[1]))
         known = json.loads(FILE_SECONDS.read_text()) if FILE_SECONDS.exists() else {}
-        if list(ordered) != list(known):  # rewritten only when the order changes: no churn in git
+        if drifted(known, _seconds):
+            ordered = dict(sorted(((name, round(t)) for name, t in _seconds.items()), key=lambda kv: -kv[1]))
             FILE_SECONDS.write_text(json.dumps(ordered, indent=0) + "\n")
+
+
+def drifted(known: dict, measured: dict) -> bool:
+    """Worth rewriting: files came or went, or one took a third more or less time (and 10 s)
+    than recorded. Run-to-run noise reorders files of similar length; that alone is no
+    reason to touch a committed file."""
+    if set(known) != set(measured):
+        return True
+    return any(abs(measured[f] - known[f]) > max(10.0, known[f] / 3) for f in known)
 
 
 def pytest_configure(config):
