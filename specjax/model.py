@@ -182,9 +182,8 @@ class Attention(nnx.Module):
             # over the query-head groups and gathered it back whole in the commit.
             k_all = sharding.constrain(k_all, CACHE_AXES)
             v_all = sharding.constrain(v_all, CACHE_AXES)
-            out = self.attend_tree(q, k, v, k_all, v_all, table, layer, positions, lengths, ancestors)
-            return kernels.einsum("BTF,FD->BTD", out, self.wo.value.astype(ct).reshape(cfg.num_heads * cfg.head_dim,
-                                                                                           -1)), k, v
+            return self.project_out(self.attend_tree(q, k, v, k_all, v_all, table, layer, positions, lengths,
+                                                     ancestors)), k, v
         rows = jnp.arange(B)[:, None]  # k[b, t] goes to [layer, b, :, positions[b, t]]
         k_all = k_all.at[layer, rows, :, positions].set(k.astype(k_all.dtype), mode="drop")
         v_all = v_all.at[layer, rows, :, positions].set(v.astype(v_all.dtype), mode="drop")
@@ -222,9 +221,13 @@ class Attention(nnx.Module):
             out = kernels.attention(q, k_all, v_all, layer, positions, lengths, H ** -0.5, attend)
         else:
             out = attend(q, k_all, v_all)
-        out = out.reshape(B, T, N * H)
-        # One [N*H, D] contraction: as "BTNH,NHD" XLA:CPU transposed wo (a weight copy per step).
-        return kernels.einsum("BTF,FD->BTD", out, self.wo.value.astype(ct).reshape(N * H, -1)), k_all, v_all
+        return self.project_out(out.reshape(B, T, N * H)), k_all, v_all
+
+    def project_out(self, out):
+        """[B,T,N*H] -> [B,T,D]. One [N*H, D] contraction: as "BTNH,NHD" XLA:CPU transposed
+        wo (a weight copy per step)."""
+        wo = self.wo.value.astype(jnp.dtype(self.cfg.compute_dtype))
+        return kernels.einsum("BTF,FD->BTD", out, wo.reshape(out.shape[-1], -1))
 
 
     def attend_tree(self, q, k, v, k_all, v_all, table, layer, positions, lengths, ancestors):
