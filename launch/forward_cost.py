@@ -54,8 +54,9 @@ def read_bandwidth(megabytes: int, repeats: int = 10) -> dict[str, float]:
     x = jnp.ones((rows, megabytes * 2**20 // 4 // rows), jnp.float32)
     readers = {"XLA row sum": (jax.jit(lambda a: a.sum(axis=1)), x)}
     if kernels.available():
-        w = x.reshape(-1, 4096)
-        readers["few-row kernel, 1 row"] = (jax.jit(kernels.fewrow_matmul), jnp.ones((1, w.shape[0])), w)
+        w = kernels.pack(x.reshape(-1, 4096), 1)
+        matmul = jax.jit(kernels.fewrow_matmul, static_argnums=2)
+        readers["few-row kernel, 1 row"] = (matmul, jnp.ones((1, w.panels.shape[1])), w.panels, w.n)
     rates = {}
     for name, (fn, *args) in readers.items():
         fn(*args).block_until_ready()
@@ -87,18 +88,19 @@ def main(argv):
         # A relative-position model's table is made at prefill, so outside the timed loop.
         fresh = lambda: lm.with_position_table(kv_cache.init_cache(cfg, 1, size)).with_lengths(
             jnp.array([size // 3], jnp.int32))
-        progs = {}
+        progs, subject = {}, {}
         for setting in FLAGS.kernels:
             for t in ts:
                 with kernels_setting(setting):  # a fresh function: jit's trace cache does not see the setting
+                    subject[setting] = lm.packed()  # packed weights where the matmul kernel runs, as decoding has them
                     fn = jax.jit(functools.partial(loop), static_argnums=(2, 3), donate_argnums=1)
-                    progs[setting, t] = program.compile_lowered(fn.lower(lm, fresh(), t, FLAGS.steps))
+                    progs[setting, t] = program.compile_lowered(fn.lower(subject[setting], fresh(), t, FLAGS.steps))
         times = {key: [] for key in progs}
         for _ in range(FLAGS.repeats):
             for key, prog in progs.items():  # interleaved: machine noise hits every T (and setting) alike
                 c = jax.block_until_ready(fresh())
                 start = time.perf_counter()
-                jax.block_until_ready(prog(lm, c))
+                jax.block_until_ready(prog(subject[key[0]], c))
                 times[key].append((time.perf_counter() - start) / FLAGS.steps * 1e3)
         for setting in FLAGS.kernels:
             med = {t: float(np.median(times[setting, t])) for t in ts}

@@ -88,7 +88,7 @@ def main(argv):
                              f"(got {K}, {FLAGS.prompt_len}, {FLAGS.cache})")
     weights = Weights.locate(config, "random", None, None, need_draft=True, train_missing=False)
     mesh = sharding.make_checked_mesh(config.mesh, {"target": config.target, "draft": config.draft})
-    target, draft = weights.load(mesh, need_draft=True)
+    target, draft = (lm.packed() for lm in weights.load(mesh, need_draft=True))  # as decoding runs them
     w = program_lib.warping_of(config.sampling)
     prompts = jnp.asarray(np.random.default_rng(0).integers(0, config.target.vocab_size, (1, FLAGS.prompt_len)),
                           jnp.int32)

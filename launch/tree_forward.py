@@ -51,6 +51,7 @@ def main(argv):
         weights = "trained"
     except UsageError:  # no checkpoint: random weights time the same
         target, weights = model.init_lm(cfg.target, mesh), "random"
+    target = target.packed()  # as decoding runs it
     context = FLAGS.context
     with jax.set_mesh(mesh):
         cache = target.with_position_table(kv_cache.init_cache(target.cfg, 1, 4 * context, mesh)).with_lengths(

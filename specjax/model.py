@@ -166,9 +166,9 @@ class Attention(nnx.Module):
         cfg = self.cfg
         ct = jnp.dtype(cfg.compute_dtype)
         B, T, _ = x.shape
-        q = kernels.einsum("BTD,DNH->BTNH", x, self.wq.value.astype(ct))
-        k = kernels.einsum("BTD,DGH->BTGH", x, self.wk.value.astype(ct))
-        v = kernels.einsum("BTD,DGH->BTGH", x, self.wv.value.astype(ct))
+        q = kernels.einsum("BTD,DNH->BTNH", x, kernels.cast(self.wq.value, ct))
+        k = kernels.einsum("BTD,DGH->BTGH", x, kernels.cast(self.wk.value, ct))
+        v = kernels.einsum("BTD,DGH->BTGH", x, kernels.cast(self.wv.value, ct))
         if cfg.pos_encoding == "rope":
             freqs = rope_frequencies(cfg)
             q = rotary(q, positions, freqs)
@@ -226,8 +226,8 @@ class Attention(nnx.Module):
     def project_out(self, out):
         """[B,T,N*H] -> [B,T,D]. One [N*H, D] contraction: as "BTNH,NHD" XLA:CPU transposed
         wo (a weight copy per step)."""
-        wo = self.wo.value.astype(jnp.dtype(self.cfg.compute_dtype))
-        return kernels.einsum("BTF,FD->BTD", out, wo.reshape(out.shape[-1], -1))
+        wo = kernels.cast(self.wo.value, jnp.dtype(self.cfg.compute_dtype))
+        return kernels.einsum("BTF,FD->BTD", out, kernels.as_matrix(wo, out.shape[-1]))
 
 
     def attend_tree(self, q, k, v, k_all, v_all, table, layer, positions, lengths, ancestors):
@@ -274,12 +274,12 @@ class FeedForward(nnx.Module):
 
     def __call__(self, x):
         ct = jnp.dtype(self.cfg.compute_dtype)
-        h = kernels.einsum("BTD,DF->BTF", x, self.w_in.value.astype(ct))
+        h = kernels.einsum("BTD,DF->BTF", x, kernels.cast(self.w_in.value, ct))
         if self.cfg.ffw == "swiglu":
-            h = jax.nn.silu(kernels.einsum("BTD,DF->BTF", x, self.w_gate.value.astype(ct))) * h
+            h = jax.nn.silu(kernels.einsum("BTD,DF->BTF", x, kernels.cast(self.w_gate.value, ct))) * h
         else:
             h = jax.nn.gelu(h)
-        return kernels.einsum("BTF,FD->BTD", h, self.w_out.value.astype(ct))
+        return kernels.einsum("BTF,FD->BTD", h, kernels.cast(self.w_out.value, ct))
 
 
 class Block(nnx.Module):
@@ -377,10 +377,9 @@ class Transformer(nnx.Module):
             if ancestors is not None:
                 tree_kv = tuple(jnp.stack(kv) for kv in zip(*tree_kv))
         x = self.final_norm(x)
-        # A tied table is [V, D]: the few-row kernel would need a transposed copy of it.
-        matmul = jnp.einsum if cfg.tie_embeddings else kernels.einsum
+        # A tied table is [V, D], never packed (the kernel would need a transposed copy of it).
         table = self.embed.value.T if cfg.tie_embeddings else self.unembed.value
-        logits = matmul("BTD,DV->BTV", x, table.astype(ct), preferred_element_type=jnp.float32)
+        logits = kernels.einsum("BTD,DV->BTV", x, kernels.cast(table, ct), preferred_element_type=jnp.float32)
         # Pinned vocab-parallel (Megatron): otherwise a consumer that wants whole rows (the
         # sampler) can make XLA gather the [D, V] table instead of the small logits.
         logits = sharding.constrain(logits, ("batch", None, "vocab"))
@@ -390,6 +389,11 @@ class Transformer(nnx.Module):
 
 
 # --------------------------------------------------------------------------- LM handle
+
+# The weights the few-row kernel multiplies by: name -> (contracted leading axes, axes of
+# one layer's weight).
+PROJECTIONS = {"wq": (1, 3), "wk": (1, 3), "wv": (1, 3), "wo": (2, 3), "w_in": (1, 2), "w_gate": (1, 2),
+               "w_out": (1, 2), "unembed": (1, 2)}
 
 
 @jax.tree_util.register_pytree_node_class
@@ -422,6 +426,19 @@ class LM:
     @property
     def num_params(self) -> int:
         return sum(x.size for x in jax.tree.leaves(self.params))
+
+    def packed(self) -> LM:
+        """This model with its projections packed for the CPU few-row kernel where that
+        kernel runs (`kernels.should_pack`, asked on every call: it reads SPECJAX_KERNELS),
+        else itself; the same function either way. The decode programs call it. The copy is
+        made once and lives as long as this LM."""
+        if not kernels.should_pack(self.params, (self.cfg.param_dtype, self.cfg.compute_dtype)):
+            return self
+        if "_packed" not in self.__dict__:
+            packed = LM(self.cfg, self.graphdef, kernels.pack_params(self.params, PROJECTIONS))
+            object.__setattr__(packed, "_packed", packed)
+            object.__setattr__(self, "_packed", packed)
+        return self.__dict__["_packed"]
 
 
 def abstract_lm(cfg: ModelConfig, mesh: jax.sharding.Mesh | None = None) -> LM:

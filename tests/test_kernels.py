@@ -1,8 +1,12 @@
-"""The CPU kernels (specjax/kernels): the few-row matmul equal to jnp.dot over shapes,
-inside jit and loops, with gradients; the cached attention equal to the model's jnp
+"""The CPU kernels (specjax/kernels): the few-row matmul over packed weights equal to a
+float64 numpy product over shapes (panels cut short by N, every row count), inside jit
+and loops, with gradients, and a row's result independent of how many rows come with it;
+the packed model equal to the unpacked one, through prefill (XLA over the panels) and
+decode (the kernel); the cached attention equal to the model's jnp
 attention over ragged positions, GQA and edge cases; the fallback where they are off or
 cannot be built; the model's logits with them equal those without; and multi-device
 meshes never use them."""
+import dataclasses
 import pathlib
 import threading
 
@@ -24,6 +28,12 @@ def operands(T, K, N, seed=0):
     return jax.random.normal(kx, (T, K)), jax.random.normal(kw, (K, N)) * K ** -0.5
 
 
+def matmul(x, w):
+    """The kernel on w [K, N], packed."""
+    p = kernels.pack(w, 1)
+    return jax.jit(kernels.fewrow_matmul, static_argnums=2)(x, p.panels, p.n)
+
+
 def reference(x, w):
     return np.asarray(x, np.float64) @ np.asarray(w, np.float64)
 
@@ -33,20 +43,36 @@ def close(a, b):
 
 
 @needs_kernel
-@pytest.mark.parametrize("K,N", [(1, 1), (3, 17), (33, 47), (100, 1000), (32, 64), (128, 512), (512, 512),
-                                 (512, 2048), (2048, 512), (512, 4096)])
+@pytest.mark.parametrize("K,N", [(1, 1), (3, 17), (33, 47), (100, 1000), (32, 64), (7, 130), (128, 512),
+                                 (512, 512), (512, 2048), (2048, 512), (512, 4096)])
 def test_matches_dot_for_every_row_count(K, N):
-    for T in range(1, kernels.MAX_ROWS + 1):
-        x, w = operands(T, K, N, seed=T)
-        close(jax.jit(kernels.fewrow_matmul)(x, w), reference(x, w))
+    x8, w = operands(kernels.MAX_ROWS, K, N, seed=K + N)
+    rows = [np.asarray(matmul(x8[:T], w)) for T in range(1, kernels.MAX_ROWS + 1)]
+    for T, y in enumerate(rows, 1):
+        close(y, reference(x8[:T], w))
+        # A row's value does not depend on the rows beside it (greedy ArS and SpS agree).
+        np.testing.assert_array_equal(y, rows[-1][:T])
+
+
+def test_pack_layout():
+    w = jnp.arange(3 * 2 * 70, dtype=jnp.float32).reshape(3, 2, 70)  # two stacked [2, 70] matrices
+    p = kernels.pack(w, 1, lead=1)
+    assert p.panels.shape == (3, 2, 2, kernels.PANEL) and p.out == (70,) and p.n == 70 and p.plain is w
+    np.testing.assert_array_equal(p.panels[1, 1, 0, :6], np.asarray(w[1, 0, 64:70]))
+    np.testing.assert_array_equal(p.panels[1, 1, 0, 6:], 0)  # zeros past N
+    np.testing.assert_array_equal(p.panels[2, 0, 1], np.asarray(w[2, 1, :64]))
+    q = kernels.pack(jnp.ones((4, 5, 6, 7)), 2)  # contracted [4, 5], out [6, 7]
+    assert q.panels.shape == (1, 20, kernels.PANEL) and q.out == (6, 7)
 
 
 @needs_kernel
 def test_inside_while_loop_and_scan():
     x0, w = operands(5, 256, 256)
 
+    p = kernels.pack(w, 1)
+
     def step(x):
-        return jnp.tanh(kernels.fewrow_matmul(x, w))
+        return jnp.tanh(kernels.fewrow_matmul(x, p.panels, p.n))
 
     def step_ref(x):
         return jnp.tanh(jnp.dot(x, w, precision="highest"))
@@ -67,21 +93,24 @@ def test_inside_while_loop_and_scan():
 def test_gradient_goes_through_the_dot_rule():
     x, w = operands(3, 40, 24)
     loss = lambda f: jax.grad(lambda x, w: jnp.sum(jnp.sin(f(x, w))), argnums=(0, 1))
-    for g, g_ref in zip(loss(kernels.fewrow_matmul)(x, w), loss(jnp.dot)(x, w)):
-        close(g, np.asarray(g_ref))
+    packed = lambda x, w: kernels.einsum("TK,KN->TN", x, kernels.pack(w, 1))
+    with jax.set_mesh(mesh_for("1x1")):
+        assert CUSTOM_CALL in jax.jit(packed).lower(x, w).as_text()
+        for g, g_ref in zip(loss(packed)(x, w), loss(jnp.dot)(x, w)):
+            close(g, np.asarray(g_ref))
 
 
 def test_einsum_dispatch_decided_from_static_facts(monkeypatch):
-    x, w = jnp.ones((1, 5, 64)), jnp.ones((64, 4, 16))
+    x, w = jnp.ones((1, 5, 64)), kernels.pack(jnp.ones((64, 4, 16)), 1)
 
     def hlo(spec="BTD,DNH->BTNH", x=x, w=w, **kw):
         return jax.jit(lambda x, w: kernels.einsum(spec, x, w, **kw)).lower(x, w).as_text()
 
     with jax.set_mesh(mesh_for("1x1")):
         assert (CUSTOM_CALL in hlo()) == kernels.available()
+        assert CUSTOM_CALL not in hlo(w=jnp.ones((64, 4, 16)))  # a plain array: jnp.einsum
         assert CUSTOM_CALL not in hlo(x=jnp.ones((3, 3, 64)))  # 9 rows: more than MAX_ROWS
-        assert CUSTOM_CALL not in hlo(x=x.astype(jnp.bfloat16), w=w.astype(jnp.bfloat16))
-        assert CUSTOM_CALL not in hlo("BTD,DNH->BNTH")  # not a plain x @ w
+        assert CUSTOM_CALL not in hlo(x=x.astype(jnp.bfloat16), w=kernels.cast(w, jnp.bfloat16))
         assert CUSTOM_CALL not in hlo(preferred_element_type=jnp.bfloat16)
         monkeypatch.setenv("SPECJAX_KERNELS", "0")
         assert CUSTOM_CALL not in hlo()
@@ -91,6 +120,7 @@ def test_einsum_dispatch_decided_from_static_facts(monkeypatch):
 @pytest.mark.parametrize("forced", ["env", "no compiler"])
 def test_fallback_gives_the_same_values(monkeypatch, tmp_path, forced):
     x, w = operands(5, 96, 80)
+    w = kernels.pack(w, 1)
     spec = "TK,KN->TN"
     with jax.set_mesh(mesh_for("1x1")):
         used = jax.jit(lambda x, w: kernels.einsum(spec, x, w))
@@ -105,10 +135,10 @@ def test_fallback_gives_the_same_values(monkeypatch, tmp_path, forced):
             kernels.available.cache_clear()
         try:
             fallback = jax.jit(lambda x, w: kernels.einsum(spec, x, w))
-            assert not kernels.use_kernel(spec, x, w)
+            assert not kernels.use_kernel(x, w)
             assert CUSTOM_CALL not in fallback.lower(x, w).as_text()
             close(fallback(x, w), np.asarray(value))
-            close(value, reference(x, w))
+            close(value, reference(x, w.plain))
         finally:
             kernels.available.cache_clear()
     if forced == "no compiler":
@@ -180,27 +210,50 @@ def test_cached_attention_gradient_uses_the_reference():
         close(g, np.asarray(g_ref))
 
 
+SCANNED = dict(scan_layers=True, ffw="swiglu", tie_embeddings=True)  # stacked layers, a gate, a tied table
+
+
 @needs_kernel
-@pytest.mark.parametrize("config,B,T", [("tiny", 1, 1), ("tiny", 2, 4), ("mini_target", 1, 5), ("mini_target", 1, 1)])
-def test_model_logits_with_and_without_kernel(monkeypatch, config, B, T):
-    cfg = load_config(config).target
+@pytest.mark.parametrize("config,B,T,changes", [("tiny", 1, 1, {}), ("tiny", 2, 4, {}), ("tiny", 1, 3, SCANNED),
+                                                ("mini_target", 1, 5, {}), ("mini_target", 1, 1, {})])
+def test_model_logits_with_and_without_kernel(monkeypatch, config, B, T, changes):
+    """The packed model (prefill of 7 or 14 rows, then T new tokens per row) against the
+    unpacked model with the kernels off: XLA's dots on the original weights."""
+    cfg = dataclasses.replace(load_config(config).target, **changes)
     mesh = mesh_for("1x1")
     lm = model.init_lm(cfg, mesh)
+    packed = lm.packed()
+    assert packed is not lm and packed.packed() is packed is lm.packed()  # made once
+    shapes = {type(x).__name__ for x in jax.tree.leaves(packed.params, is_leaf=lambda x: isinstance(x, kernels.Packed))}
+    assert shapes == {"Packed", "ArrayImpl"}
     prompt = 7
     tokens = jax.random.randint(jax.random.key(0), (B, prompt + T), 0, cfg.vocab_size)
-    cache = kv_cache.init_cache(cfg, B, 32)
-    with jax.set_mesh(mesh):
-        _, cache = jax.jit(lambda lm, t, p, c: lm(t, p, c))(lm, tokens[:, :prompt],
-                                                             jnp.broadcast_to(jnp.arange(prompt), (B, prompt)), cache)
-        positions = jnp.broadcast_to(prompt + jnp.arange(T), (B, T))
-        args = (lm, tokens[:, prompt:], positions, cache)
-        fast = jax.jit(lambda lm, t, p, c: lm(t, p, c)[0])
-        assert CUSTOM_CALL in fast.lower(*args).as_text()
-        with_kernel = fast(*args)
-        monkeypatch.setenv("SPECJAX_KERNELS", "0")
-        plain = jax.jit(lambda lm, t, p, c: lm(t, p, c)[0])
-        assert CUSTOM_CALL not in plain.lower(*args).as_text()
-        np.testing.assert_allclose(np.asarray(with_kernel), np.asarray(plain(*args)), rtol=1e-5, atol=2e-5)
+    forward = lambda lm, t, p, c: lm(t, p, c)
+    results = {}
+    for setting, subject in (("1", packed), ("0", lm)):
+        monkeypatch.setenv("SPECJAX_KERNELS", setting)
+        with jax.set_mesh(mesh):
+            cache = kv_cache.init_cache(cfg, B, 32)
+            prefill_logits, cache = jax.jit(forward)(subject, tokens[:, :prompt],
+                                                     jnp.broadcast_to(jnp.arange(prompt), (B, prompt)), cache)
+            args = (subject, tokens[:, prompt:], jnp.broadcast_to(prompt + jnp.arange(T), (B, T)), cache)
+            step = jax.jit(lambda lm, t, p, c: lm(t, p, c)[0])
+            assert (CUSTOM_CALL in step.lower(*args).as_text()) == (setting == "1")
+            results[setting] = (prefill_logits, step(*args))
+    for fast, plain in zip(results["1"], results["0"]):
+        np.testing.assert_allclose(np.asarray(fast), np.asarray(plain), rtol=1e-5, atol=2e-5)
+
+
+def test_packing_only_where_the_kernel_runs(monkeypatch, tiny):
+    lm = model.init_lm(tiny.target, mesh_for("1x8"))
+    assert lm.packed() is lm  # eight devices: XLA's partitioned dots
+    one = model.init_lm(tiny.target, mesh_for("1x1"))
+    monkeypatch.setenv("SPECJAX_KERNELS", "attention")
+    assert one.packed() is one
+    bf16 = model.init_lm(dataclasses.replace(tiny.target, param_dtype="bfloat16"), mesh_for("1x1"))
+    monkeypatch.setenv("SPECJAX_KERNELS", "1")
+    assert bf16.packed() is bf16
+    assert (one.packed() is not one) == kernels.available()
 
 
 @pytest.mark.parametrize("mesh_name", ["1x8", "2x4"])

@@ -23,6 +23,7 @@ def time_forward(lm, tokens: int, context: int, repeats: int, batch: int = 1, tr
                  ) -> float:
     """Seconds for one cached forward of `tokens` new tokens per row after `context`; with
     `tree` = (M, K), the tree pass over 1 + M*K tokens that several drafts score."""
+    lm = lm.packed()  # as the decode programs run it
     mesh = program_lib.mesh_of(lm)
     if tree is not None:
         tokens = 1 + tree[0] * tree[1]

@@ -267,6 +267,7 @@ def build(target: LM, draft: LM | None, prompts, sampling: SamplingConfig, seed:
     sampling.validate()
     check_models(target, draft)
     speculative, draft, datastore = speculative_inputs(target, draft, sampling, datastore)
+    target, draft = target.packed(), draft.packed() if draft is not None else None  # where the CPU kernel runs
     seed = check_seed(seed)
     prompts = as_token_lists(prompts, names)
     context = context_of(target, draft)

@@ -20,6 +20,7 @@ SPECJAX_KERNELS=0, every call is the jnp path, silently (SPECJAX_KERNELS=matmul 
 from __future__ import annotations
 
 import ctypes
+import dataclasses
 import functools
 import hashlib
 import logging
@@ -104,17 +105,66 @@ def available() -> bool:
         return False
 
 
-@jax.custom_jvp
-def fewrow_matmul(x: jax.Array, w: jax.Array) -> jax.Array:
-    """x [T, K] @ w [K, N] float32 by the kernel (call only where `available()`)."""
-    out = jax.ShapeDtypeStruct((x.shape[0], w.shape[1]), jnp.float32)
-    return jax.ffi.ffi_call(TARGET, out, vmap_method="sequential")(x, w)
+PANEL = 64  # columns per packed panel (fewrow_matmul.cc's kPanel)
+
+
+@jax.tree_util.register_pytree_node_class
+@dataclasses.dataclass(frozen=True)
+class Packed:
+    """A weight w [*lead, *contracted, *out] as it is (`plain`, for XLA's dots over many
+    rows: a prefill) and packed for the few-row kernel: `panels` [*lead, P, K, PANEL]
+    holds columns PANEL*p .. PANEL*p + PANEL - 1 of the matrix w.reshape(*lead, K, N)
+    (zeros past N), each panel one contiguous run that the kernel streams once. `out` are
+    w's trailing axes (N = their product). A pytree whose leaves are the two arrays, so it
+    rides inside a model's params (a scan over stacked layers slices their leading axis)."""
+
+    plain: jax.Array
+    panels: jax.Array
+    out: tuple[int, ...]
+
+    def tree_flatten(self):
+        return (self.plain, self.panels), self.out
+
+    @classmethod
+    def tree_unflatten(cls, out, children):
+        return cls(*children, out)
+
+    @property
+    def dtype(self):
+        return self.panels.dtype
+
+    @property
+    def n(self) -> int:
+        return math.prod(self.out)
+
+
+def pack(w: jax.Array, contracted: int, lead: int = 0) -> Packed:
+    """w [*lead, *contracted, *out] -> Packed (w itself, and a copy of it in panels)."""
+    shape = w.shape
+    K, out = math.prod(shape[lead:lead + contracted]), tuple(shape[lead + contracted:])
+    N = math.prod(out)
+    P = -(-N // PANEL)
+    m = jnp.pad(w.reshape(*shape[:lead], K, N), [(0, 0)] * (lead + 1) + [(0, P * PANEL - N)])
+    return Packed(w, jnp.moveaxis(m.reshape(*shape[:lead], K, P, PANEL), -2, -3), out)
+
+
+def panel_dot(x: jax.Array, panels: jax.Array, n: int) -> jax.Array:
+    """x [T, K] @ the packed matrix with `n` columns, by XLA (the kernel's gradient)."""
+    return jnp.einsum("TK,PKC->TPC", x, panels).reshape(x.shape[0], -1)[:, :n]
+
+
+@functools.partial(jax.custom_jvp, nondiff_argnums=(2,))
+def fewrow_matmul(x: jax.Array, panels: jax.Array, n: int) -> jax.Array:
+    """x [T, K] @ the packed matrix with `n` columns, float32, by the kernel (call only where
+    `available()`)."""
+    out = jax.ShapeDtypeStruct((x.shape[0], n), jnp.float32)
+    return jax.ffi.ffi_call(TARGET, out, vmap_method="sequential")(x, panels)
 
 
 @fewrow_matmul.defjvp
-def _fewrow_matmul_jvp(primals, tangents):  # so that a gradient through a small batch still works
-    (x, w), (dx, dw) = primals, tangents
-    return fewrow_matmul(x, w), jnp.dot(dx, w) + jnp.dot(x, dw)
+def _fewrow_matmul_jvp(n, primals, tangents):  # so that a gradient through a small batch still works
+    (x, panels), (dx, dpanels) = primals, tangents
+    return fewrow_matmul(x, panels, n), panel_dot(dx, panels, n) + panel_dot(x, dpanels, n)
 
 
 def _single_device() -> bool:
@@ -123,29 +173,79 @@ def _single_device() -> bool:
     return mesh.size == 1 if not mesh.empty else jax.device_count() == 1
 
 
-def _matmul_spec(spec: str) -> bool:
-    """'<lead>c,c<rest>-><lead><rest>': x's last axis contracted with w's first, nothing else."""
-    lhs, _, out = spec.replace(" ", "").partition("->")
-    x_axes, _, w_axes = lhs.partition(",")
-    return (len(x_axes) >= 1 and len(w_axes) >= 2 and x_axes[-1] == w_axes[0]
-            and out == x_axes[:-1] + w_axes[1:] and len(set(x_axes + w_axes[1:])) == len(x_axes + w_axes[1:]))
-
-
-def use_kernel(spec: str, x, w) -> bool:
-    """Decided at trace time from static facts: backend, devices, dtypes, row count."""
+def use_kernel(x, w) -> bool:
+    """Decided at trace time from static facts: packed weights, backend, devices, dtypes, row count."""
     rows = math.prod(x.shape[:-1])
-    return (enabled("matmul") and x.dtype == jnp.float32 and w.dtype == jnp.float32 and 1 <= rows <= MAX_ROWS
-            and _matmul_spec(spec) and jax.default_backend() == "cpu" and _single_device() and available())
+    return (isinstance(w, Packed) and enabled("matmul") and x.dtype == jnp.float32 and w.dtype == jnp.float32
+            and 1 <= rows <= MAX_ROWS and jax.default_backend() == "cpu" and _single_device() and available())
 
 
-def einsum(spec: str, x: jax.Array, w: jax.Array, **kwargs) -> jax.Array:
-    """`jnp.einsum(spec, x, w, **kwargs)` for a weight projection; the kernel where it applies
-    (the reshapes to and from 2-D are free: both operands are row-major)."""
-    if not use_kernel(spec, x, w) or kwargs.get("preferred_element_type", jnp.float32) != jnp.float32:
+def einsum(spec: str, x: jax.Array, w, **kwargs) -> jax.Array:
+    """`jnp.einsum(spec, x, w, **kwargs)` for a weight projection (`spec` contracts x's last
+    axis with w's leading ones): for a Packed w, the kernel where it applies, else (a
+    prefill, the kernels off) jnp.einsum over its plain array, exactly as unpacked."""
+    if not isinstance(w, Packed):
         return jnp.einsum(spec, x, w, **kwargs)
-    k = x.shape[-1]
-    y = fewrow_matmul(x.reshape(-1, k), w.reshape(k, -1))
-    return y.reshape(*x.shape[:-1], *w.shape[1:])
+    if not use_kernel(x, w) or kwargs.get("preferred_element_type", jnp.float32) != jnp.float32:
+        return jnp.einsum(spec, x, w.plain, **kwargs)
+    y = fewrow_matmul(x.reshape(-1, x.shape[-1]), w.panels, w.n)  # the reshapes are free: row-major
+    return y.reshape(*x.shape[:-1], *w.out)
+
+
+def cast(w, dtype):
+    """w.astype(dtype) for a plain or a Packed weight."""
+    if isinstance(w, Packed):
+        return w if w.dtype == dtype else Packed(w.plain.astype(dtype), w.panels.astype(dtype), w.out)
+    return w.astype(dtype)
+
+
+def as_matrix(w, k: int):
+    """w with its leading axes merged into one of size k (as a Packed weight's panels are)."""
+    if isinstance(w, Packed):
+        if w.panels.shape[-2] != k:
+            raise ValueError(f"packed weight contracts {w.panels.shape[-2]} inputs, not {k}")
+        return Packed(w.plain.reshape(k, -1), w.panels, (w.n,))
+    return w.reshape(k, -1)
+
+
+def _memory_available() -> int | None:
+    try:
+        for line in pathlib.Path("/proc/meminfo").read_text().splitlines():
+            if line.startswith("MemAvailable:"):
+                return int(line.split()[1]) * 1024
+    except (OSError, ValueError, IndexError):
+        pass
+    return None
+
+
+def should_pack(params, dtypes: tuple[str, str]) -> bool:
+    """Whether a model's decoding pays for a packed copy of its projections: the kernel would
+    run (CPU backend, params on one device, float32 params and compute, kernel enabled and
+    built), and the copy (as large as the weights) fits in half the free memory."""
+    leaves = jax.tree.leaves(params)
+    if not (enabled("matmul") and dtypes == ("float32", "float32") and jax.default_backend() == "cpu" and leaves
+            and all(len(x.sharding.device_set) == 1 for x in leaves) and available()):
+        return False
+    size, free = sum(x.nbytes for x in leaves), _memory_available()
+    if free is not None and size > free // 2:
+        log.info("specjax: not packing %d MB of weights for the CPU kernel (%d MB free)", size >> 20, free >> 20)
+        return False
+    return True
+
+
+def pack_params(params, contracted: dict[str, tuple[int, int]]):
+    """params with every weight named in `contracted` (name -> (contracted axes, axes of
+    one layer's weight); more axes are stacked layers) replaced by its Packed copy, made
+    by one jitted program on the params' device."""
+
+    def one(path, w):
+        names = [k.key for k in path if isinstance(k, jax.tree_util.DictKey) and isinstance(k.key, str)]
+        if isinstance(w, Packed) or not names or names[-1] not in contracted:
+            return w
+        axes, ndim = contracted[names[-1]]
+        return pack(w, axes, lead=w.ndim - ndim)
+
+    return jax.jit(lambda p: jax.tree_util.tree_map_with_path(one, p, is_leaf=lambda x: isinstance(x, Packed)))(params)
 
 
 def use_attention(q, k_all, v_all) -> bool:

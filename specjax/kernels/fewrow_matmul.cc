@@ -1,21 +1,20 @@
-// y[T, N] = x[T, K] @ w[K, N] for a few rows (T <= 8), float32, row-major, as an XLA FFI
-// custom call for the CPU backend.
+// y[T, N] = x[T, K] @ w[K, N] for a few rows (T <= 8), float32, as an XLA FFI custom call
+// for the CPU backend, with w packed once into panels: wp[P, K, 64] holds columns
+// 64p..64p+63 of w (zeros past N), row after row, so each panel is one contiguous run.
 //
 // XLA:CPU's dot for a handful of rows runs well below the rate at which the weights can be
-// read, although it reads no more of them than a one-row dot. Here every weight element is
-// loaded once and used for all T rows. The rows of w are split into one contiguous block
-// per thread (so each thread streams sequential memory, which the prefetchers follow best;
-// splitting the columns instead was much slower for T > 1), each block is walked in bands
-// of kBand rows with the band's T x kBand inputs in registers and the T partial output
-// rows in memory (L1/L2-resident), the next band is prefetched while one is computed, and
-// the threads' partial sums are added at the end in a fixed order (results do not depend
-// on which thread ran what). The threads are XLA's own intra-op pool (ffi::ThreadPool).
+// read, although it reads no more of them than a one-row dot. Here a tile of a panel's
+// columns keeps its T rows of partial sums in registers while the panel streams past once:
+// every weight is loaded once, used for all T rows, and the sums never leave the registers
+// until the panel ends. The panels are split between the threads of XLA's intra-op pool
+// (ffi::ThreadPool) in contiguous ranges. Each output is one thread's sum over k in order,
+// so the result is deterministic and a row's value does not depend on T (greedy ArS and SpS
+// see identical logits).
 #include <algorithm>
 #include <atomic>
 #include <cstdint>
 #include <cstring>
 #include <memory>
-#include <vector>
 
 #include "simd.h"
 #include "xla/ffi/api/ffi.h"
@@ -26,117 +25,109 @@ namespace {
 
 using namespace specjax;
 
-constexpr int kMaxRows = 8;             // T
-constexpr int64_t kMinBlock = 64;        // rows of w per thread, at least
-constexpr int64_t kMinSplit = 1 << 16;  // elements of w below which one thread does it all
+constexpr int kMaxRows = 8;              // T
+constexpr int64_t kPanel = 64;           // columns per panel: fixed, so the layout is the same on every CPU
+constexpr int kVecs = kPanel / kWidth;   // vectors per panel row
+constexpr int kRegisters = kWidth == 16 ? 32 : 16;  // AVX-512 has 32 vector registers, AVX2 16
+constexpr int64_t kAhead = 8;            // panel rows prefetched ahead (2 KB): the hardware prefetchers alone fall behind
+constexpr int64_t kMinSplit = 1 << 16;   // elements of w below which one thread does it all
 
-constexpr int kBand = 8;                 // rows of w per pass
-// Prefetch the next band? With one row the loop is light enough for the hardware
-// prefetchers alone (explicit prefetches slowed it down); with more rows each byte of w
-// costs more work and the prefetches pay.
-template <int T>
-constexpr bool kPrefetch = T > 1;
+// Vectors per tile for T rows: its T x C sums, C weights and one broadcast input fit in registers.
+constexpr int TileVecs(int T) {
+  int c = kVecs;
+  while (c > 1 && T * c + c + 1 > kRegisters) c /= 2;
+  return c;
+}
 
-// y[:, :nv] (+)= x[:, k:k+R] @ w[k:k+R, :nv], prefetching the rows of the next band.
-template <int T, int R, bool First>
-inline void Band(const float* x, const float* w, float* y, int64_t K, int64_t N, int64_t nv, int64_t k) {
-  Vec b[T][R];
+// out[t, :C*kWidth] (row stride ldo) = x[t, :] @ panel[:, :C*kWidth], the panel's rows kPanel apart.
+template <int T, int C>
+inline void Tile(const float* x, const float* panel, int64_t K, float* out, int64_t ldo) {
+  Vec acc[T][C] = {};
+  for (int64_t k = 0; k < K; ++k) {
+    const float* wk = panel + k * kPanel;
+    for (int c = 0; c < C; ++c) __builtin_prefetch(wk + kAhead * kPanel + c * kWidth);
+    Vec w[C];
+    for (int c = 0; c < C; ++c) w[c] = Load(wk + c * kWidth);
+    for (int t = 0; t < T; ++t) {
+      const Vec b = Splat(x[t * K + k]);
+      for (int c = 0; c < C; ++c) acc[t][c] += w[c] * b;
+    }
+  }
   for (int t = 0; t < T; ++t)
-    for (int r = 0; r < R; ++r) b[t][r] = Splat(x[t * K + k + r]);
-  const float* wk = w + k * N;
-  for (int64_t n = 0; n < nv; n += kWidth) {
-    if (kPrefetch<T>)
-      for (int r = 0; r < R; ++r) __builtin_prefetch(wk + (R + r) * N + n);
-    Vec wr[R];
-    for (int r = 0; r < R; ++r) wr[r] = Load(wk + r * N + n);
-    for (int t = 0; t < T; ++t) {
-      Vec acc = First ? Vec{} : Load(y + t * N + n);
-      for (int r = 0; r < R; ++r) acc += wr[r] * b[t][r];
-      Store(y + t * N + n, acc);
-    }
-  }
+    for (int c = 0; c < C; ++c) Store(out + t * ldo + c * kWidth, acc[t][c]);
 }
 
-// y = x[:, k0:k1] @ w[k0:k1, :] (k1 > k0).
+// y[:, 64p0 : 64p1] (clipped to N) for panels p0..p1-1.
 template <int T>
-void Block(const float* x, const float* w, float* y, int64_t K, int64_t N, int64_t k0, int64_t k1) {
-  const int64_t nv = N / kWidth * kWidth;
-  int64_t k = k0;
-  constexpr int R = kBand;
-  if (k1 - k0 >= R) {
-    Band<T, R, true>(x, w, y, K, N, nv, k);
-    k += R;
-  } else {
-    Band<T, 1, true>(x, w, y, K, N, nv, k++);
+void Panels(const float* x, const float* wp, float* y, int64_t K, int64_t N, int64_t p0, int64_t p1) {
+  constexpr int C = TileVecs(T);
+  float last[T * kPanel];  // a panel that runs past N is computed here, then clipped
+  for (int64_t p = p0; p < p1; ++p) {
+    const bool full = (p + 1) * kPanel <= N;
+    float* out = full ? y + p * kPanel : last;
+    const int64_t ldo = full ? N : kPanel;
+    for (int c0 = 0; c0 < kVecs; c0 += C)
+      Tile<T, C>(x, wp + p * K * kPanel + c0 * kWidth, K, out + c0 * kWidth, ldo);
+    if (!full)
+      for (int t = 0; t < T; ++t) std::memcpy(y + t * N + p * kPanel, last + t * kPanel, (N - p * kPanel) * sizeof(float));
   }
-  for (; k + R <= k1; k += R) Band<T, R, false>(x, w, y, K, N, nv, k);
-  for (; k < k1; ++k) Band<T, 1, false>(x, w, y, K, N, nv, k);
-  for (int64_t n = nv; n < N; ++n)  // columns past the last full vector (where N % kWidth != 0)
-    for (int t = 0; t < T; ++t) {
-      float s = 0.f;
-      for (int64_t kk = k0; kk < k1; ++kk) s += x[t * K + kk] * w[kk * N + n];
-      y[t * N + n] = s;
-    }
 }
 
-using BlockFn = void (*)(const float*, const float*, float*, int64_t, int64_t, int64_t, int64_t);
-constexpr BlockFn kBlock[kMaxRows + 1] = {nullptr,  Block<1>, Block<2>, Block<3>, Block<4>,
-                                          Block<5>, Block<6>, Block<7>, Block<8>};
+using PanelFn = void (*)(const float*, const float*, float*, int64_t, int64_t, int64_t, int64_t);
+constexpr PanelFn kPanels[kMaxRows + 1] = {nullptr,   Panels<1>, Panels<2>, Panels<3>, Panels<4>,
+                                           Panels<5>, Panels<6>, Panels<7>, Panels<8>};
 
-// One matmul's row blocks, taken by whichever thread comes first: the calling thread never
-// waits for a task that has not started, so a busy pool cannot stall it.
+// One matmul's panel ranges, taken by whichever thread comes first: the calling thread
+// never waits for a task that has not started, so a busy pool cannot stall it.
 struct Job {
-  BlockFn fn;
-  const float* x;
-  const float* w;
+  PanelFn fn;
+  const float *x, *wp;
   float* y;
-  int64_t T, K, N, rows;  // rows of w per block
-  int blocks;
-  std::vector<float> partial;  // blocks 1.. write here, block 0 straight into y
+  int64_t K, N, P, per;  // panels per range
+  int ranges;
   std::atomic<int> next{0}, done{0};
 
   void Work() {
-    for (int c; (c = next.fetch_add(1, std::memory_order_relaxed)) < blocks;) {
-      float* out = c == 0 ? y : partial.data() + (c - 1) * T * N;
-      fn(x, w, out, K, N, c * rows, std::min(K, (c + 1) * rows));
+    for (int r; (r = next.fetch_add(1, std::memory_order_relaxed)) < ranges;) {
+      fn(x, wp, y, K, N, r * per, std::min(P, (r + 1) * per));
       done.fetch_add(1, std::memory_order_release);
     }
   }
 };
 
-ffi::Error FewRowMatmul(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::Buffer<ffi::F32> w,
+ffi::Error FewRowMatmul(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::Buffer<ffi::F32> wp,
                         ffi::ResultBuffer<ffi::F32> y) {
-  auto xd = x.dimensions(), wd = w.dimensions();
-  if (xd.size() != 2 || wd.size() != 2 || xd[1] != wd[0] || xd[0] < 1 || xd[0] > kMaxRows || wd[0] < 1)
-    return ffi::Error::InvalidArgument("specjax_fewrow_matmul: want x[T<=8, K>=1] and w[K, N]");
-  const int64_t T = xd[0], K = wd[0], N = wd[1];
-  if (N == 0) return ffi::Error::Success();
+  auto xd = x.dimensions(), wd = wp.dimensions(), yd = y->dimensions();
+  if (xd.size() != 2 || wd.size() != 3 || yd.size() != 2 || xd[0] < 1 || xd[0] > kMaxRows || xd[1] != wd[1] ||
+      wd[2] != kPanel || yd[0] != xd[0] || yd[1] > wd[0] * kPanel || yd[1] <= (wd[0] - 1) * kPanel)
+    return ffi::Error::InvalidArgument("specjax_fewrow_matmul: want x[T<=8, K], wp[P, K, 64] and y[T, N] "
+                                       "with 64(P-1) < N <= 64P");
+  const int64_t T = xd[0], K = xd[1], N = yd[1], P = wd[0];
+  const float *xs = x.typed_data(), *ws = wp.typed_data();
+  float* ys = y->typed_data();
+  if (K == 0) {
+    std::fill(ys, ys + T * N, 0.f);
+    return ffi::Error::Success();
+  }
   // Small matrices: a second thread costs more to wake than it saves.
-  int64_t threads = K * N >= kMinSplit ? std::max<int64_t>(1, pool.num_threads()) : 1;
-  threads = std::max<int64_t>(1, std::min(threads, K / kMinBlock));
-  if (threads == 1) {  // no job to share
-    kBlock[T](x.typed_data(), w.typed_data(), y->typed_data(), K, N, 0, K);
+  const int64_t threads = K * N >= kMinSplit ? std::max<int64_t>(1, std::min<int64_t>(pool.num_threads(), P)) : 1;
+  if (threads == 1) {
+    kPanels[T](xs, ws, ys, K, N, 0, P);
     return ffi::Error::Success();
   }
   auto job = std::make_shared<Job>();
-  job->fn = kBlock[T];
-  job->x = x.typed_data();
-  job->w = w.typed_data();
-  job->y = y->typed_data();
-  job->T = T;
+  job->fn = kPanels[T];
+  job->x = xs;
+  job->wp = ws;
+  job->y = ys;
   job->K = K;
   job->N = N;
-  job->rows = (K / threads + kBand - 1) / kBand * kBand;
-  job->blocks = static_cast<int>((K + job->rows - 1) / job->rows);
-  job->partial.resize((job->blocks - 1) * T * N);
-  for (int i = 1; i < job->blocks; ++i) pool.Schedule([job] { job->Work(); });
+  job->P = P;
+  job->per = (P + threads - 1) / threads;
+  job->ranges = static_cast<int>((P + job->per - 1) / job->per);
+  for (int i = 1; i < job->ranges; ++i) pool.Schedule([job] { job->Work(); });
   job->Work();
-  WaitFor(job->done, job->blocks);
-  float* out = job->y;
-  for (int c = 1; c < job->blocks; ++c) {
-    const float* p = job->partial.data() + (c - 1) * T * N;
-    for (int64_t i = 0; i < T * N; ++i) out[i] += p[i];
-  }
+  WaitFor(job->done, job->ranges);
   return ffi::Error::Success();
 }
 
