@@ -20,6 +20,7 @@ D model, F ffw, V vocab, L layers.
 from __future__ import annotations
 
 import dataclasses
+import functools
 import math
 from typing import Any
 
@@ -90,12 +91,39 @@ def rope_frequencies(cfg: ModelConfig) -> np.ndarray:
     return inv.astype(np.float32)
 
 
-def rotary(x, positions, freqs):
-    """Rotate pairs (x[..., :H/2], x[..., H/2:]) by positions * freqs (`rope_frequencies`),
-    the layout transformers' Llama uses too (rotate_half). x: [B,T,N,H]."""
+ROPE_TABLE_LIMIT = 1 << 18  # entries per rotary table (1 MiB of float32): past it, sin and cos are evaluated
+
+
+@functools.lru_cache(maxsize=16)
+def rope_tables(cfg: ModelConfig) -> tuple[np.ndarray, np.ndarray] | None:
+    """(cos, sin) of position * frequency for every position below max_seq_len,
+    [max_seq_len, H/2] float32: the angle rounded to float32 as the on-device product
+    is, its cos and sin taken in float64. None where a table would pass
+    ROPE_TABLE_LIMIT entries (a long-context model). A lookup costs less than sin and cos
+    on CPU, where XLA evaluates them per element inside every q and k consumer, 12 times a
+    forward for a 6-layer model, even when written once (BENCHMARKS.md section 8)."""
+    half = cfg.head_dim // 2
+    if cfg.max_seq_len * half > ROPE_TABLE_LIMIT:
+        return None
+    angles = (np.arange(cfg.max_seq_len, dtype=np.float32)[:, None] * rope_frequencies(cfg)[None]).astype(np.float64)
+    return np.cos(angles).astype(np.float32), np.sin(angles).astype(np.float32)
+
+
+def rope_angles(cfg: ModelConfig, positions) -> tuple[jax.Array, jax.Array]:
+    """(cos, sin) [B,T,1,H/2] at `positions` [B,T]: from `rope_tables`, or evaluated. A
+    position past the table (a scored slot past the token budget, whose output is never
+    kept) reads its last row."""
+    tables = rope_tables(cfg)
+    if tables is None:
+        angles = positions.astype(jnp.float32)[:, :, None, None] * jnp.asarray(rope_frequencies(cfg))
+        return jnp.cos(angles), jnp.sin(angles)
+    return tuple(jnp.take(jnp.asarray(t), positions, axis=0, mode="clip")[:, :, None] for t in tables)
+
+
+def rotary(x, cos, sin):
+    """Rotate pairs (x[..., :H/2], x[..., H/2:]) by the angles whose cos and sin are given
+    (`rope_angles`), the layout transformers' Llama uses too (rotate_half). x: [B,T,N,H]."""
     half = x.shape[-1] // 2
-    angles = positions.astype(jnp.float32)[:, :, None, None] * jnp.asarray(freqs)  # [B,T,1,H/2]
-    sin, cos = jnp.sin(angles), jnp.cos(angles)
     x1, x2 = x[..., :half].astype(jnp.float32), x[..., half:].astype(jnp.float32)
     return jnp.concatenate([x1 * cos - x2 * sin, x2 * cos + x1 * sin], axis=-1).astype(x.dtype)
 
@@ -170,9 +198,8 @@ class Attention(nnx.Module):
         k = kernels.einsum("BTD,DGH->BTGH", x, kernels.cast(self.wk.value, ct))
         v = kernels.einsum("BTD,DGH->BTGH", x, kernels.cast(self.wv.value, ct))
         if cfg.pos_encoding == "rope":
-            freqs = rope_frequencies(cfg)
-            q = rotary(q, positions, freqs)
-            k = rotary(k, positions, freqs)
+            cos, sin = rope_angles(cfg, positions)
+            q, k = rotary(q, cos, sin), rotary(k, cos, sin)
         # Under MQA/GQA with fewer kv heads than 'model' devices the cache is replicated:
         # every device computes the (small) k, v itself instead of gathering them.
         k = sharding.constrain(k, ("batch", None, "kv_heads", "head_dim"))
@@ -435,7 +462,7 @@ class LM:
         if not kernels.should_pack(self.params, (self.cfg.param_dtype, self.cfg.compute_dtype)):
             return self
         if "_packed" not in self.__dict__:
-            packed = LM(self.cfg, self.graphdef, kernels.pack_params(self.params, PROJECTIONS))
+            packed = dataclasses.replace(self, params=kernels.pack_params(self.params, PROJECTIONS))  # a subclass stays one
             object.__setattr__(packed, "_packed", packed)
             object.__setattr__(self, "_packed", packed)
         return self.__dict__["_packed"]

@@ -83,3 +83,13 @@ def test_a_model_that_is_not_an_lm_is_named(pair):
     _, draft = pair
     with pytest.raises(UsageError, match="target: expected a specjax LM"):
         specjax.generate(jax.numpy.zeros(3), draft, [[1]], SAMPLING)
+
+
+def test_prompt_buckets_pad_by_at_most_a_third():
+    from specjax.decode.program import bucket
+    assert {n: bucket(n) for n in (1, 16, 17, 24, 25, 100, 150, 162, 192, 193, 257, 1000)} == {
+        1: 16, 16: 16, 17: 24, 24: 24, 25: 32, 100: 128, 150: 192, 162: 192, 192: 192, 193: 256, 257: 384,
+        1000: 1024}
+    widths = {bucket(n) for n in range(1, 4097)}
+    assert widths == {m << k for k in range(3, 11) for m in (2, 3)} | {4096}
+    assert all(bucket(n) >= n and (n <= 16 or 3 * (bucket(n) - n) < bucket(n)) for n in range(1, 4097))

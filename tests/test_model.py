@@ -185,3 +185,24 @@ def test_random_init_program_does_not_grow_with_the_layer_count(tiny):
     two, sixteen = instructions(2), instructions(16)
     print(f"random init, compiled HLO instructions: 2 layers {two}, 16 layers {sixteen}")
     assert sixteen <= 1.05 * two
+
+
+def test_rope_table_lookup_equals_evaluating_sin_and_cos(tiny, monkeypatch):
+    """The precomputed rotary tables against sin and cos evaluated on device (the path a
+    long-context model takes), at every position, and through a whole forward."""
+    cfg = tiny.target
+    positions = jnp.arange(cfg.max_seq_len, dtype=jnp.int32).reshape(4, -1)
+    lm = model.init_lm(cfg, mesh_for("1x1"))
+    tokens = jax.random.randint(jax.random.key(1), (2, 40), 0, cfg.vocab_size)
+    looked_up = model.rope_angles(cfg, positions), jax.jit(lambda lm, t: model.full_forward(lm, t))(lm, tokens)
+    assert model.rope_tables(cfg) is not None
+    monkeypatch.setattr(model, "ROPE_TABLE_LIMIT", 0)
+    model.rope_tables.cache_clear()
+    try:
+        assert model.rope_tables(cfg) is None
+        evaluated = model.rope_angles(cfg, positions), jax.jit(lambda lm, t: model.full_forward(lm, t))(lm, tokens)  # a fresh trace
+    finally:
+        model.rope_tables.cache_clear()
+    for a, b in zip(looked_up[0], evaluated[0]):
+        np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=0, atol=3e-6)
+    np.testing.assert_allclose(np.asarray(looked_up[1]), np.asarray(evaluated[1]), rtol=1e-5, atol=1e-5)

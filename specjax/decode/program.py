@@ -33,9 +33,13 @@ PAD_TO = 16  # the narrowest prompt bucket
 
 
 def bucket(longest: int, pad_to: int = PAD_TO) -> int:
-    """Prompt width for a batch whose longest prompt has `longest` tokens: the next power
-    of two (at least `pad_to`), so prompts of similar length share one compiled program."""
-    return max(pad_to, 1 << (longest - 1).bit_length())
+    """Prompt width for a batch whose longest prompt has `longest` tokens: the next of the
+    widths 2^k and 1.5 * 2^k (at least `pad_to`), so prompts of similar length share one
+    compiled program and a prompt is padded by at most a third. (Powers of two alone pad
+    by up to a half; the prefill is compute-bound on CPU, so padding costs its share of
+    each sequence's time.)"""
+    power = 1 << (longest - 1).bit_length()
+    return max(pad_to, power // 4 * 3 if power // 4 * 3 >= longest else power)
 
 
 def cache_size(width: int, max_new: int, lookahead: int) -> int:
