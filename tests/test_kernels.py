@@ -16,6 +16,7 @@ import numpy as np
 import pytest
 
 from specjax import kernels, kv_cache, model
+from specjax.decode import sampling
 from specjax.config import load_config
 from conftest import mesh_for
 
@@ -267,3 +268,65 @@ def test_multi_device_mesh_compiles_no_custom_call(tiny, mesh_name):
     with jax.set_mesh(mesh):
         text = jax.jit(lambda lm, t, c: lm(t, c.lengths[:, None], c)[0]).lower(lm, tokens, cache).compile().as_text()
     assert "custom-call" not in text and "all-reduce" in text
+
+
+def nucleus_reference(p, top_p):
+    """The top-p rule by sorting, in float64 (independent of the bisection): keep every
+    p >= the first sorted value whose cumulative mass reaches top_p (all of them when none
+    does), renormalised. Also returns the margin by which the cut is unambiguous."""
+    p = np.asarray(p, np.float64)
+    s = np.sort(p)[::-1]
+    c = np.cumsum(s)
+    if c[-1] < top_p:
+        return p / p.sum(), top_p - c[-1]
+    t = s[np.argmax(c >= top_p)]
+    kept = np.where(p >= t, p, 0.0)
+    return kept / kept.sum(), min(kept.sum() - top_p, top_p - p[p > t].sum())
+
+
+@needs_kernel
+def test_nucleus_kernel_matches_the_sorted_rule_and_the_jnp_bisection(monkeypatch):
+    rows = []
+    rng = np.random.default_rng(0)
+    for V in (1, 7, 17, 40, 4096):
+        for scale in (0.1, 1.0, 3.0, 10.0):
+            rows.append(rng.normal(size=(3, V)) * scale)
+    probs = [np.exp(r - r.max(axis=-1, keepdims=True)) for r in rows]
+    probs = [p / p.sum(axis=-1, keepdims=True) for p in probs]
+    ties = np.zeros((1, 40))
+    ties[0, :10] = 0.1  # ten equal tokens at the boundary: all kept together
+    zeros = np.zeros((1, 40))
+    zeros[0, [3, 30]] = [0.75, 0.25]
+    probs += [ties, zeros]
+    kernel = jax.jit(kernels.nucleus, static_argnums=1)
+    checked = 0
+    for top_p in (0.05, 0.5, 0.9, 0.95, 0.999):
+        for p in probs:
+            p32 = jnp.asarray(p, jnp.float32)
+            with jax.set_mesh(mesh_for("1x1")):
+                assert kernels.use_nucleus(p32)
+                got = np.asarray(kernel(p32, top_p))
+                monkeypatch.setenv("SPECJAX_KERNELS", "0")
+                bisection = np.asarray(jax.jit(lambda p: sampling.nucleus(p, top_p))(p32))
+                monkeypatch.delenv("SPECJAX_KERNELS")
+            for row, jnp_row, p_row in zip(got, bisection, np.asarray(p32)):
+                want, margin = nucleus_reference(p_row, top_p)
+                if margin < 1e-5:  # within float32 rounding of top_p: either cut is right
+                    continue
+                checked += 1
+                np.testing.assert_array_equal(row > 0, want > 0)
+                np.testing.assert_allclose(row, want, rtol=2e-6, atol=1e-7)
+                np.testing.assert_allclose(row, jnp_row, rtol=2e-6, atol=1e-7)
+    assert checked > 250  # of 310 rows: nearly all are far from a boundary
+
+
+def test_nucleus_dispatch(monkeypatch):
+    p = jnp.full((2, 3, 64), 1 / 64)
+    hlo = lambda: jax.jit(lambda p: sampling.nucleus(p, 0.9)).lower(p).as_text()
+    with jax.set_mesh(mesh_for("1x1")):
+        assert (kernels.NUCLEUS_TARGET in hlo()) == kernels.available()
+        monkeypatch.setenv("SPECJAX_KERNELS", "matmul,attention")
+        assert kernels.NUCLEUS_TARGET not in hlo()
+    monkeypatch.delenv("SPECJAX_KERNELS")
+    with jax.set_mesh(mesh_for("1x8")):
+        assert kernels.NUCLEUS_TARGET not in hlo()

@@ -161,8 +161,9 @@ def bench(target, draft, prompts, base, ks, batch_sizes, repeats: int, seed: int
     """The whole comparison: single-pass costs, ArS, SpS for every variant and K, batch
     scaling. `base` is the SamplingConfig (eos_id -1: every sequence has the same length);
     `variants` are SamplingConfig overrides (verify, drafter, draft_confidence, num_drafts)
-    compared side by side, each at every K, interleaved K by K so machine noise hits them
-    alike. With M > 1 drafts the model of a loop is K draft steps over M rows plus the
+    compared side by side, each at every K, and ArS again next to them, prompt by prompt,
+    so machine noise hits both sides of every speedup alike (a K's speedup is over the ArS
+    runs made next to it; the reported ArS is all of them). With M > 1 drafts the model of a loop is K draft steps over M rows plus the
     tree pass over 1 + M*K tokens, each timed on its own."""
     context = max(len(p) for p in prompts)
     draft_step = time_forward(draft, 1, context, repeats) if draft is not None else 0.0
@@ -175,19 +176,28 @@ def bench(target, draft, prompts, base, ks, batch_sizes, repeats: int, seed: int
     if datastore is not None:
         report["datastore"] = datastore.meta
     run_prompts(target, None, prompts[:1], ars_sampling, seed)  # compile outside the timing
-    ars = describe(run_prompts(target, None, prompts, ars_sampling, seed))
-    report["ars"] = ars
-    log(f"ArS: {ars['ms_per_token']:.2f} ms/token; draft forward {1000 * draft_step:.2f} ms, "
+    ars_runs = run_prompts(target, None, prompts, ars_sampling, seed)
+    log(f"ArS: {describe(ars_runs)['ms_per_token']:.2f} ms/token; draft forward {1000 * draft_step:.2f} ms, "
         f"target forward {1000 * target_step:.2f} ms (1 token); lookups "
         + ", ".join(f"{k} {v:.3f} ms" for k, v in report["lookup_ms"].items()))
     report["sps"] = []
     for k in ks:
         score = time_forward(target, k + 1, context, repeats)
         report["target_scoring_ms"][k + 1] = 1000 * score
-        for variant in variants:
-            sampling = dataclasses.replace(base, lookahead=k, **variant)
+        samplings = [dataclasses.replace(base, lookahead=k, **variant) for variant in variants]
+        for sampling in samplings:
             run_prompts(target, draft, prompts[:1], sampling, seed, datastore)
-            results = run_prompts(target, draft, prompts, sampling, seed, datastore)
+        # Prompt by prompt, ArS next to every variant: the machine's drift (on a shared
+        # host the same program's speed wanders by a third within minutes) hits both sides
+        # of each speedup alike. The ArS runs of every K together are the reported ArS.
+        ars_k, runs = [], [[] for _ in samplings]
+        for i, prompt in enumerate(prompts):
+            ars_k += run_prompts(target, None, [prompt], ars_sampling, seed + i)
+            for j, sampling in enumerate(samplings):
+                runs[j] += run_prompts(target, draft, [prompt], sampling, seed + i, datastore)
+        ars_runs += ars_k
+        ars_near = describe(ars_k)["ms_per_token"]
+        for sampling, results in zip(samplings, runs):
             row = describe(results)
             m = sampling.num_drafts
             step, scoring = draft_step, score
@@ -197,15 +207,18 @@ def bench(target, draft, prompts, base, ks, batch_sizes, repeats: int, seed: int
                 report["target_scoring_ms"][f"tree {m}x{k}"] = 1000 * scoring
             steps = k * step if sampling.drafter in ("model", "hybrid") else 0.0
             row.update(lookahead=k, verify=sampling.verify, drafter=sampling.drafter, num_drafts=m,
-                       draft_confidence=sampling.draft_confidence, speedup=ars["ms_per_token"] / row["ms_per_token"],
+                       draft_confidence=sampling.draft_confidence, speedup=ars_near / row["ms_per_token"],
+                       ars_ms_per_token=ars_near,
                        model_ms_per_loop=1000 * (steps + scoring), scoring_ms=1000 * scoring,
                        tokens_per_sequence=float(np.mean([r.total_tokens for r in results])))
             report["sps"].append(row)
-            log(f"K={k} {label(row)}: SpS {row['ms_per_token']:.2f} ms/token ({row['speedup']:.2f}x), "
+            log(f"K={k} {label(row)}: SpS {row['ms_per_token']:.2f} ms/token ({row['speedup']:.2f}x ArS's "
+                f"{ars_near:.2f} in the same prompts' runs), "
                 f"{row['tokens_per_loop']:.2f} tokens/loop, acceptance {row['acceptance_rate']:.3f} of "
                 f"{row['proposed_per_loop']:.2f} proposed/loop, loop {row['ms_per_loop']:.2f} ms vs model "
                 f"{row['model_ms_per_loop']:.2f} ms (target scoring {1 + m * k} tokens: {1000 * scoring:.2f} ms = "
                 f"{scoring / target_step:.2f}x one token)")
+    report["ars"] = describe(ars_runs)
     report["batch"] = []
     for b in batch_sizes:
         if b == 1:

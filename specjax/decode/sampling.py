@@ -17,6 +17,7 @@ from typing import NamedTuple
 import jax
 import jax.numpy as jnp
 
+from specjax import kernels
 from specjax.sharding import constrain
 
 
@@ -66,7 +67,11 @@ def nucleus(probs: jax.Array, top_p: float) -> jax.Array:
     patterns of the float32 probabilities (ordered like the values, as p >= 0), so it is
     one of the probabilities exactly, without sorting the vocabulary: on CPU a sort of the
     vocabulary costs far more than 32 masked sums, and top-p runs on every distribution
-    of every loop (BENCHMARKS.md, "Micro-benchmarks behind design choices")."""
+    of every loop (BENCHMARKS.md, "Micro-benchmarks behind design choices"). On one CPU
+    device `nucleus.cc` runs the same bisection (`kernels.nucleus`): XLA:CPU's loop of 32
+    small reductions costs more than the rest of a draft step's sampling."""
+    if kernels.use_nucleus(probs):
+        return kernels.nucleus(probs, top_p)
     bits = jax.lax.bitcast_convert_type(probs, jnp.int32)
     lo = jnp.zeros(probs.shape[:-1] + (1,), jnp.int32)  # keeps everything: mass 1 >= top_p
     hi = jnp.max(bits, axis=-1, keepdims=True) + 1  # keeps nothing

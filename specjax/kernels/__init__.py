@@ -1,21 +1,26 @@
 """Hand-written CPU kernels, used where XLA:CPU leaves speed on the table, with the plain
-jnp ops as the fallback everywhere else. Both apply only on the CPU backend, on a single
-device, in float32, with at most MAX_ROWS new rows (a decode step or SpS's scoring pass,
-never training or a long prefill); the decision is made at trace time.
+jnp ops as the fallback everywhere else. They apply only on the CPU backend, on a single
+device, in float32; the decision is made at trace time.
 
-* `einsum(spec, x, w)` is `jnp.einsum` for the model's weight projections, by
-  `fewrow_matmul.cc`: XLA:CPU's dot for 2-8 rows runs well below the rate at which the
-  weights can be read, so scoring K+1 tokens cost far more than one token; the kernel
-  reads each weight once for all rows.
+* `einsum(spec, x, w)` is `jnp.einsum` for the model's weight projections. For a weight
+  packed by `pack` (`LM.packed()` packs a model's projections once, for decoding) and at
+  most MAX_ROWS rows (a decode step or SpS's scoring pass) it runs `fewrow_matmul.cc`:
+  XLA:CPU's dot for 2-8 rows runs well below the rate at which the weights can be read,
+  so scoring K+1 tokens cost far more than one token; the kernel streams each panel of
+  the packed weight once for all rows, with the rows' sums in registers. More rows (a
+  prefill) and plain arrays (training) get jnp.einsum over the weight as it was.
 * `attention(...)` is attention of the new queries over one layer of the stacked cache,
   by `cached_attention.cc`, which reads the cache in place (XLA copied each layer's
-  slice every step) and only its visible prefix.
+  slice every step) and only its visible prefix (at most MAX_ROWS query rows).
+* `nucleus(probs, top_p)` is `sampling.nucleus` by `nucleus.cc`: the same bisection,
+  whose 32 masked sums XLA:CPU runs as a loop of small ops (tens of microseconds a row
+  inside the decode loops, on every draft and target distribution).
 
 The kernels are compiled on first use with the system C++ compiler ($CXX, g++ or c++)
 for this CPU (-march=native) into $SPECJAX_CACHE/kernels/<hash of sources, compiler,
 flags, CPU, jax>/ and loaded with ctypes. Where that fails (no compiler, a load error) or
-SPECJAX_KERNELS=0, every call is the jnp path, silently (SPECJAX_KERNELS=matmul or
-=attention keeps one of them).
+SPECJAX_KERNELS=0, every call is the jnp path, silently (SPECJAX_KERNELS=matmul,nucleus
+and the like keep the kernels named, from KERNELS).
 """
 from __future__ import annotations
 
@@ -36,11 +41,13 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-SOURCES = tuple(pathlib.Path(__file__).with_name(name) for name in ("fewrow_matmul.cc", "cached_attention.cc"))
+SOURCES = tuple(pathlib.Path(__file__).with_name(name)
+                for name in ("fewrow_matmul.cc", "cached_attention.cc", "nucleus.cc"))
 HEADERS = (pathlib.Path(__file__).with_name("simd.h"),)
 TARGET = "specjax_fewrow_matmul"
 ATTENTION_TARGET = "specjax_cached_attention"
-KERNELS = ("matmul", "attention")
+NUCLEUS_TARGET = "specjax_nucleus"
+KERNELS = ("matmul", "attention", "nucleus")
 MAX_ROWS = 8
 FLAGS = ("-O3", "-march=native", "-std=c++17", "-shared", "-fPIC", "-w")
 
@@ -99,6 +106,7 @@ def available() -> bool:
         lib = ctypes.cdll.LoadLibrary(str(build()))
         jax.ffi.register_ffi_target(TARGET, jax.ffi.pycapsule(lib.SpecjaxFewRowMatmul), platform="cpu")
         jax.ffi.register_ffi_target(ATTENTION_TARGET, jax.ffi.pycapsule(lib.SpecjaxCachedAttention), platform="cpu")
+        jax.ffi.register_ffi_target(NUCLEUS_TARGET, jax.ffi.pycapsule(lib.SpecjaxNucleus), platform="cpu")
         return True
     except Exception as e:  # noqa: BLE001 -- any failure means the fallback, never an error
         log.info("specjax: CPU kernels unavailable, using the jnp ops: %s", e)
@@ -271,3 +279,17 @@ def attention(q, k_all, v_all, layer, positions, lengths, scale: float, referenc
         return run(*primals), jax.jvp(reference, primals, tangents)[1]
 
     return run(q, k_all, v_all)
+
+
+def use_nucleus(probs) -> bool:
+    """probs [..., V] float32 on one CPU device, the kernel enabled and built (trace time)."""
+    return (enabled("nucleus") and probs.dtype == jnp.float32 and jax.default_backend() == "cpu"
+            and _single_device() and available())
+
+
+def nucleus(probs: jax.Array, top_p: float) -> jax.Array:
+    """`sampling.nucleus(probs, top_p)` by `nucleus.cc` (call only where `use_nucleus`):
+    the same rule; its masked sums add in another order than XLA's, so a row whose mass
+    at the threshold is within float32 rounding of top_p may be cut one value apart."""
+    call = jax.ffi.ffi_call(NUCLEUS_TARGET, jax.ShapeDtypeStruct(probs.shape, jnp.float32), vmap_method="sequential")
+    return call(probs, top_p=np.float32(top_p))
