@@ -11,9 +11,7 @@ interleaves all of them, for an A/B within one run.
 """
 from __future__ import annotations
 
-import contextlib
 import functools
-import os
 import time
 
 import jax
@@ -31,7 +29,7 @@ flags.DEFINE_string("cache", "64,512,1024", "Cache slots (S).")
 flags.DEFINE_integer("steps", 16, "Forwards per timed loop.")
 flags.DEFINE_integer("repeats", 10, "Timed loops per setting (median).")
 flags.DEFINE_list("kernels", ["default"], "Kernel settings to compare: on, off, default ($SPECJAX_KERNELS), "
-                  "or one kernel's name (matmul, attention).")
+                  "or kernels' names joined by + (matmul, attention, nucleus; e.g. matmul+attention).")
 flags.DEFINE_integer("bandwidth_mb", 512, "Array size for the memory-bandwidth measurement (0: skip).")
 FLAGS = flags.FLAGS
 
@@ -73,6 +71,12 @@ def main(argv):
     cfg = load_config(FLAGS.config).target
     lm = model.init_lm(cfg, sharding.make_mesh(MeshConfig(1, 1), jax.devices()[:1]))
     ts = [int(t) for t in FLAGS.tokens.split(",")]
+    for setting in FLAGS.kernels:
+        try:
+            with kernels.setting(setting):
+                pass
+        except ValueError as e:
+            raise app.UsageError(f"--kernels: {e}")
     weight_bytes = sum(x.nbytes for x in jax.tree.leaves(lm.params))
     print(f"{FLAGS.config}: {lm.num_params / 1e6:.1f}M params, {weight_bytes / 1e6:.1f} MB")
     if FLAGS.bandwidth_mb:
@@ -83,7 +87,8 @@ def main(argv):
               " (weights read once at the best rate, cache ignored)")
     print(f"ms per forward (median of {FLAGS.repeats})")
     label = len(FLAGS.kernels) > 1
-    print("cache S  " + ("kernels  " if label else "") + "  ".join(f"T={t:<6}" for t in ts) + "  T_max/T_1")
+    wide = max(8, *(len(k) for k in FLAGS.kernels))
+    print("cache S  " + (f"{'kernels':<{wide}} " if label else "") + "  ".join(f"T={t:<6}" for t in ts) + "  T_max/T_1")
     for size in (int(s) for s in FLAGS.cache.split(",")):
         # A relative-position model's table is made at prefill, so outside the timed loop.
         fresh = lambda: lm.with_position_table(kv_cache.init_cache(cfg, 1, size)).with_lengths(
@@ -91,7 +96,7 @@ def main(argv):
         progs, subject = {}, {}
         for setting in FLAGS.kernels:
             for t in ts:
-                with kernels_setting(setting):  # a fresh function: jit's trace cache does not see the setting
+                with kernels.setting(setting):  # a fresh function: jit's trace cache does not see the setting
                     subject[setting] = lm.packed()  # packed weights where the matmul kernel runs, as decoding has them
                     fn = jax.jit(functools.partial(loop), static_argnums=(2, 3), donate_argnums=1)
                     progs[setting, t] = program.compile_lowered(fn.lower(subject[setting], fresh(), t, FLAGS.steps))
@@ -104,25 +109,8 @@ def main(argv):
                 times[key].append((time.perf_counter() - start) / FLAGS.steps * 1e3)
         for setting in FLAGS.kernels:
             med = {t: float(np.median(times[setting, t])) for t in ts}
-            print(f"{size:<8} " + (f"{setting:<8} " if label else "") + "  ".join(f"{med[t]:<8.2f}" for t in ts)
+            print(f"{size:<8} " + (f"{setting:<{wide}} " if label else "") + "  ".join(f"{med[t]:<8.2f}" for t in ts)
                   + f"  {med[ts[-1]] / med[ts[0]]:.2f}")
-
-
-@contextlib.contextmanager
-def kernels_setting(setting: str):
-    """SPECJAX_KERNELS for the programs traced inside: on (1), off (0), one kernel, or as it is."""
-    if setting not in ("on", "off", "default", *kernels.KERNELS):
-        raise app.UsageError(f"--kernels: {setting!r} is not on, off, default or one of {kernels.KERNELS}")
-    value, saved = {"on": "1", "off": "0", "default": None}.get(setting, setting), os.environ.get("SPECJAX_KERNELS")
-    if value is not None:
-        os.environ["SPECJAX_KERNELS"] = value
-    try:
-        yield
-    finally:
-        if saved is None:
-            os.environ.pop("SPECJAX_KERNELS", None)
-        else:
-            os.environ["SPECJAX_KERNELS"] = saved
 
 
 if __name__ == "__main__":

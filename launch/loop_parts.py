@@ -12,7 +12,8 @@ Per-iteration time = (time of 65 iterations - time of 5) / 60, so the prefill an
 launch cancel; medians over repeats. If `speculate` costs more than the sum of its parts,
 the difference is interaction (both models' weights and caches sharing the caches of
 the CPU), not work: the parts do all the work the loop does. Random weights (the
-costs do not depend on their values).
+costs do not depend on their values). `--kernels=on,matmul+attention` compiles every
+part under each SPECJAX_KERNELS setting and interleaves all of them (an A/B in one run).
 """
 from __future__ import annotations
 
@@ -28,7 +29,7 @@ import jax.numpy as jnp  # noqa: E402
 import numpy as np  # noqa: E402
 from absl import flags  # noqa: E402
 
-from specjax import sharding  # noqa: E402
+from specjax import kernels, sharding  # noqa: E402
 from specjax.app import cli  # noqa: E402
 from specjax.app.locate import Weights  # noqa: E402
 from specjax.decode import drafters, program as program_lib, speculative as sps  # noqa: E402
@@ -43,6 +44,8 @@ def define_flags() -> None:
     flags.DEFINE_integer("prompt_len", 128, "Prompt tokens prefilled before the timed loops.")
     flags.DEFINE_integer("cache", 400, "Cache slots.")
     flags.DEFINE_integer("repeats", 5, "Timed pairs (65 and 5 iterations) per part; medians.")
+    flags.DEFINE_list("kernels", ["default"], "Kernel settings to compare, interleaved (as forward_cost.py's: on, "
+                      "off, default, or kernels' names joined by +, e.g. matmul+attention).")
 
 
 def never(x) -> jax.Array:
@@ -88,28 +91,40 @@ def main(argv):
                              f"(got {K}, {FLAGS.prompt_len}, {FLAGS.cache})")
     weights = Weights.locate(config, "random", None, None, need_draft=True, train_missing=False)
     mesh = sharding.make_checked_mesh(config.mesh, {"target": config.target, "draft": config.draft})
-    target, draft = (lm.packed() for lm in weights.load(mesh, need_draft=True))  # as decoding runs them
+    models = weights.load(mesh, need_draft=True)
     w = program_lib.warping_of(config.sampling)
     prompts = jnp.asarray(np.random.default_rng(0).integers(0, config.target.vocab_size, (1, FLAGS.prompt_len)),
                           jnp.int32)
     lens = jnp.array([FLAGS.prompt_len], jnp.int32)
     print(f"{config.name}: K={K}, prompt {FLAGS.prompt_len}, cache {FLAGS.cache}, {w}")
-    for name, body in parts(K, w, config.sampling.verify).items():
-        def program(t, d, p, n, body=body):
-            state = sps.start(t, d, p, lens, jax.random.key(0), K, FLAGS.cache)
-            return jax.lax.fori_loop(0, n, lambda i, st: body(t, d, st), state).length
+    runs, subjects = {}, {}
+    for setting in FLAGS.kernels:
+        try:
+            with kernels.setting(setting):
+                subjects[setting] = tuple(lm.packed() for lm in models)  # as decoding runs them
+                for name, body in parts(K, w, config.sampling.verify).items():
+                    def program(t, d, p, n, body=body):
+                        state = sps.start(t, d, p, lens, jax.random.key(0), K, FLAGS.cache)
+                        return jax.lax.fori_loop(0, n, lambda i, st: body(t, d, st), state).length
 
-        with jax.set_mesh(mesh):
-            runs = {n: program_lib.compile_lowered(jax.jit(program, static_argnums=3).lower(target, draft, prompts, n))
-                    for n in (5, 65)}
-            times = []
-            for _ in range(FLAGS.repeats):
+                    with jax.set_mesh(mesh):  # a fresh function per setting: traced under it
+                        runs[name, setting] = {n: program_lib.compile_lowered(
+                            jax.jit(program, static_argnums=3).lower(*subjects[setting], prompts, n)) for n in (5, 65)}
+        except ValueError as e:
+            raise cli.UsageError(f"--kernels: {e}")
+    times = {key: [] for key in runs}
+    with jax.set_mesh(mesh):
+        for _ in range(FLAGS.repeats):
+            for (name, setting), run in runs.items():  # interleaved: machine noise hits every part alike
+                args = (*subjects[setting], prompts)
                 start = time.perf_counter()
-                runs[65](target, draft, prompts).block_until_ready()
+                run[65](*args).block_until_ready()
                 middle = time.perf_counter()
-                runs[5](target, draft, prompts).block_until_ready()
-                times.append(((middle - start) - (time.perf_counter() - middle)) / 60 * 1e3)
-        print(f"  {name:32s} {np.median(times):7.2f} ms per iteration")
+                run[5](*args).block_until_ready()
+                times[name, setting].append(((middle - start) - (time.perf_counter() - middle)) / 60 * 1e3)
+    for (name, setting), t in times.items():
+        label = f" [{setting}]" if len(FLAGS.kernels) > 1 else ""
+        print(f"  {name + label:48s} {np.median(t):7.2f} ms per iteration")
 
 
 if __name__ == "__main__":

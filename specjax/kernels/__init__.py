@@ -24,6 +24,7 @@ and the like keep the kernels named, from KERNELS).
 """
 from __future__ import annotations
 
+import contextlib
 import ctypes
 import dataclasses
 import functools
@@ -59,6 +60,27 @@ def enabled(kernel: str) -> bool:
     comma-separated list of KERNELS."""
     setting = os.environ.get("SPECJAX_KERNELS", "1").strip()
     return setting != "0" and (setting == "1" or kernel in setting.split(","))
+
+
+@contextlib.contextmanager
+def setting(name: str):
+    """SPECJAX_KERNELS for what is traced inside (benchmarks' A/B runs): 'on' (all), 'off'
+    (none), 'default' (as it is), or KERNELS joined by ',' or '+' (a flag that lists
+    settings takes 'matmul+attention'). Functions traced under it must be fresh: jit's
+    trace cache does not see the variable."""
+    value = {"on": "1", "off": "0", "default": None}.get(name, name.replace("+", ","))
+    if value is not None and value not in ("0", "1") and not set(value.split(",")) <= set(KERNELS):
+        raise ValueError(f"kernel setting {name!r}: not on, off, default or a list of {', '.join(KERNELS)}")
+    saved = os.environ.get("SPECJAX_KERNELS")
+    if value is not None:
+        os.environ["SPECJAX_KERNELS"] = value
+    try:
+        yield
+    finally:
+        if saved is None:
+            os.environ.pop("SPECJAX_KERNELS", None)
+        else:
+            os.environ["SPECJAX_KERNELS"] = saved
 
 
 def _cpu_id() -> str:
