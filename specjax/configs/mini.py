@@ -8,6 +8,7 @@ def get_config() -> Config:
     draft = load_config("mini_draft").target
     return Config(name="mini", target=target, draft=draft, tokenizer_vocab=target.vocab_size,
                   target_from="mini_target", draft_from="mini_draft",
-                  # K=4: the fastest of K=2, 3, 4, 6 measured for the trained pair on CPU with
-                  # the CPU kernels (BENCHMARKS.md section 8, "The trained pair ... the demo's K").
-                  sampling=SamplingConfig(temperature=0.8, top_p=0.95, lookahead=4, max_new_tokens=128))
+                  # K=6: the fastest SpS of K=2..7 for the trained pair on CPU with the packed
+                  # few-row kernel, which scores up to 8 tokens for about the cost of one
+                  # (BENCHMARKS.md section 8, "Second round ... the demo's K").
+                  sampling=SamplingConfig(temperature=0.8, top_p=0.95, lookahead=6, max_new_tokens=128))
