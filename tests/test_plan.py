@@ -263,6 +263,16 @@ def test_plan_rejects_a_mesh_the_draft_does_not_divide():
     assert "draft.num_heads=48" in proc.stderr and "32" in proc.stderr and "Traceback" not in proc.stderr
 
 
+def test_plan_on_one_cpu_device_compiles_the_packed_program(tmp_path):
+    """On one CPU device `generate` packs the projections for the few-row kernel; plan
+    compiles that program from abstract params (nothing allocated)."""
+    out = tmp_path / "plan.json"
+    proc = subprocess.run([sys.executable, "-m", "specjax.plan", "--config=tiny", "--mesh=1x1", f"--json={out}"],
+                          cwd=REPO, capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert "Traceback" not in proc.stderr and json.loads(out.read_text())
+
+
 @pytest.mark.parametrize("args, fragment", [
     (["--collective_latency_us=nan"], "--collective_latency_us=nan: must be a finite number"),
     (["--collective_latency_us=-1"], "--collective_latency_us=-1.0: must be a finite number in [0.0,"),

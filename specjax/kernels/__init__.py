@@ -253,9 +253,12 @@ def should_pack(params, dtypes: tuple[str, str]) -> bool:
     run (CPU backend, params on one device, float32 params and compute, kernel enabled and
     built), and the copy (as large as the weights) fits in half the free memory."""
     leaves = jax.tree.leaves(params)
+    one_device = lambda x: getattr(x, "sharding", None) is not None and len(x.sharding.device_set) == 1
     if not (enabled("matmul") and dtypes == ("float32", "float32") and jax.default_backend() == "cpu" and leaves
-            and all(len(x.sharding.device_set) == 1 for x in leaves) and available()):
+            and all(one_device(x) for x in leaves) and available()):
         return False
+    if not all(isinstance(x, jax.Array) for x in leaves):  # abstract params (`plan`): nothing is allocated
+        return True
     size, free = sum(x.nbytes for x in leaves), _memory_available()
     if free is not None and size > free // 2:
         log.info("specjax: not packing %d MB of weights for the CPU kernel (%d MB free)", size >> 20, free >> 20)
@@ -266,7 +269,7 @@ def should_pack(params, dtypes: tuple[str, str]) -> bool:
 def pack_params(params, contracted: dict[str, tuple[int, int]]):
     """params with every weight named in `contracted` (name -> (contracted axes, axes of
     one layer's weight); more axes are stacked layers) replaced by its Packed copy, made
-    by one jitted program on the params' device."""
+    by one jitted program on the params' device (or, for abstract params, their shapes)."""
 
     def one(path, w):
         names = [k.key for k in path if isinstance(k, jax.tree_util.DictKey) and isinstance(k.key, str)]
@@ -275,7 +278,15 @@ def pack_params(params, contracted: dict[str, tuple[int, int]]):
         axes, ndim = contracted[names[-1]]
         return pack(w, axes, lead=w.ndim - ndim)
 
-    return jax.jit(lambda p: jax.tree_util.tree_map_with_path(one, p, is_leaf=lambda x: isinstance(x, Packed)))(params)
+    fn = lambda p: jax.tree_util.tree_map_with_path(one, p, is_leaf=lambda x: isinstance(x, Packed))
+    leaves = jax.tree.leaves(params)
+    if all(isinstance(x, jax.Array) for x in leaves):
+        return jax.jit(fn)(params)
+    # Abstract params (what `plan` compiles): the shapes, on the params' one-device mesh.
+    first = leaves[0].sharding
+    where = (jax.sharding.NamedSharding(first.mesh, jax.sharding.PartitionSpec())
+             if isinstance(first, jax.sharding.NamedSharding) else first)
+    return jax.tree.map(lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=where), jax.eval_shape(fn, params))
 
 
 def use_attention(q, k_all, v_all) -> bool:
