@@ -459,13 +459,15 @@ class LM:
         kernel runs (`kernels.should_pack`, asked on every call: it reads SPECJAX_KERNELS),
         else itself; the same function either way. The decode programs call it. The copy is
         made once and lives as long as this LM."""
-        if not kernels.should_pack(self.params, (self.cfg.param_dtype, self.cfg.compute_dtype)):
+        dtypes = (self.cfg.param_dtype, self.cfg.compute_dtype)
+        if "_packed" in self.__dict__:  # made: only whether the kernel runs now decides
+            return self.__dict__["_packed"] if kernels.should_pack(self.params, dtypes, new_copy=False) else self
+        if not kernels.should_pack(self.params, dtypes):
             return self
-        if "_packed" not in self.__dict__:
-            packed = dataclasses.replace(self, params=kernels.pack_params(self.params, PROJECTIONS))  # a subclass stays one
-            object.__setattr__(packed, "_packed", packed)
-            object.__setattr__(self, "_packed", packed)
-        return self.__dict__["_packed"]
+        packed = dataclasses.replace(self, params=kernels.pack_params(self.params, PROJECTIONS))  # subclasses stay
+        object.__setattr__(packed, "_packed", packed)
+        object.__setattr__(self, "_packed", packed)
+        return packed
 
 
 def abstract_lm(cfg: ModelConfig, mesh: jax.sharding.Mesh | None = None) -> LM:

@@ -255,6 +255,11 @@ def test_packing_only_where_the_kernel_runs(monkeypatch, tiny):
     monkeypatch.setenv("SPECJAX_KERNELS", "1")
     assert bf16.packed() is bf16
     assert (one.packed() is not one) == kernels.available()
+    # The copy must fit in half the free memory; one already made is kept.
+    monkeypatch.setattr(kernels, "_memory_available", lambda: 1024)  # bytes: less than the tiny weights
+    assert (one.packed() is not one) == kernels.available()
+    fresh = model.init_lm(tiny.target, mesh_for("1x1"))
+    assert fresh.packed() is fresh
 
 
 @pytest.mark.parametrize("mesh_name", ["1x8", "2x4"])

@@ -200,7 +200,8 @@ def test_rope_table_lookup_equals_evaluating_sin_and_cos(tiny, monkeypatch):
     model.rope_tables.cache_clear()
     try:
         assert model.rope_tables(cfg) is None
-        evaluated = model.rope_angles(cfg, positions), jax.jit(lambda lm, t: model.full_forward(lm, t))(lm, tokens)  # a fresh trace
+        fresh = jax.jit(lambda lm, t: model.full_forward(lm, t))  # a fresh trace, under the new limit
+        evaluated = model.rope_angles(cfg, positions), fresh(lm, tokens)
     finally:
         model.rope_tables.cache_clear()
     for a, b in zip(looked_up[0], evaluated[0]):

@@ -163,8 +163,9 @@ def bench(target, draft, prompts, base, ks, batch_sizes, repeats: int, seed: int
     `variants` are SamplingConfig overrides (verify, drafter, draft_confidence, num_drafts)
     compared side by side, each at every K, and ArS again next to them, prompt by prompt,
     so machine noise hits both sides of every speedup alike (a K's speedup is over the ArS
-    runs made next to it; the reported ArS is all of them). With M > 1 drafts the model of a loop is K draft steps over M rows plus the
-    tree pass over 1 + M*K tokens, each timed on its own."""
+    runs made next to it; the reported ArS is all of them). With M > 1 drafts the model of
+    a loop is K draft steps over M rows plus the tree pass over 1 + M*K tokens, each timed
+    on its own."""
     context = max(len(p) for p in prompts)
     draft_step = time_forward(draft, 1, context, repeats) if draft is not None else 0.0
     target_step = time_forward(target, 1, context, repeats)

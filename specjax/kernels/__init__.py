@@ -248,16 +248,17 @@ def _memory_available() -> int | None:
     return None
 
 
-def should_pack(params, dtypes: tuple[str, str]) -> bool:
+def should_pack(params, dtypes: tuple[str, str], *, new_copy: bool = True) -> bool:
     """Whether a model's decoding pays for a packed copy of its projections: the kernel would
     run (CPU backend, params on one device, float32 params and compute, kernel enabled and
-    built), and the copy (as large as the weights) fits in half the free memory."""
+    built), and, for a `new_copy`, the copy (as large as the weights) fits in half the free
+    memory."""
     leaves = jax.tree.leaves(params)
     one_device = lambda x: getattr(x, "sharding", None) is not None and len(x.sharding.device_set) == 1
     if not (enabled("matmul") and dtypes == ("float32", "float32") and jax.default_backend() == "cpu" and leaves
             and all(one_device(x) for x in leaves) and available()):
         return False
-    if not all(isinstance(x, jax.Array) for x in leaves):  # abstract params (`plan`): nothing is allocated
+    if not new_copy or not all(isinstance(x, jax.Array) for x in leaves):  # abstract (`plan`): nothing allocated
         return True
     size, free = sum(x.nbytes for x in leaves), _memory_available()
     if free is not None and size > free // 2:
