@@ -73,8 +73,7 @@ def main(argv):
     ts = [int(t) for t in FLAGS.tokens.split(",")]
     for setting in FLAGS.kernels:
         try:
-            with kernels.setting(setting):
-                pass
+            kernels.setting_value(setting)
         except ValueError as e:
             raise app.UsageError(f"--kernels: {e}")
     weight_bytes = sum(x.nbytes for x in jax.tree.leaves(lm.params))

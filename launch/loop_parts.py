@@ -89,6 +89,11 @@ def main(argv):
     if K < 1 or FLAGS.prompt_len < K + 2 or FLAGS.cache < FLAGS.prompt_len + 3 * 65 + K + 2:
         raise cli.UsageError(f"need --lookahead >= 1, --prompt_len >= K+2 and --cache >= prompt_len + 3*65 + K + 2 "
                              f"(got {K}, {FLAGS.prompt_len}, {FLAGS.cache})")
+    for setting in FLAGS.kernels:  # checked before any weights load
+        try:
+            kernels.setting_value(setting)
+        except ValueError as e:
+            raise cli.UsageError(f"--kernels: {e}")
     weights = Weights.locate(config, "random", None, None, need_draft=True, train_missing=False)
     mesh = sharding.make_checked_mesh(config.mesh, {"target": config.target, "draft": config.draft})
     models = weights.load(mesh, need_draft=True)
@@ -99,19 +104,16 @@ def main(argv):
     print(f"{config.name}: K={K}, prompt {FLAGS.prompt_len}, cache {FLAGS.cache}, {w}")
     runs, subjects = {}, {}
     for setting in FLAGS.kernels:
-        try:
-            with kernels.setting(setting):
-                subjects[setting] = tuple(lm.packed() for lm in models)  # as decoding runs them
-                for name, body in parts(K, w, config.sampling.verify).items():
-                    def program(t, d, p, n, body=body):
-                        state = sps.start(t, d, p, lens, jax.random.key(0), K, FLAGS.cache)
-                        return jax.lax.fori_loop(0, n, lambda i, st: body(t, d, st), state).length
+        with kernels.setting(setting):
+            subjects[setting] = tuple(lm.packed() for lm in models)  # as decoding runs them
+            for name, body in parts(K, w, config.sampling.verify).items():
+                def program(t, d, p, n, body=body):
+                    state = sps.start(t, d, p, lens, jax.random.key(0), K, FLAGS.cache)
+                    return jax.lax.fori_loop(0, n, lambda i, st: body(t, d, st), state).length
 
-                    with jax.set_mesh(mesh):  # a fresh function per setting: traced under it
-                        runs[name, setting] = {n: program_lib.compile_lowered(
-                            jax.jit(program, static_argnums=3).lower(*subjects[setting], prompts, n)) for n in (5, 65)}
-        except ValueError as e:
-            raise cli.UsageError(f"--kernels: {e}")
+                with jax.set_mesh(mesh):  # a fresh function per setting: traced under it
+                    runs[name, setting] = {n: program_lib.compile_lowered(
+                        jax.jit(program, static_argnums=3).lower(*subjects[setting], prompts, n)) for n in (5, 65)}
     times = {key: [] for key in runs}
     with jax.set_mesh(mesh):
         for _ in range(FLAGS.repeats):

@@ -62,15 +62,22 @@ def enabled(kernel: str) -> bool:
     return setting != "0" and (setting == "1" or kernel in setting.split(","))
 
 
-@contextlib.contextmanager
-def setting(name: str):
-    """SPECJAX_KERNELS for what is traced inside (benchmarks' A/B runs): 'on' (all), 'off'
-    (none), 'default' (as it is), or KERNELS joined by ',' or '+' (a flag that lists
-    settings takes 'matmul+attention'). Functions traced under it must be fresh: jit's
-    trace cache does not see the variable."""
+def setting_value(name: str) -> str | None:
+    """The SPECJAX_KERNELS value of a benchmark's kernel setting: 'on' (all), 'off' (none),
+    'default' (None: as it is), or KERNELS joined by ',' or '+' (a flag that lists settings
+    takes 'matmul+attention'). ValueError for anything else."""
     value = {"on": "1", "off": "0", "default": None}.get(name, name.replace("+", ","))
     if value is not None and value not in ("0", "1") and not set(value.split(",")) <= set(KERNELS):
         raise ValueError(f"kernel setting {name!r}: not on, off, default or a list of {', '.join(KERNELS)}")
+    return value
+
+
+@contextlib.contextmanager
+def setting(name: str):
+    """SPECJAX_KERNELS as `setting_value(name)` for what is traced inside (benchmarks' A/B
+    runs). Functions traced under it must be fresh: jit's trace cache does not see the
+    variable."""
+    value = setting_value(name)
     saved = os.environ.get("SPECJAX_KERNELS")
     if value is not None:
         os.environ["SPECJAX_KERNELS"] = value
@@ -203,11 +210,17 @@ def _single_device() -> bool:
     return mesh.size == 1 if not mesh.empty else jax.device_count() == 1
 
 
+def _runs(kernel: str) -> bool:
+    """The conditions every kernel shares: enabled, the CPU backend, the library built
+    (last: the first call builds it)."""
+    return enabled(kernel) and jax.default_backend() == "cpu" and available()
+
+
 def use_kernel(x, w) -> bool:
     """Decided at trace time from static facts: packed weights, backend, devices, dtypes, row count."""
     rows = math.prod(x.shape[:-1])
-    return (isinstance(w, Packed) and enabled("matmul") and x.dtype == jnp.float32 and w.dtype == jnp.float32
-            and 1 <= rows <= MAX_ROWS and jax.default_backend() == "cpu" and _single_device() and available())
+    return (isinstance(w, Packed) and x.dtype == jnp.float32 and w.dtype == jnp.float32 and 1 <= rows <= MAX_ROWS
+            and _single_device() and _runs("matmul"))
 
 
 def einsum(spec: str, x: jax.Array, w, **kwargs) -> jax.Array:
@@ -255,8 +268,7 @@ def should_pack(params, dtypes: tuple[str, str], *, new_copy: bool = True) -> bo
     memory."""
     leaves = jax.tree.leaves(params)
     one_device = lambda x: getattr(x, "sharding", None) is not None and len(x.sharding.device_set) == 1
-    if not (enabled("matmul") and dtypes == ("float32", "float32") and jax.default_backend() == "cpu" and leaves
-            and all(one_device(x) for x in leaves) and available()):
+    if not (dtypes == ("float32", "float32") and leaves and all(one_device(x) for x in leaves) and _runs("matmul")):
         return False
     if not new_copy or not all(isinstance(x, jax.Array) for x in leaves):  # abstract (`plan`): nothing allocated
         return True
@@ -293,8 +305,8 @@ def pack_params(params, contracted: dict[str, tuple[int, int]]):
 def use_attention(q, k_all, v_all) -> bool:
     """q [B, T, N, H] against caches [L, B, G, S, H]: the same static conditions as `use_kernel`."""
     B, T = q.shape[:2]
-    return (enabled("attention") and all(a.dtype == jnp.float32 for a in (q, k_all, v_all)) and 1 <= B * T <= MAX_ROWS
-            and jax.default_backend() == "cpu" and _single_device() and available())
+    return (all(a.dtype == jnp.float32 for a in (q, k_all, v_all)) and 1 <= B * T <= MAX_ROWS and _single_device()
+            and _runs("attention"))
 
 
 def attention(q, k_all, v_all, layer, positions, lengths, scale: float, reference):
@@ -317,8 +329,7 @@ def attention(q, k_all, v_all, layer, positions, lengths, scale: float, referenc
 
 def use_nucleus(probs) -> bool:
     """probs [..., V] float32 on one CPU device, the kernel enabled and built (trace time)."""
-    return (enabled("nucleus") and probs.dtype == jnp.float32 and jax.default_backend() == "cpu"
-            and _single_device() and available())
+    return probs.dtype == jnp.float32 and _single_device() and _runs("nucleus")
 
 
 def nucleus(probs: jax.Array, top_p: float) -> jax.Array:
