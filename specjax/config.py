@@ -8,6 +8,7 @@ command line never reaches JAX.
 from __future__ import annotations
 
 import dataclasses
+import importlib
 import importlib.util
 import math
 import numbers
@@ -468,11 +469,32 @@ def is_remote(path) -> bool:
     return str(path).startswith("gs://")
 
 
+# Cloud schemes and the fsspec package etils.epath reads each through (without it, the
+# first file access raises ImportError from inside fsspec).
+REMOTE_PACKAGES = {"gs": ("gcsfs", "pip install 'specjax[gcs]' (or: pip install gcsfs)")}
+
+
+def check_remote_support(path) -> None:
+    """UsageError naming the package to install when `path` is a cloud path whose
+    filesystem package is missing, before anything tries to read it."""
+    text = os.fspath(path) if isinstance(path, os.PathLike) else str(path)
+    scheme = text.split("://", 1)[0] if "://" in text else ""
+    if scheme not in REMOTE_PACKAGES:
+        return
+    package, install = REMOTE_PACKAGES[scheme]
+    try:
+        importlib.import_module(package)
+    except ImportError:
+        raise UsageError(f"{text}: reading {scheme}:// paths needs the {package} package, which is not "
+                         f"installed: {install}") from None
+
+
 def user_path(text: str | os.PathLike):
     """A path the user gave (a checkpoint, an HF directory, a workdir, a prompts file, an
     output): an `etils.epath.Path`, so `gs://bucket/...` works wherever epath (and orbax)
     support it; `~` is expanded and relative paths made absolute for local ones."""
     from etils import epath
+    check_remote_support(text)
     path = epath.Path(text)
     return path if is_remote(text) else path.expanduser().absolute()
 

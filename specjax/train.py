@@ -36,7 +36,7 @@ def main(argv):
     distributed.maybe_initialize()
     if not FLAGS["verbosity"].present:
         logging.set_verbosity(logging.WARNING)  # orbax logs every file it writes at INFO
-    cli.use_compilation_cache()  # restarts (resume after preemption) and the draft run reuse compiled programs
+    cli.use_compilation_cache(FLAGS.workdir)  # restarts (resume after preemption) and the draft run reuse compiled programs
     config = cli.config()
     if FLAGS.export_hf:
         from specjax.weights import hf

@@ -52,7 +52,7 @@ from flax import nnx
 from jax.sharding import NamedSharding, PartitionSpec as P
 
 from specjax import distributed, sharding
-from specjax.config import ConfigError, ModelConfig, UsageError
+from specjax.config import ConfigError, ModelConfig, UsageError, check_remote_support
 from specjax.model import LM, abstract_lm
 from specjax.weights import safetensors_io
 from specjax.weights.tokenizer import HFTokenizer, TokenizerError, load_hf_tokenizer
@@ -85,6 +85,7 @@ IGNORED_SUFFIXES = (".rotary_emb.inv_freq",)
 def as_path(directory) -> epath.Path:
     """A local path ('~' expanded) or any etils.epath path (gs://...)."""
     text = os.fspath(directory)
+    check_remote_support(text)
     return epath.Path(text if "://" in text else os.path.expanduser(text))
 
 
