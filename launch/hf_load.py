@@ -9,7 +9,9 @@ Loading: every process runs `specjax.weights.hf.load_with_stats` on the global m
 reads the safetensors slices its own devices hold) and process 0 writes the JSON:
 seconds, the bytes each process read from the weight files and its peak RSS, the
 tensors' total size, and with --logits_of=IDS the logits of those token ids (a sharded
-multi-process load must compute the same ones). tests/test_multiprocess.py and
+multi-process load must compute the same ones). --reads=auto,remote loads twice, the
+second time reading the local files through the ranged requests a gs:// path gets
+(keys bytes_read_remote, ...). tests/test_multiprocess.py and
 BENCHMARKS.md use it.
 
 Writing: seeded random bf16 tensors of the config's model, one tensor in memory at a
@@ -42,6 +44,10 @@ def define_flags() -> None:
     flags.DEFINE_string("write_random", None, "Write a random Llama directory here instead of loading.")
     flags.DEFINE_enum("model", "target", ["target", "draft"], "--write_random: which of the config's models.")
     flags.DEFINE_integer("seed", 0, "--write_random: seed of the tensors.")
+    flags.DEFINE_list("reads", ["auto"], "How to read the files, one load each: 'auto' (local files by os.pread, "
+                      "gs:// by ranged requests), 'remote' (local files through the ranged requests gs:// uses).")
+    flags.DEFINE_integer("remote_gap_bytes", None, "Ranged requests: fetch ranges closer than this as one "
+                         "(default: safetensors_io.REMOTE_GAP_BYTES).")
 
 
 def write_random(directory: str, cfg, seed: int) -> dict:
@@ -96,19 +102,27 @@ def main(argv):
     from specjax.weights import hf
     distributed.maybe_initialize()
     mesh = sharding.make_mesh(mesh_cfg)
-    start = time.perf_counter()
-    lm, _, stats = hf.load_with_stats(FLAGS.hf, mesh, param_dtype=FLAGS.param_dtype)
-    seconds = time.perf_counter() - start
-    rss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+    from specjax.weights import safetensors_io
+    if FLAGS.remote_gap_bytes is not None:
+        safetensors_io.REMOTE_GAP_BYTES = FLAGS.remote_gap_bytes
     from jax.experimental import multihost_utils
-    # int32 words (high, low): without 64-bit mode an allgather would truncate int64 counts.
-    mine = np.array([divmod(v, 1 << 30) for v in (stats["bytes_read"], rss, int(seconds * 1e6))], np.int32)
-    words = np.asarray(multihost_utils.process_allgather(mine)).reshape(-1, 3, 2).astype(np.int64)
-    every = words[..., 0] * (1 << 30) + words[..., 1]
-    out = {"processes": jax.process_count(), "devices": jax.device_count(), "mesh": [mesh_cfg.data, mesh_cfg.model],
-           "params": lm.num_params, "param_dtype": lm.cfg.param_dtype, "file_bytes": stats["file_bytes"],
-           "bytes_read": every[:, 0].tolist(), "peak_rss_bytes": every[:, 1].tolist(),
-           "load_seconds": (every[:, 2] / 1e6).tolist()}
+    out = {"processes": jax.process_count(), "devices": jax.device_count(), "mesh": [mesh_cfg.data, mesh_cfg.model]}
+    for reads in FLAGS.reads:
+        if reads not in ("auto", "remote"):
+            raise UsageError(f"--reads={reads!r}: allowed are auto, remote")
+        start = time.perf_counter()
+        lm, _, stats = hf.load_with_stats(FLAGS.hf, mesh, param_dtype=FLAGS.param_dtype,
+                                          local=False if reads == "remote" else None)
+        seconds = time.perf_counter() - start
+        rss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+        # int32 words (high, low): without 64-bit mode an allgather would truncate int64 counts.
+        mine = np.array([divmod(v, 1 << 30) for v in (stats["bytes_read"], rss, int(seconds * 1e6))], np.int32)
+        words = np.asarray(multihost_utils.process_allgather(mine)).reshape(-1, 3, 2).astype(np.int64)
+        every = words[..., 0] * (1 << 30) + words[..., 1]
+        suffix = "" if reads == FLAGS.reads[0] else f"_{reads}"
+        out.update({"params": lm.num_params, "param_dtype": lm.cfg.param_dtype, "file_bytes": stats["file_bytes"],
+                    f"bytes_read{suffix}": every[:, 0].tolist(), f"peak_rss_bytes{suffix}": every[:, 1].tolist(),
+                    f"load_seconds{suffix}": (every[:, 2] / 1e6).tolist()})
     if FLAGS.logits_of:
         ids = np.asarray([[int(t) for t in FLAGS.logits_of.split(",")]], np.int32)
         tokens = distributed.put(ids, sharding.replicated(mesh))

@@ -128,6 +128,10 @@ class ModelConfig:
     # RMSNorm as transformers' Llama: normalise in float32, cast to the activation dtype,
     # then multiply by the weight (the same numbers in float32, one rounding apart in bf16).
     norm_weight_after_cast: bool = False
+    # How many consecutive copies of each kv head num_kv_heads counts (Megatron/vLLM kv-head
+    # duplication, set at load time by `kv_heads.for_mesh`, never in a config file): the
+    # model's own kv heads are num_kv_heads // kv_copies.
+    kv_copies: int = 1
 
     def __post_init__(self):
         _plain_numbers(self)
@@ -153,6 +157,10 @@ class ModelConfig:
             raise ConfigError(f"ModelConfig.embed_scale={self.embed_scale!r}: must be > 0 (or None)")
         _choice(self, "param_dtype", {"float32", "bfloat16", "float16"})
         _choice(self, "compute_dtype", {"float32", "bfloat16", "float16"})
+        _positive(self, "kv_copies")
+        if self.num_kv_heads % self.kv_copies:
+            raise ConfigError(f"ModelConfig.num_kv_heads={self.num_kv_heads} is not a multiple of "
+                              f"kv_copies={self.kv_copies}")
         if self.num_heads % self.num_kv_heads:
             raise ConfigError(f"ModelConfig.num_heads={self.num_heads} is not a multiple of "
                               f"num_kv_heads={self.num_kv_heads}")

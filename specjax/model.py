@@ -29,7 +29,7 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
-from specjax import kernels, kv_cache, sharding
+from specjax import kernels, kv_cache, kv_heads, sharding
 from specjax.config import ModelConfig
 from specjax.kv_cache import CACHE_AXES, KVCache
 
@@ -480,15 +480,23 @@ def abstract_lm(cfg: ModelConfig, mesh: jax.sharding.Mesh | None = None) -> LM:
 
 def init_program(cfg: ModelConfig, mesh: jax.sharding.Mesh, seed: int | None = None):
     """(graphdef, the jitted random init `() -> params`), params created already sharded
-    (out_shardings: no host copy). `plan` compiles the same function without running it."""
+    (out_shardings: no host copy). `plan` compiles the same function without running it.
+    A config with duplicated kv heads (`kv_heads.for_mesh`) draws the original model's
+    params (the same numbers as without duplication) and repeats its kv heads."""
     seed = cfg.init_seed if seed is None else seed
     graphdef, abstract = nnx.split(nnx.eval_shape(lambda: Transformer(cfg, Keys(seed))))
     shardings = sharding.param_shardings(abstract, mesh)
-    return graphdef, jax.jit(lambda: nnx.split(Transformer(cfg, Keys(seed)))[1], out_shardings=shardings)
+
+    def init():
+        state = nnx.split(Transformer(kv_heads.original(cfg), Keys(seed)))[1]
+        return kv_heads.map_kv(state, lambda x: kv_heads.repeat(x, cfg.kv_copies))
+    return graphdef, jax.jit(init, out_shardings=shardings)
 
 
-def init_lm(cfg: ModelConfig, mesh: jax.sharding.Mesh, seed: int | None = None) -> LM:
-    """Random params created already sharded."""
+def init_lm(cfg: ModelConfig, mesh: jax.sharding.Mesh, seed: int | None = None, *, duplicate_kv: bool = True) -> LM:
+    """Random params created already sharded; with fewer kv heads than the 'model' axis,
+    each is duplicated (`kv_heads`) unless duplicate_kv=False (training)."""
+    cfg = kv_heads.for_mesh(cfg, mesh) if duplicate_kv else kv_heads.original(cfg)
     sharding.check_divisible(cfg, mesh)
     graphdef, init = init_program(cfg, mesh, seed)
     return LM(cfg, graphdef, init())

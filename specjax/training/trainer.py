@@ -545,7 +545,7 @@ def train(config: Config, workdir=None, progress: bool = True, devices=None) -> 
                      + (f" (train settings changed since: {'; '.join(changed)})" if changed else ""))
                 log.write("event", start, event="resume")
             else:
-                params = init_lm(config.target, mesh, seed=config.target.init_seed).params
+                params = init_lm(config.target, mesh, seed=config.target.init_seed, duplicate_kv=False).params
                 opt_state = jax.jit(optimizer.init, out_shardings=opt_sh)(params)
                 log.write("event", 0, event="start", config=config.name, params=config.target.num_params)
             student = LM(config.target, graphdef, params)
