@@ -56,52 +56,21 @@ CHIPS = {
     # v6e (Trillium): 918 bf16 TFLOP/s, 32 GB HBM at 1638 GB/s, 800 GB/s bidirectional ICI over 4 ports.
     "v6e": Chip("TPU v6e", 32 * GiB, 1638e9, 918e12, 2 * 100e9),
 }
-# TPU memory tiles the two minor dimensions of every array: 128 lanes (the last axis) by 8
-# sublanes of 32-bit words (the second-to-last; 16 rows of bf16 pack into them). A head_dim
-# of 64 as the last axis therefore occupies 128 lanes: the 1B draft's KV cache and its
-# q/k/v weights take twice their logical bytes.
-LANES, SUBLANE_BYTES = 128, 8 * 4
+# TPU memory tiles the minor dimension of an array in 128 lanes: a head_dim of 64 as the
+# last axis occupies 128, so the 1B draft's KV cache and q/k/v weights take twice their
+# logical bytes. (The second-to-last axis is tiled in 8 sublanes of 32-bit words too; that
+# is not counted: XLA can lay a degenerate axis, such as one kv head per device, out of the
+# tile, and the large axes here are multiples of 16.)
+LANES = 128
 
 
 def padded_bytes(shape, dtype) -> int:
-    """Bytes of an array in TPU HBM: the last axis rounded up to 128 lanes, the one before
-    to the sublane tile (8 rows of 4-byte words: 16 of bf16)."""
+    """Bytes of an array in TPU HBM, its last axis rounded up to 128 lanes."""
     itemsize = np.dtype(dtype).itemsize
     shape = tuple(shape)
     if not shape:
         return itemsize
-    rows = SUBLANE_BYTES // min(itemsize, 4) if len(shape) > 1 else 1
-    minor = -(-shape[-1] // LANES) * LANES
-    second = -(-shape[-2] // rows) * rows if len(shape) > 1 else 1
-    return math.prod(shape[:-2]) * second * minor * itemsize
-
-
-PAPER = {
-    # Chen et al. 2023, section 4 and Table 1 (batch 1, K=4, 16 TPU v4 chips).
-    "target_ms_per_token": 14.1,
-    "draft_ms_per_token": 1.8,
-    "lookahead": 4,
-    "table1": [
-        # (setting, ArS ms/token, SpS ms/token, speedup as printed in the paper; 14.1 / 7.52 is
-        # 1.875, so the printed 1.92x was presumably computed before rounding the ms)
-        ("XSum nucleus p=0.8", 14.1, 7.52, 1.92),
-        ("XSum greedy", 14.1, 7.00, 2.01),
-        ("HumanEval T=0.8 p=0.95", 14.1, 5.73, 2.46),
-    ],
-}
-
-
-def collective_load(summary: dict, chip: Chip) -> tuple[int, float]:
-    """(number of collectives, seconds their bytes spend on the ICI wire) for ring
-    algorithms: an all-reduce moves 2(n-1)/n of its buffer, the others (n-1)/n."""
-    count, wire = 0, 0.0
-    for kind, entry in summary.items():
-        for msg in entry["messages"]:
-            n = msg["group"]
-            factor = 2 * (n - 1) / n if kind == "all-reduce" else (n - 1) / n
-            count += msg["count"]
-            wire += msg["count"] * factor * msg["bytes"] / chip.ici_bandwidth
-    return count, wire
+    return math.prod(shape[:-1]) * (-(-shape[-1] // LANES) * LANES) * itemsize
 
 
 def shard_bytes(tree, padded: bool = False) -> int:
