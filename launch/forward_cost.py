@@ -90,7 +90,7 @@ def main(argv):
     print("cache S  " + (f"{'kernels':<{wide}} " if label else "") + "  ".join(f"T={t:<6}" for t in ts) + "  T_max/T_1")
     for size in (int(s) for s in FLAGS.cache.split(",")):
         # A relative-position model's table is made at prefill, so outside the timed loop.
-        fresh = lambda: lm.with_position_table(kv_cache.init_cache(cfg, 1, size)).with_lengths(
+        fresh = lambda: lm.with_position_table(kv_cache.init_cache(lm.cfg, 1, size)).with_lengths(
             jnp.array([size // 3], jnp.int32))
         progs, subject = {}, {}
         for setting in FLAGS.kernels:

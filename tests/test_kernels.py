@@ -234,7 +234,7 @@ def test_model_logits_with_and_without_kernel(monkeypatch, config, B, T, changes
     for setting, subject in (("1", packed), ("0", lm)):
         monkeypatch.setenv("SPECJAX_KERNELS", setting)
         with jax.set_mesh(mesh):
-            cache = kv_cache.init_cache(cfg, B, 32)
+            cache = kv_cache.init_cache(lm.cfg, B, 32)
             prefill_logits, cache = jax.jit(forward)(subject, tokens[:, :prompt],
                                                      jnp.broadcast_to(jnp.arange(prompt), (B, prompt)), cache)
             args = (subject, tokens[:, prompt:], jnp.broadcast_to(prompt + jnp.arange(T), (B, T)), cache)
@@ -269,7 +269,7 @@ def test_multi_device_mesh_compiles_no_custom_call(tiny, mesh_name):
     lm = model.init_lm(cfg, mesh)
     B = mesh.shape["data"]  # rows: B * T <= MAX_ROWS, where the kernel would apply on one device
     tokens = jnp.zeros((B, 1), jnp.int32)
-    cache = kv_cache.init_cache(cfg, B, 16)
+    cache = kv_cache.init_cache(lm.cfg, B, 16)
     with jax.set_mesh(mesh):
         text = jax.jit(lambda lm, t, c: lm(t, c.lengths[:, None], c)[0]).lower(lm, tokens, cache).compile().as_text()
     assert "custom-call" not in text and "all-reduce" in text
