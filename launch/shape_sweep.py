@@ -10,8 +10,9 @@ shape: ms per forward at each T, T/T=1, and the roofline (the weights' bytes ove
 read bandwidth measured first); a T whose cost exceeds --limit x T=1 is flagged (SpS
 on CPU needs T = K+1 <= 8 at about the cost of one token). Shapes run one at a time,
 each freed before the next; where weights plus their packed copy would pass
---max_gb, layers are cut (every layer costs the same, so the ratios keep their meaning)
-and the table says how many of how many ran.
+--max_gb (or --max_layers), layers are cut (every layer costs the same, so the ratios
+keep their meaning; the unembedding weighs more in them) and the table says how many of
+how many ran.
 """
 from __future__ import annotations
 
@@ -36,6 +37,7 @@ flags.DEFINE_integer("max_tokens", 8, "T = 1 .. this.")
 flags.DEFINE_integer("context", 512, "Cache slots (one third full).")
 flags.DEFINE_float("limit", 1.3, "Flag a T whose forward costs more than this times T=1's.")
 flags.DEFINE_float("max_gb", 6.0, "Weights + packed copy above this: fewer layers.")
+flags.DEFINE_integer("max_layers", None, "At most this many layers per shape (compile time on a slow host).")
 FLAGS = flags.FLAGS
 
 
@@ -47,8 +49,11 @@ def sizes(cfg: ModelConfig) -> tuple[int, int]:
     return weights, weights - (0 if cfg.tie_embeddings else embed)  # the input table is packed only when tied
 
 
-def fitted(cfg: ModelConfig, max_bytes: float) -> ModelConfig:
-    """cfg with as many of its layers as keep weights + packed copy under max_bytes."""
+def fitted(cfg: ModelConfig, max_bytes: float, max_layers: int | None) -> ModelConfig:
+    """cfg with as many of its layers (at most max_layers) as keep weights + packed copy
+    under max_bytes."""
+    if max_layers is not None and cfg.num_layers > max_layers:
+        cfg = dataclasses.replace(cfg, num_layers=max_layers)
     while cfg.num_layers > 1 and sum(sizes(cfg)) > max_bytes:
         cfg = dataclasses.replace(cfg, num_layers=cfg.num_layers - 1)
     return cfg
@@ -61,6 +66,8 @@ def main(argv):
         raise app.UsageError(f"--shapes: unknown {', '.join(unknown)}; known: {', '.join(SHAPES)}")
     if not 1 <= FLAGS.max_tokens <= 64:
         raise app.UsageError(f"--max_tokens={FLAGS.max_tokens}: must be in [1, 64]")
+    if FLAGS.max_layers is not None and FLAGS.max_layers < 1:
+        raise app.UsageError(f"--max_layers={FLAGS.max_layers}: must be a positive integer")
     check_settings(FLAGS.kernels)
     ts = list(range(1, FLAGS.max_tokens + 1))
     mesh = sharding.make_mesh(MeshConfig(1, 1), jax.devices()[:1])
@@ -72,7 +79,7 @@ def main(argv):
     flagged = []
     for name in names:
         full = SHAPES[name]
-        cfg = fitted(full, FLAGS.max_gb * 1e9)
+        cfg = fitted(full, FLAGS.max_gb * 1e9, FLAGS.max_layers)
         weights, packed = sizes(cfg)
         lm = model.init_lm(cfg, mesh)
         med = forward_times(lm, ts, [FLAGS.context], FLAGS.kernels, FLAGS.steps, FLAGS.repeats)
