@@ -31,6 +31,8 @@ flags.DEFINE_integer("repeats", 10, "Timed loops per setting (median).")
 flags.DEFINE_list("kernels", ["default"], "Kernel settings to compare: on, off, default ($SPECJAX_KERNELS), "
                   "or kernels' names joined by + (matmul, attention, nucleus; e.g. matmul+attention).")
 flags.DEFINE_integer("bandwidth_mb", 512, "Array size for the memory-bandwidth measurement (0: skip).")
+flags.DEFINE_enum("clock", "wall", ["wall", "cpu"], "wall: elapsed time; cpu: this process's CPU time (all its "
+                  "threads), which other jobs on a shared host inflate far less than the elapsed time.")
 FLAGS = flags.FLAGS
 
 
@@ -67,10 +69,13 @@ def read_bandwidth(megabytes: int, repeats: int = 10) -> dict[str, float]:
     return rates
 
 
-def forward_times(lm, ts, sizes, settings, steps: int, repeats: int) -> dict[tuple[int, str, int], float]:
+def forward_times(lm, ts, sizes, settings, steps: int, repeats: int, clock: str = "wall"
+                  ) -> dict[tuple[int, str, int], float]:
     """Median ms per forward of `lm` for every (cache size, kernel setting, T): `steps`
     forwards per timed loop (`loop`), `repeats` loops, every program interleaved with the
-    others of its cache size so that machine noise hits every T and setting alike."""
+    others of its cache size so that machine noise hits every T and setting alike.
+    `clock`: 'wall' or 'cpu' (CPU ms of the process, summed over its threads)."""
+    now = time.perf_counter if clock == "wall" else time.process_time
     cfg = lm.cfg
     out = {}
     for size in sizes:
@@ -88,9 +93,9 @@ def forward_times(lm, ts, sizes, settings, steps: int, repeats: int) -> dict[tup
         for _ in range(repeats):
             for key, prog in progs.items():
                 c = jax.block_until_ready(fresh())
-                start = time.perf_counter()
+                start = now()
                 jax.block_until_ready(prog(subject[key[0]], c))
-                times[key].append((time.perf_counter() - start) / steps * 1e3)
+                times[key].append((now() - start) / steps * 1e3)
         out.update({(size, *key): float(np.median(t)) for key, t in times.items()})
     return out
 
@@ -117,11 +122,11 @@ def main(argv):
         print("memory read bandwidth " + ", ".join(f"{v:.1f} GB/s ({k})" for k, v in rates.items())
               + f" -> 1-token roofline {weight_bytes / gbps / 1e6:.2f} ms"
               " (weights read once at the best rate, cache ignored)")
-    print(f"ms per forward (median of {FLAGS.repeats})")
+    print(f"{FLAGS.clock} ms per forward (median of {FLAGS.repeats})")
     label = len(FLAGS.kernels) > 1
     wide = max(8, *(len(k) for k in FLAGS.kernels))
     print("cache S  " + (f"{'kernels':<{wide}} " if label else "") + "  ".join(f"T={t:<6}" for t in ts) + "  T_max/T_1")
-    med = forward_times(lm, ts, sizes, FLAGS.kernels, FLAGS.steps, FLAGS.repeats)
+    med = forward_times(lm, ts, sizes, FLAGS.kernels, FLAGS.steps, FLAGS.repeats, FLAGS.clock)
     for size in sizes:
         for setting in FLAGS.kernels:
             row = [med[size, setting, t] for t in ts]

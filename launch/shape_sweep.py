@@ -27,7 +27,7 @@ sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), os.p
 import jax  # noqa: E402
 from absl import app, flags  # noqa: E402
 
-from forward_cost import check_settings, forward_times, read_bandwidth  # noqa: E402  (defines --steps, --repeats, --kernels, --bandwidth_mb)
+from forward_cost import check_settings, forward_times, read_bandwidth  # noqa: E402  (defines --steps, --repeats, --kernels, --bandwidth_mb, --clock)
 from shapes import SHAPES  # noqa: E402
 from specjax import model, sharding  # noqa: E402
 from specjax.config import MeshConfig, ModelConfig  # noqa: E402
@@ -73,7 +73,8 @@ def main(argv):
     mesh = sharding.make_mesh(MeshConfig(1, 1), jax.devices()[:1])
     gbps = max(read_bandwidth(FLAGS.bandwidth_mb or 512).values())
     print(f"read bandwidth {gbps:.1f} GB/s; cache {FLAGS.context} slots, {FLAGS.context // 3} filled; "
-          f"ms per forward, median of {FLAGS.repeats} loops of {FLAGS.steps}; '!' marks T > {FLAGS.limit} x T=1")
+          f"{FLAGS.clock} ms per forward, median of {FLAGS.repeats} loops of {FLAGS.steps}; "
+          f"'!' marks T > {FLAGS.limit} x T=1")
     head = " ".join(f"{f'T={t}':>7}" for t in ts)
     print(f"| shape | layers | weights + packed GB | kernels | roofline ms | {head} | worst T/T=1 |")
     flagged = []
@@ -82,7 +83,7 @@ def main(argv):
         cfg = fitted(full, FLAGS.max_gb * 1e9, FLAGS.max_layers)
         weights, packed = sizes(cfg)
         lm = model.init_lm(cfg, mesh)
-        med = forward_times(lm, ts, [FLAGS.context], FLAGS.kernels, FLAGS.steps, FLAGS.repeats)
+        med = forward_times(lm, ts, [FLAGS.context], FLAGS.kernels, FLAGS.steps, FLAGS.repeats, FLAGS.clock)
         for setting in FLAGS.kernels:
             row = [med[FLAGS.context, setting, t] for t in ts]
             ratios = [m / row[0] for m in row]
