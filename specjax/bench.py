@@ -60,6 +60,8 @@ def define_flags() -> None:
     flags.DEFINE_enum("prompts", "humaneval", ["humaneval", "rewrite"], "With a tokenizer: HumanEval prompts, or "
                       "'rewrite' (held-out standard-library functions, each followed by its own def line: a "
                       "copy-heavy task).")
+    flags.DEFINE_string("prompts_file", None, "Prompts from this file instead (one per line, or JSONL with "
+                        "\"prompt\" or \"prompt_tokens\", as sample's), all of them (--num_prompts is ignored).")
 
 
 def main(argv):
@@ -69,8 +71,7 @@ def main(argv):
     prompt_len = cli.positive("prompt_len", FLAGS.prompt_len)
     output.check_writable(FLAGS.json, "--json")
     output.check_writable(FLAGS.plot, "--plot")
-    if FLAGS.hf_target and not FLAGS.hf_draft:
-        raise UsageError("--hf_target needs --hf_draft: bench compares ArS with SpS")
+    raw_prompts = prompts_lib.gather(prompts_file=FLAGS.prompts_file) if FLAGS.prompts_file else None
     config = with_hf_models(cli.config(), FLAGS.hf_target, FLAGS.hf_draft, init=FLAGS.init, checkpoint=None,
                             draft_checkpoint=None)
     base = config.sampling if FLAGS.ngram is None else dataclasses.replace(config.sampling, ngram=FLAGS.ngram)
@@ -80,6 +81,8 @@ def main(argv):
         cli.unit_interval_list("draft_confidence", FLAGS.draft_confidence, base.draft_confidence),
         [base.num_drafts] if FLAGS.num_drafts is None else cli.int_list("num_drafts", FLAGS.num_drafts))
     need_draft = any(drafters.uses_model(v["drafter"]) for v in variants)
+    if FLAGS.hf_target and need_draft and not FLAGS.hf_draft:
+        raise UsageError("--hf_target needs --hf_draft for a draft model's SpS (lookup drafters need none)")
     if need_draft and config.draft is None:
         raise UsageError(f"--config={FLAGS.config}: has no draft model, which --drafter=model|hybrid needs")
     if any(v["drafter"] == "retrieval" for v in variants) and FLAGS.datastore is None:
@@ -92,8 +95,11 @@ def main(argv):
     tokenizer = weights.tokenizer()
     if store is not None:
         store.check_tokenizer(file_sha256(tokenizer.path) if tokenizer else None, f"--datastore={FLAGS.datastore}")
-    prompts = prompts_lib.bench_prompts(FLAGS.prompts, tokenizer, num_prompts, config.target.vocab_size, prompt_len,
-                                        seed)
+    if raw_prompts is not None:
+        prompts = [p.tokens for p in prompts_lib.encode(raw_prompts, tokenizer, weights.no_tokenizer_reason)]
+    else:
+        prompts = prompts_lib.bench_prompts(FLAGS.prompts, tokenizer, num_prompts, config.target.vocab_size,
+                                            prompt_len, seed)
     base = dataclasses.replace(base, max_new_tokens=max_new, eos_id=-1)
     models = {"target": config.target, **({"draft": config.draft} if need_draft else {})}
     prompts_lib.check([prompts_lib.Prompt(f"prompt {i}", p) for i, p in enumerate(prompts)],
@@ -103,7 +109,8 @@ def main(argv):
     report = {"config": config.name, **({"hf_target": FLAGS.hf_target, "hf_draft": FLAGS.hf_draft} if FLAGS.hf_target
                                         else {}),
               "machine": f"{jax.device_count()}x {jax.devices()[0].device_kind}",
-              "init": FLAGS.init, "prompts": FLAGS.prompts if tokenizer is not None else "random ids",
+              "init": FLAGS.init,
+              "prompts": FLAGS.prompts_file or (FLAGS.prompts if tokenizer is not None else "random ids"),
               **timing.bench(target, draft, prompts, base, ks, batch_sizes, repeats, seed, variants=variants,
                              datastore=store)}
     sys.stdout.flush()

@@ -90,6 +90,24 @@ def test_bench_measures_an_imported_pair(env, tmp_path):
     assert [r["lookahead"] for r in report["sps"]] == [2] and 0 <= report["sps"][0]["acceptance_rate"] <= 1
 
 
+def test_bench_of_a_lookup_drafter_needs_no_draft_and_takes_a_prompts_file(env, tmp_path):
+    """A real model's n-gram SpS against its ArS: no --hf_draft, the prompts from a file
+    through the directory's tokenizer (as `sample --prompts_file` reads them)."""
+    prompts = tmp_path / "prompts.jsonl"
+    prompts.write_text('{"prompt": "def f(x):"}\n{"prompt": "def f(x):\\n    return x"}\n')
+    proc = subprocess.run([sys.executable, "-m", "specjax.bench", f"--hf_target={FIXTURES / 'llama_gqa'}",
+                           "--drafter=ngram", "--lookahead=2", f"--prompts_file={prompts}", "--max_new_tokens=8",
+                           "--repeats=2", f"--json={tmp_path / 'b.json'}"],
+                          cwd=ROOT, env=env, capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    report = json.loads((tmp_path / "b.json").read_text())
+    assert report["prompts"] == str(prompts) and report["num_prompts"] == 2
+    assert [(r["lookahead"], r["drafter"]) for r in report["sps"]] == [(2, "ngram")]
+    proc = subprocess.run([sys.executable, "-m", "specjax.bench", f"--hf_target={FIXTURES / 'llama_gqa'}",
+                           "--drafter=model"], cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 2 and "--hf_target needs --hf_draft" in proc.stderr and "Traceback" not in proc.stderr
+
+
 # ------------------------------------------------------------------ bad input
 
 
