@@ -25,7 +25,7 @@ from absl import flags
 from specjax import sharding
 from specjax.analysis import timing
 from specjax.app import cli, output, prompts as prompts_lib
-from specjax.app.locate import Weights, with_hf_models
+from specjax.app.locate import Weights, imported, with_hf_models
 from specjax.config import DRAFTERS, VERIFY_RULES, UsageError
 from specjax.decode import drafters
 from specjax.decode.datastore import Datastore, file_sha256
@@ -43,6 +43,8 @@ def define_flags() -> None:
     flags.DEFINE_enum("init", "checkpoint", ["checkpoint", "random"], "random: random weights.")
     flags.DEFINE_string("hf_target", None, "Hugging Face model directory holding the target (with --hf_draft).")
     flags.DEFINE_string("hf_draft", None, "Hugging Face model directory holding the draft.")
+    flags.DEFINE_string("gguf_target", None, "GGUF file holding the target (with --gguf_draft or --hf_draft).")
+    flags.DEFINE_string("gguf_draft", None, "GGUF file holding the draft.")
     flags.DEFINE_string("json", None, "Write the results here.")
     flags.DEFINE_string("plot", None, "Write the Figure-1 panels (PNG) here.")
     flags.DEFINE_integer("seed", 0, "Sampling seed.")
@@ -69,10 +71,13 @@ def main(argv):
     prompt_len = cli.positive("prompt_len", FLAGS.prompt_len)
     output.check_writable(FLAGS.json, "--json")
     output.check_writable(FLAGS.plot, "--plot")
-    if FLAGS.hf_target and not FLAGS.hf_draft:
-        raise UsageError("--hf_target needs --hf_draft: bench compares ArS with SpS")
+    sources = dict(hf_target=FLAGS.hf_target, hf_draft=FLAGS.hf_draft, gguf_target=FLAGS.gguf_target,
+                   gguf_draft=FLAGS.gguf_draft)
+    target, draft = imported(**sources)
+    if target is not None and draft is None:
+        raise UsageError(f"{target.flag('target')} needs --hf_draft or --gguf_draft: bench compares ArS with SpS")
     config = with_hf_models(cli.config(), FLAGS.hf_target, FLAGS.hf_draft, init=FLAGS.init, checkpoint=None,
-                            draft_checkpoint=None)
+                            draft_checkpoint=None, gguf_target=FLAGS.gguf_target, gguf_draft=FLAGS.gguf_draft)
     base = config.sampling if FLAGS.ngram is None else dataclasses.replace(config.sampling, ngram=FLAGS.ngram)
     variants = timing.variants(
         base, cli.choices("drafter", FLAGS.drafter, base.drafter, DRAFTERS),
@@ -88,7 +93,7 @@ def main(argv):
     if store is not None:
         store.check(config.target.vocab_size, f"--datastore={FLAGS.datastore}")
     weights = Weights.locate(config, FLAGS.init, None, None, need_draft=need_draft, train_missing=False,
-                             hf_target=FLAGS.hf_target, hf_draft=FLAGS.hf_draft)
+                             **sources)
     tokenizer = weights.tokenizer()
     if store is not None:
         store.check_tokenizer(file_sha256(tokenizer.path) if tokenizer else None, f"--datastore={FLAGS.datastore}")
@@ -100,8 +105,7 @@ def main(argv):
                       config.target.vocab_size, min(m.max_seq_len for m in models.values()), max_new)
     mesh = sharding.make_checked_mesh(config.mesh, models)
     target, draft = weights.load(mesh, need_draft=need_draft)
-    report = {"config": config.name, **({"hf_target": FLAGS.hf_target, "hf_draft": FLAGS.hf_draft} if FLAGS.hf_target
-                                        else {}),
+    report = {"config": config.name, **{k: v for k, v in sources.items() if v is not None},
               "machine": f"{jax.device_count()}x {jax.devices()[0].device_kind}",
               "init": FLAGS.init, "prompts": FLAGS.prompts if tokenizer is not None else "random ids",
               **timing.bench(target, draft, prompts, base, ks, batch_sizes, repeats, seed, variants=variants,

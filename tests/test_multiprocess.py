@@ -111,17 +111,21 @@ def test_an_input_only_process_0_can_read_is_shared_or_refused_on_every_process(
         assert ("on process 1: " in lines[0]) == (i == 0), lines[0]
 
 
-def test_two_processes_load_a_sharded_import_reading_only_their_own_slices(tmp_path):
-    """launch/hf_load.py loads llama_tp (4 safetensors shards) onto a 1x8 mesh whose 'model'
-    axis spans both processes (4 devices each): each process reads exactly its half of
-    every tensor split over 'model', plus the whole of each replicated one (norms; k/v,
-    whose 4 kv heads do not split 8 ways), and the logits equal transformers'."""
+@pytest.mark.parametrize("source", ["hf", "gguf"])
+def test_two_processes_load_a_sharded_import_reading_only_their_own_slices(source, tmp_path):
+    """launch/hf_load.py loads llama_tp (4 safetensors shards, or the float32 GGUF file
+    made from them) onto a 1x8 mesh whose 'model' axis spans both processes (4 devices
+    each): each process reads exactly its half of every tensor split over 'model', plus
+    the whole of each replicated one (norms; k/v, whose 4 kv heads do not split 8 ways),
+    and the logits equal transformers'."""
     from safetensors import safe_open
     fixture = REPO / "tests" / "fixtures" / "hf" / "llama_tp"
     ref = np.load(fixture / "reference.npz")
     ids = ",".join(map(str, ref["input_ids"][0]))
+    weights = (f"--hf={fixture}" if source == "hf" else
+               f"--gguf={REPO / 'tests' / 'fixtures' / 'gguf' / 'llama_tp_F32.gguf'}")
     proc = subprocess.run(
-        ["bash", str(REPO / "launch" / "multiprocess.sh"), str(REPO / "launch" / "hf_load.py"), f"--hf={fixture}",
+        ["bash", str(REPO / "launch" / "multiprocess.sh"), str(REPO / "launch" / "hf_load.py"), weights,
          "--mesh=1x8", f"--logits_of={ids}", f"--output={tmp_path / 'load.json'}"],
         cwd=REPO, env=_env(NUM_PROCESSES="2", LOCAL_DEVICES="4", LOG_DIR=str(tmp_path / "logs"),
                            PYTHON=sys.executable),
