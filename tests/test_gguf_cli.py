@@ -32,7 +32,7 @@ def env(tmp_path_factory):
             "PYTHONPATH": str(ROOT), "COLUMNS": "160"}
 
 
-def run(env, module, *args, timeout=300, **extra):
+def run(env, module, *args, timeout=900, **extra):
     return subprocess.run([sys.executable, "-m", f"specjax.{module}", *args], cwd=ROOT, env={**env, **extra},
                           capture_output=True, text=True, timeout=timeout)
 
@@ -166,7 +166,7 @@ def bad_runs(env, bad):
     def one(case):
         _, args, _ = case
         return run(env, "sample", "--prompt_tokens=0,5,6", "--max_new_tokens=16",
-                   *[a.format(bad=bad) for a in args], timeout=120)
+                   *[a.format(bad=bad) for a in args], timeout=300)
     with concurrent.futures.ThreadPoolExecutor(3) as pool:
         return dict(zip((c[0] for c in BAD_INPUTS), pool.map(one, BAD_INPUTS)))
 
