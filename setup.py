@@ -20,6 +20,7 @@ setup(
         "tokenizers>=0.15",  # Hugging Face tokenizer.json, as transformers' fast tokenizers run it
         "etils[epath]>=1.5",  # local and gs:// paths of Hugging Face directories
         "ml_dtypes>=0.4",  # bfloat16 numpy arrays for bf16 safetensors
+        "gguf>=0.19",  # llama.cpp's GGUF files: the format's own reader and dequantizers
         "numpy>=1.26",
         "absl-py>=2.0",
         "tqdm>=4.66",

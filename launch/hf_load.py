@@ -1,12 +1,14 @@
-"""Load a Hugging Face model directory onto a mesh, from one process or several, and
-report what it cost; or write a random Llama of a config's shape to load.
+"""Load a Hugging Face model directory (or a GGUF file) onto a mesh, from one process or
+several, and report what it cost; or write a random Llama of a config's shape to load.
 
     python launch/hf_load.py --hf=DIR --mesh=1x8 --output=load.json
+    python launch/hf_load.py --gguf=FILE.gguf --mesh=1x8 --output=load.json
     NUM_PROCESSES=2 LOCAL_DEVICES=4 launch/multiprocess.sh launch/hf_load.py --hf=DIR --mesh=1x8 --output=load.json
     python launch/hf_load.py --write_random=DIR --config=llama3_70b_1b --model=draft   # Llama-3.2-1B's shape
 
-Loading: every process runs `specjax.weights.hf.load_with_stats` on the global mesh (each
-reads the safetensors slices its own devices hold) and process 0 writes the JSON:
+Loading: every process runs `specjax.weights.hf.load_with_stats` (`gguf.load_with_stats`)
+on the global mesh (each reads the safetensors or GGUF slices its own devices hold) and
+process 0 writes the JSON:
 seconds, the bytes each process read from the weight files and its peak RSS, the
 tensors' total size, and with --logits_of=IDS the logits of those token ids (a sharded
 multi-process load must compute the same ones). --reads=auto,remote loads twice, the
@@ -36,6 +38,7 @@ from specjax.app import cli  # noqa: E402
 def define_flags() -> None:
     cli.define_config_flag("llama3_70b_1b")
     flags.DEFINE_string("hf", None, "Hugging Face model directory to load.")
+    flags.DEFINE_string("gguf", None, "GGUF file to load (instead of --hf).")
     flags.DEFINE_string("mesh", "1x8", "DATAxMODEL over all processes' devices.")
     flags.DEFINE_integer("local_devices", None, "Fake CPU devices in this process (default: the mesh / processes).")
     flags.DEFINE_string("param_dtype", None, "Load as this dtype (default: as stored).")
@@ -87,8 +90,9 @@ def main(argv):
         print(json.dumps(write_random(FLAGS.write_random, model_cfg, FLAGS.seed)))
         return
     from specjax.config import UsageError
-    if not FLAGS.hf:
-        raise UsageError("--hf=DIR (a Hugging Face model directory) or --write_random=DIR is required")
+    if bool(FLAGS.hf) == bool(FLAGS.gguf):
+        raise UsageError("one of --hf=DIR (a Hugging Face model directory), --gguf=FILE (a GGUF file) or "
+                         "--write_random=DIR is required")
     mesh_cfg = cli.parse_mesh(FLAGS.mesh, None)
     processes = int(os.environ.get("SPECJAX_NUM_PROCESSES", "1"))
     local = FLAGS.local_devices or mesh_cfg.data * mesh_cfg.model // processes
@@ -99,7 +103,7 @@ def main(argv):
 
     from specjax import distributed, model, sharding
     from specjax.app import output
-    from specjax.weights import hf
+    from specjax.weights import gguf, hf
     distributed.maybe_initialize()
     mesh = sharding.make_mesh(mesh_cfg)
     from specjax.weights import safetensors_io
@@ -110,9 +114,14 @@ def main(argv):
     for reads in FLAGS.reads:
         if reads not in ("auto", "remote"):
             raise UsageError(f"--reads={reads!r}: allowed are auto, remote")
+        if reads == "remote" and not FLAGS.hf:
+            raise UsageError("--reads=remote: only a Hugging Face directory (--hf) is read through ranged requests")
         start = time.perf_counter()
-        lm, _, stats = hf.load_with_stats(FLAGS.hf, mesh, param_dtype=FLAGS.param_dtype,
-                                          local=False if reads == "remote" else None)
+        if FLAGS.hf:
+            lm, _, stats = hf.load_with_stats(FLAGS.hf, mesh, param_dtype=FLAGS.param_dtype,
+                                              local=False if reads == "remote" else None)
+        else:
+            lm, _, stats = gguf.load_with_stats(FLAGS.gguf, mesh, param_dtype=FLAGS.param_dtype)
         seconds = time.perf_counter() - start
         rss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
         # int32 words (high, low): without 64-bit mode an allgather would truncate int64 counts.

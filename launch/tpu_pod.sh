@@ -42,7 +42,8 @@
 # Without weights: random ones (Chinchilla's are not public); the timings (ms/token ArS
 # vs SpS) are what that run is for, and `python -m specjax.plan --config=$CONFIG
 # --chip=$GENERATION` predicts them. Real weights, in directories every worker can read:
-# HF_TARGET / HF_DRAFT (Hugging Face), or CHECKPOINT / DRAFT_CHECKPOINT (specjax's),
+# HF_TARGET / HF_DRAFT (Hugging Face), GGUF_TARGET / GGUF_DRAFT (GGUF files: a local
+# path on every worker, as they are memory-mapped), or CHECKPOINT / DRAFT_CHECKPOINT (specjax's),
 #   CONFIG=llama3_70b_1b HF_TARGET=gs://B/Llama-3.1-70B HF_DRAFT=gs://B/Llama-3.2-1B launch/tpu_pod.sh
 set -euo pipefail
 cd "$(dirname "$0")/.."
@@ -85,6 +86,8 @@ PROMPT=$(seq -s, 1 128)
 WEIGHTS=(--init=random)
 if [ -n "${HF_TARGET:-}" ]; then
   WEIGHTS=(--hf_target="$HF_TARGET" ${HF_DRAFT:+--hf_draft="$HF_DRAFT"})
+elif [ -n "${GGUF_TARGET:-}" ]; then
+  WEIGHTS=(--gguf_target="$GGUF_TARGET" ${GGUF_DRAFT:+--gguf_draft="$GGUF_DRAFT"})
 elif [ -n "$CHECKPOINT" ]; then
   WEIGHTS=(--checkpoint="$CHECKPOINT" ${DRAFT_CHECKPOINT:+--draft_checkpoint="$DRAFT_CHECKPOINT"})
 fi

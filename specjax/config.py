@@ -291,6 +291,7 @@ class TrainConfig:
     teacher: str = ""
     teacher_checkpoint: str = ""  # empty = the teacher config's default checkpoint dir
     teacher_hf: str = ""  # or: a Hugging Face model directory (specjax.weights.hf) as the teacher
+    teacher_gguf: str = ""  # or: a GGUF file (specjax.weights.gguf) as the teacher
     distill_temperature: float = 1.0
     distill_weight: float = 1.0  # loss = w * KL(teacher || student) + (1 - w) * LM loss
 
@@ -315,10 +316,11 @@ class TrainConfig:
                 finite(0, 1))
         _number(self, "distill_weight", "in [0, 1]", lambda v: 0 <= v <= 1)
         _number(self, "distill_temperature", "a finite number > 0", finite(0, math.inf))
-        _text(self, "teacher_hf")
-        if self.teacher and self.teacher_hf:
-            raise ConfigError(f"TrainConfig.teacher={self.teacher!r} and teacher_hf={self.teacher_hf!r}: give one "
-                              "teacher (a config's checkpoint or a Hugging Face directory)")
+        _text(self, "teacher_hf", "teacher_gguf")
+        given = [f"{k}={getattr(self, k)!r}" for k in ("teacher", "teacher_hf", "teacher_gguf") if getattr(self, k)]
+        if len(given) > 1:
+            raise ConfigError(f"TrainConfig.{' and '.join(given)}: give one teacher (a config's checkpoint, a Hugging "
+                              "Face directory or a GGUF file)")
         return self
 
 

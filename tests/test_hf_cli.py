@@ -31,7 +31,7 @@ def env(tmp_path_factory):
             "PYTHONPATH": str(ROOT), "COLUMNS": "160"}
 
 
-def sample(env, *args, timeout=300, **extra):
+def sample(env, *args, timeout=900, **extra):
     return subprocess.run([sys.executable, "-m", "specjax.sample", *args], cwd=ROOT, env={**env, **extra},
                           capture_output=True, text=True, timeout=timeout)
 

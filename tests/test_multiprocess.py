@@ -136,26 +136,30 @@ def test_an_input_only_process_0_can_read_is_shared_or_refused_on_every_process(
         assert ("on process 1: " in lines[0]) == (i == 0), lines[0]
 
 
-def test_two_processes_load_a_sharded_import_reading_only_their_own_slices(tmp_path):
-    """launch/hf_load.py loads llama_tp (4 safetensors shards) onto a 1x8 mesh whose 'model'
-    axis spans both processes (4 devices each), twice: reading the files locally, and
-    through the ranged requests a gs:// path gets (with no gap merging, which fixture-sized
-    tensors would trigger everywhere). The bytes each process reads, counted at the file
-    reads, must be its own shards: the whole of each replicated tensor (norms) and half of
-    every other one: vocab-split embeddings, head-split q and o_proj (o_proj split by
-    column: strided ranges, not whole rows), mlp-split gate/up/down (down by column), and
-    k/v, whose 4 kv heads are duplicated to 8 (one per device: each process reads the 2 file
-    heads its copies come from, not all 4). Through the ranged path today's code read each
+@pytest.mark.parametrize("source", ["hf", "gguf"])
+def test_two_processes_load_a_sharded_import_reading_only_their_own_slices(source, tmp_path):
+    """launch/hf_load.py loads llama_tp (4 safetensors shards, or the float32 GGUF file
+    made from them) onto a 1x8 mesh whose 'model' axis spans both processes (4 devices
+    each); the safetensors twice: reading the files locally, and through the ranged
+    requests a gs:// path gets (with no gap merging, which fixture-sized tensors would
+    trigger everywhere). The bytes each process reads, counted at the file reads, must be
+    its own shards: the whole of each replicated tensor (norms) and half of every other
+    one: vocab-split embeddings, head-split q and o_proj (o_proj split by column: strided
+    ranges, not whole rows), mlp-split gate/up/down (down by column), and k/v, whose 4 kv
+    heads are duplicated to 8 (one per device: each process reads the 2 file heads its
+    copies come from, not all 4). Through the ranged path the code before read each
     column split's whole rows once per device (4 devices: 8x the share). Bound 1.2x; these
     reads are exact. The logits equal transformers'."""
     from safetensors import safe_open
     fixture = REPO / "tests" / "fixtures" / "hf" / "llama_tp"
     ref = np.load(fixture / "reference.npz")
     ids = ",".join(map(str, ref["input_ids"][0]))
+    weights = (f"--hf={fixture}" if source == "hf" else
+               f"--gguf={REPO / 'tests' / 'fixtures' / 'gguf' / 'llama_tp_F32.gguf'}")
     proc = subprocess.run(
-        ["bash", str(REPO / "launch" / "multiprocess.sh"), str(REPO / "launch" / "hf_load.py"), f"--hf={fixture}",
-         "--mesh=1x8", "--reads=auto,remote", "--remote_gap_bytes=0", f"--logits_of={ids}",
-         f"--output={tmp_path / 'load.json'}"],
+        ["bash", str(REPO / "launch" / "multiprocess.sh"), str(REPO / "launch" / "hf_load.py"), weights,
+         "--mesh=1x8", *(["--reads=auto,remote", "--remote_gap_bytes=0"] if source == "hf" else []),
+         f"--logits_of={ids}", f"--output={tmp_path / 'load.json'}"],
         cwd=REPO, env=_env(NUM_PROCESSES="2", LOCAL_DEVICES="4", LOG_DIR=str(tmp_path / "logs"),
                            PYTHON=sys.executable),
         capture_output=True, text=True, timeout=TIMEOUT)
@@ -171,7 +175,7 @@ def test_two_processes_load_a_sharded_import_reading_only_their_own_slices(tmp_p
                     replicated += nbytes
     share = replicated + (total - replicated) // 2
     assert (out["processes"], out["devices"], out["file_bytes"]) == (2, 8, total)
-    for key in ("bytes_read", "bytes_read_remote"):
+    for key in ("bytes_read", "bytes_read_remote") if source == "hf" else ("bytes_read",):
         assert len(out[key]) == 2 and all(share <= b <= 1.2 * share for b in out[key]), (key, out[key], share)
     np.testing.assert_allclose(np.array(out["logits"])[0], ref["logits"][0], rtol=0, atol=2e-5)
 

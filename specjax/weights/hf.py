@@ -217,10 +217,10 @@ def tokenizer(directory) -> Optional[HFTokenizer]:
         raise UsageError(str(e)) from None
 
 
-def same_vocabulary(target_dir, draft_dir) -> None:
-    """Raise UsageError unless two directories' tokenizers map every token to the same id
-    (equal sizes are not enough: the ratio q(x)/p(x) must compare the same token)."""
-    t, d = tokenizer(target_dir), tokenizer(draft_dir)
+def same_vocabulary(t: Optional[HFTokenizer], d: Optional[HFTokenizer]) -> None:
+    """Raise UsageError unless the target's and the draft's tokenizers (from a directory
+    or a GGUF file; None: no tokenizer) map every token to the same id (equal sizes are
+    not enough: the ratio q(x)/p(x) must compare the same token)."""
     if t is None or d is None:
         return
     tv, dv = t.vocabulary(), d.vocabulary()
