@@ -473,8 +473,32 @@ def user_path(text: str | os.PathLike):
     output): an `etils.epath.Path`, so `gs://bucket/...` works wherever epath (and orbax)
     support it; `~` is expanded and relative paths made absolute for local ones."""
     from etils import epath
-    path = epath.Path(text)
-    return path if is_remote(text) else path.expanduser().absolute()
+    if is_remote(text):
+        check_remote(str(text))
+        return epath.Path(text)
+    return epath.Path(text).expanduser().absolute()
+
+
+_REMOTE_READY: set[str] = set()
+
+
+def check_remote(text: str) -> None:
+    """Raise UsageError unless the filesystem package that a `scheme://` path needs is
+    installed (etils reads gs:// through gcsfs, which it does not install itself)."""
+    scheme = text.split("://", 1)[0]
+    if scheme in _REMOTE_READY:
+        return
+    from etils import epath
+    try:
+        epath.Path(text).exists()
+    except ImportError as e:
+        if scheme == "gs":
+            raise UsageError(f"{text}: gs:// paths need the GCS filesystem package: pip install "
+                             "'etils[epath-gcs]'") from None
+        raise UsageError(f"{text}: {scheme}:// paths need a filesystem package that is not installed ({e})") from None
+    except Exception:  # noqa: BLE001 (the package is there; other failures surface where the path is used)
+        pass
+    _REMOTE_READY.add(scheme)
 
 
 def cache_dir() -> pathlib.Path:
