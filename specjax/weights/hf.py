@@ -43,6 +43,8 @@ import functools
 import json
 import math
 import os
+import pathlib
+import shutil
 from typing import Any, Optional
 
 import jax
@@ -508,15 +510,85 @@ def hf_config(cfg: ModelConfig, bos_id: Optional[int] = None, eos_ids=()) -> dic
             "torch_dtype": cfg.param_dtype}
 
 
+def check_export_dir(directory, flag: str = "export directory") -> epath.Path:
+    """Refuse (UsageError, before any work) unless `directory` can receive a new export:
+    it does not exist (and could be created) or is an empty directory.
+
+    Why refuse a non-empty one rather than write over it: an export beside an older one
+    mixes them (the loader prefers model.safetensors.index.json, so a single-file export
+    next to an older sharded one silently loads the old weights), and replacing the whole
+    directory would delete whatever else it holds (a typo'd --export_hf=~/models, the
+    teacher's own directory). So a directory that holds anything is the user's to remove."""
+    path = as_path(directory)
+    text = os.fspath(directory)
+    if not text.strip():
+        raise UsageError(f"{flag}={text!r}: empty path")
+    if path.exists():
+        if not path.is_dir():
+            raise UsageError(f"{flag}={text!r}: is a file; an export is a directory (give a new or empty one)")
+        held = sorted(p.name for p in path.iterdir())
+        if held:
+            raise UsageError(f"{flag}={text!r}: the directory is not empty (it holds {', '.join(held[:4])}"
+                             + (f" and {len(held) - 4} more" if len(held) > 4 else "") + "); an export writes a new "
+                             "model directory and never mixes with or deletes what is there: remove it first, or "
+                             "give a new or empty directory")
+        if "://" not in text and not os.access(path, os.W_OK | os.X_OK):
+            raise UsageError(f"{flag}={text!r}: the directory is not writable")
+        return path
+    if "://" in text:
+        return path
+    parent = pathlib.Path(os.fspath(path)).parent
+    while not parent.exists():
+        parent = parent.parent
+    if not parent.is_dir():
+        raise UsageError(f"{flag}={text!r}: {parent} is a file, not a directory")
+    if not os.access(parent, os.W_OK | os.X_OK):
+        raise UsageError(f"{flag}={text!r}: cannot create it, the directory {parent} is not writable")
+    return path
+
+
+def _staging(directory: pathlib.Path) -> pathlib.Path:
+    """A fresh sibling of `directory` to write an export into, first removing the ones
+    that exports killed before their end left behind (their process is gone)."""
+    directory.parent.mkdir(parents=True, exist_ok=True)
+    prefix = f".{directory.name}.export-"
+    for old in directory.parent.iterdir():
+        pid = old.name[len(prefix):-len(".partial")]
+        if old.name.startswith(prefix) and old.name.endswith(".partial") and pid.isdigit() and not _alive(int(pid)):
+            shutil.rmtree(old, ignore_errors=True)
+    staging = directory.parent / f"{prefix}{os.getpid()}.partial"
+    shutil.rmtree(staging, ignore_errors=True)
+    staging.mkdir()
+    return staging
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True
+
+
 def export(lm: LM, directory, *, tokenizer_dir=None, bos_id: Optional[int] = None, eos_ids=(),
            max_shard_bytes: int = MAX_SHARD_BYTES) -> epath.Path:
     """Write `lm` as a Hugging Face Llama directory (config.json, generation_config.json,
     safetensors in the params' dtype, and the tokenizer files of `tokenizer_dir` if
     given). Every process must call it (params are gathered tensor by tensor); process 0
-    writes. An untied model's input-embedding scale is folded into the table."""
+    writes. An untied model's input-embedding scale is folded into the table.
+
+    `directory` must not exist or be empty (`check_export_dir`). A local export is
+    written into a hidden sibling and renamed into place at the end, so the directory
+    appears whole or not at all (a killed export leaves no half-model under its name;
+    the next export clears what it left). gs:// has no rename: there the files are
+    written in place."""
     cfg = lm.cfg
     exportable(cfg)
-    directory = as_path(directory)
+    distributed.agreed(lambda: check_export_dir(directory) and None)  # process 0 writes: its answer counts
+    target = as_path(directory)
+    remote = "://" in os.fspath(directory)
     dtype = np.dtype(jax.numpy.dtype(cfg.param_dtype))
     source = {}  # HF name -> (param array, layer of a stacked param or None, layout, specjax key)
     for path, v in jax.tree_util.tree_flatten_with_path(lm.params, is_leaf=_is_variable)[0]:
@@ -545,29 +617,40 @@ def export(lm: LM, directory, *, tokenizer_dir=None, bos_id: Optional[int] = Non
         size += nbytes
     main = distributed.is_main()
     if main:
-        directory.mkdir(parents=True, exist_ok=True)
+        if remote:
+            out = target
+            out.mkdir(parents=True, exist_ok=True)
+        else:
+            out = epath.Path(_staging(pathlib.Path(os.fspath(target))))
     names = (["model.safetensors"] if len(shards) == 1 else
              [f"model-{k + 1:05d}-of-{len(shards):05d}.safetensors" for k in range(len(shards))])
     for fname, shard in zip(names, shards):
         if main:
-            safetensors_io.write(directory / fname, shard, value, metadata={"format": "pt"})
+            safetensors_io.write(out / fname, shard, value, metadata={"format": "pt"})
         else:
             for t in shard:
                 value(t[0])  # the gathers are collective: every process takes part
     if not main:
-        return directory
+        return target
     if len(shards) > 1:
         index = {"metadata": {"total_size": sum(math.prod(t[2]) * dtype.itemsize for t in tensors)},
                  "weight_map": {t[0]: fname for fname, shard in zip(names, shards) for t in shard}}
-        (directory / "model.safetensors.index.json").write_text(json.dumps(index, indent=2) + "\n")
-    (directory / "config.json").write_text(json.dumps(hf_config(cfg, bos_id, eos_ids), indent=2) + "\n")
+        (out / "model.safetensors.index.json").write_text(json.dumps(index, indent=2) + "\n")
+    (out / "config.json").write_text(json.dumps(hf_config(cfg, bos_id, eos_ids), indent=2) + "\n")
     generation = {"bos_token_id": bos_id, "eos_token_id": (list(eos_ids) if len(eos_ids) != 1 else eos_ids[0])
                   if eos_ids else None}
-    (directory / "generation_config.json").write_text(
+    (out / "generation_config.json").write_text(
         json.dumps({k: v for k, v in generation.items() if v is not None}, indent=2) + "\n")
     if tokenizer_dir is not None:
         for fname in TOKENIZER_FILES:
             src = as_path(tokenizer_dir) / fname
             if src.exists():
-                src.copy(directory / fname, overwrite=True)
-    return directory
+                src.copy(out / fname, overwrite=True)
+    if not remote:
+        try:
+            # rename(2) onto a missing or EMPTY directory replaces it in one step.
+            os.rename(os.fspath(out), os.fspath(target))
+        except OSError as e:
+            raise UsageError(f"{target}: cannot move the finished export into place ({e.strerror or e}; something "
+                             f"was written there meanwhile?); the export is kept in {out}") from None
+    return target
