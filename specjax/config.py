@@ -220,8 +220,11 @@ class SamplingConfig:
     top_p: float = 1.0  # 1 = off
     lookahead: int = 4  # K, draft tokens per loop (with draft_confidence: the most per loop)
     max_new_tokens: int = 128
-    # -1 = never stop early; a tuple stops at any of its ids (Llama 3 lists several).
-    eos_id: Union[int, tuple[int, ...]] = -1
+    # None = the model's own stop ids where the entry point knows them (its tokenizer's EOS,
+    # a Hugging Face directory's generation_config.json), else none; -1 = never stop early,
+    # whatever the model says (fixed-length runs); an id, or a tuple stopping at any of its
+    # ids (Llama 3 lists several).
+    eos_id: Union[int, tuple[int, ...], None] = None
     verify: str = "block"  # 'block' (Sun et al. 2025: jointly, never worse) | 'tokenwise' (the paper's rule)
     drafter: str = "model"  # 'model' | 'ngram' (prompt lookup) | 'retrieval' (a datastore) | 'hybrid'
     ngram: int = 3  # longest context suffix the lookup drafters match (shorter ones down to 1 as fallback)
@@ -244,11 +247,11 @@ class SamplingConfig:
         _number(self, "top_p", "in (0, 1] (1 turns nucleus sampling off)", lambda v: 0 < v <= 1, "top_p")
         _integer(self, "lookahead", 1, label="lookahead")
         _integer(self, "max_new_tokens", 1, label="max_new_tokens")
-        ids = self.eos_id if isinstance(self.eos_id, tuple) else (self.eos_id,)
-        if (not ids or any(isinstance(i, bool) or not isinstance(i, int) for i in ids)
-                or min(ids) < (0 if isinstance(self.eos_id, tuple) else -1)):
-            raise ConfigError(f"eos_id={self.eos_id!r}: must be a token id, -1 (never stop early) or a "
-                              "tuple of token ids")
+        ids = () if self.eos_id is None else self.eos_id if isinstance(self.eos_id, tuple) else (self.eos_id,)
+        if self.eos_id is not None and (not ids or any(isinstance(i, bool) or not isinstance(i, int) for i in ids)
+                                        or min(ids) < (0 if isinstance(self.eos_id, tuple) else -1)):
+            raise ConfigError(f"eos_id={self.eos_id!r}: must be a token id, a tuple of token ids, -1 (never stop "
+                              "early) or None (the model's own stop ids)")
         for name, allowed in (("verify", VERIFY_RULES), ("drafter", DRAFTERS)):
             if getattr(self, name) not in allowed:
                 raise ConfigError(f"{name}={getattr(self, name)!r}: allowed values are {', '.join(allowed)}")
@@ -282,7 +285,7 @@ class SamplingConfig:
     @property
     def stop_ids(self) -> tuple[int, ...]:
         """The token ids that end a row (empty: only max_new_tokens does)."""
-        ids = self.eos_id if isinstance(self.eos_id, tuple) else (self.eos_id,)
+        ids = () if self.eos_id is None else self.eos_id if isinstance(self.eos_id, tuple) else (self.eos_id,)
         return tuple(i for i in ids if i >= 0)
 
 

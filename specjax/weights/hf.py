@@ -157,6 +157,11 @@ def _rope(f: Fields, max_len: int) -> dict:
     return out
 
 
+def _stored_dtype(f: Fields) -> str:
+    """The weights' dtype: `dtype` (transformers 5) or `torch_dtype` (4.x)."""
+    return f.get("dtype", TEXT.or_null(), None) or f.get("torch_dtype", TEXT.or_null(), None) or "float32"
+
+
 def _family(f: Fields) -> tuple[str, str]:
     """(architecture class, 'llama' | 'mistral'). transformers builds the class that
     model_type names; `architectures`, when given, must name the same one."""
@@ -200,7 +205,7 @@ def model_config(raw: dict, where: str = "config.json", *, param_dtype: Optional
                              "sliding_window null)")
     kv_heads = f.get("num_key_value_heads", INT.or_null(), defaults["num_key_value_heads"])
     head_dim = f.get("head_dim", INT.or_null(), None)
-    stored = f.get("dtype", TEXT.or_null(), None) or f.get("torch_dtype", TEXT.or_null(), None) or "float32"
+    stored = _stored_dtype(f)
     if stored not in DTYPES:
         raise UsageError(f"{f.where}: dtype {stored!r} is not supported; supported: {', '.join(DTYPES)}")
     fields = dict(
@@ -223,8 +228,7 @@ def read_config(directory, *, param_dtype: Optional[str] = None, compute_dtype: 
     f = hf_files.read_json(directory / "config.json", "config.json describes the model")
     cfg, arch = model_config(f, param_dtype=param_dtype, compute_dtype=compute_dtype, scan_layers=scan_layers)
     bos, eos = hf_files.generation_ids(directory, cfg.vocab_size, fallback=f)
-    stored = f.get("dtype", TEXT.or_null(), None) or f.get("torch_dtype", TEXT.or_null(), None) or "float32"
-    return HFModel(str(directory), cfg, arch, stored, bos, eos or ())
+    return HFModel(str(directory), cfg, arch, _stored_dtype(f), bos, eos or ())
 
 
 def tokenizer(directory) -> Optional[HFTokenizer]:
