@@ -280,7 +280,7 @@ BAD = [
 def bad_runs(text_pair):
     """All bad-input runs at once (each is a Python start-up, no JAX work)."""
     _, env, args = text_pair
-    with concurrent.futures.ThreadPoolExecutor(len(BAD)) as pool:
+    with concurrent.futures.ThreadPoolExecutor(4) as pool:
         return list(pool.map(lambda case: run_evaluate(env, *args, *case[0], timeout=120), BAD))
 
 
