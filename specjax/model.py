@@ -29,7 +29,7 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
-from specjax import kernels, kv_cache, sharding
+from specjax import kernels, kv_cache, kv_heads, sharding
 from specjax.config import ModelConfig
 from specjax.kv_cache import CACHE_AXES, KVCache
 
@@ -368,9 +368,9 @@ class Transformer(nnx.Module):
             # Vocab-parallel lookup as a one-hot contraction: each 'model' shard contributes
             # its rows and one all-reduce sums them (Megatron), never gathering the table.
             one_hot = jax.nn.one_hot(tokens, cfg.vocab_size, dtype=ct)
-            x = jnp.einsum("BTV,VD->BTD", one_hot, self.embed.value.astype(ct))
+            x = jnp.einsum("BTV,VD->BTD", one_hot, kernels.stored(self.embed.value).astype(ct))
         else:  # one device holds the table: a gather costs B*T*D, not B*T*V*D
-            x = jnp.take(self.embed.value, tokens, axis=0).astype(ct)
+            x = jnp.take(kernels.stored(self.embed.value), tokens, axis=0).astype(ct)
         if cfg.input_embedding_scale != 1.0:
             x = x * cfg.input_embedding_scale
         if ancestors is None:
@@ -404,8 +404,9 @@ class Transformer(nnx.Module):
             if ancestors is not None:
                 tree_kv = tuple(jnp.stack(kv) for kv in zip(*tree_kv))
         x = self.final_norm(x)
-        # A tied table is [V, D], never packed (the kernel would need a transposed copy of it).
-        table = self.embed.value.T if cfg.tie_embeddings else self.unembed.value
+        # A tied table is stored [V, D]; packed for decoding, it holds panels of its transpose,
+        # as XLA:CPU's dot against its transpose at 2-7 rows ran at a fraction of the read rate.
+        table = kernels.transpose(self.embed.value) if cfg.tie_embeddings else self.unembed.value
         logits = kernels.einsum("BTD,DV->BTV", x, kernels.cast(table, ct), preferred_element_type=jnp.float32)
         # Pinned vocab-parallel (Megatron): otherwise a consumer that wants whole rows (the
         # sampler) can make XLA gather the [D, V] table instead of the small logits.
@@ -464,7 +465,10 @@ class LM:
             return self.__dict__["_packed"] if kernels.should_pack(self.params, dtypes, new_copy=False) else self
         if not kernels.should_pack(self.params, dtypes):
             return self
-        packed = dataclasses.replace(self, params=kernels.pack_params(self.params, PROJECTIONS))  # subclasses stay
+        # A tied table is packed too (as its transpose, for the logits): it is read every step.
+        tied = ("embed",) if self.cfg.tie_embeddings else ()
+        projections = {**PROJECTIONS, **{name: (1, 2) for name in tied}}
+        packed = dataclasses.replace(self, params=kernels.pack_params(self.params, projections, tied))  # subclasses stay
         object.__setattr__(packed, "_packed", packed)
         object.__setattr__(self, "_packed", packed)
         return packed
@@ -480,15 +484,23 @@ def abstract_lm(cfg: ModelConfig, mesh: jax.sharding.Mesh | None = None) -> LM:
 
 def init_program(cfg: ModelConfig, mesh: jax.sharding.Mesh, seed: int | None = None):
     """(graphdef, the jitted random init `() -> params`), params created already sharded
-    (out_shardings: no host copy). `plan` compiles the same function without running it."""
+    (out_shardings: no host copy). `plan` compiles the same function without running it.
+    A config with duplicated kv heads (`kv_heads.for_mesh`) draws the original model's
+    params (the same numbers as without duplication) and repeats its kv heads."""
     seed = cfg.init_seed if seed is None else seed
     graphdef, abstract = nnx.split(nnx.eval_shape(lambda: Transformer(cfg, Keys(seed))))
     shardings = sharding.param_shardings(abstract, mesh)
-    return graphdef, jax.jit(lambda: nnx.split(Transformer(cfg, Keys(seed)))[1], out_shardings=shardings)
+
+    def init():
+        state = nnx.split(Transformer(kv_heads.original(cfg), Keys(seed)))[1]
+        return kv_heads.map_kv(state, lambda x: kv_heads.repeat(x, cfg.kv_copies))
+    return graphdef, jax.jit(init, out_shardings=shardings)
 
 
-def init_lm(cfg: ModelConfig, mesh: jax.sharding.Mesh, seed: int | None = None) -> LM:
-    """Random params created already sharded."""
+def init_lm(cfg: ModelConfig, mesh: jax.sharding.Mesh, seed: int | None = None, *, duplicate_kv: bool = True) -> LM:
+    """Random params created already sharded; with fewer kv heads than the 'model' axis,
+    each is duplicated (`kv_heads`) unless duplicate_kv=False (training)."""
+    cfg = kv_heads.for_mesh(cfg, mesh) if duplicate_kv else kv_heads.original(cfg)
     sharding.check_divisible(cfg, mesh)
     graphdef, init = init_program(cfg, mesh, seed)
     return LM(cfg, graphdef, init())

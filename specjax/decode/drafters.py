@@ -19,7 +19,7 @@ mass for a token chosen deterministically from the context (n-gram or datastore 
 
 A lookup that finds nothing proposes no token (length 0), and the loop is one plain
 sampling step for that row: the target's q at the pending token gives the next token
-(when no row of a lookup-only loop proposes anything, the target scores that token alone).
+(the target still scores K+1 positions: see `speculative.speculate`).
 """
 from __future__ import annotations
 

@@ -190,19 +190,13 @@ def speculate(target: LM, draft: LM | None, datastore, s: SpsState, settings: Se
     scored = jnp.concatenate([gather_rows(s.tokens, pending)[:, None], prop.x], axis=1)
     positions = pending[:, None] + jnp.arange(K + 1)[None, :]
 
-    def score(width: int):
-        """q for the first `width` scored positions; past them q_1 repeated, which is never
-        read (only positions past every row's length are)."""
-        logits, cache = target(scored[:, :width], positions[:, :width], s.target_cache)
-        q, bad = warp(logits, warping)
-        if width < K + 1:
-            q = jnp.broadcast_to(q[:, :1], (q.shape[0], K + 1, q.shape[2]))
-        return q, cache, jnp.any(bad, axis=1)
-
-    if drafters.uses_model(settings.drafter):
-        q, target_cache, target_bad = score(K + 1)
-    else:  # a lookup that found nothing for any row: one plain sampling step scores the pending token only
-        q, target_cache, target_bad = jax.lax.cond(jnp.any(prop.length > 0), lambda: score(K + 1), lambda: score(1))
+    # Always the K+1 positions, even in a lookup loop that proposed nothing for any row: a
+    # lax.cond choosing a 1-token pass there made XLA copy the whole KV cache into and out
+    # of the conditional in every loop, which cost more than the K extra positions do with
+    # the few-row kernel (BENCHMARKS.md section 10).
+    logits, target_cache = target(scored, positions, s.target_cache)
+    q, target_bad = warp(logits, warping)
+    target_bad = jnp.any(target_bad, axis=1)
     num_accepted, next_token, empty = verifier(settings.verify)(accept_key, prop.x, prop.p, q, prop.length)
     picks = jnp.where(jnp.arange(K)[None, :] < num_accepted[:, None], 0, -1)  # one chain: chain 0 at every kept depth
     return key, Speculation(prop.x, prop.p, prop.length, prop.source, q, num_accepted, next_token, target_cache,

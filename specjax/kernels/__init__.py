@@ -153,18 +153,22 @@ class Packed:
     holds columns PANEL*p .. PANEL*p + PANEL - 1 of the matrix w.reshape(*lead, K, N)
     (zeros past N), each panel one contiguous run that the kernel streams once. `out` are
     w's trailing axes (N = their product). A pytree whose leaves are the two arrays, so it
-    rides inside a model's params (a scan over stacked layers slices their leading axis)."""
+    rides inside a model's params (a scan over stacked layers slices their leading axis).
+
+    `transposed`: the weight multiplied by is plain's transpose (a tied embedding table,
+    stored [V, D] for the lookup, multiplied by as [D, V]); the panels are the transpose's."""
 
     plain: jax.Array
     panels: jax.Array
     out: tuple[int, ...]
+    transposed: bool = False
 
     def tree_flatten(self):
-        return (self.plain, self.panels), self.out
+        return (self.plain, self.panels), (self.out, self.transposed)
 
     @classmethod
-    def tree_unflatten(cls, out, children):
-        return cls(*children, out)
+    def tree_unflatten(cls, aux, children):
+        return cls(*children, *aux)
 
     @property
     def dtype(self):
@@ -174,15 +178,43 @@ class Packed:
     def n(self) -> int:
         return math.prod(self.out)
 
+    @property
+    def matrix(self) -> jax.Array:
+        """The weight as multiplied by, unpacked (a transpose is a view XLA folds into its dot)."""
+        return jnp.swapaxes(self.plain, -1, -2) if self.transposed else self.plain
 
-def pack(w: jax.Array, contracted: int, lead: int = 0) -> Packed:
-    """w [*lead, *contracted, *out] -> Packed (w itself, and a copy of it in panels)."""
+
+def pack(w: jax.Array, contracted: int, lead: int = 0, *, transposed: bool = False) -> Packed:
+    """w [*lead, *contracted, *out] -> Packed (w itself, and a copy of it in panels). With
+    `transposed`, w is [*lead, N, K] and what is packed is its transpose [*lead, K, N]
+    (`contracted` must then be 1)."""
+    if transposed:
+        if contracted != 1 or w.ndim != lead + 2:
+            raise ValueError(f"a transposed weight is [*lead, N, K]: got {w.shape} with lead={lead}")
+        packed = pack(jnp.swapaxes(w, -1, -2), 1, lead)
+        return Packed(w, packed.panels, packed.out, True)
     shape = w.shape
     K, out = math.prod(shape[lead:lead + contracted]), tuple(shape[lead + contracted:])
     N = math.prod(out)
     P = -(-N // PANEL)
     m = jnp.pad(w.reshape(*shape[:lead], K, N), [(0, 0)] * (lead + 1) + [(0, P * PANEL - N)])
     return Packed(w, jnp.moveaxis(m.reshape(*shape[:lead], K, P, PANEL), -2, -3), out)
+
+
+def stored(w) -> jax.Array:
+    """The array as stored: a Packed weight's plain array (a tied table's [V, D] rows for
+    the embedding lookup), a plain one itself."""
+    return w.plain if isinstance(w, Packed) else w
+
+
+def transpose(w):
+    """w's transpose as a weight to multiply by: for a plain matrix w.T; a Packed table
+    packed `transposed` already is that transpose (its panels are w.T's)."""
+    if isinstance(w, Packed):
+        if not w.transposed:
+            raise ValueError("only a weight packed transposed can be multiplied by as its transpose")
+        return w
+    return w.T
 
 
 def panel_dot(x: jax.Array, panels: jax.Array, n: int) -> jax.Array:
@@ -230,7 +262,7 @@ def einsum(spec: str, x: jax.Array, w, **kwargs) -> jax.Array:
     if not isinstance(w, Packed):
         return jnp.einsum(spec, x, w, **kwargs)
     if not use_kernel(x, w) or kwargs.get("preferred_element_type", jnp.float32) != jnp.float32:
-        return jnp.einsum(spec, x, w.plain, **kwargs)
+        return jnp.einsum(spec, x, w.matrix, **kwargs)
     y = fewrow_matmul(x.reshape(-1, x.shape[-1]), w.panels, w.n)  # the reshapes are free: row-major
     return y.reshape(*x.shape[:-1], *w.out)
 
@@ -238,14 +270,14 @@ def einsum(spec: str, x: jax.Array, w, **kwargs) -> jax.Array:
 def cast(w, dtype):
     """w.astype(dtype) for a plain or a Packed weight."""
     if isinstance(w, Packed):
-        return w if w.dtype == dtype else Packed(w.plain.astype(dtype), w.panels.astype(dtype), w.out)
+        return w if w.dtype == dtype else Packed(w.plain.astype(dtype), w.panels.astype(dtype), w.out, w.transposed)
     return w.astype(dtype)
 
 
 def as_matrix(w, k: int):
     """w with its leading axes merged into one of size k (as a Packed weight's panels are)."""
     if isinstance(w, Packed):
-        if w.panels.shape[-2] != k:
+        if w.panels.shape[-2] != k or w.transposed:
             raise ValueError(f"packed weight contracts {w.panels.shape[-2]} inputs, not {k}")
         return Packed(w.plain.reshape(k, -1), w.panels, (w.n,))
     return w.reshape(k, -1)
@@ -279,27 +311,45 @@ def should_pack(params, dtypes: tuple[str, str], *, new_copy: bool = True) -> bo
     return True
 
 
-def pack_params(params, contracted: dict[str, tuple[int, int]]):
+def pack_params(params, contracted: dict[str, tuple[int, int]], transposed: tuple[str, ...] = ()):
     """params with every weight named in `contracted` (name -> (contracted axes, axes of
-    one layer's weight); more axes are stacked layers) replaced by its Packed copy, made
-    by one jitted program on the params' device (or, for abstract params, their shapes)."""
+    one layer's weight); more axes are stacked layers) replaced by its Packed copy, the
+    panels made by one jitted program on the params' device (or, for abstract params,
+    their shapes). Names in `transposed` are [N, K] weights multiplied by as their
+    transpose (`pack`). The Packed weights hold the params' own arrays as `plain`: only
+    the panels are new (a jitted program returning the arrays too would copy them)."""
+    is_packed = lambda x: isinstance(x, Packed)  # noqa: E731
 
-    def one(path, w):
+    def recipe(path, w) -> dict | None:
         names = [k.key for k in path if isinstance(k, jax.tree_util.DictKey) and isinstance(k.key, str)]
-        if isinstance(w, Packed) or not names or names[-1] not in contracted:
-            return w
+        if is_packed(w) or not names or names[-1] not in contracted:
+            return None
         axes, ndim = contracted[names[-1]]
-        return pack(w, axes, lead=w.ndim - ndim)
+        return dict(contracted=axes, lead=len(w.shape) - ndim, transposed=names[-1] in transposed)
 
-    fn = lambda p: jax.tree_util.tree_map_with_path(one, p, is_leaf=lambda x: isinstance(x, Packed))
+    def panels(p):
+        return {jax.tree_util.keystr(path): pack(w, **r).panels
+                for path, w in jax.tree_util.tree_leaves_with_path(p, is_leaf=is_packed)
+                if (r := recipe(path, w)) is not None}
+
     leaves = jax.tree.leaves(params)
     if all(isinstance(x, jax.Array) for x in leaves):
-        return jax.jit(fn)(params)
-    # Abstract params (what `plan` compiles): the shapes, on the params' one-device mesh.
-    first = leaves[0].sharding
-    where = (jax.sharding.NamedSharding(first.mesh, jax.sharding.PartitionSpec())
-             if isinstance(first, jax.sharding.NamedSharding) else first)
-    return jax.tree.map(lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=where), jax.eval_shape(fn, params))
+        made = jax.jit(panels)(params)
+    else:  # abstract params (what `plan` compiles): the shapes, on the params' one-device mesh
+        first = leaves[0].sharding
+        where = (jax.sharding.NamedSharding(first.mesh, jax.sharding.PartitionSpec())
+                 if isinstance(first, jax.sharding.NamedSharding) else first)
+        made = jax.tree.map(lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=where),
+                            jax.eval_shape(panels, params))
+
+    def one(path, w):
+        r = recipe(path, w)
+        if r is None:
+            return w
+        layout = jax.eval_shape(lambda w: pack(w, **r), jax.ShapeDtypeStruct(w.shape, w.dtype))
+        return Packed(w, made[jax.tree_util.keystr(path)], layout.out, layout.transposed)
+
+    return jax.tree_util.tree_map_with_path(one, params, is_leaf=is_packed)
 
 
 def use_attention(q, k_all, v_all) -> bool:

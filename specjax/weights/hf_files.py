@@ -50,6 +50,9 @@ OBJECT = Kind("a JSON object", lambda v: isinstance(v, dict))
 INTS = Kind("a list of integers", lambda v: isinstance(v, list) and all(_is_int(i) for i in v))
 TEXTS = Kind("a list of strings", lambda v: isinstance(v, list) and all(isinstance(i, str) for i in v))
 TOKEN_IDS = (INT | INTS).or_null()  # eos_token_id: one id, several (Llama 3), or none
+# tokenizer_config.json's chat_template: one Jinja template, or several named ones.
+TEMPLATES = Kind("a list of {\"name\", \"template\"} objects",
+                 lambda v: isinstance(v, list) and all(isinstance(t, dict) for t in v))
 
 
 def show(value) -> str:

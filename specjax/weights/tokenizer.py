@@ -224,12 +224,28 @@ class HFTokenizer:
     transformers gives: `tokenizer.json` through the `tokenizers` library (what
     transformers' fast tokenizers run), else `tokenizer.model` through SentencePiece,
     reproducing transformers 5's conversion of it (see `_SentencePieceAsTransformers`).
+    `from_tokenizers` wraps one built elsewhere (a GGUF file's, from its metadata).
 
     encode(text): ids without special tokens; encode_prompt(text): with them, as the model
     expects a prompt to start (BOS from tokenizer.json's post-processor, or
     tokenizer_config.json's add_bos_token); decode(ids) keeps special tokens, as
     transformers' decode does by default. `stop_ids` are generation_config.json's
-    eos_token_id (one id or several), falling back to the tokenizer's EOS."""
+    eos_token_id (one id or several), falling back to the tokenizer's EOS.
+    `chat_template` is the model's Jinja chat template, or None."""
+
+    pad_id: Optional[int] = None
+    chat_template: Optional[str] = None
+
+    @classmethod
+    def from_tokenizers(cls, impl, path, *, bos_id: Optional[int], eos_id: Optional[int], stop_ids,
+                        pad_id: Optional[int] = None, chat_template: Optional[str] = None) -> "HFTokenizer":
+        """A `tokenizers.Tokenizer` with its special ids, read from `path`."""
+        tok = cls.__new__(cls)
+        tok.directory, tok.path, tok._impl = None, pathlib.Path(path), impl
+        tok.bos_id, tok.eos_id, tok.pad_id = bos_id, eos_id, pad_id
+        tok.stop_ids = tuple(int(i) for i in stop_ids)
+        tok.chat_template = chat_template
+        return tok
 
     def __init__(self, directory):
         from etils import epath
@@ -239,6 +255,8 @@ class HFTokenizer:
         config = hf_files.read_json(directory / "tokenizer_config.json", required=False) or hf_files.Fields(
             {}, str(directory / "tokenizer_config.json"))
         generation_bos, generation_eos = hf_files.generation_ids(directory)
+        generation = hf_files.read_json(directory / "generation_config.json", required=False)
+        generation_pad = generation.token_ids("pad_token_id", single=True) if generation is not None else None
         if (directory / "tokenizer.json").exists():
             import tokenizers
             self.path = directory / "tokenizer.json"
@@ -257,6 +275,9 @@ class HFTokenizer:
         self.stop_ids = tuple(stop)
         if self.eos_id is None and self.stop_ids:
             self.eos_id = self.stop_ids[0]
+        self.pad_id = self._special_id(_token_content(config, "pad_token"), generation_pad and generation_pad[0])
+        template = config.get("chat_template", (hf_files.TEXT | hf_files.TEMPLATES).or_null(), None)
+        self.chat_template = template if isinstance(template, str) else None  # several named ones: none used
 
     def _special_id(self, content: Optional[str], fallback) -> Optional[int]:
         found = self._impl.token_to_id(content) if content else None
