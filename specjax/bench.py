@@ -80,19 +80,25 @@ def main(argv):
     config = with_hf_models(cli.config(), FLAGS.hf_target, FLAGS.hf_draft, init=FLAGS.init, checkpoint=None,
                             draft_checkpoint=None, gguf_target=FLAGS.gguf_target, gguf_draft=FLAGS.gguf_draft)
     base = config.sampling if FLAGS.ngram is None else dataclasses.replace(config.sampling, ngram=FLAGS.ngram)
-    variants = timing.variants(
-        base, cli.choices("drafter", FLAGS.drafter, base.drafter, DRAFTERS),
+    variants = timing.variants(  # validated at the largest K measured
+        dataclasses.replace(base, lookahead=max(ks + [base.lookahead])),
+        cli.choices("drafter", FLAGS.drafter, base.drafter, DRAFTERS),
         cli.choices("verify", FLAGS.verify, base.verify, VERIFY_RULES),
         cli.unit_interval_list("draft_confidence", FLAGS.draft_confidence, base.draft_confidence),
         [base.num_drafts] if FLAGS.num_drafts is None else cli.int_list("num_drafts", FLAGS.num_drafts))
     need_draft = any(drafters.uses_model(v["drafter"]) for v in variants)
     if target is not None and need_draft and draft is None:
-        raise UsageError(f"{target.flag('target')} needs --hf_draft or --gguf_draft for a draft model's SpS "
-                         "(lookup drafters need none)")
+        raise UsageError("--drafter=model|hybrid needs a draft: pass --hf_draft=DIR or --gguf_draft=FILE (a model "
+                         "with the target's tokenizer), or compare --drafter=ngram (no draft model)")
     if need_draft and config.draft is None:
         raise UsageError(f"--config={FLAGS.config}: has no draft model, which --drafter=model|hybrid needs")
     if any(v["drafter"] == "retrieval" for v in variants) and FLAGS.datastore is None:
         raise UsageError("--drafter=retrieval needs --datastore=PATH (build one with `python -m specjax.datastore`)")
+    if FLAGS.datastore is not None and not any(v["drafter"] in ("retrieval", "hybrid") for v in variants):
+        raise UsageError(f"--datastore is used only by --drafter=retrieval or hybrid (got "
+                         f"--drafter={','.join(sorted({v['drafter'] for v in variants}))})")
+    models = {"target": config.target, **({"draft": config.draft} if need_draft else {})}
+    dataclasses.replace(base, lookahead=max(ks)).check_context(min(m.max_seq_len for m in models.values()))
     store = Datastore.load(FLAGS.datastore) if FLAGS.datastore else None
     if store is not None:
         store.check(config.target.vocab_size, f"--datastore={FLAGS.datastore}")
@@ -107,7 +113,6 @@ def main(argv):
         prompts = prompts_lib.bench_prompts(FLAGS.prompts, tokenizer, num_prompts, config.target.vocab_size,
                                             prompt_len, seed)
     base = dataclasses.replace(base, max_new_tokens=max_new, eos_id=-1)
-    models = {"target": config.target, **({"draft": config.draft} if need_draft else {})}
     prompts_lib.check([prompts_lib.Prompt(f"prompt {i}", p) for i, p in enumerate(prompts)],
                       config.target.vocab_size, min(m.max_seq_len for m in models.values()), max_new)
     mesh = sharding.make_checked_mesh(config.mesh, models)

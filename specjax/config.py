@@ -202,6 +202,14 @@ class MeshConfig:
         return self
 
 
+# Bounds on what a loop unrolls at trace time, so that a setting compiles in a reasonable
+# time (compile time grows with each; BENCHMARKS.md section 10 measures it): the n-gram
+# match runs one shifted comparison per suffix length, and a tree of M drafts of K tokens
+# is verified node by node.
+MAX_NGRAM = 16
+MAX_NUM_DRAFTS = 16
+MAX_TREE_NODES = 64  # num_drafts * lookahead
+
 VERIFY_RULES = ("block", "tokenwise")
 DRAFTERS = ("model", "ngram", "retrieval", "hybrid")
 
@@ -221,8 +229,11 @@ class SamplingConfig:
     top_p: float = 1.0  # 1 = off
     lookahead: int = 4  # K, draft tokens per loop (with draft_confidence: the most per loop)
     max_new_tokens: int = 128
-    # -1 = never stop early; a tuple stops at any of its ids (Llama 3 lists several).
-    eos_id: Union[int, tuple[int, ...]] = -1
+    # None = the model's own stop ids where the entry point knows them (its tokenizer's EOS,
+    # a Hugging Face directory's generation_config.json), else none; -1 = never stop early,
+    # whatever the model says (fixed-length runs); an id, or a tuple stopping at any of its
+    # ids (Llama 3 lists several).
+    eos_id: Union[int, tuple[int, ...], None] = None
     verify: str = "block"  # 'block' (Sun et al. 2025: jointly, never worse) | 'tokenwise' (the paper's rule)
     drafter: str = "model"  # 'model' | 'ngram' (prompt lookup) | 'retrieval' (a datastore) | 'hybrid'
     ngram: int = 3  # longest context suffix the lookup drafters match (shorter ones down to 1 as fallback)
@@ -245,28 +256,45 @@ class SamplingConfig:
         _number(self, "top_p", "in (0, 1] (1 turns nucleus sampling off)", lambda v: 0 < v <= 1, "top_p")
         _integer(self, "lookahead", 1, label="lookahead")
         _integer(self, "max_new_tokens", 1, label="max_new_tokens")
-        ids = self.eos_id if isinstance(self.eos_id, tuple) else (self.eos_id,)
-        if (not ids or any(isinstance(i, bool) or not isinstance(i, int) for i in ids)
-                or min(ids) < (0 if isinstance(self.eos_id, tuple) else -1)):
-            raise ConfigError(f"eos_id={self.eos_id!r}: must be a token id, -1 (never stop early) or a "
-                              "tuple of token ids")
+        ids = () if self.eos_id is None else self.eos_id if isinstance(self.eos_id, tuple) else (self.eos_id,)
+        if self.eos_id is not None and (not ids or any(isinstance(i, bool) or not isinstance(i, int) for i in ids)
+                                        or min(ids) < (0 if isinstance(self.eos_id, tuple) else -1)):
+            raise ConfigError(f"eos_id={self.eos_id!r}: must be a token id, a tuple of token ids, -1 (never stop "
+                              "early) or None (the model's own stop ids)")
         for name, allowed in (("verify", VERIFY_RULES), ("drafter", DRAFTERS)):
             if getattr(self, name) not in allowed:
                 raise ConfigError(f"{name}={getattr(self, name)!r}: allowed values are {', '.join(allowed)}")
-        _integer(self, "ngram", 1, hint=" (the longest context suffix the lookup drafters match)", label="ngram")
+        _integer(self, "ngram", 1, MAX_NGRAM, hint=" (the longest context suffix the lookup drafters match; longer "
+                 "ones compile slowly and rarely match)", label="ngram")
         _number(self, "draft_confidence", "in [0, 1) (0 turns the adaptive draft length off)",
                 lambda v: 0 <= v < 1, "draft_confidence")
-        _integer(self, "num_drafts", 1, hint=" (draft chains per loop; 1 = one chain)", label="num_drafts")
+        _integer(self, "num_drafts", 1, MAX_NUM_DRAFTS, hint=" (draft chains per loop; 1 = one chain; the tree is "
+                 "verified node by node, so its compile time grows with it)", label="num_drafts")
+        if self.num_drafts > 1 and self.num_drafts * self.lookahead > MAX_TREE_NODES:
+            raise ConfigError(f"num_drafts={self.num_drafts} x lookahead={self.lookahead} = "
+                              f"{self.num_drafts * self.lookahead} tree nodes: at most {MAX_TREE_NODES} (the tree is "
+                              "verified node by node, so its compile time grows with it)")
         if self.num_drafts > 1 and self.drafter not in ("model", "hybrid"):
             raise ConfigError(f"num_drafts={self.num_drafts} with drafter={self.drafter!r}: several drafts are "
                               "drawn from the draft model, so they need drafter 'model' or 'hybrid' (a lookup "
                               "proposes one chain)")
         return self
 
+    def check_context(self, context: int) -> "SamplingConfig":
+        """The settings bounded by the models' context (max_seq_len, the fewest tokens a
+        row can hold): K draft tokens and the target's pending one must fit, and no
+        suffix longer than the context can occur in it."""
+        if self.lookahead >= context:
+            raise ConfigError(f"lookahead={self.lookahead}: must be below the model's context of {context} tokens")
+        if self.ngram > context:
+            raise ConfigError(f"ngram={self.ngram}: must be at most the model's context of {context} tokens (a "
+                              "longer suffix never occurs in a row)")
+        return self
+
     @property
     def stop_ids(self) -> tuple[int, ...]:
         """The token ids that end a row (empty: only max_new_tokens does)."""
-        ids = self.eos_id if isinstance(self.eos_id, tuple) else (self.eos_id,)
+        ids = () if self.eos_id is None else self.eos_id if isinstance(self.eos_id, tuple) else (self.eos_id,)
         return tuple(i for i in ids if i >= 0)
 
 

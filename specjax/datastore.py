@@ -20,10 +20,11 @@ import numpy as np
 from absl import flags
 
 from specjax.app import cli, output
-from specjax.app.locate import Weights
-from specjax.config import UsageError, load_config
+from specjax.app.locate import Weights, train_command
+from specjax.config import MAX_NGRAM, UsageError, load_config, user_path
 from specjax.decode.datastore import Datastore, file_sha256
-from specjax.training import trainer
+from specjax.training import data, trainer
+from specjax.weights import checkpoint as ckpt_lib
 
 FLAGS = flags.FLAGS
 
@@ -48,14 +49,31 @@ def main(argv):
     output.check_writable(FLAGS.out, "--out")
     for name in ("ngram", "continuation", "min_count"):
         cli.positive(name, getattr(FLAGS, name))
+    if FLAGS.ngram > MAX_NGRAM:
+        raise UsageError(f"--ngram={FLAGS.ngram}: at most {MAX_NGRAM} (every context length up to it is indexed, "
+                         "and the build's cost grows with it)")
     config = cli.config()
     source = load_config(config.target_from) if config.target_from else config
     if FLAGS.corpus is not None:
+        if not source.tokenizer_vocab:
+            raise UsageError(f"--corpus={FLAGS.corpus!r}: config {source.name!r} has no tokenizer (tokenizer_vocab=0) "
+                             "and trains on synthetic tokens, which its datastore indexes; a corpus needs a config "
+                             "with a tokenizer")
+        try:
+            data.resolve_corpus(FLAGS.corpus)
+        except ValueError as e:
+            raise UsageError(f"--corpus={FLAGS.corpus!r}: {e}") from None
         source = dataclasses.replace(source, train=dataclasses.replace(source.train, corpus=FLAGS.corpus))
     tokenizer = None
     if source.tokenizer_vocab:  # the target checkpoint's tokenizer, never a freshly trained one
-        weights = Weights.locate(config, "checkpoint", FLAGS.checkpoint, None, need_draft=False,
-                                 train_missing=False)
+        name = config.target_from or config.name
+        directory = user_path(FLAGS.checkpoint) if FLAGS.checkpoint else ckpt_lib.default_dir(name)
+        if not directory.is_dir():
+            where = f"--checkpoint={FLAGS.checkpoint!r}" if FLAGS.checkpoint else f"no checkpoint for config {name!r}"
+            raise UsageError(f"{where}: {directory} {'is a file' if directory.exists() else 'does not exist'}; the "
+                             f"datastore is tokenised with the target checkpoint's tokenizer: train it first "
+                             f"(`{train_command(name)}`) or pass --checkpoint=DIR")
+        weights = Weights(config, "checkpoint", directory, None)
         tokenizer = weights.tokenizer()
         if tokenizer is None:
             raise UsageError(f"{weights.no_tokenizer_reason}: the datastore must use the target's tokenizer")

@@ -12,12 +12,14 @@ resumes from the newest checkpoint. SIGTERM or Ctrl-C: checkpoint, then exit 143
 """
 from __future__ import annotations
 
+import os
 import sys
 
 from absl import flags, logging
 
 from specjax import distributed
 from specjax.app import cli
+from specjax.config import UsageError
 from specjax.training import trainer
 
 FLAGS = flags.FLAGS
@@ -40,9 +42,15 @@ def main(argv):
         logging.set_verbosity(logging.WARNING)  # orbax logs every file it writes at INFO
     cli.use_compilation_cache(FLAGS.workdir)  # restarts (resume after preemption) and the draft run reuse compiled programs
     config = cli.config()
-    if FLAGS.export_hf:
+    if FLAGS.export_hf is not None:  # refused before training, not after it
         from specjax.weights import hf
-        hf.exportable(config.target)  # refused before training, not after it
+        hf.exportable(config.target)
+        teacher = config.train.teacher_hf
+        if teacher and os.path.realpath(os.path.expanduser(teacher)) == os.path.realpath(
+                os.path.expanduser(FLAGS.export_hf)):
+            raise UsageError(f"--export_hf={FLAGS.export_hf!r} is the teacher's directory (train.teacher_hf): the "
+                             "export would replace the model it is distilled from; give a new directory")
+        distributed.agreed(lambda: hf.check_export_dir(FLAGS.export_hf, "--export_hf") and None)
     if config.train.teacher_gguf:
         from specjax.weights import gguf
         gguf.read_config(config.train.teacher_gguf)  # a bad file fails before the workdir is made
@@ -55,7 +63,7 @@ def main(argv):
     print(summary)
     if result.stopped_by:
         sys.exit({"SIGTERM": 143, "SIGINT": 130}[result.stopped_by])
-    if FLAGS.export_hf:
+    if FLAGS.export_hf is not None:
         print(f"exported to {trainer.export_hf(config, result.workdir, FLAGS.export_hf)}")
 
 

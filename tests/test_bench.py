@@ -1,10 +1,13 @@
 """`specjax.bench` end to end on `tiny` (real CLI in a subprocess): JSON and Figure-1 PNG."""
 import json
 import os
+import pathlib
 import subprocess
 import sys
 
 import pytest
+
+ROOT = pathlib.Path(__file__).resolve().parent.parent
 
 
 def test_bench_writes_json_and_png(tmp_path):
@@ -43,9 +46,20 @@ def test_bench_writes_json_and_png(tmp_path):
     (["--drafter=retrieval"], "--drafter=retrieval needs --datastore=PATH"),
     (["--num_drafts=0,2"], "--num_drafts='0,2'"),
     (["--drafter=ngram", "--num_drafts=2"], "leave nothing to compare"),
+    (["--drafter=model", "--datastore=/nonexistent.npz"], "--datastore is used only by --drafter=retrieval or hybrid"),
+    (["--drafter=model,ngram", "--datastore=/nonexistent.npz"], "(got --drafter=model,ngram)"),
+    (["--drafter=ngram", "--ngram=1000"], "ngram=1000: must be an integer in [1, 16]"),
+    (["--drafter=ngram", "--ngram=12", "--lookahead=2", "--config.target.max_seq_len=8",
+      "--config.draft.max_seq_len=8"], "ngram=12: must be at most the model's context of 8 tokens"),
+    (["--lookahead=2,600"], "lookahead=600: must be below the model's context of 512 tokens"),
+    (["--num_drafts=32", "--lookahead=2"], "num_drafts=32: must be an integer in [1, 16]"),
+    (["--num_drafts=2,16", "--lookahead=2,8"], "num_drafts=16 x lookahead=8 = 128 tree nodes: at most 64"),
+    ([f"--hf_target={ROOT / 'tests' / 'fixtures' / 'hf' / 'pair_target'}", "--init=checkpoint"],
+     "--drafter=model|hybrid needs a draft: pass --hf_draft=DIR"),
 ])
 def test_bench_rejects_bad_input_before_any_work(args, fragment):
-    proc = subprocess.run([sys.executable, "-m", "specjax.bench", "--config=tiny", "--init=random", *args],
+    init = [] if any(a.startswith("--init=") for a in args) else ["--init=random"]
+    proc = subprocess.run([sys.executable, "-m", "specjax.bench", "--config=tiny", *init, *args],
                           capture_output=True, text=True, timeout=300)
     assert proc.returncode == 2, proc.stderr
     assert fragment in proc.stderr and "Traceback" not in proc.stderr and proc.stdout == "", proc.stderr

@@ -268,6 +268,11 @@ BAD = [
     (["--task=xsum", "--output=/"], ["--output='/'", "it is a directory"]),
     (["--task=humaneval", "--timeout=nan"], ["--timeout=nan", "finite"]),
     (["--task=xsum", "--num_samples=1001"], ["--num_samples=1001", "at most 1000"]),  # else seeds would overlap
+    (["--task=xsum", "--config.sampling.ngram=1000"], ["ngram=1000", "[1, 16]"]),
+    (["--task=xsum", "--config.sampling.drafter=ngram", "--config.sampling.ngram=12", "--max_new_tokens=4",
+      "--config.target.max_seq_len=8", "--config.draft.max_seq_len=8"], ["ngram=12", "context of 8 tokens"]),
+    (["--task=xsum", "--config.sampling.drafter=retrieval"], ["drafter='retrieval' needs a datastore"]),
+    (["--task=xsum", "--config.sampling.num_drafts=32"], ["num_drafts=32", "[1, 16]"]),
 ]
 
 
@@ -275,7 +280,7 @@ BAD = [
 def bad_runs(text_pair):
     """All bad-input runs at once (each is a Python start-up, no JAX work)."""
     _, env, args = text_pair
-    with concurrent.futures.ThreadPoolExecutor(len(BAD)) as pool:
+    with concurrent.futures.ThreadPoolExecutor(4) as pool:
         return list(pool.map(lambda case: run_evaluate(env, *args, *case[0], timeout=120), BAD))
 
 

@@ -157,7 +157,8 @@ BAD_INPUTS = [  # (name, args, fragments of the one error line)
      ["--gguf_draft needs --hf_target or --gguf_target"]),
     ("gguf_target with checkpoint", [BPE, "--checkpoint=/tmp/x", "--mode=ars"],
      ["--gguf_target and --checkpoint both name weights"]),
-    ("sps without a draft", [BPE, "--mode=sps"], ["--mode=sps needs a draft", "--gguf_draft=FILE"]),
+    ("sps without a draft", [BPE, "--mode=sps"], ["--mode=sps with --drafter=model needs a draft", "--gguf_draft=FILE",
+                                             "--drafter=ngram"]),
 ]
 
 

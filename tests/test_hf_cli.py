@@ -90,6 +90,35 @@ def test_bench_measures_an_imported_pair(env, tmp_path):
     assert [r["lookahead"] for r in report["sps"]] == [2] and 0 <= report["sps"][0]["acceptance_rate"] <= 1
 
 
+def test_ngram_drafting_needs_no_draft_directory(env, tmp_path):
+    """Prompt lookup drafts from the row's own context: `sample --drafter=ngram` runs SpS
+    on a target directory alone, and greedy SpS gives greedy ArS's tokens, which are
+    transformers' own greedy tokens (bench: the test below)."""
+    prompt, expected = greedy_reference("pair_target")
+    proc = sample(env, f"--hf_target={FIXTURES / 'pair_target'}", "--mode=both", "--drafter=ngram", "--ngram=2",
+                  "--temperature=0", "--max_new_tokens=16", "--noprint_samples",
+                  f"--prompt_tokens={','.join(map(str, prompt))}", f"--output={tmp_path / 'out.jsonl'}")
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    out = {r["mode"]: r for r in records(tmp_path / "out.jsonl")}
+    assert out["sps"]["tokens"] == out["ars"]["tokens"] == expected
+    assert out["sps"]["stats"]["proposed"] > 0  # the lookup did propose
+
+
+def test_eos_id_minus_1_never_stops_where_the_directory_has_an_eos(env, tmp_path):
+    """pair_draft's greedy path reaches its EOS (generation_config.json: 1) after 14
+    tokens, where transformers stops too; --config.sampling.eos_id=-1 ("never stop")
+    runs the whole budget through it."""
+    prompt, expected = greedy_reference("pair_draft")
+    common = [f"--hf_target={FIXTURES / 'pair_draft'}", "--mode=ars", "--temperature=0", "--max_new_tokens=24",
+              "--noprint_samples", f"--prompt_tokens={','.join(map(str, prompt))}"]
+    stops = sample(env, *common, f"--output={tmp_path / 'stop.jsonl'}")
+    never = sample(env, *common, "--config.sampling.eos_id=-1", f"--output={tmp_path / 'never.jsonl'}")
+    assert stops.returncode == 0 and never.returncode == 0, (stops.stderr[-2000:], never.stderr[-2000:])
+    (stopped,), (full,) = records(tmp_path / "stop.jsonl"), records(tmp_path / "never.jsonl")
+    assert stopped["tokens"] == expected and expected[-1] == 1
+    assert len(full["tokens"]) == 24 and full["tokens"][:len(expected)] == expected
+
+
 def test_bench_of_a_lookup_drafter_needs_no_draft_and_takes_a_prompts_file(env, tmp_path):
     """A real model's n-gram SpS against its ArS: no --hf_draft, the prompts from a file
     through the directory's tokenizer (as `sample --prompts_file` reads them)."""
@@ -105,10 +134,21 @@ def test_bench_of_a_lookup_drafter_needs_no_draft_and_takes_a_prompts_file(env, 
     assert [(r["lookahead"], r["drafter"]) for r in report["sps"]] == [(2, "ngram")]
     proc = subprocess.run([sys.executable, "-m", "specjax.bench", f"--hf_target={FIXTURES / 'llama_gqa'}",
                            "--drafter=model"], cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)
-    assert proc.returncode == 2 and "--hf_target needs --hf_draft" in proc.stderr and "Traceback" not in proc.stderr
+    assert proc.returncode == 2 and "Traceback" not in proc.stderr, proc.stderr[-3000:]
+    assert "needs a draft: pass --hf_draft=DIR" in proc.stderr, proc.stderr
 
 
 # ------------------------------------------------------------------ bad input
+
+
+@pytest.mark.skipif(importlib.util.find_spec("gcsfs") is not None, reason="gcsfs is installed here")
+def test_a_gs_checkpoint_without_the_gcs_package_says_which_to_install(env):
+    """(--hf_target=gs://... is in the table below.)"""
+    proc = sample(env, "--mode=ars", "--prompt_tokens=1,2", "--checkpoint=gs://specjax-no-such-bucket/model",
+                  "--config=tiny", timeout=120)
+    lines = [line for line in proc.stderr.splitlines() if line.strip()]
+    assert proc.returncode == 2 and len(lines) == 1 and "Traceback" not in proc.stderr, proc.stderr[-3000:]
+    assert "gs://specjax-no-such-bucket/model" in lines[0] and "pip install 'specjax[gcs]'" in lines[0], lines[0]
 
 
 def copy_model(src, dst, **config_changes):
@@ -149,6 +189,29 @@ def bad(tmp_path_factory):
     a, b = sorted(vocab)[100], sorted(vocab)[101]
     vocab[a], vocab[b] = vocab[b], vocab[a]
     (d / "tokenizer.json").write_text(json.dumps(tok))
+    # One wrong-typed or misplaced thing each (tests/test_hf_config.py has every key).
+    copy_model("pair_target", base / "tie_string", tie_word_embeddings="false")
+    copy_model("pair_target", base / "max_len_float", max_position_embeddings=40.9)
+    copy_model("pair_target", base / "theta_text", rope_parameters={"rope_type": "default", "rope_theta": "abc"})
+    copy_model("pair_target", base / "scaling_string", rope_parameters=None, rope_scaling="linear")
+    copy_model("pair_target", base / "arch_string", architectures="LlamaForCausalLM")
+    copy_model("mistral", base / "mistral_window", sliding_window=64, use_sliding_window=False)
+    copy_model("pair_target", base / "short_context", max_position_embeddings=8)
+    d = copy_model("pair_target", base / "eos_text")
+    (d / "generation_config.json").write_text(json.dumps({"bos_token_id": 0, "eos_token_id": ["a"]}))
+    d = copy_model("llama3_scaled", base / "index_number")
+    index = json.loads((d / "model.safetensors.index.json").read_text())
+    index["weight_map"]["lm_head.weight"] = 5
+    (d / "model.safetensors.index.json").write_text(json.dumps(index))
+    d = copy_model("llama_gqa", base / "tokenizer_config_list")
+    (d / "tokenizer_config.json").write_text("[]")
+    d = copy_model("llama_mha_tied", base / "garbage_sentencepiece")
+    (d / "tokenizer.json").unlink()
+    (d / "tokenizer.model").write_bytes(b"not a sentencepiece model")
+    for name, inner in (("config_dir", "config.json"), ("weights_dir", "model.safetensors")):
+        d = copy_model("pair_target", base / name)
+        (d / inner).unlink()
+        (d / inner).mkdir()
     return base
 
 
@@ -173,7 +236,41 @@ BAD_INPUTS = [  # (name, args, fragments of the one error line)
     ("hf_target with checkpoint", [PAIR, "--checkpoint=/tmp/x", "--mode=ars"],
      ["--hf_target and --checkpoint both name weights"]),
     ("hf_draft without hf_target", [f"--hf_draft={FIXTURES / 'pair_draft'}"], ["--hf_draft needs --hf_target"]),
-    ("sps without hf_draft", [PAIR, "--mode=sps"], ["--mode=sps needs a draft", "--hf_draft=DIR", "--mode=ars"]),
+    ("sps without hf_draft", [PAIR, "--mode=sps"], ["--mode=sps with --drafter=model needs a draft", "--hf_draft=DIR",
+                                                    "--drafter=ngram", "--mode=ars"]),
+    ("hybrid without hf_draft", [PAIR, "--mode=sps", "--drafter=hybrid"], ["--drafter=hybrid needs a draft"]),
+    ("hf_target is a file", [f"--hf_target={FIXTURES / 'pair_target' / 'config.json'}", "--mode=ars"],
+     ["config.json: is a file, not a Hugging Face model directory"]),
+    ("hf_draft is a file", [PAIR, f"--hf_draft={FIXTURES / 'pair_draft' / 'model.safetensors'}"],
+     ["model.safetensors: is a file, not a Hugging Face model directory"]),
+    ("config.json is a directory", ["--hf_target={bad}/config_dir", "--mode=ars"],
+     ["config_dir/config.json: is a directory, not a JSON file"]),
+    ("model.safetensors is a directory", ["--hf_target={bad}/weights_dir", "--mode=ars"],
+     ["weights_dir/model.safetensors: is a directory, not a safetensors file"]),
+    ("tie_word_embeddings a string", ["--hf_target={bad}/tie_string", "--mode=ars"],
+     ["tie_string/config.json: tie_word_embeddings=\"false\": must be true or false"]),
+    ("max_position_embeddings a fraction", ["--hf_target={bad}/max_len_float", "--mode=ars"],
+     ["config.json: max_position_embeddings=40.9: must be an integer"]),
+    ("rope_theta text", ["--hf_target={bad}/theta_text", "--mode=ars"],
+     ["config.json: rope_parameters.rope_theta=\"abc\": must be a finite number"]),
+    ("rope_scaling a string", ["--hf_target={bad}/scaling_string", "--mode=ars"],
+     ["config.json: rope_scaling=\"linear\": must be a JSON object or null"]),
+    ("architectures a string", ["--hf_target={bad}/arch_string", "--mode=ars"],
+     ["config.json: architectures=\"LlamaForCausalLM\": must be a list of strings or null"]),
+    ("mistral window despite use_sliding_window", ["--hf_target={bad}/mistral_window", "--mode=ars"],
+     ["sliding_window=64 is below max_position_embeddings=256"]),
+    ("generation eos not ids", ["--hf_target={bad}/eos_text", "--mode=ars"],
+     ["generation_config.json: eos_token_id=[\"a\"]: must be an integer or a list of integers or null"]),
+    ("index entry not a file name", ["--hf_target={bad}/index_number", "--mode=ars"],
+     ["model.safetensors.index.json: weight_map.lm_head.weight=5: must be a string"]),
+    ("tokenizer_config a list", ["--hf_target={bad}/tokenizer_config_list", "--mode=ars"],
+     ["tokenizer_config.json: expected a JSON object, found list"]),
+    ("garbage tokenizer.model", ["--hf_target={bad}/garbage_sentencepiece", "--mode=ars"],
+     ["tokenizer.model: not a SentencePiece model"]),
+    ("ngram beyond the bound", [PAIR, "--mode=sps", "--drafter=ngram", "--ngram=1000"],
+     ["ngram=1000", "[1, 16]"]),
+    ("ngram beyond the context", ["--hf_target={bad}/short_context", "--mode=sps", "--drafter=ngram", "--ngram=12",
+                                  "--lookahead=2"], ["ngram=12", "context of 8 tokens"]),
     ("mesh does not divide", [PAIR, "--mode=ars", "--mesh=1x8"],
      ["num_heads=4 is not divisible by the 'model' mesh axis of size 8"]),
     # etils reads gs:// through fsspec, which raises ImportError from deep inside without gcsfs.

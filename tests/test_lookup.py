@@ -119,12 +119,25 @@ def test_datastore_file_round_trip_and_refusals(tmp_path):
     (tmp_path / "junk.npz").write_text("not a datastore")
     with pytest.raises(UsageError, match="not a specjax datastore"):
         Datastore.load(tmp_path / "junk.npz")
+    store.save(tmp_path / "new" / "dir" / "ds.npz")  # the directory is made
+    assert Datastore.load(tmp_path / "new" / "dir" / "ds.npz").meta == store.meta
+    with pytest.raises(UsageError, match="datastore ngram=17: at most 16"):
+        Datastore.build(np.arange(50) % 7, vocab_size=8, ngram=17)
+
+
+def test_tree_size_is_bounded_by_num_drafts_times_lookahead():
+    SamplingConfig(num_drafts=16, lookahead=4).validate()
+    SamplingConfig(num_drafts=1, lookahead=200).validate()  # a chain is no tree
+    with pytest.raises(ConfigError, match=r"num_drafts=8 x lookahead=9 = 72 tree nodes: at most 64"):
+        SamplingConfig(num_drafts=8, lookahead=9).validate()
 
 
 @pytest.mark.parametrize("field,value,message", [
     ("verify", "greedy", "verify='greedy': allowed values are block, tokenwise"),
     ("drafter", "tree", "drafter='tree': allowed values are model, ngram, retrieval, hybrid"),
-    ("ngram", 0, "ngram=0: must be an integer >= 1"),
+    ("ngram", 0, r"ngram=0: must be an integer in \[1, 16\]"),
+    ("ngram", 17, r"ngram=17: must be an integer in \[1, 16\]"),
+    ("num_drafts", 17, r"num_drafts=17: must be an integer in \[1, 16\]"),
     ("draft_confidence", 1.0, r"draft_confidence=1.0: must be in \[0, 1\)"),
     ("draft_confidence", -0.1, r"draft_confidence=-0.1: must be in \[0, 1\)"),
     ("draft_confidence", float("nan"), r"draft_confidence=nan: must be in \[0, 1\)")])

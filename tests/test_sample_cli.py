@@ -96,6 +96,20 @@ def files(tmp_path_factory):
     # A datastore built with the draft's other tokenizer.
     Datastore.build(np.arange(2000) % 512, vocab_size=512, ngram=2, min_count=1,
                     tokenizer_sha256=file_sha256(other_tok)).save(base / "other_tok.npz")
+    # Datastores for tiny (vocabulary 32), each damaged in one way.
+    good = Datastore.build(np.arange(2000) % 32, vocab_size=32, ngram=2, min_count=1)
+    (base / "ds_empty.npz").write_bytes(b"")
+    for name, change in (
+            ("ds_meta_list", lambda a, m: (a, [m])), ("ds_no_vocab", lambda a, m: (a, {k: v for k, v in m.items()
+                                                                                       if k != "vocab_size"})),
+            ("ds_vocab_text", lambda a, m: (a, {**m, "vocab_size": "32"})),
+            ("ds_flat", lambda a, m: ({**a, "contexts": a["contexts"].reshape(-1)}, m)),
+            ("ds_float", lambda a, m: ({**a, "continuations": a["continuations"].astype(np.float32)}, m)),
+            ("ds_zero", lambda a, m: ({k: v[:0] for k, v in a.items()}, m)),
+            ("ds_oov", lambda a, m: ({**a, "continuations": a["continuations"] + 40}, m))):
+        arrays, meta = change({"keys": good.keys, "contexts": good.contexts, "continuations": good.continuations},
+                              good.meta)
+        np.savez(base / f"{name}.npz", **arrays, meta=np.frombuffer(json.dumps(meta).encode(), np.uint8))
     return base
 
 
@@ -121,7 +135,7 @@ def test_writes_one_valid_line_per_sample(greedy, mode):
     for r in records:
         assert r["mode"] == mode
         assert r["prompt_tokens"] == [[1, 2, 3], [4, 5, 6, 7, 8]][r["prompt_index"]]
-        assert len(r["tokens"]) == r["stats"]["num_new"] == MAX_NEW  # tiny never stops early (eos_id=-1)
+        assert len(r["tokens"]) == r["stats"]["num_new"] == MAX_NEW  # tiny has no tokenizer, so no stop ids
         assert all(0 <= t < 32 for t in r["tokens"])
         assert "text" not in r  # tiny has no tokenizer
         if mode == "sps":
@@ -266,10 +280,18 @@ BAD_INPUTS = [
     ("num_samples 0", ["--num_samples=0"], {}, ["--num_samples=0", "positive integer"]),
     ("verify misspelled", ["--verify=greedy"], {}, ["--verify=greedy", "block|tokenwise"]),
     ("drafter unknown", ["--drafter=tree"], {}, ["--drafter=tree", "model|ngram|retrieval|hybrid"]),
-    ("ngram 0", ["--drafter=ngram", "--ngram=0"], {}, ["ngram=0", "integer >= 1"]),
+    ("ngram 0", ["--drafter=ngram", "--ngram=0"], {}, ["ngram=0", "integer in [1, 16]"]),
+    ("ngram 1000", ["--drafter=ngram", "--ngram=1000"], {}, ["ngram=1000", "integer in [1, 16]"]),
+    ("ngram 10^30", ["--drafter=ngram", "--ngram=" + "1" + "0" * 30], {}, ["ngram=1" + "0" * 30, "[1, 16]"]),
+    ("ngram beyond the context", ["--drafter=ngram", "--ngram=12", "--config.target.max_seq_len=8",
+                                  "--config.draft.max_seq_len=8", "--max_new_tokens=4", "--lookahead=2"], {},
+     ["ngram=12", "at most the model's context of 8 tokens"]),
     ("draft_confidence 1", ["--draft_confidence=1"], {}, ["draft_confidence=1.0", "[0, 1)"]),
     ("draft_confidence negative", ["--draft_confidence=-0.2"], {}, ["draft_confidence=-0.2", "[0, 1)"]),
-    ("num_drafts 0", ["--num_drafts=0"], {}, ["num_drafts=0", "integer >= 1"]),
+    ("num_drafts 0", ["--num_drafts=0"], {}, ["num_drafts=0", "integer in [1, 16]"]),
+    ("num_drafts 32", ["--num_drafts=32"], {}, ["num_drafts=32", "integer in [1, 16]", "compile time"]),
+    ("num_drafts x lookahead", ["--num_drafts=16", "--lookahead=8"], {},
+     ["num_drafts=16 x lookahead=8 = 128 tree nodes", "at most 64"]),
     ("num_drafts with a lookup", ["--drafter=ngram", "--num_drafts=2"], {},
      ["num_drafts=2 with drafter='ngram'", "'model' or 'hybrid'"]),
     ("hybrid without a draft", ["--config=mini_target", "--drafter=hybrid"], {},
@@ -287,6 +309,23 @@ BAD_INPUTS = [
      ["other_tok.npz", "built with tokenizer sha256", "this model has tokenizer sha256", "rebuild"]),
     ("datastore without its drafter", ["--datastore={files}/other_tok.npz"], {},
      ["--datastore is used only by --drafter=retrieval or hybrid"]),
+    ("datastore 0 bytes", ["--drafter=retrieval", "--datastore={files}/ds_empty.npz"], {},
+     ["ds_empty.npz", "not a specjax datastore"]),
+    ("datastore meta a list", ["--drafter=retrieval", "--datastore={files}/ds_meta_list.npz"], {},
+     ["ds_meta_list.npz", "its meta is a JSON list"]),
+    ("datastore meta without vocab_size", ["--drafter=retrieval", "--datastore={files}/ds_no_vocab.npz"], {},
+     ["ds_no_vocab.npz", "meta vocab_size=None", "positive integer"]),
+    ("datastore meta vocab_size text", ["--drafter=retrieval", "--datastore={files}/ds_vocab_text.npz"], {},
+     ["ds_vocab_text.npz", "meta vocab_size='32'"]),
+    ("datastore 1-D contexts", ["--drafter=retrieval", "--datastore={files}/ds_flat.npz"], {},
+     ["ds_flat.npz", "contexts is int32 [", "expected int32 ["]),
+    ("datastore float arrays", ["--drafter=retrieval", "--datastore={files}/ds_float.npz"], {},
+     ["ds_float.npz", "continuations is float32"]),
+    ("datastore without entries", ["--drafter=retrieval", "--datastore={files}/ds_zero.npz"], {},
+     ["ds_zero.npz", "holds no entries"]),
+    ("datastore ids beyond its vocabulary", ["--drafter=retrieval", "--datastore={files}/ds_oov.npz"], {},
+     ["ds_oov.npz", "continuations hold token ids outside 0..31"]),
+    ("eos_id below -1", ["--config.sampling.eos_id=-2"], {}, ["eos_id=-2", "-1 (never stop early)"]),
     ("stray argument", ["oops"], {}, ["unexpected arguments ['oops']"]),
     ("lookahead beyond context", ["--lookahead=100000000"], {}, ["--lookahead=100000000", "context of 512"]),
     ("rows beyond the limit", ["--num_samples=1000000000"], {}, ["= 1000000000 rows", "at most 1000000"]),
@@ -393,7 +432,7 @@ def test_datastore_is_built_by_its_command_and_used_by_sample(env, tmp_path):
     missing = subprocess.run([sys.executable, "-m", "specjax.datastore", "--config=tiny"], cwd=ROOT, env=env,
                              capture_output=True, text=True, timeout=120)
     assert missing.returncode == 2 and "--out=PATH is required" in missing.stderr
-    store = tmp_path / "tiny.npz"
+    store = tmp_path / "not" / "yet" / "tiny.npz"  # its directory is made, as for every output
     built = subprocess.run([sys.executable, "-m", "specjax.datastore", "--config=tiny", f"--out={store}"], cwd=ROOT,
                            env=env, capture_output=True, text=True, timeout=300)
     assert built.returncode == 0, built.stderr[-2000:]
@@ -405,6 +444,54 @@ def test_datastore_is_built_by_its_command_and_used_by_sample(env, tmp_path):
     assert by_row(records, "sps") == by_row(records, "ars")
     assert sum(r["stats"]["accepted_by"].get("retrieval", 0) for r in records if r["mode"] == "sps") > 0
     assert "accepted/proposed by drafter: retrieval" in proc.stdout
+
+
+# (id, flags after `python -m specjax.datastore --out={out}`, fragments of the one line).
+BAD_DATASTORE = [
+    ("corpus missing, no tokenizer", ["--config=tiny", "--corpus=/nonexistent"],
+     ["--corpus='/nonexistent'", "config 'tiny' has no tokenizer", "synthetic tokens"]),
+    ("corpus /dev/null, no tokenizer", ["--config=tiny", "--corpus=/dev/null"],
+     ["--corpus='/dev/null'", "has no tokenizer"]),
+    ("corpus missing", ["--config={files}/tiny_text.py", "--checkpoint={files}/tiny_text", "--corpus=/nonexistent"],
+     ["--corpus='/nonexistent'", "matched no files"]),
+    ("corpus /dev/null", ["--config={files}/tiny_text.py", "--checkpoint={files}/tiny_text", "--corpus=/dev/null"],
+     ["--corpus='/dev/null'", "matched no files"]),
+    ("ngram 64", ["--config=tiny", "--ngram=64"], ["--ngram=64", "at most 16"]),
+    ("ngram 0", ["--config=tiny", "--ngram=0"], ["--ngram=0", "positive integer"]),
+    ("no checkpoint for the tokenizer", ["--config=mini"],
+     ["no checkpoint for config 'mini_target'", "python -m specjax.train --config=mini_target", "--checkpoint=DIR"]),
+    ("checkpoint missing", ["--config=mini", "--checkpoint={files}/nothing"],
+     ["--checkpoint=", "nothing", "does not exist", "--checkpoint=DIR"]),
+    ("out under a file", ["--config=tiny", "--out={files}/bad.jsonl/x.npz"], ["--out=", "not a directory"]),
+]
+
+
+@pytest.fixture(scope="module")
+def bad_datastore_runs(env, files, tmp_path_factory):
+    """All bad `datastore` runs, three at a time: {id: (process, its default --out)}."""
+    def run(case):
+        _, args, _ = case
+        out = tmp_path_factory.mktemp("ds") / "out" / "store.npz"
+        args = [a.format(files=files) for a in args]
+        if not any(a.startswith("--out=") for a in args):
+            args.append(f"--out={out}")
+        return subprocess.run([sys.executable, "-m", "specjax.datastore", *args], cwd=ROOT, env=env,
+                              capture_output=True, text=True, timeout=120), out
+    with concurrent.futures.ThreadPoolExecutor(3) as pool:
+        return dict(zip((c[0] for c in BAD_DATASTORE), pool.map(run, BAD_DATASTORE)))
+
+
+@pytest.mark.parametrize("case", BAD_DATASTORE, ids=[c[0] for c in BAD_DATASTORE])
+def test_datastore_bad_input_is_one_line_and_exit_2_before_any_work(bad_datastore_runs, case):
+    name, _, fragments = case
+    proc, out = bad_datastore_runs[name]
+    lines = [line for line in proc.stderr.splitlines() if line.strip()]
+    assert proc.returncode == 2, (proc.returncode, proc.stderr[-3000:])
+    assert len(lines) == 1 and "Traceback" not in proc.stderr, proc.stderr[-3000:]
+    for fragment in fragments:
+        assert fragment in lines[0], (fragment, lines[0])
+    assert "--init=random" not in lines[0] and "--hf_target" not in lines[0]  # flags datastore does not have
+    assert not out.parent.exists() and proc.stdout.strip() == ""
 
 
 # ------------------------------------------------------------------ helpers, in process

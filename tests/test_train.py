@@ -241,6 +241,10 @@ def damage(workdir, kind):
             f.write_bytes(b"not a manifest\n")
 
 
+SWIGLU = "--config.target.ffw=swiglu"  # exportable as Llama
+HF = pathlib.Path(__file__).resolve().parent / "fixtures" / "hf"
+
+
 # (id, extra arguments, fragments of the one-line message); {files} is the `bad_files`
 # directory. All exit 2 except the diverging run (the config was valid: exit 1).
 DIVERGES = "learning rate 1e30"
@@ -264,6 +268,15 @@ BAD_TRAIN = [
     ("damaged checkpoint (manifests)", ["--workdir={files}/manifest_1"], ["checkpoint step 60", "is damaged"]),
     ("damaged checkpoint (manifests, again)", ["--workdir={files}/manifest_2"], ["checkpoint step 60", "is damaged"]),
     ("damaged checkpoint (truncated)", ["--workdir={files}/truncated"], ["checkpoint step 60", "is damaged"]),
+    ("export into a directory holding an export", [SWIGLU, "--export_hf={files}/old_export"],
+     ["--export_hf=", "old_export", "not empty", "config.json, generation_config.json, model.safetensors",
+      "remove it first"]),
+    ("export to a file", [SWIGLU, "--export_hf={files}/empty.py"], ["--export_hf=", "is a file"]),
+    ("export under a file", [SWIGLU, "--export_hf={files}/empty.py/hf"], ["empty.py is a file, not a directory"]),
+    ("export over the teacher", [SWIGLU, f"--config.train.teacher_hf={HF / 'pair_target'}",
+                                 f"--export_hf={HF / 'pair_target'}"], ["is the teacher's directory"]),
+    ("teacher_hf is a file", [SWIGLU, f"--config.train.teacher_hf={HF / 'pair_target' / 'config.json'}"],
+     ["config.json: is a file, not a Hugging Face model directory"]),
 ]
 
 
@@ -279,6 +292,9 @@ def bad_files(tmp_path_factory, reference):
     # A few thousand tokens of real text: enough for a 512-piece tokenizer, too few for a 1%
     # validation stream of seq_len + 1 = 513 tokens.
     (d / "text.txt").write_text(pathlib.Path(pathlib.__file__).read_text())
+    (d / "old_export").mkdir()  # what an earlier export left (file names only matter)
+    for name in ("config.json", "model.safetensors", "generation_config.json"):
+        (d / "old_export" / name).write_text("{}")
     for name, kind in (("manifest_1", "manifest"), ("manifest_2", "manifest"), ("truncated", "truncated")):
         shutil.copytree(reference, d / name)
         damage(d / name, kind)
@@ -312,6 +328,8 @@ def assert_one_line(proc, code, fragments):
 def test_bad_input_is_one_line_and_exit_2(bad_runs, case):
     name, _, fragments = case
     assert_one_line(bad_runs[name], 1 if name == DIVERGES else 2, fragments)
+    if "export" in name or "teacher" in name:
+        assert "step" not in bad_runs[name].stdout  # refused before training
 
 
 def test_read_only_workdir_and_read_only_checkpoint_are_one_line_and_exit_2(env, reference, tmp_path):

@@ -59,9 +59,10 @@ def check(req: Request) -> None:
     """The checks that need neither files nor devices (`req.config` has its HF models)."""
     config, sampling = req.config, req.sampling
     target, draft = imported(req.hf_target, req.hf_draft, req.gguf_target, req.gguf_draft)
-    if "sps" in req.modes and target is not None and draft is None:
-        raise UsageError(f"--mode={'both' if len(req.modes) == 2 else 'sps'} needs a draft: pass --hf_draft=DIR or "
-                         "--gguf_draft=FILE (a model with the target's tokenizer), or use --mode=ars")
+    if need_draft(req) and target is not None and draft is None:
+        raise UsageError(f"--mode={'both' if len(req.modes) == 2 else 'sps'} with --drafter={sampling.drafter} needs "
+                         "a draft: pass --hf_draft=DIR or --gguf_draft=FILE (a model with the target's tokenizer), "
+                         "use --drafter=ngram (no draft model), or use --mode=ars")
     if need_draft(req) and config.draft is None:
         raise UsageError(f"--mode={'both' if len(req.modes) == 2 else 'sps'} with --drafter={sampling.drafter} "
                          f"needs a draft model, and config {config.name!r} has none; use --mode=ars, "
@@ -76,6 +77,7 @@ def check(req: Request) -> None:
     context = min(m.max_seq_len for m in models(req).values())
     if sampling.lookahead >= context:
         raise UsageError(f"--lookahead={sampling.lookahead}: must be below the model's context of {context} tokens")
+    sampling.check_context(context)
 
 
 def check_rows(req: Request, raw_prompts) -> None:
@@ -109,8 +111,8 @@ def read_inputs(req: Request, raw_prompts, weights: Weights) -> Inputs:
     context = min(m.max_seq_len for m in models(req).values())
     prompts_lib.check(prompts, req.config.target.vocab_size, context, req.sampling.max_new_tokens)
     sampling, stop = req.sampling, weights.stop_ids(tokenizer)
-    if stop and sampling.eos_id == -1:
-        sampling = dataclasses.replace(sampling, eos_id=stop[0] if len(stop) == 1 else stop)
+    if sampling.eos_id is None:  # the model's own stop ids; an explicit -1 never stops early
+        sampling = dataclasses.replace(sampling, eos_id=(stop[0] if len(stop) == 1 else stop) if stop else -1)
     store = None
     if req.datastore is not None and "sps" in req.modes:
         store = Datastore.load(req.datastore)

@@ -33,7 +33,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from specjax import distributed, sharding
-from specjax.config import UsageError, user_path
+from specjax.config import MAX_NGRAM, UsageError, user_path
 
 FORMAT = 1
 FNV_OFFSET, FNV_PRIME, GOLDEN = 2166136261, 16777619, 0x9E3779B9
@@ -147,6 +147,8 @@ class Datastore:
         for name, value in (("ngram", ngram), ("continuation", continuation), ("min_count", min_count)):
             if not isinstance(value, int) or value < 1:
                 raise UsageError(f"datastore {name}={value!r}: must be a positive integer")
+        if ngram > MAX_NGRAM:
+            raise UsageError(f"datastore ngram={ngram}: at most {MAX_NGRAM}")
         tokens = np.asarray(tokens).astype(np.int32)
         if tokens.ndim != 1 or len(tokens) <= ngram:
             raise UsageError(f"datastore corpus: needs a 1-D stream of more than ngram={ngram} tokens, "
@@ -193,27 +195,36 @@ class Datastore:
         np.savez(buf, keys=self.keys, contexts=self.contexts, continuations=self.continuations,
                  meta=np.frombuffer(json.dumps(self.meta).encode(), np.uint8))
         path = user_path(path)
+        path.parent.mkdir(parents=True, exist_ok=True)
         tmp = path.with_name(path.name + ".tmp")  # a reader never sees half a datastore
         tmp.write_bytes(buf.getvalue())
         tmp.replace(path)
 
     @classmethod
     def load(cls, path) -> "Datastore":
-        """A saved datastore; anything else is a UsageError naming the path."""
+        """A saved datastore; anything else (another file, a damaged or hand-made one whose
+        arrays or metadata the lookup cannot use) is a UsageError naming the path."""
         path = user_path(path)
+        name = f"--datastore={str(path)!r}"
         if not path.is_file():
-            raise UsageError(f"--datastore={str(path)!r}: no such file; build one with `python -m "
-                             "specjax.datastore --out=PATH`")
+            raise UsageError(f"{name}: no such file; build one with `python -m specjax.datastore --out=PATH`")
         try:
             with np.load(io.BytesIO(path.read_bytes()), allow_pickle=False) as f:
-                meta = json.loads(f["meta"].tobytes().decode())
-                store = cls(f["keys"], f["contexts"], f["continuations"], meta)
-        except (OSError, KeyError, ValueError, zipfile.BadZipFile) as e:
-            raise UsageError(f"--datastore={str(path)!r}: not a specjax datastore ({e})") from None
+                arrays = {k: f[k] for k in ("keys", "contexts", "continuations", "meta")}
+            meta = json.loads(arrays.pop("meta").tobytes().decode())
+        except (OSError, EOFError, KeyError, ValueError, UnicodeDecodeError, zipfile.BadZipFile) as e:
+            raise UsageError(f"{name}: not a specjax datastore ({type(e).__name__}: "
+                             f"{' '.join(str(e).split())[:200]})") from None
+        if not isinstance(meta, dict):
+            raise UsageError(f"{name}: not a specjax datastore (its meta is a JSON {type(meta).__name__}, not an "
+                             "object)")
         if meta.get("format") != FORMAT:
-            raise UsageError(f"--datastore={str(path)!r}: format {meta.get('format')!r}, this version reads "
-                             f"{FORMAT}; rebuild it with `python -m specjax.datastore`")
-        return store
+            raise UsageError(f"{name}: format {meta.get('format')!r}, this version reads {FORMAT}; rebuild it with "
+                             "`python -m specjax.datastore`")
+        problem = _problem(arrays, meta)
+        if problem:
+            raise UsageError(f"{name}: a damaged datastore: {problem}; rebuild it with `python -m specjax.datastore`")
+        return cls(arrays["keys"], arrays["contexts"], arrays["continuations"], meta)
 
     def check(self, vocab_size: int, name: str = "datastore") -> None:
         """Refuse a datastore built for another vocabulary: its ids would be out of range."""
@@ -234,6 +245,34 @@ class Datastore:
         """The table on the mesh, replicated: the loop looks it up with no host round trip."""
         place = lambda a: distributed.put(a, sharding.replicated(mesh))
         return Index(place(self.keys), place(self.contexts), place(self.continuations))
+
+
+def _problem(arrays: dict, meta: dict) -> str:
+    """What makes a loaded table unusable by `lookup` ('' when nothing does)."""
+    for key in ("vocab_size", "ngram", "continuation"):
+        value = meta.get(key)
+        if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+            return f"meta {key}={value!r} (must be a positive integer)"
+    sha = meta.get("tokenizer_sha256")
+    if sha is not None and not isinstance(sha, str):
+        return f"meta tokenizer_sha256={sha!r} (must be a string or null)"
+    keys, contexts, continuations = arrays["keys"], arrays["contexts"], arrays["continuations"]
+    entries = keys.shape[0] if keys.ndim == 1 else -1
+    for what, a, dtype, shape in (("keys", keys, np.uint32, (entries,)),
+                                  ("contexts", contexts, np.int32, (entries, meta["ngram"])),
+                                  ("continuations", continuations, np.int32, (entries, meta["continuation"]))):
+        if a.dtype != dtype or a.shape != shape:
+            return (f"{what} is {a.dtype} {list(a.shape)}, expected {np.dtype(dtype)} "
+                    f"[{', '.join(map(str, shape)) if entries >= 0 else 'entries'}]")
+    if entries == 0:
+        return "it holds no entries"
+    if np.any(keys[1:] <= keys[:-1]):
+        return "keys are not strictly ascending (the lookup searches them)"
+    vocab = meta["vocab_size"]
+    for what, a in (("contexts", contexts), ("continuations", continuations)):
+        if a.min() < -1 or a.max() >= vocab:
+            return f"{what} hold token ids outside 0..{vocab - 1} (-1 marks an empty slot)"
+    return ""
 
 
 def file_sha256(path) -> str:

@@ -312,7 +312,8 @@ def build(target: LM, draft: LM | None, prompts, sampling: SamplingConfig, seed:
     args = (distributed.put(padded, sharding.named(mesh, ("batch", None), padded.shape)),
             distributed.put(lens, sharding.named(mesh, ("batch",), lens.shape)),
             distributed.put(words, sharding.replicated(mesh)))
-    statics = dict(warping=warping_of(sampling), max_new=sampling.max_new_tokens, eos_id=sampling.eos_id, size=size)
+    statics = dict(warping=warping_of(sampling), max_new=sampling.max_new_tokens,
+                   eos_id=-1 if sampling.eos_id is None else sampling.eos_id, size=size)  # None: no stop ids here
     if speculative:
         index = datastore.on_mesh(mesh) if datastore is not None else None
         statics = dict(statics, lookahead=lookahead, verify=sampling.verify, drafter=sampling.drafter,

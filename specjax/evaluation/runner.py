@@ -158,6 +158,9 @@ def format_table(result: dict) -> str:
     return "\n".join(lines)
 
 
+SPS_FIELDS = ("verify", "drafter", "ngram", "draft_confidence", "num_drafts")
+
+
 def evaluate(config, task: str, *, limit=None, num_samples: int, ks: Sequence[int], execute: bool,
              timeout: float, xsum_file=None, lookahead=None, max_new_tokens=None, seed: int = 0,
              checkpoint=None, draft_checkpoint=None, train_missing: bool = True, progress: bool = True) -> dict:
@@ -167,8 +170,14 @@ def evaluate(config, task: str, *, limit=None, num_samples: int, ks: Sequence[in
     if config.draft is None:
         raise UsageError(f"config {config.name!r} has no draft model; evaluate compares ArS with SpS")
     lookahead = lookahead or config.sampling.lookahead
+    if config.sampling.drafter == "retrieval":
+        raise UsageError("config sampling.drafter='retrieval' needs a datastore, which evaluate does not take: use "
+                         "sample or bench with --datastore")
+    # The task fixes the paper's decoding (temperature, top-p, budget); how SpS drafts and
+    # verifies is the config's.
+    spec = {k: getattr(config.sampling, k) for k in SPS_FIELDS}
     settings = [dataclasses.replace(s, sampling=dataclasses.replace(
-        s.sampling, lookahead=lookahead, max_new_tokens=max_new_tokens or s.sampling.max_new_tokens).validate())
+        s.sampling, lookahead=lookahead, max_new_tokens=max_new_tokens or s.sampling.max_new_tokens, **spec).validate())
         for s in SETTINGS[task]]
     items = humaneval_items(limit) if task == "humaneval" else xsum_items(xsum_file, limit)
     check_seeds(seed, task, len(items), num_samples)
@@ -177,6 +186,8 @@ def evaluate(config, task: str, *, limit=None, num_samples: int, ks: Sequence[in
     if budget >= context:
         raise UsageError(f"--max_new_tokens={budget}: must be below the models' context of {context} tokens, "
                          "which also holds the prompt")
+    for s in settings:
+        s.sampling.check_context(context)
 
     cli.use_compilation_cache()
     weights = Weights.locate(config, "checkpoint", checkpoint, draft_checkpoint, need_draft=True,

@@ -47,6 +47,8 @@ import functools
 import json
 import math
 import os
+import pathlib
+import shutil
 from typing import Any, Optional
 
 import jax
@@ -58,7 +60,8 @@ from jax.sharding import NamedSharding, PartitionSpec as P
 from specjax import distributed, kv_heads, sharding
 from specjax.config import ConfigError, ModelConfig, UsageError, check_remote_support
 from specjax.model import LM, abstract_lm
-from specjax.weights import safetensors_io
+from specjax.weights import hf_files, safetensors_io
+from specjax.weights.hf_files import BOOL, INT, NUMBER, OBJECT, TEXT, TEXTS, Fields, show
 from specjax.weights.tokenizer import HFTokenizer, TokenizerError, load_hf_tokenizer
 
 ARCHITECTURES = {"LlamaForCausalLM": "llama", "MistralForCausalLM": "mistral"}
@@ -87,10 +90,19 @@ IGNORED_SUFFIXES = (".rotary_emb.inv_freq",)
 
 
 def as_path(directory) -> epath.Path:
-    """A local path ('~' expanded) or any etils.epath path (gs://...)."""
+    """A local path ('~' expanded) or any etils.epath path (gs://)."""
     text = os.fspath(directory)
     check_remote_support(text)
     return epath.Path(text if "://" in text else os.path.expanduser(text))
+
+
+def model_dir(directory) -> epath.Path:
+    """`directory` as a path, refused (one line) unless it is a directory."""
+    path = as_path(directory)
+    if path.exists() and not path.is_dir():
+        raise UsageError(f"{path}: is a file, not a Hugging Face model directory (give the directory that holds "
+                         "config.json)")
+    return path
 
 
 # --------------------------------------------------------------------------- config
@@ -108,111 +120,123 @@ class HFModel:
     eos_ids: tuple[int, ...]  # generation_config.json's eos_token_id (any of them ends a row)
 
 
-def _read_json(path: epath.Path, what: str = "") -> dict:
-    try:
-        value = json.loads(path.read_text(encoding="utf-8"))
-    except FileNotFoundError:
-        raise UsageError(f"{path.parent}: no {path.name}: not a Hugging Face model directory"
-                         + (f" ({what})" if what else "")) from None
-    except (UnicodeDecodeError, json.JSONDecodeError) as e:
-        raise UsageError(f"{path}: not valid JSON ({e})") from None
-    if not isinstance(value, dict):
-        raise UsageError(f"{path}: expected a JSON object")
-    return value
+# transformers 5's config classes (LlamaConfig, MistralConfig): what a key means when
+# config.json lacks it, and which keys each architecture reads at all. Mistral applies
+# `sliding_window` whenever it is not null (4096 by default) and reads no
+# `use_sliding_window` and no bias flags (its projections have none); Llama reads no
+# sliding window.
+DEFAULTS = {"llama": dict(max_position_embeddings=2048, num_key_value_heads=None),
+            "mistral": dict(max_position_embeddings=4096 * 32, num_key_value_heads=8, sliding_window=4096)}
+SIZES = ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads")
 
 
-def _rope(raw: dict, where: str) -> dict:
-    """Rope settings from either layout: transformers >= 5 writes one `rope_parameters`
-    dict (rope_theta, rope_type and the type's keys), 4.x wrote top-level `rope_theta`
-    and a `rope_scaling` dict (null for plain rotary; very old files say 'type')."""
-    if isinstance(raw.get("rope_parameters"), dict):
-        rope = dict(raw["rope_parameters"])
-    else:
-        rope = dict(raw.get("rope_scaling") or {})
-        if "rope_theta" in raw:
-            rope["rope_theta"] = raw["rope_theta"]
-    rope_type = rope.get("rope_type", rope.get("type", "default"))
+def _rope(f: Fields, max_len: int) -> dict:
+    """Rope settings, merged as transformers 5 merges them: a (legacy) `rope_scaling`
+    object wins over `rope_parameters`; its `rope_theta` wins over the top-level one
+    (default 1e4); for llama3 a top-level `original_max_position_embeddings` wins over
+    the object's, which defaults to max_position_embeddings."""
+    rope = f.section("rope_scaling" if f.get("rope_scaling", OBJECT.or_null(), None) else "rope_parameters")
+    theta = rope.get("rope_theta", NUMBER, None)
+    if theta is None:
+        theta = f.get("rope_theta", NUMBER, 10000.0)
+    rope_type = rope.get("rope_type", TEXT, None) or rope.get("type", TEXT, "default")
     if rope_type not in ROPE_TYPES:
-        raise UsageError(f"{where}: rope scaling type {rope_type!r} is not supported; supported: "
+        raise UsageError(f"{f.where}: rope scaling type {rope_type!r} is not supported; supported: "
                          f"{', '.join(ROPE_TYPES)} (plain rotary and Llama 3.1's)")
-    partial = rope.get("partial_rotary_factor", raw.get("partial_rotary_factor", 1.0))
+    partial = rope.get("partial_rotary_factor", NUMBER, None)
+    if partial is None:
+        partial = f.get("partial_rotary_factor", NUMBER, 1.0)
     if partial != 1.0:
-        raise UsageError(f"{where}: partial_rotary_factor={partial}: only full rotary (1.0) is supported")
-    return {"type": rope_type, **rope}
+        raise UsageError(f"{f.where}: partial_rotary_factor={partial}: only full rotary (1.0) is supported")
+    out = {"rope_theta": theta}
+    if rope_type == "llama3":
+        out.update(rope_scaling="llama3", rope_scaling_factor=rope.get("factor", NUMBER),
+                   rope_low_freq_factor=rope.get("low_freq_factor", NUMBER),
+                   rope_high_freq_factor=rope.get("high_freq_factor", NUMBER))
+        original = f.get("original_max_position_embeddings", INT, None)
+        out["rope_original_max_len"] = (original if original is not None else
+                                        rope.get("original_max_position_embeddings", INT, max_len))
+    return out
+
+
+def _stored_dtype(f: Fields) -> str:
+    """The weights' dtype: `dtype` (transformers 5) or `torch_dtype` (4.x)."""
+    return f.get("dtype", TEXT.or_null(), None) or f.get("torch_dtype", TEXT.or_null(), None) or "float32"
+
+
+def _family(f: Fields) -> tuple[str, str]:
+    """(architecture class, 'llama' | 'mistral'). transformers builds the class that
+    model_type names; `architectures`, when given, must name the same one."""
+    archs = f.get("architectures", TEXTS.or_null(), None) or []
+    model_type = f.get("model_type", TEXT.or_null(), None)
+    arch = archs[0] if archs else {v: k for k, v in ARCHITECTURES.items()}.get(model_type, model_type)
+    if arch not in ARCHITECTURES:
+        raise UsageError(f"{f.where}: architecture {arch!r} is not supported; supported: "
+                         f"{', '.join(ARCHITECTURES)} (Llama family: rotary, SwiGLU, RMSNorm, no biases)")
+    family = ARCHITECTURES[arch]
+    if model_type is not None and model_type != family:
+        raise UsageError(f"{f.where}: architectures={show(archs)} but model_type={model_type!r}: transformers "
+                         f"builds the model model_type names; make them agree")
+    return arch, family
 
 
 def model_config(raw: dict, where: str = "config.json", *, param_dtype: Optional[str] = None,
                  compute_dtype: Optional[str] = None, scan_layers: bool = False) -> tuple[ModelConfig, str]:
     """(ModelConfig, architecture) of a parsed config.json; refuses what specjax's model
     cannot compute exactly, naming the key. dtypes default to the stored one."""
-    archs = raw.get("architectures") or []
-    arch = archs[0] if archs else {"llama": "LlamaForCausalLM", "mistral": "MistralForCausalLM"}.get(
-        raw.get("model_type"), raw.get("model_type"))
-    if arch not in ARCHITECTURES:
-        raise UsageError(f"{where}: architecture {arch!r} is not supported; supported: "
-                         f"{', '.join(ARCHITECTURES)} (Llama family: rotary, SwiGLU, RMSNorm, no biases)")
-    missing = [k for k in ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers",
-                           "num_attention_heads") if not isinstance(raw.get(k), int)]
+    f = raw if isinstance(raw, Fields) else Fields(raw, where)
+    arch, family = _family(f)
+    defaults = DEFAULTS[family]
+    missing = [k for k in SIZES if k not in f]
     if missing:
-        raise UsageError(f"{where}: missing or non-integer {', '.join(missing)}")
-    if raw.get("hidden_act", "silu") != "silu":
-        raise UsageError(f"{where}: hidden_act={raw['hidden_act']!r}: only 'silu' (SwiGLU) is supported")
-    for key in ("attention_bias", "mlp_bias"):
-        if raw.get(key):
-            raise UsageError(f"{where}: {key}=true: biases are not supported (Llama has none)")
-    max_len = int(raw.get("max_position_embeddings") or 2048)
-    window = raw.get("sliding_window")
-    if window is not None and raw.get("use_sliding_window", True) and window < max_len:
-        raise UsageError(f"{where}: sliding_window={window} is below max_position_embeddings={max_len}: "
-                         "sliding-window attention is not supported (Mistral v0.2 and later have none)")
-    rope = _rope(raw, where)
-    D, N = raw["hidden_size"], raw["num_attention_heads"]
-    stored = raw.get("dtype") or raw.get("torch_dtype") or "float32"
+        raise UsageError(f"{f.where}: missing {', '.join(missing)}")
+    V, D, F, L, N = (f.get(k, INT) for k in SIZES)
+    act = f.get("hidden_act", TEXT, "silu")
+    if act != "silu":
+        raise UsageError(f"{f.where}: hidden_act={act!r}: only 'silu' (SwiGLU) is supported")
+    if family == "llama":
+        for key in ("attention_bias", "mlp_bias"):
+            if f.get(key, BOOL, False):
+                raise UsageError(f"{f.where}: {key}=true: biases are not supported (Llama has none)")
+    max_len = f.get("max_position_embeddings", INT, defaults["max_position_embeddings"])
+    if family == "mistral":
+        window = f.get("sliding_window", INT.or_null(), defaults["sliding_window"])
+        if window is not None and window < max_len:
+            raise UsageError(f"{f.where}: sliding_window={window} is below max_position_embeddings={max_len}: "
+                             "sliding-window attention is not supported (Mistral v0.2 and later have none: "
+                             "sliding_window null)")
+    kv = f.get("num_key_value_heads", INT.or_null(), defaults["num_key_value_heads"])
+    head_dim = f.get("head_dim", INT.or_null(), None)
+    stored = _stored_dtype(f)
     if stored not in DTYPES:
-        raise UsageError(f"{where}: dtype {stored!r} is not supported; supported: {', '.join(DTYPES)}")
+        raise UsageError(f"{f.where}: dtype {stored!r} is not supported; supported: {', '.join(DTYPES)}")
     fields = dict(
-        vocab_size=raw["vocab_size"], d_model=D, num_layers=raw["num_hidden_layers"], num_heads=N,
-        num_kv_heads=raw.get("num_key_value_heads") or N, head_dim=raw.get("head_dim") or D // N,
-        d_ff=raw["intermediate_size"], max_seq_len=max_len, ffw="swiglu", pos_encoding="rope",
-        rope_theta=float(rope.get("rope_theta", 10000.0)), tie_embeddings=bool(raw.get("tie_word_embeddings", False)),
-        norm_eps=float(raw.get("rms_norm_eps", 1e-6)), embed_scale=1.0, norm_weight_after_cast=True,
+        vocab_size=V, d_model=D, num_layers=L, num_heads=N, num_kv_heads=N if kv is None else kv,
+        head_dim=D // max(N, 1) if head_dim is None else head_dim, d_ff=F, max_seq_len=max_len, ffw="swiglu",
+        pos_encoding="rope", tie_embeddings=f.get("tie_word_embeddings", BOOL, False),
+        norm_eps=f.get("rms_norm_eps", NUMBER, 1e-6), embed_scale=1.0, norm_weight_after_cast=True,
         param_dtype=param_dtype or stored, compute_dtype=compute_dtype or param_dtype or stored,
-        scan_layers=scan_layers)
-    if rope["type"] == "llama3":
-        try:
-            fields.update(rope_scaling="llama3", rope_scaling_factor=float(rope["factor"]),
-                          rope_low_freq_factor=float(rope["low_freq_factor"]),
-                          rope_high_freq_factor=float(rope["high_freq_factor"]),
-                          rope_original_max_len=int(rope.get("original_max_position_embeddings") or max_len))
-        except KeyError as e:
-            raise UsageError(f"{where}: llama3 rope scaling without {e.args[0]!r}") from None
+        scan_layers=scan_layers, **_rope(f, max_len))
     try:
         return ModelConfig(**fields).validate(), arch
     except ConfigError as e:
-        raise UsageError(f"{where}: {e}") from None
+        raise UsageError(f"{f.where}: {e}") from None
 
 
 def read_config(directory, *, param_dtype: Optional[str] = None, compute_dtype: Optional[str] = None,
                 scan_layers: bool = False) -> HFModel:
     """The directory's model and generation ids, from its JSON files alone (no weights read)."""
-    directory = as_path(directory)
-    raw = _read_json(directory / "config.json", "config.json describes the model")
-    cfg, arch = model_config(raw, str(directory / "config.json"), param_dtype=param_dtype,
-                             compute_dtype=compute_dtype, scan_layers=scan_layers)
-    generation = {}
-    if (directory / "generation_config.json").exists():
-        generation = _read_json(directory / "generation_config.json")
-    eos = generation.get("eos_token_id", raw.get("eos_token_id"))
-    eos_ids = tuple(eos) if isinstance(eos, list) else (eos,) if isinstance(eos, int) else ()
-    bos = generation.get("bos_token_id", raw.get("bos_token_id"))
-    return HFModel(str(directory), cfg, arch, raw.get("dtype") or raw.get("torch_dtype") or "float32",
-                   bos if isinstance(bos, int) else None, tuple(int(i) for i in eos_ids))
+    directory = model_dir(directory)
+    f = hf_files.read_json(directory / "config.json", "config.json describes the model")
+    cfg, arch = model_config(f, param_dtype=param_dtype, compute_dtype=compute_dtype, scan_layers=scan_layers)
+    bos, eos = hf_files.generation_ids(directory, cfg.vocab_size, fallback=f)
+    return HFModel(str(directory), cfg, arch, _stored_dtype(f), bos, eos or ())
 
 
 def tokenizer(directory) -> Optional[HFTokenizer]:
     """The directory's tokenizer (None without tokenizer files); bad files are UsageErrors."""
     try:
-        return load_hf_tokenizer(as_path(directory))
+        return load_hf_tokenizer(model_dir(directory))
     except TokenizerError as e:
         raise UsageError(str(e)) from None
 
@@ -305,16 +329,27 @@ def _is_variable(x) -> bool:
     return isinstance(x, nnx.Variable)
 
 
+def read_index(path) -> dict[str, str]:
+    """model.safetensors.index.json's weight_map: {tensor name: file name in the directory}."""
+    f = hf_files.read_json(path)
+    weight_map = f.section("weight_map")
+    if not weight_map.raw:
+        raise UsageError(f"{path}: has no weight_map (tensor name -> safetensors file)")
+    for name in weight_map.raw:
+        fname = weight_map.get(name, TEXT)
+        if "/" in fname or "\\" in fname or fname in ("", ".", ".."):
+            raise weight_map.refuse(name, fname, "must be the name of a file in the model directory")
+    return dict(weight_map.raw)
+
+
 class WeightFiles:
     """The safetensors files of a directory and which tensor lives in which file."""
 
     def __init__(self, directory, *, local: Optional[bool] = None):
-        directory = as_path(directory)
+        directory = model_dir(directory)
         index = directory / "model.safetensors.index.json"
         if index.exists():
-            weight_map = _read_json(index).get("weight_map")
-            if not isinstance(weight_map, dict) or not weight_map:
-                raise UsageError(f"{index}: has no weight_map")
+            weight_map = read_index(index)
             names = sorted(set(weight_map.values()))
         elif (directory / "model.safetensors").exists():
             names, weight_map = ["model.safetensors"], None
@@ -323,6 +358,9 @@ class WeightFiles:
             raise UsageError(f"{directory}: no weights: neither model.safetensors nor model.safetensors.index.json"
                              + (f" (found {', '.join(sorted(other))}: only safetensors are read; transformers' "
                                 "save_pretrained(safe_serialization=True) writes them)" if other else ""))
+        for n in names:
+            if (directory / n).is_dir():
+                raise UsageError(f"{directory / n}: is a directory, not a safetensors file")
         self.files = {n: safetensors_io.SafetensorsFile(directory / n, local=local) for n in names}
         self.where: dict[str, safetensors_io.SafetensorsFile] = {}
         for file in self.files.values():
@@ -526,16 +564,86 @@ def hf_config(cfg: ModelConfig, bos_id: Optional[int] = None, eos_ids=()) -> dic
             "torch_dtype": cfg.param_dtype}
 
 
+def check_export_dir(directory, flag: str = "export directory") -> epath.Path:
+    """Refuse (UsageError, before any work) unless `directory` can receive a new export:
+    it does not exist (and could be created) or is an empty directory.
+
+    Why refuse a non-empty one rather than write over it: an export beside an older one
+    mixes them (the loader prefers model.safetensors.index.json, so a single-file export
+    next to an older sharded one silently loads the old weights), and replacing the whole
+    directory would delete whatever else it holds (a typo'd --export_hf=~/models, the
+    teacher's own directory). So a directory that holds anything is the user's to remove."""
+    path = as_path(directory)
+    text = os.fspath(directory)
+    if not text.strip():
+        raise UsageError(f"{flag}={text!r}: empty path")
+    if path.exists():
+        if not path.is_dir():
+            raise UsageError(f"{flag}={text!r}: is a file; an export is a directory (give a new or empty one)")
+        held = sorted(p.name for p in path.iterdir())
+        if held:
+            raise UsageError(f"{flag}={text!r}: the directory is not empty (it holds {', '.join(held[:4])}"
+                             + (f" and {len(held) - 4} more" if len(held) > 4 else "") + "); an export writes a new "
+                             "model directory and never mixes with or deletes what is there: remove it first, or "
+                             "give a new or empty directory")
+        if "://" not in text and not os.access(path, os.W_OK | os.X_OK):
+            raise UsageError(f"{flag}={text!r}: the directory is not writable")
+        return path
+    if "://" in text:
+        return path
+    parent = pathlib.Path(os.fspath(path)).parent
+    while not parent.exists():
+        parent = parent.parent
+    if not parent.is_dir():
+        raise UsageError(f"{flag}={text!r}: {parent} is a file, not a directory")
+    if not os.access(parent, os.W_OK | os.X_OK):
+        raise UsageError(f"{flag}={text!r}: cannot create it, the directory {parent} is not writable")
+    return path
+
+
+def _staging(directory: pathlib.Path) -> pathlib.Path:
+    """A fresh sibling of `directory` to write an export into, first removing the ones
+    that exports killed before their end left behind (their process is gone)."""
+    directory.parent.mkdir(parents=True, exist_ok=True)
+    prefix = f".{directory.name}.export-"
+    for old in directory.parent.iterdir():
+        pid = old.name[len(prefix):-len(".partial")]
+        if old.name.startswith(prefix) and old.name.endswith(".partial") and pid.isdigit() and not _alive(int(pid)):
+            shutil.rmtree(old, ignore_errors=True)
+    staging = directory.parent / f"{prefix}{os.getpid()}.partial"
+    shutil.rmtree(staging, ignore_errors=True)
+    staging.mkdir()
+    return staging
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True
+
+
 def export(lm: LM, directory, *, tokenizer_dir=None, bos_id: Optional[int] = None, eos_ids=(),
            max_shard_bytes: int = MAX_SHARD_BYTES) -> epath.Path:
     """Write `lm` as a Hugging Face Llama directory (config.json, generation_config.json,
     safetensors in the params' dtype, and the tokenizer files of `tokenizer_dir` if
     given). Every process must call it (params are gathered tensor by tensor); process 0
-    writes. An untied model's input-embedding scale is folded into the table."""
+    writes. An untied model's input-embedding scale is folded into the table.
+
+    `directory` must not exist or be empty (`check_export_dir`). A local export is
+    written into a hidden sibling and renamed into place at the end, so the directory
+    appears whole or not at all (a killed export leaves no half-model under its name;
+    the next export clears what it left). gs:// has no rename: there the files are
+    written in place."""
     lm = kv_heads.undo(lm)  # a model loaded with duplicated kv heads is written with its own
     cfg = lm.cfg
     exportable(cfg)
-    directory = as_path(directory)
+    distributed.agreed(lambda: check_export_dir(directory) and None)  # process 0 writes: its answer counts
+    target = as_path(directory)
+    remote = "://" in os.fspath(directory)
     dtype = np.dtype(jax.numpy.dtype(cfg.param_dtype))
     source = {}  # HF name -> (param array, layer of a stacked param or None, layout, specjax key)
     for path, v in jax.tree_util.tree_flatten_with_path(lm.params, is_leaf=_is_variable)[0]:
@@ -564,29 +672,40 @@ def export(lm: LM, directory, *, tokenizer_dir=None, bos_id: Optional[int] = Non
         size += nbytes
     main = distributed.is_main()
     if main:
-        directory.mkdir(parents=True, exist_ok=True)
+        if remote:
+            out = target
+            out.mkdir(parents=True, exist_ok=True)
+        else:
+            out = epath.Path(_staging(pathlib.Path(os.fspath(target))))
     names = (["model.safetensors"] if len(shards) == 1 else
              [f"model-{k + 1:05d}-of-{len(shards):05d}.safetensors" for k in range(len(shards))])
     for fname, shard in zip(names, shards):
         if main:
-            safetensors_io.write(directory / fname, shard, value, metadata={"format": "pt"})
+            safetensors_io.write(out / fname, shard, value, metadata={"format": "pt"})
         else:
             for t in shard:
                 value(t[0])  # the gathers are collective: every process takes part
     if not main:
-        return directory
+        return target
     if len(shards) > 1:
         index = {"metadata": {"total_size": sum(math.prod(t[2]) * dtype.itemsize for t in tensors)},
                  "weight_map": {t[0]: fname for fname, shard in zip(names, shards) for t in shard}}
-        (directory / "model.safetensors.index.json").write_text(json.dumps(index, indent=2) + "\n")
-    (directory / "config.json").write_text(json.dumps(hf_config(cfg, bos_id, eos_ids), indent=2) + "\n")
+        (out / "model.safetensors.index.json").write_text(json.dumps(index, indent=2) + "\n")
+    (out / "config.json").write_text(json.dumps(hf_config(cfg, bos_id, eos_ids), indent=2) + "\n")
     generation = {"bos_token_id": bos_id, "eos_token_id": (list(eos_ids) if len(eos_ids) != 1 else eos_ids[0])
                   if eos_ids else None}
-    (directory / "generation_config.json").write_text(
+    (out / "generation_config.json").write_text(
         json.dumps({k: v for k, v in generation.items() if v is not None}, indent=2) + "\n")
     if tokenizer_dir is not None:
         for fname in TOKENIZER_FILES:
             src = as_path(tokenizer_dir) / fname
             if src.exists():
-                src.copy(directory / fname, overwrite=True)
-    return directory
+                src.copy(out / fname, overwrite=True)
+    if not remote:
+        try:
+            # rename(2) onto a missing or EMPTY directory replaces it in one step.
+            os.rename(os.fspath(out), os.fspath(target))
+        except OSError as e:
+            raise UsageError(f"{target}: cannot move the finished export into place ({e.strerror or e}; something "
+                             f"was written there meanwhile?); the export is kept in {out}") from None
+    return target

@@ -17,7 +17,6 @@ from __future__ import annotations
 
 import dataclasses
 import io
-import json
 import os
 import pathlib
 import re
@@ -210,15 +209,14 @@ class Tokenizer:
 # --------------------------------------------------------------------------- Hugging Face
 
 
-def _read_json(path) -> dict:
-    return json.loads(path.read_text(encoding="utf-8")) if path.exists() else {}
-
-
-def _token_content(value) -> Optional[str]:
-    """tokenizer_config.json writes special tokens as strings or as AddedToken dicts."""
+def _token_content(fields, key: str) -> Optional[str]:
+    """tokenizer_config.json writes special tokens as strings or as AddedToken dicts
+    ({"content": ...}); null or absent: none."""
+    from specjax.weights.hf_files import OBJECT, TEXT
+    value = fields.get(key, (TEXT | OBJECT).or_null(), None)
     if isinstance(value, dict):
-        return value.get("content")
-    return value if isinstance(value, str) else None
+        return fields.section(key).get("content", TEXT)
+    return value
 
 
 class HFTokenizer:
@@ -251,10 +249,14 @@ class HFTokenizer:
 
     def __init__(self, directory):
         from etils import epath
+        from specjax.weights import hf_files
         directory = epath.Path(directory)
         self.directory = directory
-        config = _read_json(directory / "tokenizer_config.json")
-        generation = _read_json(directory / "generation_config.json")
+        config = hf_files.read_json(directory / "tokenizer_config.json", required=False) or hf_files.Fields(
+            {}, str(directory / "tokenizer_config.json"))
+        generation_bos, generation_eos = hf_files.generation_ids(directory)
+        generation = hf_files.read_json(directory / "generation_config.json", required=False)
+        generation_pad = generation.token_ids("pad_token_id", single=True) if generation is not None else None
         if (directory / "tokenizer.json").exists():
             import tokenizers
             self.path = directory / "tokenizer.json"
@@ -264,24 +266,20 @@ class HFTokenizer:
                 raise TokenizerError(f"{self.path}: not a tokenizers file ({str(e).splitlines()[0][:200]})") from None
         elif (directory / "tokenizer.model").exists():
             self.path = directory / "tokenizer.model"
-            self._impl = _SentencePieceAsTransformers(self.path.read_bytes(), config)
+            self._impl = _SentencePieceAsTransformers(self.path, config)
         else:
             raise TokenizerError(f"{directory} has neither tokenizer.json nor tokenizer.model")
-        self.bos_id = self._special_id(config.get("bos_token"), generation.get("bos_token_id"))
-        self.eos_id = self._special_id(config.get("eos_token"), None)
-        eos = generation.get("eos_token_id")
-        stop = eos if isinstance(eos, list) else [eos] if isinstance(eos, int) else []
-        if not stop and self.eos_id is not None:
-            stop = [self.eos_id]
-        self.stop_ids = tuple(int(i) for i in stop)
+        self.bos_id = self._special_id(_token_content(config, "bos_token"), generation_bos)
+        self.eos_id = self._special_id(_token_content(config, "eos_token"), None)
+        stop = generation_eos or (() if self.eos_id is None else (self.eos_id,))
+        self.stop_ids = tuple(stop)
         if self.eos_id is None and self.stop_ids:
             self.eos_id = self.stop_ids[0]
-        self.pad_id = self._special_id(config.get("pad_token"), generation.get("pad_token_id"))
-        template = config.get("chat_template")
-        self.chat_template = template if isinstance(template, str) else None
+        self.pad_id = self._special_id(_token_content(config, "pad_token"), generation_pad and generation_pad[0])
+        template = config.get("chat_template", (hf_files.TEXT | hf_files.TEMPLATES).or_null(), None)
+        self.chat_template = template if isinstance(template, str) else None  # several named ones: none used
 
-    def _special_id(self, token, fallback) -> Optional[int]:
-        content = _token_content(token)
+    def _special_id(self, content: Optional[str], fallback) -> Optional[int]:
         found = self._impl.token_to_id(content) if content else None
         return found if found is not None else fallback
 
@@ -331,16 +329,23 @@ class _SentencePieceAsTransformers:
     and one space is prepended to a piece at the start of the text unless it already
     starts with a space or '\u2581'."""
 
-    def __init__(self, model: bytes, config: dict):
+    def __init__(self, path, config):
+        from specjax.weights.hf_files import BOOL
         from sentencepiece import sentencepiece_model_pb2
-        proto = sentencepiece_model_pb2.ModelProto.FromString(model)
-        proto.normalizer_spec.add_dummy_prefix = False
-        self._sp = spm.SentencePieceProcessor(model_proto=proto.SerializeToString())
+        try:
+            proto = sentencepiece_model_pb2.ModelProto.FromString(path.read_bytes())
+            proto.normalizer_spec.add_dummy_prefix = False
+            self._sp = spm.SentencePieceProcessor(model_proto=proto.SerializeToString())
+        except Exception as e:  # noqa: BLE001 (protobuf's DecodeError, SentencePiece's RuntimeError: a bad file)
+            raise TokenizerError(f"{path}: not a SentencePiece model ({type(e).__name__}: "
+                                 f"{' '.join(str(e).split())[:200]})") from None
         n = self._sp.get_piece_size()
+        if n == 0:
+            raise TokenizerError(f"{path}: not a SentencePiece model (it holds no pieces)")
         self._special = {i for i in range(n) if self._sp.is_control(i) or self._sp.is_unknown(i)}
         self._specials = sorted((self._sp.id_to_piece(i) for i in self._special), key=len, reverse=True)
-        self._add_bos = config.get("add_bos_token", True)
-        self._add_eos = config.get("add_eos_token", False)
+        self._add_bos = config.get("add_bos_token", BOOL.or_null(), None) is not False
+        self._add_eos = config.get("add_eos_token", BOOL.or_null(), None) is True
 
     def token_to_id(self, token: str) -> Optional[int]:
         i = self._sp.piece_to_id(token)
