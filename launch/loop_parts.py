@@ -13,7 +13,8 @@ launch cancel; medians over repeats. If `speculate` costs more than the sum of i
 the difference is interaction (both models' weights and caches sharing the caches of
 the CPU), not work: the parts do all the work the loop does. Random weights (the
 costs do not depend on their values). `--kernels=on,matmul+attention` compiles every
-part under each SPECJAX_KERNELS setting and interleaves all of them (an A/B in one run).
+part under each kernel setting (`Kernels`: static, so each is its own program) and
+interleaves all of them (an A/B in one run).
 """
 from __future__ import annotations
 
@@ -29,11 +30,12 @@ import jax.numpy as jnp  # noqa: E402
 import numpy as np  # noqa: E402
 from absl import flags  # noqa: E402
 
-from specjax import kernels, sharding  # noqa: E402
+from specjax import sharding  # noqa: E402
 from specjax.app import cli  # noqa: E402
 from specjax.app.locate import Weights  # noqa: E402
-from specjax.decode import drafters, program as program_lib, speculative as sps  # noqa: E402
+from specjax.decode import drafters, program as program_lib, speculative as sps, verify  # noqa: E402
 from specjax.decode.sampling import Warp, warp  # noqa: E402
+from specjax.kernels import Kernels  # noqa: E402
 
 FLAGS = flags.FLAGS
 
@@ -53,32 +55,37 @@ def never(x) -> jax.Array:
     return (x == -7).astype(jnp.int32)
 
 
-def parts(K: int, w: Warp, verify: str):
+def parts(K: int, w: Warp, rule: str):
+    settings = sps.Settings(K, w, rule)
+
     def speculate(t, d, s):
-        key, r = sps.speculate(t, d, None, s, sps.Settings(K, w, verify))
+        key, r = sps.speculate(t, d, s, settings)
         return dataclasses.replace(s, key=key, target_cache=r.target_cache.with_lengths(s.length + 2),
-                                   draft_cache=r.draft_cache.with_lengths(s.length + 1),
+                                   drafter_state=r.drafter_state.with_lengths(s.length + 1),
                                    length=s.length + 3 + never(r.num_accepted) + never(r.next_token))
 
     def draft_tokens(t, d, s):
         key, sub = jax.random.split(s.key)
-        prop, cache, bad = drafters.model_proposal(d, s.draft_cache, s.tokens, s.length, sub, K, w)
-        return dataclasses.replace(s, key=key, draft_cache=cache.with_lengths(s.length + 1),
+        prop, cache, bad = drafters.model_proposal(d.lm, s.drafter_state, s.tokens, s.length, sub, K, w)
+        return dataclasses.replace(s, key=key, drafter_state=cache.with_lengths(s.length + 1),
                                    length=s.length + 3 + never(prop.x[:, -1]) + never(prop.p[:, -1, 0]) + bad)
 
     def target(t, d, s, accept: bool):
         pos = s.length[:, None] - 1 + jnp.arange(K + 1)[None]
-        logits, cache = t(s.tokens[:, :K + 1], pos, s.target_cache)
+        logits, cache = t.extend(s.tokens[:, :K + 1], pos, s.target_cache)
         out = never(logits[:, 0, 0])
         if accept:
             q, bad = warp(logits, w)
-            n, token, empty = sps.verifier(verify)(s.key, s.tokens[:, 1:K + 1], q[:, :K], q)
+            batch = q.shape[0]
+            chain = drafters.Proposal(s.tokens[:, None, 1:K + 1], q[:, None, :K], jnp.full((batch, 1), K),
+                                      jnp.zeros((batch, 1), jnp.int32))
+            n, _, token, empty = verify.select(rule, 1)(s.key, chain, q)
             out = never(n) + never(token) + jnp.any(bad, axis=1) + empty
         return dataclasses.replace(s, target_cache=cache.with_lengths(s.length + 2), length=s.length + 3 + out)
 
     return {"speculate (one SpS loop)": speculate, "model_proposal (K steps)": draft_tokens,
             f"target pass ({K + 1} tokens)": lambda t, d, s: target(t, d, s, False),
-            f"target + warp + {verify} verify": lambda t, d, s: target(t, d, s, True)}
+            f"target + warp + {rule} verify": lambda t, d, s: target(t, d, s, True)}
 
 
 def main(argv):
@@ -89,9 +96,10 @@ def main(argv):
     if K < 1 or FLAGS.prompt_len < K + 2 or FLAGS.cache < FLAGS.prompt_len + 3 * 65 + K + 2:
         raise cli.UsageError(f"need --lookahead >= 1, --prompt_len >= K+2 and --cache >= prompt_len + 3*65 + K + 2 "
                              f"(got {K}, {FLAGS.prompt_len}, {FLAGS.cache})")
+    settings = {}
     for setting in FLAGS.kernels:  # checked before any weights load
         try:
-            kernels.setting_value(setting)
+            settings[setting] = Kernels.parse(setting)
         except ValueError as e:
             raise cli.UsageError(f"--kernels: {e}")
     weights = Weights.locate(config, "random", None, None, need_draft=True, train_missing=False)
@@ -103,17 +111,18 @@ def main(argv):
     lens = jnp.array([FLAGS.prompt_len], jnp.int32)
     print(f"{config.name}: K={K}, prompt {FLAGS.prompt_len}, cache {FLAGS.cache}, {w}")
     runs, subjects = {}, {}
-    for setting in FLAGS.kernels:
-        with kernels.setting(setting):
-            subjects[setting] = tuple(lm.packed() for lm in models)  # as decoding runs them
-            for name, body in parts(K, w, config.sampling.verify).items():
-                def program(t, d, p, n, body=body):
-                    state = sps.start(t, d, p, lens, jax.random.key(0), K, FLAGS.cache)
-                    return jax.lax.fori_loop(0, n, lambda i, st: body(t, d, st), state).length
+    for setting, kernels in settings.items():
+        target, draft = (lm.with_kernels(kernels).packed() for lm in models)  # as decoding runs them
+        subjects[setting] = (target, drafters.ModelDrafter(draft))
+        warping = w._replace(kernels=kernels)
+        for name, body in parts(K, warping, config.sampling.verify).items():
+            def program(t, d, p, n, body=body, warping=warping):
+                state = sps.start(t, d, p, lens, jax.random.key(0), sps.Settings(K, warping), FLAGS.cache)
+                return jax.lax.fori_loop(0, n, lambda i, st: body(t, d, st), state).length
 
-                with jax.set_mesh(mesh):  # a fresh function per setting: traced under it
-                    runs[name, setting] = {n: program_lib.compile_lowered(
-                        jax.jit(program, static_argnums=3).lower(*subjects[setting], prompts, n)) for n in (5, 65)}
+            with jax.set_mesh(mesh):
+                runs[name, setting] = {n: program_lib.compile_lowered(
+                    jax.jit(program, static_argnums=3).lower(*subjects[setting], prompts, n)) for n in (5, 65)}
     times = {key: [] for key in runs}
     with jax.set_mesh(mesh):
         for _ in range(FLAGS.repeats):

@@ -79,11 +79,13 @@ def main(argv):
         cli.choices("verify", FLAGS.verify, base.verify, VERIFY_RULES),
         cli.unit_interval_list("draft_confidence", FLAGS.draft_confidence, base.draft_confidence),
         [base.num_drafts] if FLAGS.num_drafts is None else cli.int_list("num_drafts", FLAGS.num_drafts))
-    need_draft = any(drafters.uses_model(v["drafter"]) for v in variants)
+    need_draft = any(drafters.kind(v["drafter"]).needs_draft_model for v in variants)
     if need_draft and config.draft is None:
         raise UsageError(f"--config={FLAGS.config}: has no draft model, which --drafter=model|hybrid needs")
-    if any(v["drafter"] == "retrieval" for v in variants) and FLAGS.datastore is None:
-        raise UsageError("--drafter=retrieval needs --datastore=PATH (build one with `python -m specjax.datastore`)")
+    needs_store = [v["drafter"] for v in variants if drafters.kind(v["drafter"]).needs_datastore]
+    if needs_store and FLAGS.datastore is None:
+        raise UsageError(f"--drafter={needs_store[0]} needs --datastore=PATH (build one with "
+                         "`python -m specjax.datastore`)")
     store = Datastore.load(FLAGS.datastore) if FLAGS.datastore else None
     if store is not None:
         store.check(config.target.vocab_size, f"--datastore={FLAGS.datastore}")

@@ -15,7 +15,7 @@ from specjax.config import SamplingConfig, load_config
 from specjax.analysis.hlo import HloProgram
 from specjax.decode.datastore import Datastore
 from conftest import mesh_for
-from models import RAGGED, fused_loop_collectives, tiny_pairs
+from models import RAGGED, cache_copies, fused_loop_collectives, tiny_pairs
 
 @pytest.fixture(scope="module")
 def pairs(tiny):
@@ -31,6 +31,16 @@ def test_greedy_sps_equals_greedy_ars(pairs, mesh_name):
     assert [len(t) for t in ars.tokens] == [256] * len(RAGGED)
     assert sps.tokens == ars.tokens
     assert sps.accepted.sum() > 0  # some loops really emitted accepted draft tokens
+
+
+@pytest.mark.parametrize("mesh_name", ["1x1", "1x8"])
+@pytest.mark.parametrize("num_drafts", [1, 3])
+def test_the_loop_writes_both_caches_in_place(pairs, mesh_name, num_drafts):
+    """No copy of the target's or the draft's cache per loop: each pass reads its cache
+    and a commit then writes into it, in place (with the CPU kernels on one device)."""
+    target, draft = pairs[mesh_name]
+    sampling = SamplingConfig(temperature=0, lookahead=4, max_new_tokens=256, num_drafts=num_drafts)
+    assert cache_copies(program.build(target, draft, RAGGED, sampling)) == []
 
 
 # Every mode beyond the paper: block verification, adaptive K (the greedy rule reads the
