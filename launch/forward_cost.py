@@ -32,6 +32,8 @@ flags.DEFINE_integer("repeats", 10, "Timed loops per setting (median).")
 flags.DEFINE_list("kernels", ["default"], "Kernel settings to compare: on, off, default ($SPECJAX_KERNELS at start), "
                   "or kernels' names joined by + (matmul, attention, nucleus; e.g. matmul+attention).")
 flags.DEFINE_integer("bandwidth_mb", 512, "Array size for the memory-bandwidth measurement (0: skip).")
+flags.DEFINE_enum("clock", "wall", ["wall", "cpu"], "wall: elapsed time; cpu: this process's CPU time (all its "
+                  "threads), which other jobs on a shared host inflate far less than the elapsed time.")
 FLAGS = flags.FLAGS
 
 
@@ -68,16 +70,52 @@ def read_bandwidth(megabytes: int, repeats: int = 10) -> dict[str, float]:
     return rates
 
 
-def main(argv):
-    cfg = load_config(FLAGS.config).target
-    lm = model.init_lm(cfg, sharding.make_mesh(MeshConfig(1, 1), jax.devices()[:1]))
-    ts = [int(t) for t in FLAGS.tokens.split(",")]
-    settings = {}
-    for setting in FLAGS.kernels:
+def forward_times(lm, ts, sizes, settings, steps: int, repeats: int, clock: str = "wall"
+                  ) -> dict[tuple[int, str, int], float]:
+    """Median ms per forward of `lm` for every (cache size, kernel setting, T): `steps`
+    forwards per timed loop (`loop`), `repeats` loops, every program interleaved with the
+    others of its cache size so that machine noise hits every T and setting alike.
+    `clock`: 'wall' or 'cpu' (CPU ms of the process, summed over its threads)."""
+    now = time.perf_counter if clock == "wall" else time.process_time
+    cfg = lm.cfg
+    out = {}
+    for size in sizes:
+        # A relative-position model's table is made at prefill, so outside the timed loop.
+        fresh = lambda: lm.with_position_table(kv_cache.init_cache(cfg, 1, size)).with_lengths(  # noqa: E731
+            jnp.array([size // 3], jnp.int32))
+        progs, subject = {}, {}
+        for setting in settings:
+            # Packed where the matmul kernel runs, as decoding has it; the setting is the
+            # model's static data, so each setting traces and compiles its own programs.
+            subject[setting] = lm.with_kernels(Kernels.parse(setting)).packed()
+            for t in ts:
+                fn = jax.jit(functools.partial(loop), static_argnums=(2, 3), donate_argnums=1)
+                progs[setting, t] = program.compile_lowered(fn.lower(subject[setting], fresh(), t, steps))
+        times = {key: [] for key in progs}
+        for _ in range(repeats):
+            for key, prog in progs.items():
+                c = jax.block_until_ready(fresh())
+                start = now()
+                jax.block_until_ready(prog(subject[key[0]], c))
+                times[key].append((now() - start) / steps * 1e3)
+        out.update({(size, *key): float(np.median(t)) for key, t in times.items()})
+    return out
+
+
+def check_settings(settings) -> None:
+    for setting in settings:
         try:
-            settings[setting] = Kernels.parse(setting)
+            Kernels.parse(setting)
         except ValueError as e:
             raise app.UsageError(f"--kernels: {e}")
+
+
+def main(argv):
+    cfg = load_config(FLAGS.config).target
+    ts = [int(t) for t in FLAGS.tokens.split(",")]
+    sizes = [int(s) for s in FLAGS.cache.split(",")]
+    check_settings(FLAGS.kernels)
+    lm = model.init_lm(cfg, sharding.make_mesh(MeshConfig(1, 1), jax.devices()[:1]))
     weight_bytes = sum(x.nbytes for x in jax.tree.leaves(lm.params))
     print(f"{FLAGS.config}: {lm.num_params / 1e6:.1f}M params, {weight_bytes / 1e6:.1f} MB")
     if FLAGS.bandwidth_mb:
@@ -86,31 +124,16 @@ def main(argv):
         print("memory read bandwidth " + ", ".join(f"{v:.1f} GB/s ({k})" for k, v in rates.items())
               + f" -> 1-token roofline {weight_bytes / gbps / 1e6:.2f} ms"
               " (weights read once at the best rate, cache ignored)")
-    print(f"ms per forward (median of {FLAGS.repeats})")
+    print(f"{FLAGS.clock} ms per forward (median of {FLAGS.repeats})")
     label = len(FLAGS.kernels) > 1
     wide = max(8, *(len(k) for k in FLAGS.kernels))
     print("cache S  " + (f"{'kernels':<{wide}} " if label else "") + "  ".join(f"T={t:<6}" for t in ts) + "  T_max/T_1")
-    for size in (int(s) for s in FLAGS.cache.split(",")):
-        # A relative-position model's table is made at prefill, so outside the timed loop.
-        fresh = lambda: lm.with_position_table(kv_cache.init_cache(cfg, 1, size)).with_lengths(
-            jnp.array([size // 3], jnp.int32))
-        progs, subject = {}, {}
-        for setting, chosen in settings.items():
-            subject[setting] = lm.with_kernels(chosen).packed()  # packed where the matmul kernel runs, as decoding has it
-            for t in ts:
-                fn = jax.jit(functools.partial(loop), static_argnums=(2, 3), donate_argnums=1)
-                progs[setting, t] = program.compile_lowered(fn.lower(subject[setting], fresh(), t, FLAGS.steps))
-        times = {key: [] for key in progs}
-        for _ in range(FLAGS.repeats):
-            for key, prog in progs.items():  # interleaved: machine noise hits every T (and setting) alike
-                c = jax.block_until_ready(fresh())
-                start = time.perf_counter()
-                jax.block_until_ready(prog(subject[key[0]], c))
-                times[key].append((time.perf_counter() - start) / FLAGS.steps * 1e3)
+    med = forward_times(lm, ts, sizes, FLAGS.kernels, FLAGS.steps, FLAGS.repeats, FLAGS.clock)
+    for size in sizes:
         for setting in FLAGS.kernels:
-            med = {t: float(np.median(times[setting, t])) for t in ts}
-            print(f"{size:<8} " + (f"{setting:<{wide}} " if label else "") + "  ".join(f"{med[t]:<8.2f}" for t in ts)
-                  + f"  {med[ts[-1]] / med[ts[0]]:.2f}")
+            row = [med[size, setting, t] for t in ts]
+            print(f"{size:<8} " + (f"{setting:<{wide}} " if label else "") + "  ".join(f"{m:<8.2f}" for m in row)
+                  + f"  {row[-1] / row[0]:.2f}")
 
 
 if __name__ == "__main__":

@@ -8,7 +8,9 @@ SPECJAX_COORDINATOR etc. set, see specjax/distributed.py, each feeds only its ow
 rows) and process 0 writes the JSON. Same config, seed and prompts give the same tokens
 on one process or several; tests/test_multiprocess.py checks exactly that, and that
 the compiled programs are the ones `plan.compile_program` compiles (HLO fingerprints)
-and that prompts of other lengths in the same bucket reuse them.
+and that prompts of other lengths in the same bucket reuse them. With
+--sleep_before_compile the last process starts each mode late: process 0's timed runs
+must not include the wait (the test compares the first run's seconds with the second's).
 """
 from __future__ import annotations
 
@@ -16,6 +18,7 @@ import dataclasses
 import json
 import os
 import sys
+import time
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), os.pardir))
 
@@ -33,6 +36,8 @@ def define_flags() -> None:
     flags.DEFINE_integer("batch", 4, "Prompts (ragged lengths 3, 9, 17, 5, ...).")
     flags.DEFINE_integer("max_new_tokens", 12, "Tokens per row.")
     flags.DEFINE_string("output", None, "JSON file written by process 0 (default: stdout).")
+    flags.DEFINE_float("sleep_before_compile", 0.0, "The last process sleeps this long before each mode's first "
+                       "generate (which compiles): the others' timed runs must not include it.")
 
 
 def prompts(batch: int, vocab: int) -> list[list[int]]:
@@ -73,10 +78,14 @@ def main(argv):
         if mode == "sps" and draft is None:
             raise UsageError(f"config {cfg.name} has no draft model; use --mode=ars")
         d = draft if mode == "sps" else None
+        if flags.FLAGS.sleep_before_compile and jax.process_index() == jax.process_count() - 1:
+            time.sleep(flags.FLAGS.sleep_before_compile)
         result = specjax.generate(target, d, rows, sampling, seed=0)
         out[mode] = result.tokens
         out[f"{mode}_loops"] = result.loops.tolist()
-        specjax.generate(target, d, same_bucket, sampling, seed=1)
+        again = specjax.generate(target, d, same_bucket, sampling, seed=1)
+        # Run seconds of the first generate (compiled here) and of the second (same program).
+        out[f"{mode}_seconds"] = [result.seconds, again.seconds]
         prog = program.build(target, d, rows, sampling, seed=0)
         out[f"{mode}_fingerprint"] = program.fingerprint(prog.compile())
         out[f"{mode}_plan_fingerprint"] = compile_lib.compile_program(

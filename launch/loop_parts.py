@@ -1,13 +1,21 @@
 """Where an SpS loop's time goes: the whole loop body against its parts, each in-situ.
 
     python launch/loop_parts.py --config=mini --lookahead=4 --prompt_len=128
+    python launch/loop_parts.py --drafter=ngram --shape=smollm2_135m --context=distinct,repeating
 
 Each part runs N times inside one jitted `fori_loop` from the same prefilled state, as
 `generate` compiles it (api.compile_lowered), at batch 1:
   speculate       draft K tokens, score K+1 with the target, warp, verify (one SpS loop)
-  model_proposal  the K draft steps alone
-  target pass     one (K+1)-token target forward alone
+  model_proposal  the K draft steps alone (--drafter=model)
+  ngram lookup    the prompt lookup alone (--drafter=ngram: no draft model)
+  target pass     one (K+1)-token target forward alone, and (ngram) a 1-token one: the
+                  pass of a loop whose lookup found nothing
   target + verify the same plus the target's warp and the config's verifier
+--shape=NAME takes the target's shape from launch/shapes.py (random weights).
+--context says what the token buffer holds, which decides what a lookup finds:
+'random' (random prompt tokens, zeros after them), 'distinct' (every position a
+different token: the lookup never finds anything) or 'repeating' (a 16-token pattern:
+it finds K tokens every loop); each context is a separate row, interleaved.
 Per-iteration time = (time of 65 iterations - time of 5) / 60, so the prefill and the
 launch cancel; medians over repeats. If `speculate` costs more than the sum of its parts,
 the difference is interaction (both models' weights and caches sharing the caches of
@@ -37,6 +45,9 @@ from specjax.decode import drafters, program as program_lib, speculative as sps,
 from specjax.decode.sampling import Warp, warp  # noqa: E402
 from specjax.kernels import Kernels  # noqa: E402
 
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from shapes import SHAPES  # noqa: E402
+
 FLAGS = flags.FLAGS
 
 
@@ -48,6 +59,28 @@ def define_flags() -> None:
     flags.DEFINE_integer("repeats", 5, "Timed pairs (65 and 5 iterations) per part; medians.")
     flags.DEFINE_list("kernels", ["default"], "Kernel settings to compare, interleaved (as forward_cost.py's: on, "
                       "off, default, or kernels' names joined by +, e.g. matmul+attention).")
+    flags.DEFINE_enum("drafter", None, ["model", "ngram"], "The drafter (default: the config's).")
+    flags.DEFINE_string("shape", None, f"The target's shape, one of launch/shapes.py's (default: the config's).")
+    flags.DEFINE_list("context", ["random"], "What the token buffer holds: random, distinct or repeating.")
+    flags.DEFINE_enum("clock", "wall", ["wall", "cpu"], "wall: elapsed time; cpu: this process's CPU time (all its "
+                      "threads: on a host shared with other jobs it is inflated far less).")
+
+
+CONTEXTS = ("random", "distinct", "repeating")
+
+
+def token_buffer(context: str, size: int, prompt_len: int, vocab: int) -> jax.Array:
+    """[1, size] tokens: `context` (see the module docstring) over the whole buffer, so that
+    a lookup sees it however far the timed loops advance the length."""
+    rng = np.random.default_rng(0)
+    if context == "random":
+        tokens = np.zeros(size, np.int64)
+        tokens[:prompt_len] = rng.integers(0, vocab, prompt_len)
+    elif context == "distinct":
+        tokens = rng.permutation(vocab)[np.arange(size) % vocab]
+    else:
+        tokens = rng.integers(0, vocab, 16)[np.arange(size) % 16]
+    return jnp.asarray(tokens[None], jnp.int32)
 
 
 def never(x) -> jax.Array:
@@ -55,14 +88,16 @@ def never(x) -> jax.Array:
     return (x == -7).astype(jnp.int32)
 
 
-def parts(K: int, w: Warp, rule: str):
+def parts(K: int, w: Warp, rule: str, drafter: str):
     settings = sps.Settings(K, w, rule)
 
     def speculate(t, d, s):
         key, r = sps.speculate(t, d, s, settings)
+        length = s.length + 3 + never(r.num_accepted) + never(r.next_token)
+        # The drafter's own rollback (a draft cache to length - its window; nothing for a lookup).
+        state = d.update(r.drafter_state, drafters.Verdict(length, r.num_accepted, r.next_token, r.chain))
         return dataclasses.replace(s, key=key, target_cache=r.target_cache.with_lengths(s.length + 2),
-                                   drafter_state=r.drafter_state.with_lengths(s.length + 1),
-                                   length=s.length + 3 + never(r.num_accepted) + never(r.next_token))
+                                   drafter_state=state, length=length)
 
     def draft_tokens(t, d, s):
         key, sub = jax.random.split(s.key)
@@ -70,9 +105,13 @@ def parts(K: int, w: Warp, rule: str):
         return dataclasses.replace(s, key=key, drafter_state=cache.with_lengths(s.length + 1),
                                    length=s.length + 3 + never(prop.x[:, -1]) + never(prop.p[:, -1, 0]) + bad)
 
-    def target(t, d, s, accept: bool):
-        pos = s.length[:, None] - 1 + jnp.arange(K + 1)[None]
-        logits, cache = t.extend(s.tokens[:, :K + 1], pos, s.target_cache)
+    def lookup(t, d, s):
+        prop, hit = d.lookup(s.tokens, s.length, K)
+        return dataclasses.replace(s, length=s.length + 3 + never(prop.x[:, -1]) + never(prop.length) + never(hit))
+
+    def target(t, d, s, width: int, accept: bool):
+        pos = s.length[:, None] - 1 + jnp.arange(width)[None]
+        logits, cache = t.extend(s.tokens[:, :width], pos, s.target_cache)
         out = never(logits[:, 0, 0])
         if accept:
             q, bad = warp(logits, w)
@@ -83,60 +122,91 @@ def parts(K: int, w: Warp, rule: str):
             out = never(n) + never(token) + jnp.any(bad, axis=1) + empty
         return dataclasses.replace(s, target_cache=cache.with_lengths(s.length + 2), length=s.length + 3 + out)
 
-    return {"speculate (one SpS loop)": speculate, "model_proposal (K steps)": draft_tokens,
-            f"target pass ({K + 1} tokens)": lambda t, d, s: target(t, d, s, False),
-            f"target + warp + {rule} verify": lambda t, d, s: target(t, d, s, True)}
+    out = {"speculate (one SpS loop)": speculate}
+    if drafters.kind(drafter).needs_draft_model:
+        out["model_proposal (K steps)"] = draft_tokens
+    else:
+        out[f"{drafter} lookup"] = lookup
+        out["target pass (1 token)"] = lambda t, d, s: target(t, d, s, 1, False)
+    out[f"target pass ({K + 1} tokens)"] = lambda t, d, s: target(t, d, s, K + 1, False)
+    out[f"target + warp + {rule} verify"] = lambda t, d, s: target(t, d, s, K + 1, True)
+    return out
 
 
 def main(argv):
     config = cli.config()
-    if config.draft is None:
-        raise cli.UsageError(f"--config={config.name}: has no draft model")
+    drafter = FLAGS.drafter or config.sampling.drafter
+    if drafter not in ("model", "ngram"):
+        raise cli.UsageError(f"drafter {drafter!r}: loop_parts measures the model and ngram drafters")
+    if FLAGS.shape is not None:
+        if FLAGS.shape not in SHAPES:
+            raise cli.UsageError(f"--shape={FLAGS.shape}: not one of {', '.join(SHAPES)}")
+        config = dataclasses.replace(config, target=SHAPES[FLAGS.shape], tokenizer_vocab=0)
+    need_draft = drafters.kind(drafter).needs_draft_model
+    if need_draft and config.draft is None:
+        raise cli.UsageError(f"--config={config.name}: has no draft model (use --drafter=ngram)")
+    if need_draft and config.draft.vocab_size != config.target.vocab_size:
+        raise cli.UsageError(f"--shape={FLAGS.shape}: vocab {config.target.vocab_size} is not the draft's "
+                             f"{config.draft.vocab_size} (use --drafter=ngram)")
     K = FLAGS.lookahead
     if K < 1 or FLAGS.prompt_len < K + 2 or FLAGS.cache < FLAGS.prompt_len + 3 * 65 + K + 2:
         raise cli.UsageError(f"need --lookahead >= 1, --prompt_len >= K+2 and --cache >= prompt_len + 3*65 + K + 2 "
                              f"(got {K}, {FLAGS.prompt_len}, {FLAGS.cache})")
-    settings = {}
+    bad = [c for c in FLAGS.context if c not in CONTEXTS]
+    if bad or not FLAGS.context:
+        raise cli.UsageError(f"--context={','.join(FLAGS.context)}: each must be one of {', '.join(CONTEXTS)}")
+    chosen = {}
     for setting in FLAGS.kernels:  # checked before any weights load
         try:
-            settings[setting] = Kernels.parse(setting)
+            chosen[setting] = Kernels.parse(setting)
         except ValueError as e:
             raise cli.UsageError(f"--kernels: {e}")
-    weights = Weights.locate(config, "random", None, None, need_draft=True, train_missing=False)
-    mesh = sharding.make_checked_mesh(config.mesh, {"target": config.target, "draft": config.draft})
-    models = weights.load(mesh, need_draft=True)
+    weights = Weights.locate(config, "random", None, None, need_draft=need_draft, train_missing=False)
+    models = {"target": config.target, **({"draft": config.draft} if need_draft else {})}
+    mesh = sharding.make_checked_mesh(config.mesh, models)
+    target, draft = weights.load(mesh, need_draft=need_draft)
     w = program_lib.warping_of(config.sampling)
-    prompts = jnp.asarray(np.random.default_rng(0).integers(0, config.target.vocab_size, (1, FLAGS.prompt_len)),
-                          jnp.int32)
+    buffers = {c: token_buffer(c, FLAGS.cache, FLAGS.prompt_len, config.target.vocab_size) for c in FLAGS.context}
     lens = jnp.array([FLAGS.prompt_len], jnp.int32)
-    print(f"{config.name}: K={K}, prompt {FLAGS.prompt_len}, cache {FLAGS.cache}, {w}")
+    print(f"{config.name}{f' with the target shape {FLAGS.shape}' if FLAGS.shape else ''}: drafter {drafter}, "
+          f"K={K}, prompt {FLAGS.prompt_len}, cache {FLAGS.cache}, {w}")
     runs, subjects = {}, {}
-    for setting, kernels in settings.items():
-        target, draft = (lm.with_kernels(kernels).packed() for lm in models)  # as decoding runs them
-        subjects[setting] = (target, drafters.ModelDrafter(draft))
+    sampling = dataclasses.replace(config.sampling, drafter=drafter)
+    for setting, kernels in chosen.items():
+        # As decoding runs them: the setting is the models' and the warp's static data (each
+        # setting its own programs), the weights packed where the matmul kernel runs.
+        subject = target.with_kernels(kernels).packed()
+        d = drafters.make(sampling, config.target.vocab_size, None if draft is None else draft.with_kernels(kernels),
+                          None, mesh)
+        subjects[setting] = (subject, d)
         warping = w._replace(kernels=kernels)
-        for name, body in parts(K, warping, config.sampling.verify).items():
-            def program(t, d, p, n, body=body, warping=warping):
-                state = sps.start(t, d, p, lens, jax.random.key(0), sps.Settings(K, warping), FLAGS.cache)
+        for name, body in parts(K, warping, config.sampling.verify, drafter).items():
+            def program(t, d, buffer, n, body=body, warping=warping):
+                state = sps.start(t, d, buffer[:, :FLAGS.prompt_len], lens, jax.random.key(0), sps.Settings(K, warping),
+                                  FLAGS.cache)
+                state = dataclasses.replace(state, tokens=buffer)
                 return jax.lax.fori_loop(0, n, lambda i, st: body(t, d, st), state).length
 
             with jax.set_mesh(mesh):
-                runs[name, setting] = {n: program_lib.compile_lowered(
-                    jax.jit(program, static_argnums=3).lower(*subjects[setting], prompts, n)) for n in (5, 65)}
-    times = {key: [] for key in runs}
+                example = next(iter(buffers.values()))
+                runs[name, setting] = program_lib.compile_lowered(  # the trip count an argument: one compile
+                    jax.jit(program).lower(*subjects[setting], example, jnp.int32(5)))
+    keys = [(name, setting, c) for (name, setting) in runs for c in FLAGS.context]
+    now = time.perf_counter if FLAGS.clock == "wall" else time.process_time
+    times = {key: [] for key in keys}
     with jax.set_mesh(mesh):
         for _ in range(FLAGS.repeats):
-            for (name, setting), run in runs.items():  # interleaved: machine noise hits every part alike
-                args = (*subjects[setting], prompts)
-                start = time.perf_counter()
-                run[65](*args).block_until_ready()
-                middle = time.perf_counter()
-                run[5](*args).block_until_ready()
-                times[name, setting].append(((middle - start) - (time.perf_counter() - middle)) / 60 * 1e3)
-    for (name, setting), t in times.items():
-        label = f" [{setting}]" if len(FLAGS.kernels) > 1 else ""
-        print(f"  {name + label:48s} {np.median(t):7.2f} ms per iteration")
-
+            for name, setting, c in keys:  # interleaved: machine noise hits every part alike
+                run, args = runs[name, setting], (*subjects[setting], buffers[c])
+                start = now()
+                run(*args, jnp.int32(65)).block_until_ready()
+                middle = now()
+                run(*args, jnp.int32(5)).block_until_ready()
+                times[name, setting, c].append(((middle - start) - (now() - middle)) / 60 * 1e3)
+    for (name, setting, c), t in times.items():
+        label = (f" [{setting}]" if len(FLAGS.kernels) > 1 else "") + (f" [{c}]" if len(FLAGS.context) > 1 else "")
+        print(f"  {name + label:60s} {np.median(t):7.2f} {FLAGS.clock} ms per iteration "
+              f"(spread {np.min(t):.2f}-{np.max(t):.2f})")
 
 if __name__ == "__main__":
     define_flags()

@@ -119,7 +119,7 @@ def traced_events(trace_dir: str):
 
 
 def profile(lm, cfg, size: int, tokens: int):
-    fresh = lambda: lm.with_position_table(kv_cache.init_cache(cfg, 1, size)).with_lengths(  # noqa: E731
+    fresh = lambda: lm.with_position_table(kv_cache.init_cache(lm.cfg, 1, size)).with_lengths(  # noqa: E731
         jnp.array([size // 3], jnp.int32))
     fn = jax.jit(loop, static_argnums=(2, 3), donate_argnums=1)
     prog = program.compile_lowered(fn.lower(lm, fresh(), tokens, FLAGS.steps))

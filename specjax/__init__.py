@@ -2,7 +2,8 @@
 
 The public API; everything else is importable from its own module:
   specjax.decode     the loops (ArS, SpS) and `generate`
-  specjax.weights    checkpoints, tokenizers, Hugging Face import/export (weights.hf)
+  specjax.weights    checkpoints, tokenizers, Hugging Face import/export (weights.hf), GGUF import
+                     (weights.gguf)
   specjax.training   data, losses, the trainer
   specjax.analysis   HLO collectives, roofline, `plan`'s compile, timing
   specjax.evaluation Table-1 tasks, metrics, the paired test
@@ -16,7 +17,7 @@ from specjax.model import LM, init_lm
 from specjax.sharding import make_mesh
 
 __all__ = ["Config", "LM", "LoopTrace", "ModelConfig", "NonFiniteLogitsError", "Result", "SamplingConfig",
-           "Totals", "UsageError", "explain_loop", "generate", "init_lm", "load_config", "load_hf", "load_lm",
+           "Totals", "UsageError", "explain_loop", "generate", "init_lm", "load_config", "load_gguf", "load_hf", "load_lm",
            "make_mesh", "next_token_probs"]
 
 
@@ -30,4 +31,11 @@ def load_hf(*args, **kwargs):
     """`specjax.weights.hf.load(directory, mesh)`: a Hugging Face Llama-family directory as
     (LM sharded on the mesh, tokenizer or None)."""
     from specjax.weights.hf import load
+    return load(*args, **kwargs)
+
+
+def load_gguf(*args, **kwargs):
+    """`specjax.weights.gguf.load(path, mesh)`: a GGUF file of a `llama` model as (LM
+    sharded on the mesh, tokenizer or None)."""
+    from specjax.weights.gguf import load
     return load(*args, **kwargs)

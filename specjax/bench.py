@@ -25,7 +25,7 @@ from absl import flags
 from specjax import sharding
 from specjax.analysis import timing
 from specjax.app import cli, output, prompts as prompts_lib
-from specjax.app.locate import Weights, with_hf_models
+from specjax.app.locate import Weights, imported, with_hf_models
 from specjax.config import DRAFTERS, VERIFY_RULES, UsageError
 from specjax.decode import drafters
 from specjax.decode.datastore import Datastore, file_sha256
@@ -43,6 +43,8 @@ def define_flags() -> None:
     flags.DEFINE_enum("init", "checkpoint", ["checkpoint", "random"], "random: random weights.")
     flags.DEFINE_string("hf_target", None, "Hugging Face model directory holding the target (with --hf_draft).")
     flags.DEFINE_string("hf_draft", None, "Hugging Face model directory holding the draft.")
+    flags.DEFINE_string("gguf_target", None, "GGUF file holding the target (with --gguf_draft or --hf_draft).")
+    flags.DEFINE_string("gguf_draft", None, "GGUF file holding the draft.")
     flags.DEFINE_string("json", None, "Write the results here.")
     flags.DEFINE_string("plot", None, "Write the Figure-1 panels (PNG) here.")
     flags.DEFINE_integer("seed", 0, "Sampling seed.")
@@ -60,6 +62,8 @@ def define_flags() -> None:
     flags.DEFINE_enum("prompts", "humaneval", ["humaneval", "rewrite"], "With a tokenizer: HumanEval prompts, or "
                       "'rewrite' (held-out standard-library functions, each followed by its own def line: a "
                       "copy-heavy task).")
+    flags.DEFINE_string("prompts_file", None, "Prompts from this file instead (one per line, or JSONL with "
+                        "\"prompt\" or \"prompt_tokens\", as sample's), all of them (--num_prompts is ignored).")
 
 
 def main(argv):
@@ -69,10 +73,12 @@ def main(argv):
     prompt_len = cli.positive("prompt_len", FLAGS.prompt_len)
     output.check_writable(FLAGS.json, "--json")
     output.check_writable(FLAGS.plot, "--plot")
-    if FLAGS.hf_target and not FLAGS.hf_draft:
-        raise UsageError("--hf_target needs --hf_draft: bench compares ArS with SpS")
+    raw_prompts = prompts_lib.gather(prompts_file=FLAGS.prompts_file) if FLAGS.prompts_file else None
+    sources = dict(hf_target=FLAGS.hf_target, hf_draft=FLAGS.hf_draft, gguf_target=FLAGS.gguf_target,
+                   gguf_draft=FLAGS.gguf_draft)
+    target, draft = imported(**sources)
     config = with_hf_models(cli.config(), FLAGS.hf_target, FLAGS.hf_draft, init=FLAGS.init, checkpoint=None,
-                            draft_checkpoint=None)
+                            draft_checkpoint=None, gguf_target=FLAGS.gguf_target, gguf_draft=FLAGS.gguf_draft)
     base = config.sampling if FLAGS.ngram is None else dataclasses.replace(config.sampling, ngram=FLAGS.ngram)
     variants = timing.variants(
         base, cli.choices("drafter", FLAGS.drafter, base.drafter, DRAFTERS),
@@ -80,6 +86,9 @@ def main(argv):
         cli.unit_interval_list("draft_confidence", FLAGS.draft_confidence, base.draft_confidence),
         [base.num_drafts] if FLAGS.num_drafts is None else cli.int_list("num_drafts", FLAGS.num_drafts))
     need_draft = any(drafters.kind(v["drafter"]).needs_draft_model for v in variants)
+    if target is not None and need_draft and draft is None:
+        raise UsageError(f"{target.flag('target')} needs --hf_draft or --gguf_draft for a draft model's SpS "
+                         "(lookup drafters need none)")
     if need_draft and config.draft is None:
         raise UsageError(f"--config={FLAGS.config}: has no draft model, which --drafter=model|hybrid needs")
     needs_store = [v["drafter"] for v in variants if drafters.kind(v["drafter"]).needs_datastore]
@@ -90,22 +99,25 @@ def main(argv):
     if store is not None:
         store.check(config.target.vocab_size, f"--datastore={FLAGS.datastore}")
     weights = Weights.locate(config, FLAGS.init, None, None, need_draft=need_draft, train_missing=False,
-                             hf_target=FLAGS.hf_target, hf_draft=FLAGS.hf_draft)
+                             **sources)
     tokenizer = weights.tokenizer()
     if store is not None:
         store.check_tokenizer(file_sha256(tokenizer.path) if tokenizer else None, f"--datastore={FLAGS.datastore}")
-    prompts = prompts_lib.bench_prompts(FLAGS.prompts, tokenizer, num_prompts, config.target.vocab_size, prompt_len,
-                                        seed)
+    if raw_prompts is not None:
+        prompts = [p.tokens for p in prompts_lib.encode(raw_prompts, tokenizer, weights.no_tokenizer_reason)]
+    else:
+        prompts = prompts_lib.bench_prompts(FLAGS.prompts, tokenizer, num_prompts, config.target.vocab_size,
+                                            prompt_len, seed)
     base = dataclasses.replace(base, max_new_tokens=max_new, eos_id=-1)
     models = {"target": config.target, **({"draft": config.draft} if need_draft else {})}
     prompts_lib.check([prompts_lib.Prompt(f"prompt {i}", p) for i, p in enumerate(prompts)],
                       config.target.vocab_size, min(m.max_seq_len for m in models.values()), max_new)
     mesh = sharding.make_checked_mesh(config.mesh, models)
     target, draft = weights.load(mesh, need_draft=need_draft)
-    report = {"config": config.name, **({"hf_target": FLAGS.hf_target, "hf_draft": FLAGS.hf_draft} if FLAGS.hf_target
-                                        else {}),
+    report = {"config": config.name, **{k: v for k, v in sources.items() if v is not None},
               "machine": f"{jax.device_count()}x {jax.devices()[0].device_kind}",
-              "init": FLAGS.init, "prompts": FLAGS.prompts if tokenizer is not None else "random ids",
+              "init": FLAGS.init,
+              "prompts": FLAGS.prompts_file or (FLAGS.prompts if tokenizer is not None else "random ids"),
               **timing.bench(target, draft, prompts, base, ks, batch_sizes, repeats, seed, variants=variants,
                              datastore=store)}
     sys.stdout.flush()

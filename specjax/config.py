@@ -8,6 +8,7 @@ command line never reaches JAX.
 from __future__ import annotations
 
 import dataclasses
+import importlib
 import importlib.util
 import math
 import numbers
@@ -127,6 +128,10 @@ class ModelConfig:
     # RMSNorm as transformers' Llama: normalise in float32, cast to the activation dtype,
     # then multiply by the weight (the same numbers in float32, one rounding apart in bf16).
     norm_weight_after_cast: bool = False
+    # How many consecutive copies of each kv head num_kv_heads counts (Megatron/vLLM kv-head
+    # duplication, set at load time by `kv_heads.for_mesh`, never in a config file): the
+    # model's own kv heads are num_kv_heads // kv_copies.
+    kv_copies: int = 1
 
     def __post_init__(self):
         _plain_numbers(self)
@@ -152,6 +157,10 @@ class ModelConfig:
             raise ConfigError(f"ModelConfig.embed_scale={self.embed_scale!r}: must be > 0 (or None)")
         _choice(self, "param_dtype", {"float32", "bfloat16", "float16"})
         _choice(self, "compute_dtype", {"float32", "bfloat16", "float16"})
+        _positive(self, "kv_copies")
+        if self.num_kv_heads % self.kv_copies:
+            raise ConfigError(f"ModelConfig.num_kv_heads={self.num_kv_heads} is not a multiple of "
+                              f"kv_copies={self.kv_copies}")
         if self.num_heads % self.num_kv_heads:
             raise ConfigError(f"ModelConfig.num_heads={self.num_heads} is not a multiple of "
                               f"num_kv_heads={self.num_kv_heads}")
@@ -282,6 +291,7 @@ class TrainConfig:
     teacher: str = ""
     teacher_checkpoint: str = ""  # empty = the teacher config's default checkpoint dir
     teacher_hf: str = ""  # or: a Hugging Face model directory (specjax.weights.hf) as the teacher
+    teacher_gguf: str = ""  # or: a GGUF file (specjax.weights.gguf) as the teacher
     distill_temperature: float = 1.0
     distill_weight: float = 1.0  # loss = w * KL(teacher || student) + (1 - w) * LM loss
 
@@ -306,10 +316,11 @@ class TrainConfig:
                 finite(0, 1))
         _number(self, "distill_weight", "in [0, 1]", lambda v: 0 <= v <= 1)
         _number(self, "distill_temperature", "a finite number > 0", finite(0, math.inf))
-        _text(self, "teacher_hf")
-        if self.teacher and self.teacher_hf:
-            raise ConfigError(f"TrainConfig.teacher={self.teacher!r} and teacher_hf={self.teacher_hf!r}: give one "
-                              "teacher (a config's checkpoint or a Hugging Face directory)")
+        _text(self, "teacher_hf", "teacher_gguf")
+        given = [f"{k}={getattr(self, k)!r}" for k in ("teacher", "teacher_hf", "teacher_gguf") if getattr(self, k)]
+        if len(given) > 1:
+            raise ConfigError(f"TrainConfig.{' and '.join(given)}: give one teacher (a config's checkpoint, a Hugging "
+                              "Face directory or a GGUF file)")
         return self
 
 
@@ -468,11 +479,32 @@ def is_remote(path) -> bool:
     return str(path).startswith("gs://")
 
 
+# Cloud schemes and the fsspec package etils.epath reads each through (without it, the
+# first file access raises ImportError from inside fsspec).
+REMOTE_PACKAGES = {"gs": ("gcsfs", "pip install 'specjax[gcs]' (or: pip install gcsfs)")}
+
+
+def check_remote_support(path) -> None:
+    """UsageError naming the package to install when `path` is a cloud path whose
+    filesystem package is missing, before anything tries to read it."""
+    text = os.fspath(path) if isinstance(path, os.PathLike) else str(path)
+    scheme = text.split("://", 1)[0] if "://" in text else ""
+    if scheme not in REMOTE_PACKAGES:
+        return
+    package, install = REMOTE_PACKAGES[scheme]
+    try:
+        importlib.import_module(package)
+    except ImportError:
+        raise UsageError(f"{text}: reading {scheme}:// paths needs the {package} package, which is not "
+                         f"installed: {install}") from None
+
+
 def user_path(text: str | os.PathLike):
     """A path the user gave (a checkpoint, an HF directory, a workdir, a prompts file, an
     output): an `etils.epath.Path`, so `gs://bucket/...` works wherever epath (and orbax)
     support it; `~` is expanded and relative paths made absolute for local ones."""
     from etils import epath
+    check_remote_support(text)
     path = epath.Path(text)
     return path if is_remote(text) else path.expanduser().absolute()
 

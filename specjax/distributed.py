@@ -59,6 +59,12 @@ def is_main() -> bool:
     return jax.process_index() == 0
 
 
+def barrier(name: str) -> None:
+    """Wait until every process reaches the barrier `name` (no-op with one process)."""
+    if jax.process_count() > 1:
+        multihost_utils.sync_global_devices(name)
+
+
 def process_rows(sharding: jax.sharding.Sharding, global_shape: tuple[int, ...]) -> slice:
     """The rows (leading axis) of a global array that this process's devices hold."""
     starts, stops = [], []

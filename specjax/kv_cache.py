@@ -96,12 +96,6 @@ class Fresh(NamedTuple):
     v: jax.Array
     hidden: jax.Array | None = None
 
-    def padded(self, width: int) -> "Fresh":
-        """These nodes followed by zeros up to `width` (entries a caller keeps shapes
-        static with and never keeps)."""
-        pad = lambda a, axis: jnp.pad(a, [(0, width - a.shape[axis]) if i == axis else (0, 0) for i in range(a.ndim)])
-        return Fresh(pad(self.k, 2), pad(self.v, 2), None if self.hidden is None else pad(self.hidden, 1))
-
 
 def commit(cache: KVCache, fresh: Fresh, start: jax.Array, nodes: jax.Array | None = None) -> KVCache:
     """Write a pass's entries into every layer at consecutive positions start[b]..: all T

@@ -29,9 +29,9 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
-from specjax import kv_cache, sharding
+from specjax import kv_cache, kv_heads, sharding
 from specjax.config import ModelConfig
-from specjax.kernels import DEFAULT as DEFAULT_KERNELS, Kernels, dispatch, pack_params, project, should_pack
+from specjax.kernels import DEFAULT as DEFAULT_KERNELS, Kernels, dispatch, pack_params, project, should_pack, stored
 from specjax.kv_cache import CACHE_AXES, Fresh, KVCache
 
 MASKED = -1e30
@@ -345,9 +345,9 @@ class Transformer(nnx.Module):
             # Vocab-parallel lookup as a one-hot contraction: each 'model' shard contributes
             # its rows and one all-reduce sums them (Megatron), never gathering the table.
             one_hot = jax.nn.one_hot(tokens, cfg.vocab_size, dtype=ct)
-            x = jnp.einsum("BTV,VD->BTD", one_hot, self.embed.value.astype(ct))
+            x = jnp.einsum("BTV,VD->BTD", one_hot, stored(self.embed.value).astype(ct))
         else:  # one device holds the table: a gather costs B*T*D, not B*T*V*D
-            x = jnp.take(self.embed.value, tokens, axis=0).astype(ct)
+            x = jnp.take(stored(self.embed.value), tokens, axis=0).astype(ct)
         if cfg.input_embedding_scale != 1.0:
             x = x * cfg.input_embedding_scale
         visible = causal(T) if visible is None else jnp.asarray(visible, bool)
@@ -373,7 +373,9 @@ class Transformer(nnx.Module):
                 kv.append((k, v))
             k, v = (jnp.stack(a) for a in zip(*kv))
         x = self.final_norm(x)
-        # A tied table is [V, D], never packed (the kernel would need a transposed copy of it).
+        # A tied table is stored [V, D]; packed for decoding, it holds panels of its transpose
+        # (`Packed.T`), as XLA:CPU's dot against its transpose at 2-7 rows ran at a fraction
+        # of the read rate.
         table = self.embed.value.T if cfg.tie_embeddings else self.unembed.value
         logits = project("BTD,DV->BTV", x, table, kernels, ct, preferred_element_type=jnp.float32)
         # Pinned vocab-parallel (Megatron): otherwise a consumer that wants whole rows (the
@@ -462,7 +464,10 @@ class LM:
             return made if should_pack(self.params, dtypes, self.kernels, new_copy=False) else self
         if not should_pack(self.params, dtypes, self.kernels):
             return self
-        packed = dataclasses.replace(self, params=pack_params(self.params, PROJECTIONS))  # subclasses stay
+        # A tied table is packed too (as its transpose, for the logits): it is read every step.
+        tied = ("embed",) if self.cfg.tie_embeddings else ()
+        projections = {**PROJECTIONS, **{name: (1, 2) for name in tied}}
+        packed = dataclasses.replace(self, params=pack_params(self.params, projections, tied))  # subclasses stay
         _remember(self, packed)
         return packed
 
@@ -482,15 +487,23 @@ def abstract_lm(cfg: ModelConfig, mesh: jax.sharding.Mesh | None = None) -> LM:
 
 def init_program(cfg: ModelConfig, mesh: jax.sharding.Mesh, seed: int | None = None):
     """(graphdef, the jitted random init `() -> params`), params created already sharded
-    (out_shardings: no host copy). `plan` compiles the same function without running it."""
+    (out_shardings: no host copy). `plan` compiles the same function without running it.
+    A config with duplicated kv heads (`kv_heads.for_mesh`) draws the original model's
+    params (the same numbers as without duplication) and repeats its kv heads."""
     seed = cfg.init_seed if seed is None else seed
     graphdef, abstract = nnx.split(nnx.eval_shape(lambda: Transformer(cfg, Keys(seed))))
     shardings = sharding.param_shardings(abstract, mesh)
-    return graphdef, jax.jit(lambda: nnx.split(Transformer(cfg, Keys(seed)))[1], out_shardings=shardings)
+
+    def init():
+        state = nnx.split(Transformer(kv_heads.original(cfg), Keys(seed)))[1]
+        return kv_heads.map_kv(state, lambda x: kv_heads.repeat(x, cfg.kv_copies))
+    return graphdef, jax.jit(init, out_shardings=shardings)
 
 
-def init_lm(cfg: ModelConfig, mesh: jax.sharding.Mesh, seed: int | None = None) -> LM:
-    """Random params created already sharded."""
+def init_lm(cfg: ModelConfig, mesh: jax.sharding.Mesh, seed: int | None = None, *, duplicate_kv: bool = True) -> LM:
+    """Random params created already sharded; with fewer kv heads than the 'model' axis,
+    each is duplicated (`kv_heads`) unless duplicate_kv=False (training)."""
+    cfg = kv_heads.for_mesh(cfg, mesh) if duplicate_kv else kv_heads.original(cfg)
     sharding.check_divisible(cfg, mesh)
     graphdef, init = init_program(cfg, mesh, seed)
     return LM(cfg, graphdef, init())

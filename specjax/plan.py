@@ -2,10 +2,13 @@
 
 Lowers and compiles THE programs `generate` runs (built by `program.build`) on a mesh of
 fake CPU devices, with every parameter a sharded `jax.ShapeDtypeStruct`: nothing the size
-of the model is allocated. It reports compile time, bytes per device against a 32 GiB
-TPU v4 chip, collectives per SpS loop / ArS step and outside the loop (counted in the
-compiled HLO), and a TPU v4 roofline ms/token set against the paper's Table 1
-(`specjax.analysis`).
+of the model is allocated. It reports compile time, bytes per device against the chip's
+HBM, collectives per SpS loop / ArS step and outside the loop (counted in the
+compiled HLO), and a TPU roofline ms/token set against the paper's Table 1
+(`specjax.analysis`). `--chip=v4|v5e|v5p|v6e` picks the chip (HBM size and bandwidth, peak
+FLOP/s: `roofline.CHIPS`); memory counts TPU padding (minor dims to 128 lanes) and kv
+heads duplicated as the loaders do (`kv_heads`), and the report says how many chips the
+config needs on that chip.
 
 Why `--xla_disable_hlo_passes=while-loop-invariant-code-motion`: XLA:CPU hoists the
 bf16->f32 convert of the stacked (scanned) weights out of the layer loop, so the whole
@@ -26,7 +29,7 @@ import jax
 from absl import flags
 
 from specjax.analysis import compile as compile_lib, report as report_lib
-from specjax.analysis.roofline import Chip
+from specjax.analysis.roofline import CHIPS, Chip
 from specjax.app import cli, output
 from specjax.config import MeshConfig, UsageError
 
@@ -41,8 +44,9 @@ def define_flags() -> None:
     flags.DEFINE_integer("batch", 1, "Rows per batch.")
     flags.DEFINE_integer("prompt_len", 128, "Prompt tokens per row (the prefill).")
     flags.DEFINE_integer("cache_len", None, "KV-cache (and token buffer) length; default min(2048, max_seq_len).")
+    flags.DEFINE_enum("chip", "v4", list(CHIPS), "TPU generation: HBM size and bandwidth, peak bf16 FLOP/s, ICI.")
     flags.DEFINE_float("collective_latency_us", Chip.collective_latency_s * 1e6,
-                       "Fixed latency per collective in the TPU v4 roofline (microseconds).")
+                       "Fixed latency per collective in the TPU roofline (microseconds).")
     flags.DEFINE_integer("num_drafts", 1, "Also compile the tree loop with this many draft chains (> 1) and "
                          "report its scoring pass against the chain's.")
     flags.DEFINE_bool("licm", False, "Keep XLA's while-loop-invariant-code-motion pass (XLA:CPU then hoists "
@@ -75,7 +79,7 @@ def main(argv):
     output.check_writable(FLAGS.json, "--json")
     configure_xla(data * model, FLAGS.licm)
     jax.config.update("jax_platforms", "cpu")
-    chip = dataclasses.replace(Chip(), collective_latency_s=latency * 1e-6)
+    chip = dataclasses.replace(CHIPS[FLAGS.chip], collective_latency_s=latency * 1e-6)
     report = compile_lib.plan(cfg, data, model, batch, prompt_len, cache_len, chip, num_drafts)
     print(report_lib.format_report(report))
     if FLAGS.json:

@@ -7,6 +7,7 @@ with their ms/token. Typical use:
     python -m specjax.sample --config=tiny --init=random --mode=sps --prompt_tokens=1,2,3 --temperature=0
     python -m specjax.sample --prompts_file=prompts.jsonl --num_samples=4 --batch_size=4 --output=out.jsonl
     python -m specjax.sample --hf_target=SmolLM2-360M --hf_draft=SmolLM2-135M --prompt="def fib(n):"
+    python -m specjax.sample --gguf_target=SmolLM2-135M-Instruct.Q4_1.gguf --mode=ars --prompt="def fib(n):"
     python -m specjax.sample --mode=sps --drafter=ngram --verify=block --lookahead=6
 
 Every input is checked before a model is built or compiled; bad input is one line on
@@ -67,6 +68,9 @@ def define_flags() -> None:
                         "and sampling settings.")
     flags.DEFINE_string("hf_draft", None, "Hugging Face model directory holding the draft (same tokenizer as "
                         "the target; not needed for --mode=ars).")
+    flags.DEFINE_string("gguf_target", None, "GGUF file (llama.cpp's format: llama architecture, any GGML type, "
+                        "tokenizer in its metadata) holding the target, instead of --hf_target.")
+    flags.DEFINE_string("gguf_draft", None, "GGUF file holding the draft (same tokenizer as the target).")
     flags.DEFINE_enum("init", "checkpoint", ["checkpoint", "random"],
                       "random: random weights (speed measurements before a checkpoint exists).")
     flags.DEFINE_string("mesh", None, "DATAxMODEL, e.g. 1x8 or 2x4 (default: the config's mesh).")
@@ -88,7 +92,8 @@ def main(argv):
         batch_size=cli.positive("batch_size", FLAGS.batch_size), seed=cli.seed("seed", FLAGS.seed),
         init=FLAGS.init, checkpoint=FLAGS.checkpoint, draft_checkpoint=FLAGS.draft_checkpoint,
         output=FLAGS.output, train_missing=FLAGS.train_missing, print_samples=FLAGS.print_samples,
-        hf_target=FLAGS.hf_target, hf_draft=FLAGS.hf_draft, datastore=FLAGS.datastore))
+        hf_target=FLAGS.hf_target, hf_draft=FLAGS.hf_draft, gguf_target=FLAGS.gguf_target,
+        gguf_draft=FLAGS.gguf_draft, datastore=FLAGS.datastore))
 
 
 if __name__ == "__main__":

@@ -3,8 +3,10 @@
 Megatron tensor parallelism falls out of the table: q/k/v and ffw-in are split over
 'model' on their output axis (heads, mlp), attention-out and ffw-out on their input
 axis, so each block needs one all-reduce after attention and one after the ffw.
-Embedding and logits are vocab-parallel. The KV cache follows the kv heads, and is
-replicated when there are fewer kv heads than 'model' devices (MQA/GQA).
+Embedding and logits are vocab-parallel. The KV cache follows the kv heads. With fewer
+kv heads than 'model' devices (MQA/GQA) the loaders duplicate each kv head so that there
+are as many as devices (`kv_heads`); only where the 'model' axis is not a multiple of the
+kv heads would they stay replicated (and `check_divisible` refuses that mesh).
 """
 from __future__ import annotations
 

@@ -4,6 +4,7 @@
     python -m specjax.train --config=mini_draft             # distilled from mini_target
     python -m specjax.train --config=tiny --workdir=/tmp/t --config.train.steps=30
     python -m specjax.train --config=MY_DRAFT --config.train.teacher_hf=HF_DIR --export_hf=OUT_DIR
+    python -m specjax.train --config=MY_DRAFT --config.train.teacher_gguf=FILE.gguf --export_hf=OUT_DIR
 
 Checkpoints, the tokenizer and metrics.jsonl go to --workdir (default: where
 `specjax.sample` looks, $SPECJAX_CACHE/checkpoints/NAME). Running the same command again
@@ -27,7 +28,8 @@ def define_flags() -> None:
                         "$SPECJAX_CACHE/checkpoints/CONFIG_NAME, where specjax.sample looks).")
     flags.DEFINE_bool("progress", True, "Show a tqdm progress bar.")
     flags.DEFINE_string("export_hf", None, "After training, write the model as a Hugging Face Llama directory "
-                        "here (with the tokenizer of --config.train.teacher_hf when distilled from one).")
+                        "here (with the tokenizer of --config.train.teacher_hf or teacher_gguf when distilled from "
+                        "one).")
     cli.define_config_flag("mini_target")
 
 
@@ -36,11 +38,14 @@ def main(argv):
     distributed.maybe_initialize()
     if not FLAGS["verbosity"].present:
         logging.set_verbosity(logging.WARNING)  # orbax logs every file it writes at INFO
-    cli.use_compilation_cache()  # restarts (resume after preemption) and the draft run reuse compiled programs
+    cli.use_compilation_cache(FLAGS.workdir)  # restarts (resume after preemption) and the draft run reuse compiled programs
     config = cli.config()
     if FLAGS.export_hf:
         from specjax.weights import hf
         hf.exportable(config.target)  # refused before training, not after it
+    if config.train.teacher_gguf:
+        from specjax.weights import gguf
+        gguf.read_config(config.train.teacher_gguf)  # a bad file fails before the workdir is made
     result = trainer.train(config, FLAGS.workdir, progress=FLAGS.progress)
     summary = f"step {result.step} in {result.workdir}"
     if result.val_loss is not None:

@@ -6,6 +6,7 @@ line on stderr with exit code 2, before anything is compiled."""
 from __future__ import annotations
 
 import concurrent.futures
+import importlib.util
 import json
 import os
 import pathlib
@@ -30,7 +31,7 @@ def env(tmp_path_factory):
             "PYTHONPATH": str(ROOT), "COLUMNS": "160"}
 
 
-def sample(env, *args, timeout=300, **extra):
+def sample(env, *args, timeout=900, **extra):
     return subprocess.run([sys.executable, "-m", "specjax.sample", *args], cwd=ROOT, env={**env, **extra},
                           capture_output=True, text=True, timeout=timeout)
 
@@ -87,6 +88,24 @@ def test_bench_measures_an_imported_pair(env, tmp_path):
     report = json.loads((tmp_path / "b.json").read_text())
     assert report["hf_target"].endswith("pair_target") and report["ars"]["ms_per_token"] > 0
     assert [r["lookahead"] for r in report["sps"]] == [2] and 0 <= report["sps"][0]["acceptance_rate"] <= 1
+
+
+def test_bench_of_a_lookup_drafter_needs_no_draft_and_takes_a_prompts_file(env, tmp_path):
+    """A real model's n-gram SpS against its ArS: no --hf_draft, the prompts from a file
+    through the directory's tokenizer (as `sample --prompts_file` reads them)."""
+    prompts = tmp_path / "prompts.jsonl"
+    prompts.write_text('{"prompt": "def f(x):"}\n{"prompt": "def f(x):\\n    return x"}\n')
+    proc = subprocess.run([sys.executable, "-m", "specjax.bench", f"--hf_target={FIXTURES / 'llama_gqa'}",
+                           "--drafter=ngram", "--lookahead=2", f"--prompts_file={prompts}", "--max_new_tokens=8",
+                           "--repeats=2", f"--json={tmp_path / 'b.json'}"],
+                          cwd=ROOT, env=env, capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    report = json.loads((tmp_path / "b.json").read_text())
+    assert report["prompts"] == str(prompts) and report["num_prompts"] == 2
+    assert [(r["lookahead"], r["drafter"]) for r in report["sps"]] == [(2, "ngram")]
+    proc = subprocess.run([sys.executable, "-m", "specjax.bench", f"--hf_target={FIXTURES / 'llama_gqa'}",
+                           "--drafter=model"], cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 2 and "--hf_target needs --hf_draft" in proc.stderr and "Traceback" not in proc.stderr
 
 
 # ------------------------------------------------------------------ bad input
@@ -157,6 +176,9 @@ BAD_INPUTS = [  # (name, args, fragments of the one error line)
     ("sps without hf_draft", [PAIR, "--mode=sps"], ["--mode=sps needs a draft", "--hf_draft=DIR", "--mode=ars"]),
     ("mesh does not divide", [PAIR, "--mode=ars", "--mesh=1x8"],
      ["num_heads=4 is not divisible by the 'model' mesh axis of size 8"]),
+    # etils reads gs:// through fsspec, which raises ImportError from deep inside without gcsfs.
+    ("gs:// without gcsfs", ["--hf_target=gs://bkt/Llama-3.1-70B", "--mode=ars"],
+     ["gs://bkt/Llama-3.1-70B", "needs the gcsfs package", "pip install 'specjax[gcs]'"]),
 ]
 
 
@@ -173,6 +195,8 @@ def bad_runs(env, bad):
 @pytest.mark.parametrize("case", BAD_INPUTS, ids=[c[0] for c in BAD_INPUTS])
 def test_bad_input_is_one_line_and_exit_2(bad_runs, case):
     name, _, fragments = case
+    if name == "gs:// without gcsfs" and importlib.util.find_spec("gcsfs") is not None:
+        pytest.skip("gcsfs is installed here")
     proc = bad_runs[name]
     lines = [line for line in proc.stderr.splitlines() if line.strip()]
     assert proc.returncode == 2, (proc.returncode, proc.stderr[-3000:])

@@ -9,6 +9,7 @@ those without; the static setting (`Kernels`) chosen per traced program, never b
 environment at trace time; and multi-device meshes never use them."""
 import dataclasses
 import pathlib
+import re
 import threading
 
 import jax
@@ -18,7 +19,7 @@ import pytest
 
 from specjax import kernels, kv_cache, model
 from specjax.decode import sampling
-from specjax.config import load_config
+from specjax.config import ModelConfig, load_config
 from specjax.kernels import NONE, Kernels, dispatch, formats, library
 from conftest import mesh_for
 
@@ -317,7 +318,7 @@ def test_model_logits_with_and_without_kernel(config, B, T, changes):
     results = {}
     for setting, subject in (("1", packed), ("0", lm.with_kernels(NONE))):
         with jax.set_mesh(mesh):
-            cache = kv_cache.init_cache(cfg, B, 32)
+            cache = kv_cache.init_cache(lm.cfg, B, 32)
             prefill_logits, cache = jax.jit(forward)(subject, tokens[:, :prompt],
                                                      jnp.broadcast_to(jnp.arange(prompt), (B, prompt)), cache)
             args = (subject, tokens[:, prompt:], jnp.broadcast_to(prompt + jnp.arange(T), (B, T)), cache)
@@ -326,6 +327,49 @@ def test_model_logits_with_and_without_kernel(config, B, T, changes):
             results[setting] = (prefill_logits, step(*args))
     for fast, plain in zip(results["1"], results["0"]):
         np.testing.assert_allclose(np.asarray(fast), np.asarray(plain), rtol=1e-5, atol=2e-5)
+
+
+def kernel_outputs(text: str) -> list[tuple[int, int]]:
+    """(rows, columns) of every few-row matmul in a lowered program's text."""
+    pattern = rf"custom_call @{CUSTOM_CALL}\(.*-> tensor<(\d+)x(\d+)xf32>"
+    return [(int(m[1]), int(m[2])) for m in re.finditer(pattern, text)]
+
+
+# SmolLM2-135M's shape (its config.json), 2 of its 30 layers: a tied [49152, 576] table,
+# whose transpose XLA:CPU multiplied by at 2-7 rows at a fraction of the read rate.
+SMOLLM2 = ModelConfig(vocab_size=49152, d_model=576, num_layers=2, num_heads=9, num_kv_heads=3, head_dim=64,
+                      d_ff=1536, ffw="swiglu", tie_embeddings=True, embed_scale=1.0, norm_weight_after_cast=True,
+                      rope_theta=100000.0, max_seq_len=64)
+
+
+@needs_kernel
+def test_tied_unembedding_runs_the_kernel_at_every_few_row_count():
+    """The packed forward of a tied model computes its logits with the kernel at T = 2, 5
+    and 7 (a custom call whose result is [T, V]), and they equal the unpacked model's
+    (XLA's dot against the table's transpose, kernels off). The packed copy keeps the
+    model's own table for the lookup (no second copy of it)."""
+    cfg = SMOLLM2
+    mesh = mesh_for("1x1")
+    lm = model.init_lm(cfg, mesh)
+    packed = lm.packed()
+    prompt = 6
+    tokens = jax.random.randint(jax.random.key(1), (1, prompt + 7), 0, cfg.vocab_size)
+    forward = jax.jit(lambda lm, t, p, c: lm.extend(t, p, c))
+    for T in (2, 5, 7):
+        logits = {}
+        for setting, subject in (("1", packed), ("0", lm.with_kernels(NONE))):
+            with jax.set_mesh(mesh):
+                _, cache = forward(subject, tokens[:, :prompt], jnp.arange(prompt)[None],
+                                   kv_cache.init_cache(lm.cfg, 1, 16))
+                args = (subject, tokens[:, prompt:prompt + T], prompt + jnp.arange(T)[None], cache)
+                step = jax.jit(lambda lm, t, p, c: lm(t, p, c)[0])
+                unembedding = (T, cfg.vocab_size) in kernel_outputs(step.lower(*args).as_text())
+                assert unembedding == (setting == "1"), (T, setting)
+                logits[setting] = np.asarray(step(*args))
+        # The table's unit-variance rows make logits in the hundreds: float32 rounding of a
+        # 576-term sum is relative to that scale.
+        np.testing.assert_allclose(logits["1"], logits["0"], rtol=1e-5, atol=1e-6 * np.abs(logits["0"]).max())
+    assert packed.params["embed"].value.plain is lm.params["embed"].value  # the lookup reads the table as stored
 
 
 def test_packing_only_where_the_kernel_runs(monkeypatch, tiny):
@@ -355,7 +399,7 @@ def test_multi_device_mesh_compiles_no_custom_call(tiny, mesh_name):
     lm = model.init_lm(cfg, mesh)
     B = mesh.shape["data"]  # rows: B * T <= MAX_ROWS, where the kernel would apply on one device
     tokens = jnp.zeros((B, 1), jnp.int32)
-    cache = kv_cache.init_cache(cfg, B, 16)
+    cache = kv_cache.init_cache(lm.cfg, B, 16)
     with jax.set_mesh(mesh):
         text = jax.jit(lambda lm, t, c: lm(t, c.lengths[:, None], c)[0]).lower(lm, tokens, cache).compile().as_text()
     assert "custom-call" not in text and "all-reduce" in text

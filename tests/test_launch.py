@@ -1,9 +1,13 @@
 """launch/tpu_pod.sh in dry-run mode (nobody here has a pod): the commands it would run
-install a Python that jax accepts on every worker, pass a checkpoint path every worker
-sees, and start the same sample command on all of them."""
+install a Python that jax accepts on every worker, with jax[tpu], specjax and gcsfs in one
+resolve under setup.py's jax pin, pass a checkpoint path every worker sees, free the TPU
+before each run, and start the same sample command on all of them; each TPU generation
+gets its own accelerator type and runtime image."""
+import ast
 import importlib.metadata
 import os
 import pathlib
+import re
 import shlex
 import subprocess
 
@@ -26,6 +30,13 @@ def dry_run(**env) -> dict[str, list[list[str]]]:
     return steps
 
 
+def setup_arguments() -> dict:
+    """The keyword arguments of setup.py's setup() call (read, not run)."""
+    tree = ast.parse((REPO / "setup.py").read_text())
+    call = next(n for n in ast.walk(tree) if isinstance(n, ast.Call) and getattr(n.func, "id", "") == "setup")
+    return {k.arg: ast.literal_eval(k.value) for k in call.keywords if k.arg in ("install_requires", "extras_require")}
+
+
 def remote_command(argv: list[str]) -> str:
     return next(a for a in argv if a.startswith("--command="))[len("--command="):]
 
@@ -36,7 +47,6 @@ def test_install_brings_a_python_jax_supports_to_every_worker():
     assert "--worker=all" in scp and "--worker=all" in ssh
     install = remote_command(ssh)
     assert "uv venv --python 3.11 .venv" in install  # the TPU image's python3 is 3.10
-    assert "jax[tpu]==" in install and "uv pip install --python .venv/bin/python ." in install
     python = importlib.metadata.metadata("specjax")["Requires-Python"]
     assert python == ">=3.11", python  # what jax 0.10 needs, so pip refuses older Pythons up front
 
@@ -51,3 +61,48 @@ def test_run_passes_one_shared_checkpoint_path_to_every_worker():
     assert "--init=random" not in run
     [random_run] = dry_run()["run"]
     assert "--init=random" in shlex.split(remote_command(random_run))
+
+
+def test_install_resolves_jax_tpu_the_package_and_gcsfs_together_under_the_packages_pin():
+    """One `uv pip install` holds the package (with its 'gcs' extra: gs:// reads need
+    gcsfs) and jax[tpu] with setup.py's own jax requirement, so libtpu, jax and the
+    package's other pins come from one resolution (two installs let the second upgrade
+    jax past the libtpu the first chose)."""
+    setup = setup_arguments()
+    [pin] = [r for r in setup["install_requires"] if re.match(r"jax\b", r)]
+    spec = pin[len("jax"):].replace(" ", "")
+    assert spec.startswith(">=") and "<" in spec, pin  # a range with an upper bound: a pin, not a floor
+    assert any("gcsfs" in r or "epath-gcs" in r for r in setup["extras_require"]["gcs"]), setup["extras_require"]
+    install = remote_command(dry_run()["install"][1])
+    installs = [c.strip() for c in install.split(";") if "pip install" in c]
+    assert len(installs) == 1, installs
+    words = shlex.split(installs[0])
+    assert ".[gcs]" in words and f"jax[tpu]{spec}" in words, words
+    pinned = remote_command(dry_run(JAX_VERSION="0.10.1")["install"][1])
+    assert "jax[tpu]==0.10.1" in shlex.split(pinned.split("uv pip install")[1].split(";")[0])
+
+
+def test_every_run_frees_the_tpu_before_starting_python():
+    """A run interrupted with Ctrl-C leaves a process holding the TPU, or libtpu's lock
+    file: the run step ends the holders of /dev/accel* (v4) and /dev/vfio/* (v5e and
+    later) and removes /tmp/libtpu_lockfile on every worker, before python starts."""
+    [ssh] = dry_run()["run"]
+    run = remote_command(ssh)
+    python = run.index(".venv/bin/python")
+    for piece in ("lsof -t -w /dev/accel* /dev/vfio/[0-9]*", "xargs sudo kill -9", "rm -f /tmp/libtpu_lockfile"):
+        assert piece in run[:python], piece
+
+
+def test_each_generation_gets_its_accelerator_and_runtime_and_a_shared_compilation_cache():
+    for generation, accelerator, runtime in (("v4", "v4-32", "tpu-ubuntu2204-base"),
+                                             ("v5e", "v5litepod-16", "v2-alpha-tpuv5-lite"),
+                                             ("v5p", "v5p-32", "v2-alpha-tpuv5"),
+                                             ("v6e", "v6e-16", "v2-alpha-tpuv6e")):
+        [create] = dry_run(GENERATION=generation)["create"]
+        assert f"--accelerator-type={accelerator}" in create and f"--version={runtime}" in create, create
+    bad = subprocess.run(["bash", str(REPO / "launch" / "tpu_pod.sh")], cwd=REPO, capture_output=True, text=True,
+                         env={**os.environ, "DRY_RUN": "1", "GENERATION": "v3"}, timeout=60)
+    assert bad.returncode == 2 and "GENERATION=v3: allowed are v4, v5e, v5p, v6e" in bad.stderr
+    # Weights in a bucket: the compilation cache goes there too, one directory every worker reads.
+    [ssh] = dry_run(CONFIG="llama3_70b_1b", HF_TARGET="gs://bkt/70b", HF_DRAFT="gs://bkt/1b")["run"]
+    assert "JAX_COMPILATION_CACHE_DIR=gs://bkt/specjax_xla_cache" in shlex.split(remote_command(ssh))

@@ -130,6 +130,32 @@ def test_bf16_greedy_sps_and_ars_agree_on_the_first_tokens(pos_encoding):
     assert min(common) >= BF16_AGREE
 
 
+@pytest.mark.parametrize("drafter", ["model", "ngram"])
+def test_the_loop_never_copies_the_target_cache(pairs, drafter):
+    """Rolling back a draft sets lengths; nothing copies the cache. No instruction that the
+    generation loop runs (its body and everything it calls) copies a buffer of the target
+    cache's shape: a lax.cond around the scoring pass (a 1-token pass for lookup loops
+    without a proposal) made XLA copy k and v into and out of it in every loop."""
+    target, draft = pairs["1x1"]
+    sampling = SamplingConfig(temperature=0.8, lookahead=4, max_new_tokens=32, drafter=drafter)
+    built = program.build(target, draft, RAGGED, sampling, seed=0)
+    hlo = HloProgram(built.compile().as_text())
+    cfg = target.cfg
+    cache = f"f32[{cfg.num_layers},{len(RAGGED)},{cfg.num_kv_heads},{built.size},{cfg.head_dim}]"
+    _, line = hlo.generation_loop()
+    seen, todo, copies = set(), HloProgram._callees(line), []
+    while todo:
+        name = todo.pop()
+        if name in seen:
+            continue
+        seen.add(name)
+        for instr, shape, op, text in hlo.instructions(name):
+            todo += HloProgram._callees(text)
+            if op == "copy" and shape.startswith(cache + "{"):
+                copies.append(f"{name}: {instr}")
+    assert len(seen) > 1 and not copies, copies
+
+
 @pytest.mark.parametrize("mode", ["tokenwise", "block", "ngram", "hybrid_adaptive"])
 def test_one_fused_while_loop_with_megatron_all_reduces(pairs, mode):
     """Block verification adds no all-reduce to a loop, n-gram drafting removes the

@@ -107,7 +107,7 @@ def test_decode_step_has_two_all_reduces_per_layer_and_params_are_sharded(tiny):
            "w_out": lm.params["layers"][0]["ffw"]["w_out"].value}
     for name, value in big.items():
         assert sharding.shard_fraction(value) == pytest.approx(1 / 8), name
-    cache = kv_cache.init_cache(cfg, 1, 32, mesh)
+    cache = kv_cache.init_cache(lm.cfg, 1, 32, mesh)  # the loaded model's config (kv heads duplicated)
     with jax.set_mesh(mesh):
         compiled = jax.jit(lambda lm, t, p, c: lm(t, p, c)).lower(
             lm, jnp.zeros((1, 1), jnp.int32), jnp.zeros((1, 1), jnp.int32), cache).compile()

@@ -478,3 +478,30 @@ def test_greedy_sps_equals_greedy_ars_with_relative_positions(relative_tiny, dra
     else:
         assert sps.acceptance_rate > 0.95
         assert sps.loops.max() <= math.ceil(20 / (K + 1)) + 1
+
+
+def test_tpu_padding_and_the_chips_a_config_needs_on_a_smaller_chip():
+    """plan's memory on TPU: a head_dim of 64 as the last axis takes 128 lanes; and the
+    fewest chips of v5e's 16 GiB for a program needing 20 GiB per chip on 16: per-chip
+    bytes scale as 1/model, so the 'model' axis must reach 20, and the first size that
+    splits the Llama pair (64 and 32 heads, 8 kv heads, d_ff 28672 and 8192, vocab 128256)
+    from there is 32."""
+    import ml_dtypes
+    from specjax.analysis import compile as compile_lib
+    from specjax.analysis.roofline import CHIPS, padded_bytes
+    from specjax.config import load_config
+    assert padded_bytes((16, 8, 2048, 64), ml_dtypes.bfloat16) == 2 * 16 * 8 * 2048 * 64 * 2
+    assert padded_bytes((8192, 4, 128), ml_dtypes.bfloat16) == 8192 * 4 * 128 * 2
+    cfg = load_config("llama3_70b_1b")
+    models = {"target": cfg.target, "draft": cfg.draft}
+    axes = [m for m in range(1, 65) if all(c.num_heads % m == 0 and c.d_ff % m == 0 and c.vocab_size % m == 0
+                                           and (c.num_kv_heads % m == 0 or m % c.num_kv_heads == 0)
+                                           for c in models.values())]
+    assert axes == [1, 2, 4, 8, 16, 32]
+    report = {"programs": {"sps": {"program": "sps_program", "memory": {"total_padded": 20 * GiB}}}}
+    v5e = CHIPS["v5e"]
+    assert v5e.hbm_bytes == 16 * GiB
+    cap = compile_lib.capacity(report, models, 1, 16, v5e)
+    assert (cap["fits"], cap["model_axis_needed"], cap["chips_needed"]) == (False, 32, 32)
+    cap = compile_lib.capacity(report, models, 1, 16, CHIPS["v4"])  # 20 GiB fit a 32 GiB chip: 16 is plenty,
+    assert (cap["fits"], cap["chips_needed"]) == (True, 16)           # 8 chips would need 40

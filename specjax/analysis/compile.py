@@ -16,7 +16,7 @@ from typing import Any
 
 import jax
 
-from specjax import kv_cache, sharding
+from specjax import kv_cache, kv_heads, sharding
 from specjax.analysis.hlo import HloProgram, summarize
 from specjax.analysis.roofline import Chip, fitted_latency, is_paper_scale, roofline, shard_bytes
 from specjax.config import MeshConfig, UsageError
@@ -67,6 +67,28 @@ def compile_init(cfg, mesh) -> dict:
             "hlo_instructions": sum(1 for line in text.splitlines() if " = " in line)}
 
 
+def valid_model_axes(models: dict, limit: int = 1024) -> list[int]:
+    """'model' axis sizes every model splits over (`sharding.check_divisible`'s rule)."""
+    def ok(c, m):
+        kv = c.num_kv_heads
+        return all(getattr(c, f) % m == 0 for f in ("num_heads", "d_ff", "vocab_size")) and not (kv % m and m % kv)
+    return [m for m in range(1, limit + 1) if all(ok(kv_heads.original(c), m) for c in models.values())]
+
+
+def capacity(report: dict, models: dict, data: int, model: int, chip: Chip) -> dict:
+    """Whether the program that runs (SpS with a draft, else ArS) fits this chip's HBM at
+    this mesh, and the fewest chips (data x model) whose 'model' axis splits every model
+    and whose per-chip bytes fit, taking per-chip bytes to scale as 1/model (weights,
+    caches and most temporaries do; norms and the few replicated buffers do not, so it
+    is an estimate to check with `--mesh=1xM`)."""
+    main = report["programs"]["sps" if "sps" in report["programs"] else "ars_target"]
+    per_chip = main["memory"]["total_padded"]
+    need = next((m for m in valid_model_axes(models) if per_chip * model / m <= chip.hbm_bytes), None)
+    return {"program": main["program"], "per_chip_bytes": per_chip, "hbm_bytes": chip.hbm_bytes,
+            "fits": per_chip <= chip.hbm_bytes, "model_axis_needed": need,
+            "chips_needed": None if need is None else data * need}
+
+
 def plan(cfg, data: int, model: int, batch: int = 1, prompt_len: int = 128, cache_len: int | None = None,
          chip: Chip = Chip(), num_drafts: int = 1) -> dict:
     """Compile SpS (when the config has a draft), ArS for the target, and ArS for the
@@ -83,7 +105,8 @@ def plan(cfg, data: int, model: int, batch: int = 1, prompt_len: int = 128, cach
         raise UsageError(f"--cache_len={cache_len} exceeds the models' max_seq_len={max_len}")
     for name, c in models.items():  # fail on a bad mesh before the (slow) abstract models are built
         sharding.check_divisible(c, mesh, name)
-    lms = {name: abstract_lm(c, mesh) for name, c in models.items()}
+    # As the loaders run them: kv heads duplicated where there are fewer than the 'model' axis.
+    lms = {name: abstract_lm(kv_heads.for_mesh(c, mesh), mesh) for name, c in models.items()}
     report: dict[str, Any] = {
         "config": cfg.name,
         "setup": {"data": data, "model": model, "devices": data * model, "batch": batch, "prompt_len": prompt_len,
@@ -94,9 +117,12 @@ def plan(cfg, data: int, model: int, batch: int = 1, prompt_len: int = 128, cach
     for name, lm in lms.items():
         cache = sharding.with_shardings(kv_cache.cache_shapes(lm.cfg, batch, cache_len),
                                         kv_cache.cache_shardings(lm.cfg, batch, cache_len, mesh))
-        report["models"][name] = {"params": lm.num_params, "param_dtype": lm.cfg.param_dtype,
+        report["models"][name] = {"params": kv_heads.original(lm.cfg).num_params, "param_dtype": lm.cfg.param_dtype,
+                                  "kv_heads": lm.cfg.num_kv_heads, "kv_copies": lm.cfg.kv_copies,
                                   "weight_bytes_per_device": shard_bytes(lm.params),
                                   "cache_bytes_per_device": shard_bytes(cache),
+                                  "weight_bytes_per_device_padded": shard_bytes(lm.params, padded=True),
+                                  "cache_bytes_per_device_padded": shard_bytes(cache, padded=True),
                                   "position_table_bytes_per_device": shard_bytes(
                                       [kv_cache.table_shape(lm.cfg, cache_len, mesh)]),
                                   "layers": lm.cfg.num_layers,
@@ -112,12 +138,25 @@ def plan(cfg, data: int, model: int, batch: int = 1, prompt_len: int = 128, cach
         result = compile_program(target, draft, sampling, batch, prompt_len, cache_len)
         per = "collectives_per_loop" if name.startswith("sps") else "collectives_per_step"
         result[per] = result.pop("per_loop")
-        result["fits"] = result["memory"]["total"] <= chip.hbm_bytes
+        # XLA:CPU lays arrays out unpadded; a TPU pads their minor dims (`padded_bytes`): add
+        # what that costs the program's weights (arguments) and caches (made inside it).
+        held = ("draft",) if name == "ars_draft" else ("target", "draft") if draft is not None else ("target",)
+
+        def padding(which, kind):
+            m = report["models"][which]
+            return m[f"{kind}_bytes_per_device_padded"] - m[f"{kind}_bytes_per_device"]
+        result["memory"]["tpu_padding"] = sum(
+            padding(w, "weight") + (sampling.num_drafts if w == "draft" and draft is not None else 1)
+            * padding(w, "cache") for w in held)
+        result["memory"]["total_padded"] = result["memory"]["total"] + result["memory"]["tpu_padding"]
+        result["fits"] = result["memory"]["total_padded"] <= chip.hbm_bytes
         report["programs"][name] = result
+    report["capacity"] = capacity(report, models, data, model, chip)
     report["roofline"] = roofline(report, cfg, chip)
     report["paper_scale"] = is_paper_scale(cfg)
     # Fit only where the paper measured: the 70B target on 16 chips.
-    fit = fitted_latency(report, cfg, chip) if is_paper_scale(cfg) and (data, model) == (1, 16) else None
+    fit = (fitted_latency(report, cfg, chip) if is_paper_scale(cfg) and (data, model) == (1, 16)
+           and chip.name == "TPU v4" else None)
     if fit is not None:
         report["roofline_fitted"] = roofline(report, cfg, dataclasses.replace(chip, collective_latency_s=fit))
     report["peak_rss_bytes"] = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024

@@ -41,13 +41,36 @@ def format_report(r: dict) -> str:
                    f"{m['pos_encoding']:>9} {_gib(m['weight_bytes_per_device']):>12} "
                    f"{_gib(m['cache_bytes_per_device']):>12} {_gib(m['position_table_bytes_per_device']):>14}  "
                    f"{m['init']['compile_seconds']:.1f}s, {m['init']['hlo_instructions']}")
+    for name, m in r["models"].items():
+        if m.get("kv_copies", 1) > 1:
+            out.append(f"  {name}: its {m['kv_heads'] // m['kv_copies']} kv heads are stored {m['kv_copies']}x "
+                       f"({m['kv_heads']}: one per 'model' device, Megatron/vLLM kv-head duplication), so kv "
+                       f"weights and cache split {s['model']} ways instead of being replicated")
+        pad = (m.get("weight_bytes_per_device_padded", 0) - m["weight_bytes_per_device"],
+               m.get("cache_bytes_per_device_padded", 0) - m["cache_bytes_per_device"])
+        if pad[0] > 0.001 * m["weight_bytes_per_device"] or pad[1] > 0.001 * max(1, m["cache_bytes_per_device"]):
+            out.append(f"  {name} on TPU (minor dims padded to 128 lanes): weights "
+                       f"{_gib(m['weight_bytes_per_device_padded'])}, kv cache "
+                       f"{_gib(m['cache_bytes_per_device_padded'])} per device")
     out += ["", f"{'program':<11} {'compile':>8} {'arguments':>11} {'outputs':>9} {'temporaries':>12} "
-                f"{'total/dev':>11}  fits {chip['name']} ({_gib(chip['hbm_bytes'])})"]
+                f"{'total/dev':>11} {'+TPU pad':>10}  fits {chip['name']} ({_gib(chip['hbm_bytes'])})"]
     for name, p in r["programs"].items():
         mem = p["memory"]
+        total = mem.get("total_padded", mem["total"])
         out.append(f"{name:<11} {p['compile_seconds']:>7.1f}s {_gib(mem['arguments']):>11} "
-                   f"{_size(mem['outputs']):>9} {_gib(mem['temporaries']):>12} {_gib(mem['total']):>11}  "
-                   f"{'yes' if p['fits'] else 'NO'} ({_gib(chip['hbm_bytes'] - mem['total'])} free)")
+                   f"{_size(mem['outputs']):>9} {_gib(mem['temporaries']):>12} {_gib(mem['total']):>11} "
+                   f"{_gib(mem.get('tpu_padding', 0)):>10}  "
+                   f"{'yes' if p['fits'] else 'NO'} ({_gib(chip['hbm_bytes'] - total)} free)")
+    cap = r.get("capacity")
+    if cap:
+        chips = s["data"] * s["model"]
+        need = (f"the fewest chips whose 'model' axis splits every model and fits: {cap['chips_needed']} "
+                f"(1x{cap['model_axis_needed']}, taking bytes per chip as 1/model; check with "
+                f"--mesh=1x{cap['model_axis_needed']})" if cap["chips_needed"] else
+                "no 'model' axis up to 1024 fits")
+        out.append(f"  on {chip['name']} chips of {_gib(chip['hbm_bytes'])}: {cap['program']} needs "
+                   f"{_gib(cap['per_chip_bytes'])} per chip on {chips} chips "
+                   f"({'fits' if cap['fits'] else 'does NOT fit'}); {need}")
     out += ["", "collectives (counted in compiled HLO; nested loops x trip count; all-reduce bytes = the "
                 "reduced buffer, all-gather bytes = the gathered result; XLA:CPU promotes bf16 all-reduces to f32)"]
     for name, p in r["programs"].items():

@@ -18,9 +18,9 @@ ALPHAS = (0.5, 0.6, 0.7, 0.8, 0.9, 1.0)
 
 @dataclasses.dataclass(frozen=True)
 class Chip:
-    """One accelerator chip for the roofline. TPU v4 numbers from the Cloud TPU v4 page
-    (275 bf16 TFLOP/s, 32 GiB HBM2 at 1200 GB/s) and the v4 paper (Jouppi et al. 2023:
-    ICI links 400 Gb/s = 50 GB/s per direction).
+    """One accelerator chip for the roofline: HBM size, HBM bandwidth, peak bf16 FLOP/s,
+    ICI bandwidth of one ring direction pair. The defaults are TPU v4's; `CHIPS` has the
+    other generations, each from its Cloud TPU system-architecture page (cited there).
 
     collective_latency_s: the fixed cost of one small collective. At batch 1 every
     Megatron all-reduce carries at most (K+1) x d_model values (80-160 KiB), so it is
@@ -28,9 +28,10 @@ class Chip:
     XLA's multi-dimensional all-reduce walks each dimension twice (reduce-scatter then
     all-gather): 2 x ((2-1) + (2-1) + (4-1)) = 10 dependent neighbour transfers, at
     ~1 us each (link + DMA issue + sync), so ~10 us. This is an assumption, not a
-    measurement; `--collective_latency_us` changes it and the report also prints the
-    latency that would make the roofline meet the paper's 14.1 ms/token.
-    ici_bandwidth: a ring collective over one axis uses one link in each direction."""
+    measurement (kept for every generation); `--collective_latency_us` changes it and the
+    report also prints the latency that would make the roofline meet the paper's 14.1
+    ms/token. ici_bandwidth: a ring collective over one axis uses one link in each
+    direction."""
 
     name: str = "TPU v4"
     hbm_bytes: int = 32 * GiB
@@ -38,6 +39,38 @@ class Chip:
     flops: float = 275e12
     ici_bandwidth: float = 2 * 50e9
     collective_latency_s: float = 10e-6
+
+
+# Per-chip figures as published on each generation's Cloud TPU page (cloud.google.com/tpu/docs/
+# v4, /v5e, /v5p, /v6e). The pages write HBM capacity as "GB"; it is the GiB-sized HBM stack
+# (32 GiB on v4, as its page says), and XLA's per-chip memory limit is GiB-sized too. ICI: the
+# per-chip bidirectional bandwidth over the chip's ports, one port's two directions here.
+CHIPS = {
+    # v4: 275 bf16 TFLOP/s, 32 GiB HBM2 at 1200 GB/s; ICI links 50 GB/s per direction
+    # (Jouppi et al. 2023).
+    "v4": Chip(),
+    # v5e: 197 bf16 TFLOP/s, 16 GB HBM2 at 819 GB/s, 400 GB/s bidirectional ICI over 4 ports.
+    "v5e": Chip("TPU v5e", 16 * GiB, 819e9, 197e12, 2 * 50e9),
+    # v5p: 459 bf16 TFLOP/s, 95 GB HBM2e at 2765 GB/s, 4800 Gbps ICI (1200 GB/s over 6 ports).
+    "v5p": Chip("TPU v5p", 95 * GiB, 2765e9, 459e12, 2 * 100e9),
+    # v6e (Trillium): 918 bf16 TFLOP/s, 32 GB HBM at 1638 GB/s, 800 GB/s bidirectional ICI over 4 ports.
+    "v6e": Chip("TPU v6e", 32 * GiB, 1638e9, 918e12, 2 * 100e9),
+}
+# TPU memory tiles the minor dimension of an array in 128 lanes: a head_dim of 64 as the
+# last axis occupies 128, so the 1B draft's KV cache and q/k/v weights take twice their
+# logical bytes. (The second-to-last axis is tiled in 8 sublanes of 32-bit words too; that
+# is not counted: XLA can lay a degenerate axis, such as one kv head per device, out of the
+# tile, and the large axes here are multiples of 16.)
+LANES = 128
+
+
+def padded_bytes(shape, dtype) -> int:
+    """Bytes of an array in TPU HBM, its last axis rounded up to 128 lanes."""
+    itemsize = np.dtype(dtype).itemsize
+    shape = tuple(shape)
+    if not shape:
+        return itemsize
+    return math.prod(shape[:-1]) * (-(-shape[-1] // LANES) * LANES) * itemsize
 
 
 PAPER = {
@@ -68,14 +101,15 @@ def collective_load(summary: dict, chip: Chip) -> tuple[int, float]:
     return count, wire
 
 
-def shard_bytes(tree) -> int:
+def shard_bytes(tree, padded: bool = False) -> int:
     """Bytes one device holds of a pytree of sharded ShapeDtypeStructs / arrays (the max
-    over devices is the same for the even shardings used here)."""
+    over devices is the same for the even shardings used here); padded: as TPU HBM lays
+    them out (`padded_bytes`)."""
     import jax
     total = 0
     for leaf in jax.tree.leaves(tree):
         shard = leaf.sharding.shard_shape(leaf.shape) if getattr(leaf, "sharding", None) else leaf.shape
-        total += math.prod(shard) * np.dtype(leaf.dtype).itemsize
+        total += padded_bytes(shard, leaf.dtype) if padded else math.prod(shard) * np.dtype(leaf.dtype).itemsize
     return total
 
 

@@ -158,12 +158,23 @@ def mesh_size(mesh_cfg: MeshConfig, devices: int) -> tuple[int, int]:
     return mesh_cfg.data, (mesh_cfg.model if mesh_cfg.model != -1 else max(1, devices // mesh_cfg.data))
 
 
-def use_compilation_cache() -> None:
+def use_compilation_cache(workdir=None) -> None:
     """THE compile-cache policy of every entry point: keep compiled programs across runs
     (a second run starts in seconds) in cache_dir()/xla, unless $JAX_COMPILATION_CACHE_DIR
-    names another place."""
+    names another place, or `workdir` (e.g. train's) is a cloud path: then in
+    WORKDIR/xla_cache. JAX writes the cache from process 0 only, so on a pod a per-host
+    directory leaves every other host recompiling on each rerun; a directory every host
+    reads (gs://...) lets all of them load what process 0 wrote (launch/tpu_pod.sh sets
+    $JAX_COMPILATION_CACHE_DIR to one in the bucket of the weights)."""
     import jax
-    if not os.environ.get("JAX_COMPILATION_CACHE_DIR"):
+    from specjax.config import check_remote_support, is_remote
+    given = os.environ.get("JAX_COMPILATION_CACHE_DIR")
+    if given:
+        check_remote_support(given)
+    elif workdir and is_remote(workdir):
+        check_remote_support(workdir)
+        jax.config.update("jax_compilation_cache_dir", str(workdir).rstrip("/") + "/xla_cache")
+    else:
         jax.config.update("jax_compilation_cache_dir", str(cache_dir() / "xla"))
     jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.5)
 

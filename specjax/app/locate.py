@@ -1,7 +1,8 @@
 """Where the target and draft weights come from, found before any device work.
 
 A checkpoint directory (by default the one `python -m specjax.train --config=NAME`
-writes), a Hugging Face model directory (--hf_target / --hf_draft), or random init;
+writes), a Hugging Face model directory (--hf_target / --hf_draft), a GGUF file
+(--gguf_target / --gguf_draft; either kind for either model), or random init;
 every missing directory is reported before JAX starts. The mini pair is small enough to
 train on a laptop, so its missing checkpoints are trained here on first use (progress
 bar; cached afterwards, resumable if interrupted).
@@ -35,59 +36,100 @@ def train_command(name: str) -> str:
 RUNTIME_FIELDS = ("param_dtype", "compute_dtype", "scan_layers")
 
 
+@dataclasses.dataclass(frozen=True)
+class Imported:
+    """A model's weights in a format another library writes: a Hugging Face directory
+    ('hf', `specjax.weights.hf`) or a GGUF file ('gguf', `specjax.weights.gguf`). Both
+    readers offer read_config, check_weights, tokenizer and load."""
+
+    kind: str
+    path: str
+
+    @property
+    def reader(self):
+        from specjax.weights import gguf, hf
+        return {"hf": hf, "gguf": gguf}[self.kind]
+
+    def flag(self, role: str) -> str:
+        return f"--{self.kind}_{role}"
+
+    def runtime(self, base: ModelConfig) -> dict:
+        return {f: getattr(base, f) for f in RUNTIME_FIELDS}
+
+
+def imported(hf_target: Optional[str] = None, hf_draft: Optional[str] = None, gguf_target: Optional[str] = None,
+             gguf_draft: Optional[str] = None) -> tuple[Optional[Imported], Optional[Imported]]:
+    """(target, draft) named by the --hf_* / --gguf_* flags (either may be None); a draft
+    without a target, or two sources for one model, fail here."""
+    def one(role, hf_value, gguf_value):
+        if hf_value is not None and gguf_value is not None:
+            raise UsageError(f"--hf_{role} and --gguf_{role} both name the {role}'s weights: pass one of them")
+        return Imported("hf", hf_value) if hf_value is not None else \
+            Imported("gguf", gguf_value) if gguf_value is not None else None
+    target, draft = one("target", hf_target, gguf_target), one("draft", hf_draft, gguf_draft)
+    if target is None and draft is not None:
+        raise UsageError(f"{draft.flag('draft')} needs --hf_target or --gguf_target: the target's weights come from "
+                         f"a Hugging Face directory or a GGUF file too (pass --hf_target=DIR or --gguf_target=FILE)")
+    return target, draft
+
+
 def with_hf_models(config: Config, hf_target: Optional[str], hf_draft: Optional[str], *, init: str,
-                   checkpoint: Optional[str], draft_checkpoint: Optional[str]) -> Config:
-    """`config` with its target (and draft) replaced by the Hugging Face directories'
-    models, read from their config.json alone; the config still gives the dtypes,
-    scan_layers, mesh and sampling. Conflicting weight flags fail here."""
-    if hf_target is None:
-        if hf_draft is not None:
-            raise UsageError("--hf_draft needs --hf_target: the target's weights come from a Hugging Face "
-                             "directory too (pass --hf_target=DIR)")
+                   checkpoint: Optional[str], draft_checkpoint: Optional[str], gguf_target: Optional[str] = None,
+                   gguf_draft: Optional[str] = None) -> Config:
+    """`config` with its target (and draft) replaced by the models of the Hugging Face
+    directories or GGUF files, read from their config.json / metadata alone; the config
+    still gives the dtypes, scan_layers, mesh and sampling. Conflicting weight flags fail
+    here."""
+    target, draft = imported(hf_target, hf_draft, gguf_target, gguf_draft)
+    if target is None:
         return config
     for flag, value in (("--checkpoint", checkpoint), ("--draft_checkpoint", draft_checkpoint)):
         if value is not None:
-            raise UsageError(f"--hf_target and {flag} both name weights: pass Hugging Face directories "
-                             "(--hf_target/--hf_draft) or specjax checkpoints, not both")
+            raise UsageError(f"{target.flag('target')} and {flag} both name weights: pass Hugging Face directories "
+                             "or GGUF files (--hf_target/--hf_draft, --gguf_target/--gguf_draft) or specjax "
+                             "checkpoints, not both")
     if init == "random":
-        raise UsageError("--init=random ignores --hf_target: drop one of them")
-    from specjax.weights import hf
+        raise UsageError(f"--init=random ignores {target.flag('target')}: drop one of them")
 
-    def model(directory, base):
-        return hf.read_config(directory, **{f: getattr(base, f) for f in RUNTIME_FIELDS}).model
+    def model(source, base):
+        return source.reader.read_config(source.path, **source.runtime(base)).model
 
-    target = model(hf_target, config.target)
-    draft = model(hf_draft, config.draft or config.target) if hf_draft is not None else None
-    return dataclasses.replace(config, target=target, draft=draft, tokenizer_vocab=0, target_from="",
-                               draft_from="").validate()
+    return dataclasses.replace(config, target=model(target, config.target),
+                               draft=model(draft, config.draft or config.target) if draft is not None else None,
+                               tokenizer_vocab=0, target_from="", draft_from="").validate()
 
 
 @dataclasses.dataclass
 class Weights:
     config: Config
-    init: str  # 'checkpoint' | 'random' | 'hf'
-    target_dir: Optional[pathlib.Path]
+    init: str  # 'checkpoint' | 'random' | 'imported'
+    target_dir: Optional[pathlib.Path]  # a GGUF file for kind 'gguf'
     draft_dir: Optional[pathlib.Path]
+    sources: tuple = ()  # 'imported': (target Imported, draft Imported or None)
 
     @classmethod
     def locate(cls, config: Config, init: str, checkpoint: Optional[str], draft_checkpoint: Optional[str],
                *, need_draft: bool, train_missing: bool, hf_target: Optional[str] = None,
-               hf_draft: Optional[str] = None) -> "Weights":
+               hf_draft: Optional[str] = None, gguf_target: Optional[str] = None,
+               gguf_draft: Optional[str] = None) -> "Weights":
         """Find (and for the mini pair, train) the checkpoint directories; no JAX work.
-        With `hf_target`, `config` comes from `with_hf_models`."""
-        if hf_target is not None:
-            from specjax.weights import hf
+        With `hf_target` or `gguf_target`, `config` comes from `with_hf_models`."""
+        target, draft = imported(hf_target, hf_draft, gguf_target, gguf_draft)
+        if target is not None:
+            draft = draft if need_draft else None
 
             def check():  # every process reads its own slices: every process must see the files
-                hf.check_weights(hf_target, config.target)
-                if need_draft:
-                    hf.check_weights(hf_draft, config.draft)
+                target.reader.check_weights(target.path, config.target)
+                if draft is not None:
+                    draft.reader.check_weights(draft.path, config.draft)
 
             distributed.everywhere(check)
-            return cls(config, "hf", user_path(hf_target), user_path(hf_draft) if need_draft else None)
+            return cls(config, "imported", user_path(target.path), user_path(draft.path) if draft else None,
+                       (target, draft))
         if config.hf_weights and init == "checkpoint":
-            raise UsageError(f"config {config.name!r} takes its weights from Hugging Face directories: pass "
-                             "--hf_target=DIR (and --hf_draft=DIR for SpS), or use --init=random")
+            raise UsageError(f"config {config.name!r} takes its weights from Hugging Face directories or GGUF files: "
+                             "pass --hf_target=DIR (and --hf_draft=DIR for SpS) or --gguf_target=FILE (and "
+                             "--gguf_draft=FILE), or use --init=random")
         target_name = config.target_from or config.name
         draft_name = config.draft_from
         target_dir = _resolve(checkpoint, target_name)
@@ -129,19 +171,22 @@ class Weights:
 
     @property
     def no_tokenizer_reason(self) -> str:
-        if self.init == "hf":
-            return f"{self.target_dir} has no tokenizer (neither tokenizer.json nor tokenizer.model)"
+        if self.init == "imported":
+            return (f"{self.target_dir} has no tokenizer (neither tokenizer.json nor tokenizer.model)"
+                    if self.sources[0].kind == "hf" else f"{self.target_dir} has no tokenizer (no tokenizer.ggml "
+                                                         "metadata)")
         return (f"config {self.config.name!r} has no tokenizer"
                 + (f" (none in {self.target_dir})" if self.target_dir else ""))
 
     def tokenizer(self):
-        """The tokenizer saved with the target's checkpoint or in its Hugging Face
-        directory, if there is one; a draft's tokenizer must be the same."""
-        if self.init == "hf":
+        """The tokenizer saved with the target's checkpoint, in its Hugging Face directory
+        or GGUF file, if there is one; a draft's tokenizer must be the same."""
+        if self.init == "imported":
             from specjax.weights import hf
-            tok = hf.tokenizer(self.target_dir)
-            if self.draft_dir is not None:
-                hf.same_vocabulary(self.target_dir, self.draft_dir)
+            target, draft = self.sources
+            tok = target.reader.tokenizer(target.path)
+            if draft is not None:
+                hf.same_vocabulary(tok, draft.reader.tokenizer(draft.path))
             if tok is not None and tok.vocab_size > self.config.target.vocab_size:
                 raise UsageError(f"tokenizer {tok.path} has {tok.vocab_size} tokens, more than the model's "
                                  f"vocab_size={self.config.target.vocab_size}")
@@ -170,20 +215,17 @@ class Weights:
         generation_config.json when it has no tokenizer."""
         if tokenizer is not None:
             return tuple(tokenizer.stop_ids)
-        if self.init == "hf":
-            from specjax.weights import hf
-            return hf.read_config(self.target_dir).eos_ids
+        if self.init == "imported":
+            return self.sources[0].reader.read_config(self.sources[0].path).eos_ids
         return ()
 
     def load(self, mesh, *, need_draft: bool):
-        if self.init == "hf":
-            from specjax.weights import hf
-
-            def one(directory, cfg):
-                lm, _ = hf.load(directory, mesh, **{f: getattr(cfg, f) for f in RUNTIME_FIELDS})
+        if self.init == "imported":
+            def one(source, cfg):
+                lm, _ = source.reader.load(source.path, mesh, **source.runtime(cfg))
                 return lm
-            return one(self.target_dir, self.config.target), (one(self.draft_dir, self.config.draft)
-                                                               if need_draft else None)
+            target, draft = self.sources
+            return one(target, self.config.target), (one(draft, self.config.draft) if need_draft else None)
         if self.init == "random":
             target = init_lm(self.config.target, mesh)
             draft = init_lm(self.config.draft, mesh) if need_draft else None

@@ -9,7 +9,7 @@ from typing import Optional, Sequence
 
 from specjax import distributed, sharding
 from specjax.app import cli, prompts as prompts_lib
-from specjax.app.locate import Weights, with_hf_models
+from specjax.app.locate import Weights, imported, with_hf_models
 from specjax.app.output import JsonlWriter, check_writable
 from specjax.app.report import Report
 from specjax.config import SEED_LIMIT, Config, MeshConfig, SamplingConfig, UsageError
@@ -37,6 +37,8 @@ class Request:
     output: Optional[str] = None
     hf_target: Optional[str] = None  # Hugging Face model directories (instead of checkpoints)
     hf_draft: Optional[str] = None
+    gguf_target: Optional[str] = None  # GGUF files (instead of checkpoints)
+    gguf_draft: Optional[str] = None
     train_missing: bool = True
     print_samples: bool = True
     datastore: Optional[str] = None  # for drafter='retrieval' | 'hybrid'
@@ -56,9 +58,10 @@ class Inputs:
 def check(req: Request) -> None:
     """The checks that need neither files nor devices (`req.config` has its HF models)."""
     config, sampling = req.config, req.sampling
-    if "sps" in req.modes and req.hf_target is not None and req.hf_draft is None:
-        raise UsageError(f"--mode={'both' if len(req.modes) == 2 else 'sps'} needs a draft: pass --hf_draft=DIR (a "
-                         "model with the target's tokenizer), or use --mode=ars")
+    target, draft = imported(req.hf_target, req.hf_draft, req.gguf_target, req.gguf_draft)
+    if "sps" in req.modes and target is not None and draft is None:
+        raise UsageError(f"--mode={'both' if len(req.modes) == 2 else 'sps'} needs a draft: pass --hf_draft=DIR or "
+                         "--gguf_draft=FILE (a model with the target's tokenizer), or use --mode=ars")
     if need_draft(req) and config.draft is None:
         raise UsageError(f"--mode={'both' if len(req.modes) == 2 else 'sps'} with --drafter={sampling.drafter} "
                          f"needs a draft model, and config {config.name!r} has none; use --mode=ars, "
@@ -133,14 +136,15 @@ def run(req: Request) -> None:
     # of the weights), so every process checks them, and all stop if one cannot.
     req = dataclasses.replace(req, config=distributed.everywhere(lambda: with_hf_models(
         req.config, req.hf_target, req.hf_draft, init=req.init, checkpoint=req.checkpoint,
-        draft_checkpoint=req.draft_checkpoint)))
+        draft_checkpoint=req.draft_checkpoint, gguf_target=req.gguf_target, gguf_draft=req.gguf_draft)))
     check(req)
     cli.use_compilation_cache()
     # Host inputs are read by process 0 and shared: one answer (or one error) everywhere.
     raw_prompts = distributed.agreed(lambda: gather_and_check(req))
     weights = Weights.locate(req.config, req.init, req.checkpoint, req.draft_checkpoint,
                              need_draft=need_draft(req), train_missing=req.train_missing,
-                             hf_target=req.hf_target, hf_draft=req.hf_draft)
+                             hf_target=req.hf_target, hf_draft=req.hf_draft, gguf_target=req.gguf_target,
+                             gguf_draft=req.gguf_draft)
     inputs = distributed.agreed(lambda: read_inputs(req, raw_prompts, weights))
     mesh = sharding.make_checked_mesh(req.mesh, models(req))  # first device work: all input is valid by now
     target, draft = weights.load(mesh, need_draft=need_draft(req))

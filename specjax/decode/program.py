@@ -164,6 +164,7 @@ def compile_lowered(lowered):
 
 
 _COMPILED: dict = {}
+_WARMED: set = set()  # compiled programs that have run once in this process
 
 
 @dataclasses.dataclass(frozen=True)
@@ -194,23 +195,38 @@ class Program:
         with jax.set_mesh(self.mesh):
             return self.fn.lower(*self.args, **self.settings)
 
+    def _key(self):
+        leaves, treedef = jax.tree.flatten(self.args)
+        return (self.fn, treedef, tuple((x.shape, str(x.dtype), x.sharding) for x in leaves), self.statics)
+
     def compile(self):
         """AOT-compiled once per (program, shapes, shardings, settings), so timings exclude compiles."""
-        leaves, treedef = jax.tree.flatten(self.args)
-        key = (self.fn, treedef, tuple((x.shape, str(x.dtype), x.sharding) for x in leaves), self.statics)
+        key = self._key()
         if key not in _COMPILED:
             _COMPILED[key] = compile_lowered(self.lower())
         return _COMPILED[key]
 
     def run(self) -> tuple[Any, float, float]:
         """(outputs as numpy on every process, run seconds, compile seconds). The run
-        happens under a transfer guard: a silent host<->device copy inside it fails."""
+        happens under a transfer guard: a silent host<->device copy inside it fails.
+
+        The timed run starts on every process together: each compiles at its own pace (on
+        a pod one host may load the program from its compilation cache while another
+        compiles it for minutes), so all wait at a barrier first; otherwise this host's
+        first collective would wait for the slowest one inside the timed region. The first
+        run of a compiled program is an untimed warm-up (loading the executable onto the
+        devices, first allocations), so ms/token is the steady state on every process."""
         start = time.perf_counter()
         compiled = self.compile()
         compile_seconds = time.perf_counter() - start
+        distributed.barrier("specjax: programs compiled")
+        key = self._key()
         with jax.set_mesh(self.mesh):
-            start = time.perf_counter()
             with jax.transfer_guard("disallow"):
+                if key not in _WARMED:
+                    jax.block_until_ready(compiled(*self.args))
+                    _WARMED.add(key)
+                start = time.perf_counter()
                 out = compiled(*self.args)
                 jax.block_until_ready(out)
             seconds = time.perf_counter() - start

@@ -92,7 +92,7 @@ def speculate(target: LM, drafter: Drafter, s: SpsState, settings: Settings):
     """Propose, score [pending, the chains] in ONE target pass, verify, commit the kept
     path. Returns (the state's next key, Speculation)."""
     K, M, warping = settings.lookahead, settings.num_drafts, settings.warping
-    batch, nodes = s.tokens.shape[0], 1 + M * K
+    batch = s.tokens.shape[0]
     key, draft_key, accept_key = jax.random.split(s.key, 3)
     chains, drafter_state, draft_bad = drafter.propose(s.drafter_state, s.tokens, s.length, draft_key, K, M, warping)
     pending = s.length - 1
@@ -100,21 +100,13 @@ def speculate(target: LM, drafter: Drafter, s: SpsState, settings: Settings):
     positions = pending[:, None] + tree.depths(M, K)[None, :]
     visible = tree.ancestors(M, K)
 
-    def score(width: int):
-        """q and the pass's keys/values for the first `width` nodes; past them q at the
-        pending token repeated and zero keys, which are never read (a row that proposed
-        nothing keeps no node past the pending one)."""
-        logits, fresh = target(scored[:, :width], positions[:, :width], s.target_cache, visible[:width, :width],
-                               features=drafter.needs_features)
-        q, bad = warp(logits, warping)
-        if width < nodes:
-            q, fresh = jnp.broadcast_to(q[:, :1], (batch, nodes, q.shape[2])), fresh.padded(nodes)
-        return q, fresh, jnp.any(bad, axis=1)
-
-    if drafter.may_propose_nothing:  # a loop where no row proposed: one plain sampling step scores the pending token
-        q, fresh, target_bad = jax.lax.cond(jnp.any(chains.length > 0), lambda: score(nodes), lambda: score(1))
-    else:
-        q, fresh, target_bad = score(nodes)
+    # Always all the nodes, even in a lookup loop that proposed nothing for any row: a
+    # lax.cond choosing a 1-token pass there made XLA copy the whole KV cache into and out
+    # of the conditional in every loop, which cost more than the K extra positions do with
+    # the few-row kernel (BENCHMARKS.md section 10).
+    logits, fresh = target(scored, positions, s.target_cache, visible, features=drafter.needs_features)
+    q, target_bad = warp(logits, warping)
+    target_bad = jnp.any(target_bad, axis=1)
     num_accepted, picks, next_token, empty = verify.select(settings.verify, M)(accept_key, chains, q)
     win, path = tree.kept(picks, num_accepted, M, K)  # one chain: chain 0, all of its nodes in order (None)
     along = lambda a: a if path is None else jnp.take_along_axis(a, path.reshape(path.shape + (1,) * (a.ndim - 2)),

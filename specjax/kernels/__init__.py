@@ -20,7 +20,7 @@ Modules: `setting` (the static `Kernels` value and its default from SPECJAX_KERN
 from specjax.kernels.library import available, build
 from specjax.kernels.dispatch import MAX_ROWS
 from specjax.kernels.setting import DEFAULT, KERNELS, NONE, Kernels
-from specjax.kernels.formats import PANEL, Packed, pack, pack_params, project, should_pack
+from specjax.kernels.formats import PANEL, Packed, pack, pack_params, project, should_pack, stored
 
 __all__ = ["DEFAULT", "KERNELS", "MAX_ROWS", "NONE", "PANEL", "Kernels", "Packed", "available", "build", "pack",
-           "pack_params", "project", "should_pack"]
+           "pack_params", "project", "should_pack", "stored"]

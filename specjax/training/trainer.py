@@ -14,8 +14,9 @@ losses fall quickly and the tests have something to learn.
 
 Distillation (Chen et al.'s draft is a small model trained on the target's data;
 distilling it from the target raises acceptance): `train.teacher` names a config whose
-trained target is loaded frozen (or `train.teacher_hf` a Hugging Face model directory,
-whose tokenizer then tokenises the corpus; `export_hf` writes the result back as one),
+trained target is loaded frozen (or `train.teacher_hf` a Hugging Face model directory, or
+`train.teacher_gguf` a GGUF file, whose tokenizer then tokenises the corpus; `export_hf`
+writes the result back as a Hugging Face directory),
 and the loss is
     w * T^2 * KL(teacher_T || student_T) + (1 - w) * cross-entropy,
 with T = `distill_temperature` (Hinton et al.'s T^2 keeps gradient scales comparable)
@@ -57,7 +58,7 @@ import optax
 from flax import nnx
 from tqdm import tqdm
 
-from specjax import sharding
+from specjax import distributed, sharding
 from specjax.training import data
 from specjax.training.losses import make_loss
 from specjax.weights import checkpoint
@@ -468,12 +469,14 @@ def _say(message: str) -> None:
 def _teacher(config: Config, mesh) -> tuple[Optional[LM], Any]:
     """(teacher LM, its tokenizer or None), or (None, None) without a teacher."""
     tc = config.train
-    if tc.teacher_hf:
-        from specjax.weights import hf
-        teacher_cfg = hf.read_config(tc.teacher_hf, param_dtype=config.target.param_dtype,
-                                     compute_dtype=config.target.compute_dtype).model
-        name, load = f"train.teacher_hf={tc.teacher_hf!r}", lambda: hf.load(
-            tc.teacher_hf, mesh, param_dtype=teacher_cfg.param_dtype, compute_dtype=teacher_cfg.compute_dtype)
+    if tc.teacher_hf or tc.teacher_gguf:
+        from specjax.weights import gguf, hf
+        reader, path, key = (hf, tc.teacher_hf, "teacher_hf") if tc.teacher_hf else (gguf, tc.teacher_gguf,
+                                                                                     "teacher_gguf")
+        teacher_cfg = reader.read_config(path, param_dtype=config.target.param_dtype,
+                                         compute_dtype=config.target.compute_dtype).model
+        name, load = f"train.{key}={path!r}", lambda: reader.load(
+            path, mesh, param_dtype=teacher_cfg.param_dtype, compute_dtype=teacher_cfg.compute_dtype)
     elif tc.teacher:
         teacher_cfg = load_config(tc.teacher).target
         directory = user_path(tc.teacher_checkpoint) if tc.teacher_checkpoint \
@@ -494,17 +497,22 @@ def _teacher(config: Config, mesh) -> tuple[Optional[LM], Any]:
 
 def export_hf(config: Config, workdir, directory, devices=None) -> pathlib.Path:
     """Write the newest checkpoint in `workdir` as a Hugging Face Llama directory, with
-    the Hugging Face teacher's tokenizer and generation ids when it was distilled from one."""
-    from specjax.weights import hf
+    the teacher's tokenizer and generation ids when it was distilled from a Hugging Face
+    directory or a GGUF file (whose tokenizer is written as tokenizer.json)."""
+    from specjax.weights import gguf, hf
     workdir = user_path(workdir) if workdir else checkpoint.default_dir(config.name)
     mesh = sharding.make_mesh(config.mesh, devices)
     hf.exportable(config.target)
     lm = checkpoint.load_lm(config.target, mesh, workdir, config_name=config.name)
-    teacher = config.train.teacher_hf
-    info = hf.read_config(teacher) if teacher else None
+    tc = config.train
+    info = hf.read_config(tc.teacher_hf) if tc.teacher_hf else gguf.read_config(tc.teacher_gguf) \
+        if tc.teacher_gguf else None
     with jax.set_mesh(mesh):
-        return hf.export(lm, directory, tokenizer_dir=teacher or None, bos_id=info.bos_id if info else None,
-                         eos_ids=info.eos_ids if info else ())
+        out = hf.export(lm, directory, tokenizer_dir=tc.teacher_hf or None, bos_id=info.bos_id if info else None,
+                        eos_ids=info.eos_ids if info else ())
+    if tc.teacher_gguf and distributed.is_main():
+        gguf.write_tokenizer(tc.teacher_gguf, out)
+    return out
 
 
 def _train_differences(saved: dict, tc: TrainConfig) -> list[str]:
@@ -545,7 +553,7 @@ def train(config: Config, workdir=None, progress: bool = True, devices=None) -> 
                      + (f" (train settings changed since: {'; '.join(changed)})" if changed else ""))
                 log.write("event", start, event="resume")
             else:
-                params = init_lm(config.target, mesh, seed=config.target.init_seed).params
+                params = init_lm(config.target, mesh, seed=config.target.init_seed, duplicate_kv=False).params
                 opt_state = jax.jit(optimizer.init, out_shardings=opt_sh)(params)
                 log.write("event", 0, event="start", config=config.name, params=config.target.num_params)
             student = LM(config.target, graphdef, params)
@@ -565,7 +573,7 @@ def train(config: Config, workdir=None, progress: bool = True, devices=None) -> 
             _say(f"training {config.name}: {config.target.num_params:,} params on mesh "
                  f"{mesh.shape['data']}x{mesh.shape['model']} (data x model), batch {tc.batch_size} x "
                  f"{tc.seq_len} tokens, steps {start}..{tc.steps}; data: {corpus.description}"
-                 + (f"; distilling from {tc.teacher or tc.teacher_hf} (w={tc.distill_weight}, "
+                 + (f"; distilling from {tc.teacher or tc.teacher_hf or tc.teacher_gguf} (w={tc.distill_weight}, "
                     f"T={tc.distill_temperature})"
                     if teacher is not None else "") + f"; compiled in {compile_seconds:.1f}s")
 

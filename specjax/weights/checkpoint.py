@@ -36,7 +36,7 @@ import jax
 import orbax.checkpoint as ocp
 from absl import logging as absl_logging
 
-from specjax import sharding
+from specjax import kv_heads, sharding
 from specjax.config import ModelConfig, UsageError, cache_dir, user_path
 from specjax.model import LM, abstract_lm
 
@@ -276,7 +276,9 @@ def model_meta(cfg: ModelConfig, config_name: str, **extra) -> dict:
 
 
 def save_lm(lm: LM, directory, step: int = 0, config_name: str = "") -> None:
-    """Write `lm`'s params as step `step` (no optimizer state) and wait for it."""
+    """Write `lm`'s params as step `step` (no optimizer state) and wait for it; a model
+    loaded with duplicated kv heads is written with its original ones."""
+    lm = kv_heads.undo(lm)
     with Checkpoints(directory, async_save=False) as ckpt:
         ckpt.save(step, lm.params, model_meta(lm.cfg, config_name))
         ckpt.wait()
@@ -284,7 +286,9 @@ def save_lm(lm: LM, directory, step: int = 0, config_name: str = "") -> None:
 
 def load_lm(model_cfg: ModelConfig, mesh: jax.sharding.Mesh, directory, step: int | None = None,
             config_name: str | None = None) -> LM:
-    """The params of `step` (default: the newest) restored directly onto `mesh`.
+    """The params of `step` (default: the newest) restored directly onto `mesh`; with
+    fewer kv heads than the 'model' axis they are duplicated (`kv_heads`), each device
+    reading only the head it holds.
 
     `config_name` (default: the directory's name) only words the messages."""
     directory = user_path(directory)
@@ -296,6 +300,8 @@ def load_lm(model_cfg: ModelConfig, mesh: jax.sharding.Mesh, directory, step: in
         raise UsageError(f"no checkpoint directory {directory}: train one with "
                          f"`python -m specjax.train --config={name}` (or set $SPECJAX_CACHE / "
                          f"pass the directory that holds it)")
+    saved_cfg = kv_heads.original(model_cfg)  # checkpoints hold the model's own kv heads
+    model_cfg = kv_heads.for_mesh(model_cfg, mesh)
     sharding.check_divisible(model_cfg, mesh)
     with Checkpoints(directory, read_only=True) as ckpt:
         steps = ckpt.steps()
@@ -307,6 +313,7 @@ def load_lm(model_cfg: ModelConfig, mesh: jax.sharding.Mesh, directory, step: in
         elif step not in steps:
             raise UsageError(f"{directory} has no checkpoint for step {step}; it has steps {steps}")
         graphdef, abstract = abstract_params(model_cfg, mesh)
-        ckpt.check_compatible(step, model_cfg, name, abstract)
-        params, _ = ckpt.restore(step, abstract)
-    return LM(model_cfg, graphdef, params)
+        saved = kv_heads.source_params(abstract, model_cfg.kv_copies)
+        ckpt.check_compatible(step, saved_cfg, name, saved)
+        params, _ = ckpt.restore(step, saved)
+    return LM(model_cfg, graphdef, kv_heads.adopt_params(params, abstract))

@@ -27,14 +27,18 @@ tests' fixtures). The rest of the model is Llama's: no embedding scale (embed_sc
 attention scale H^-0.5, query head n reads kv head n // (N/K), SwiGLU down(silu(gate x) *
 up x), no biases, RMSNorm with its weight applied after the cast (norm_weight_after_cast).
 
-Loading: every parameter is created directly as a sharded `jax.Array` with
-`jax.make_array_from_callback`, in the HF tensor's layout but partitioned so that each
-device gets exactly the elements of its own shard of the specjax param (`hf_spec`); the
-callback reads only that slice from the safetensors file, and one jitted transpose per
-param rearranges the shards in place on the devices (no collective). So each process (one
-or many) reads the slices its own devices hold and no host ever builds a whole
-parameter, let alone the model. Weights keep their stored dtype unless the caller asks
-for another (bf16 stays bf16). Paths are local or any `etils.epath` path (gs://).
+Loading: every parameter is created directly as a sharded `jax.Array`, in the HF
+tensor's layout but partitioned so that each device gets exactly the elements of its own
+shard of the specjax param (`hf_spec`), and one jitted transpose per param rearranges the
+shards in place on the devices (no collective). Each process reads from the safetensors
+files only the boxes its own devices hold, each byte range once (`read_once`: JAX's
+`make_array_from_callback` would call back once per device, and de-duplicates only fully
+replicated arrays), and a column split (down_proj, o_proj: a device holds some columns of
+every row) as strided ranges of those columns, not whole rows. So no host ever builds a
+whole parameter, let alone the model. With fewer kv heads than the 'model' mesh axis the
+k/v projections are duplicated (`kv_heads`): each device reads the one file head its copy
+comes from. Weights keep their stored dtype unless the caller asks for another (bf16
+stays bf16). Paths are local or any `etils.epath` path (gs://, with gcsfs installed).
 """
 from __future__ import annotations
 
@@ -51,8 +55,8 @@ from etils import epath
 from flax import nnx
 from jax.sharding import NamedSharding, PartitionSpec as P
 
-from specjax import distributed, sharding
-from specjax.config import ConfigError, ModelConfig, UsageError
+from specjax import distributed, kv_heads, sharding
+from specjax.config import ConfigError, ModelConfig, UsageError, check_remote_support
 from specjax.model import LM, abstract_lm
 from specjax.weights import safetensors_io
 from specjax.weights.tokenizer import HFTokenizer, TokenizerError, load_hf_tokenizer
@@ -85,6 +89,7 @@ IGNORED_SUFFIXES = (".rotary_emb.inv_freq",)
 def as_path(directory) -> epath.Path:
     """A local path ('~' expanded) or any etils.epath path (gs://...)."""
     text = os.fspath(directory)
+    check_remote_support(text)
     return epath.Path(text if "://" in text else os.path.expanduser(text))
 
 
@@ -212,10 +217,10 @@ def tokenizer(directory) -> Optional[HFTokenizer]:
         raise UsageError(str(e)) from None
 
 
-def same_vocabulary(target_dir, draft_dir) -> None:
-    """Raise UsageError unless two directories' tokenizers map every token to the same id
-    (equal sizes are not enough: the ratio q(x)/p(x) must compare the same token)."""
-    t, d = tokenizer(target_dir), tokenizer(draft_dir)
+def same_vocabulary(t: Optional[HFTokenizer], d: Optional[HFTokenizer]) -> None:
+    """Raise UsageError unless the target's and the draft's tokenizers (from a directory
+    or a GGUF file; None: no tokenizer) map every token to the same id (equal sizes are
+    not enough: the ratio q(x)/p(x) must compare the same token)."""
     if t is None or d is None:
         return
     tv, dv = t.vocabulary(), d.vocabulary()
@@ -375,12 +380,53 @@ def check_weights(directory, cfg: ModelConfig) -> None:
         files.close()
 
 
+def _unit(index, shape) -> tuple[slice, ...]:
+    """An index as one unit-step slice per axis, bounds resolved."""
+    index = tuple(index) + (slice(None),) * (len(shape) - len(index))
+    return tuple(slice(*s.indices(n)[:2]) for s, n in zip(index, shape))
+
+
+def read_once(shape: tuple[int, ...], sharding_: jax.sharding.Sharding, read, source=None) -> jax.Array:
+    """The global array of `shape` and `sharding_` whose shards on this process's devices
+    come from `read(box)` (a host array of one box of the source), every source byte read
+    once per process: `jax.make_array_from_callback` would call back once per device
+    (several devices of a host hold the same shard under a 'data' axis, or the same kv
+    head after duplication). `source(index)` maps a device's index to (the source box to
+    read, a function from that box to the device's shard), default (index, None). When
+    the distinct boxes tile their bounding box (a host's devices hold adjacent shards,
+    the usual device order), that one box is read (a column split then costs one strided
+    read for the host, not one per device)."""
+    wanted = {}  # device -> ((start, stop) per axis of its source box, post)
+    for device, index in sharding_.addressable_devices_indices_map(shape).items():
+        box, post = source(_unit(index or (), shape)) if source is not None else (_unit(index or (), shape), None)
+        wanted[device] = (tuple((s.start, s.stop) for s in box), post)
+    boxes = {box for box, _ in wanted.values()}  # (slices are unhashable before Python 3.12)
+    ndim = len(next(iter(boxes)))
+    lo = [min(b[i][0] for b in boxes) for i in range(ndim)]
+    hi = [max(b[i][1] for b in boxes) for i in range(ndim)]
+    volume = sum(math.prod(stop - start for start, stop in b) for b in boxes)
+    if len(boxes) > 1 and volume == math.prod(h - l for l, h in zip(lo, hi)):
+        whole = read(tuple(slice(l, h) for l, h in zip(lo, hi)))
+        host = {b: whole[tuple(slice(a - l, z - l) for (a, z), l in zip(b, lo))] for b in boxes}
+    else:
+        host = {b: read(tuple(slice(a, z) for a, z in b)) for b in boxes}
+    shards = []
+    for device, (box, post) in wanted.items():
+        x = host[box] if post is None else post(host[box])
+        shards.append(jax.device_put(np.ascontiguousarray(x), device))
+    return jax.make_array_from_single_device_arrays(shape, sharding_, shards)
+
+
 def load_params(cfg: ModelConfig, mesh: jax.sharding.Mesh, files: WeightFiles) -> LM:
     """The LM whose params are the files' tensors. Each is created sharded on `mesh` in
-    the HF layout from the slices this process's devices hold (JAX asks once per distinct
-    slice: a replicated tensor is read once per process), then rearranged on the devices."""
+    the HF layout from the boxes this process's devices hold, each byte range read once
+    per process (`read_once`), then rearranged on the devices. With duplicated kv heads
+    (`cfg.kv_copies` > 1, `kv_heads.for_mesh`) the k/v projections are read as the file's
+    heads each device's copies come from."""
     abstract = abstract_lm(cfg, mesh)
-    hf_shapes = expected_tensors(dataclasses.replace(cfg, scan_layers=False))
+    flat = dataclasses.replace(cfg, scan_layers=False)
+    hf_shapes = expected_tensors(flat)
+    c, H = cfg.kv_copies, cfg.head_dim
 
     def make(path, v):
         key, layer = _param_key(path)
@@ -393,13 +439,19 @@ def load_params(cfg: ModelConfig, mesh: jax.sharding.Mesh, files: WeightFiles) -
             hf_shape, spec_hf = (layers,) + hf_shapes[name.format(i=0)], (spec[0],) + hf_spec(layout, spec[1:])
         else:
             hf_shape, spec_hf = hf_shapes[name.format(i=layer)], hf_spec(layout, spec)
+        source = None
+        if kv_heads.is_kv(key) and c > 1:  # the rows (heads) of [cG*H, D]: read from [G*H, D]
+            def source(index):
+                rows, expand = kv_heads.head_rows(index[-2], c, H)
+                post = (lambda x: np.stack([expand(y) for y in x])) if stacked else expand
+                return index[:-2] + (rows, index[-1]), post
 
-        def callback(index):
+        def read(box):
             if not stacked:
-                return files.read(name.format(i=layer), index)
-            return np.stack([files.read(name.format(i=i), index[1:]) for i in range(*index[0].indices(layers))])
+                return files.read(name.format(i=layer), box)
+            return np.stack([files.read(name.format(i=i), box[1:]) for i in range(box[0].start, box[0].stop)])
 
-        raw = jax.make_array_from_callback(hf_shape, NamedSharding(mesh, P(*spec_hf)), callback)
+        raw = read_once(hf_shape, NamedSharding(mesh, P(*spec_hf)), read, source)
         return v.replace(_on_device(layout, shape, jax.numpy.dtype(cfg.param_dtype), sharding_)(raw))
 
     params = jax.tree_util.tree_map_with_path(make, abstract.params, is_leaf=_is_variable)
@@ -427,8 +479,9 @@ def load_with_stats(directory, mesh, *, param_dtype=None, compute_dtype=None, sc
     files = WeightFiles(directory, local=local)
     try:
         files.check(info.model, directory)
-        sharding.check_divisible(info.model, mesh)
-        lm = load_params(info.model, mesh, files)
+        cfg = kv_heads.for_mesh(info.model, mesh)
+        sharding.check_divisible(cfg, mesh)
+        lm = load_params(cfg, mesh, files)
         jax.block_until_ready(lm.params)
         stats = {"bytes_read": files.bytes_read,
                  "file_bytes": sum(files.info(n).nbytes for n in expected_tensors(info.model))}
@@ -479,6 +532,7 @@ def export(lm: LM, directory, *, tokenizer_dir=None, bos_id: Optional[int] = Non
     safetensors in the params' dtype, and the tokenizer files of `tokenizer_dir` if
     given). Every process must call it (params are gathered tensor by tensor); process 0
     writes. An untied model's input-embedding scale is folded into the table."""
+    lm = kv_heads.undo(lm)  # a model loaded with duplicated kv heads is written with its own
     cfg = lm.cfg
     exportable(cfg)
     directory = as_path(directory)

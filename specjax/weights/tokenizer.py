@@ -226,12 +226,28 @@ class HFTokenizer:
     transformers gives: `tokenizer.json` through the `tokenizers` library (what
     transformers' fast tokenizers run), else `tokenizer.model` through SentencePiece,
     reproducing transformers 5's conversion of it (see `_SentencePieceAsTransformers`).
+    `from_tokenizers` wraps one built elsewhere (a GGUF file's, from its metadata).
 
     encode(text): ids without special tokens; encode_prompt(text): with them, as the model
     expects a prompt to start (BOS from tokenizer.json's post-processor, or
     tokenizer_config.json's add_bos_token); decode(ids) keeps special tokens, as
     transformers' decode does by default. `stop_ids` are generation_config.json's
-    eos_token_id (one id or several), falling back to the tokenizer's EOS."""
+    eos_token_id (one id or several), falling back to the tokenizer's EOS.
+    `chat_template` is the model's Jinja chat template, or None."""
+
+    pad_id: Optional[int] = None
+    chat_template: Optional[str] = None
+
+    @classmethod
+    def from_tokenizers(cls, impl, path, *, bos_id: Optional[int], eos_id: Optional[int], stop_ids,
+                        pad_id: Optional[int] = None, chat_template: Optional[str] = None) -> "HFTokenizer":
+        """A `tokenizers.Tokenizer` with its special ids, read from `path`."""
+        tok = cls.__new__(cls)
+        tok.directory, tok.path, tok._impl = None, pathlib.Path(path), impl
+        tok.bos_id, tok.eos_id, tok.pad_id = bos_id, eos_id, pad_id
+        tok.stop_ids = tuple(int(i) for i in stop_ids)
+        tok.chat_template = chat_template
+        return tok
 
     def __init__(self, directory):
         from etils import epath
@@ -260,6 +276,9 @@ class HFTokenizer:
         self.stop_ids = tuple(int(i) for i in stop)
         if self.eos_id is None and self.stop_ids:
             self.eos_id = self.stop_ids[0]
+        self.pad_id = self._special_id(config.get("pad_token"), generation.get("pad_token_id"))
+        template = config.get("chat_template")
+        self.chat_template = template if isinstance(template, str) else None
 
     def _special_id(self, token, fallback) -> Optional[int]:
         content = _token_content(token)

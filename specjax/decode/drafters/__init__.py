@@ -18,7 +18,7 @@ the compiled loop, plus a pytree `state` the loop carries. Its interface (`base.
                           hidden states along the kept path (the draft cache's rollback)
 
 and class attributes that say what it needs (`needs_draft_model`, `uses_datastore`,
-`needs_datastore`, `several_chains`, `may_propose_nothing`, `needs_features`): the loop
+`needs_datastore`, `several_chains`, `needs_features`): the loop
 and the command lines read those, never the drafter's name. Any rule that decides how
 much to draft looks at the drafter's side only (invariant 9).
 

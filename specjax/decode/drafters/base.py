@@ -47,7 +47,6 @@ class Drafter:
     uses_datastore: ClassVar[bool] = False  # accepts a datastore
     needs_datastore: ClassVar[bool] = False  # cannot run without one
     several_chains: ClassVar[bool] = False  # draws M > 1 independent chains per loop
-    may_propose_nothing: ClassVar[bool] = False  # a loop may have no proposal in any row
     needs_features: ClassVar[bool] = False  # `update` reads the target's hidden states (Verdict.features)
 
     @classmethod

@@ -9,7 +9,8 @@ A lookup proposes one chain of tokens chosen deterministically from the context,
 p is a point mass. On its own a lookup falls back to shorter suffixes down to one token;
 hybrid trusts one only when it matched the full suffix (`lookup(..., full=True)`), as a
 one-token match is a weaker prophet than the draft model. A row whose lookup finds
-nothing proposes no token (length 0), and its loop is one plain sampling step.
+nothing proposes no token (length 0), and its loop is one plain sampling step (the
+target still scores K+1 positions: see `speculative.speculate`).
 """
 from __future__ import annotations
 
@@ -58,8 +59,6 @@ def chain(x: jax.Array, hit: jax.Array, length: jax.Array, vocab: int, source: s
 
 class Lookup(Drafter):
     """A lookup drafter: `lookup` is its one chain; proposing is that chain, alone."""
-
-    may_propose_nothing = True
 
     def lookup(self, tokens, length, lookahead: int, full: bool = False) -> tuple[Proposal, jax.Array]:
         """(chain [B, K], hit [B]): the proposal where the context's suffix was found (all

