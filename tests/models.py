@@ -69,6 +69,7 @@ def cache_copies(program) -> list[str]:
                     and int(dims.group(1).split(",")[3]) == program.size:
                 found.append(f"{instr} {shape}")
             todo += hlo._callees(text)
+    assert len(seen) > 1, "the generation loop calls no computation: nothing was searched"
     return found
 
 
