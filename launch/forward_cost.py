@@ -6,8 +6,8 @@ Each measurement is N forwards inside one jitted `fori_loop` with the cache dona
 in the sampling loops (in-place cache writes), at batch 1 with the cache one third full,
 compiled as `generate` compiles (program.compile_lowered); medians over repeats. T=1 is an
 ArS step or a draft step; T=K+1 is SpS's scoring pass. `--kernels=off,on` compiles each
-program without and with specjax's CPU kernels (SPECJAX_KERNELS at trace time) and
-interleaves all of them, for an A/B within one run.
+program without and with specjax's CPU kernels (the model's static `Kernels` setting)
+and interleaves all of them, for an A/B within one run.
 """
 from __future__ import annotations
 
@@ -22,13 +22,14 @@ from absl import app, flags
 from specjax import kernels, kv_cache, model, sharding
 from specjax.decode import program
 from specjax.config import MeshConfig, load_config
+from specjax.kernels import Kernels, dispatch
 
 flags.DEFINE_string("config", "mini_target", "Config whose target model is measured.")
 flags.DEFINE_string("tokens", "1,2,5", "Tokens per forward (T).")
 flags.DEFINE_string("cache", "64,512,1024", "Cache slots (S).")
 flags.DEFINE_integer("steps", 16, "Forwards per timed loop.")
 flags.DEFINE_integer("repeats", 10, "Timed loops per setting (median).")
-flags.DEFINE_list("kernels", ["default"], "Kernel settings to compare: on, off, default ($SPECJAX_KERNELS), "
+flags.DEFINE_list("kernels", ["default"], "Kernel settings to compare: on, off, default ($SPECJAX_KERNELS at start), "
                   "or kernels' names joined by + (matmul, attention, nucleus; e.g. matmul+attention).")
 flags.DEFINE_integer("bandwidth_mb", 512, "Array size for the memory-bandwidth measurement (0: skip).")
 flags.DEFINE_enum("clock", "wall", ["wall", "cpu"], "wall: elapsed time; cpu: this process's CPU time (all its "
@@ -39,7 +40,7 @@ FLAGS = flags.FLAGS
 def loop(lm, cache, tokens: int, steps: int):
     def body(_, c):
         pos = c.lengths[:, None] + jnp.arange(tokens)[None]
-        logits, c = lm(jnp.zeros((1, tokens), jnp.int32), pos, c)
+        logits, c = lm.extend(jnp.zeros((1, tokens), jnp.int32), pos, c)
         # Advance one slot; the logits feed the carry so the forward cannot be dropped.
         return c.with_lengths(c.lengths + 1 + (logits[0, 0, 0] > 1e30).astype(jnp.int32))
     return jax.lax.fori_loop(0, steps, body, cache)
@@ -55,7 +56,7 @@ def read_bandwidth(megabytes: int, repeats: int = 10) -> dict[str, float]:
     readers = {"XLA row sum": (jax.jit(lambda a: a.sum(axis=1)), x)}
     if kernels.available():
         w = kernels.pack(x.reshape(-1, 4096), 1)
-        matmul = jax.jit(kernels.fewrow_matmul, static_argnums=2)
+        matmul = jax.jit(dispatch.fewrow_matmul, static_argnums=2)
         readers["few-row kernel, 1 row"] = (matmul, jnp.ones((1, w.panels.shape[1])), w.panels, w.n)
     rates = {}
     for name, (fn, *args) in readers.items():
@@ -84,11 +85,12 @@ def forward_times(lm, ts, sizes, settings, steps: int, repeats: int, clock: str 
             jnp.array([size // 3], jnp.int32))
         progs, subject = {}, {}
         for setting in settings:
+            # Packed where the matmul kernel runs, as decoding has it; the setting is the
+            # model's static data, so each setting traces and compiles its own programs.
+            subject[setting] = lm.with_kernels(Kernels.parse(setting)).packed()
             for t in ts:
-                with kernels.setting(setting):  # a fresh function: jit's trace cache does not see the setting
-                    subject[setting] = lm.packed()  # packed weights where the matmul kernel runs, as decoding has them
-                    fn = jax.jit(functools.partial(loop), static_argnums=(2, 3), donate_argnums=1)
-                    progs[setting, t] = program.compile_lowered(fn.lower(subject[setting], fresh(), t, steps))
+                fn = jax.jit(functools.partial(loop), static_argnums=(2, 3), donate_argnums=1)
+                progs[setting, t] = program.compile_lowered(fn.lower(subject[setting], fresh(), t, steps))
         times = {key: [] for key in progs}
         for _ in range(repeats):
             for key, prog in progs.items():
@@ -103,7 +105,7 @@ def forward_times(lm, ts, sizes, settings, steps: int, repeats: int, clock: str 
 def check_settings(settings) -> None:
     for setting in settings:
         try:
-            kernels.setting_value(setting)
+            Kernels.parse(setting)
         except ValueError as e:
             raise app.UsageError(f"--kernels: {e}")
 

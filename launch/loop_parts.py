@@ -21,7 +21,8 @@ launch cancel; medians over repeats. If `speculate` costs more than the sum of i
 the difference is interaction (both models' weights and caches sharing the caches of
 the CPU), not work: the parts do all the work the loop does. Random weights (the
 costs do not depend on their values). `--kernels=on,matmul+attention` compiles every
-part under each SPECJAX_KERNELS setting and interleaves all of them (an A/B in one run).
+part under each kernel setting (`Kernels`: static, so each is its own program) and
+interleaves all of them (an A/B in one run).
 """
 from __future__ import annotations
 
@@ -37,11 +38,12 @@ import jax.numpy as jnp  # noqa: E402
 import numpy as np  # noqa: E402
 from absl import flags  # noqa: E402
 
-from specjax import kernels, sharding  # noqa: E402
+from specjax import sharding  # noqa: E402
 from specjax.app import cli  # noqa: E402
 from specjax.app.locate import Weights  # noqa: E402
-from specjax.decode import drafters, program as program_lib, speculative as sps  # noqa: E402
+from specjax.decode import drafters, program as program_lib, speculative as sps, verify  # noqa: E402
 from specjax.decode.sampling import Warp, warp  # noqa: E402
+from specjax.kernels import Kernels  # noqa: E402
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from shapes import SHAPES  # noqa: E402
@@ -86,44 +88,48 @@ def never(x) -> jax.Array:
     return (x == -7).astype(jnp.int32)
 
 
-def parts(K: int, w: Warp, verify: str, drafter: str, ngram: int):
-    settings = sps.Settings(K, w, verify, drafter, ngram)
+def parts(K: int, w: Warp, rule: str, drafter: str):
+    settings = sps.Settings(K, w, rule)
 
     def speculate(t, d, s):
-        key, r = sps.speculate(t, d, None, s, settings)
-        draft_cache = None if r.draft_cache is None else r.draft_cache.with_lengths(s.length + 1)
+        key, r = sps.speculate(t, d, s, settings)
+        length = s.length + 3 + never(r.num_accepted) + never(r.next_token)
+        # The drafter's own rollback (a draft cache to length - its window; nothing for a lookup).
+        state = d.update(r.drafter_state, drafters.Verdict(length, r.num_accepted, r.next_token, r.chain))
         return dataclasses.replace(s, key=key, target_cache=r.target_cache.with_lengths(s.length + 2),
-                                   draft_cache=draft_cache,
-                                   length=s.length + 3 + never(r.num_accepted) + never(r.next_token))
+                                   drafter_state=state, length=length)
 
     def draft_tokens(t, d, s):
         key, sub = jax.random.split(s.key)
-        prop, cache, bad = drafters.model_proposal(d, s.draft_cache, s.tokens, s.length, sub, K, w)
-        return dataclasses.replace(s, key=key, draft_cache=cache.with_lengths(s.length + 1),
+        prop, cache, bad = drafters.model_proposal(d.lm, s.drafter_state, s.tokens, s.length, sub, K, w)
+        return dataclasses.replace(s, key=key, drafter_state=cache.with_lengths(s.length + 1),
                                    length=s.length + 3 + never(prop.x[:, -1]) + never(prop.p[:, -1, 0]) + bad)
 
     def lookup(t, d, s):
-        x, matched = drafters.ngram_match(s.tokens, s.length, ngram, K)
-        return dataclasses.replace(s, length=s.length + 3 + never(x[:, -1]) + never(matched))
+        prop, hit = d.lookup(s.tokens, s.length, K)
+        return dataclasses.replace(s, length=s.length + 3 + never(prop.x[:, -1]) + never(prop.length) + never(hit))
 
     def target(t, d, s, width: int, accept: bool):
         pos = s.length[:, None] - 1 + jnp.arange(width)[None]
-        logits, cache = t(s.tokens[:, :width], pos, s.target_cache)
+        logits, cache = t.extend(s.tokens[:, :width], pos, s.target_cache)
         out = never(logits[:, 0, 0])
         if accept:
             q, bad = warp(logits, w)
-            n, token, empty = sps.verifier(verify)(s.key, s.tokens[:, 1:K + 1], q[:, :K], q)
+            batch = q.shape[0]
+            chain = drafters.Proposal(s.tokens[:, None, 1:K + 1], q[:, None, :K], jnp.full((batch, 1), K),
+                                      jnp.zeros((batch, 1), jnp.int32))
+            n, _, token, empty = verify.select(rule, 1)(s.key, chain, q)
             out = never(n) + never(token) + jnp.any(bad, axis=1) + empty
         return dataclasses.replace(s, target_cache=cache.with_lengths(s.length + 2), length=s.length + 3 + out)
 
     out = {"speculate (one SpS loop)": speculate}
-    if drafter == "model":
+    if drafters.kind(drafter).needs_draft_model:
         out["model_proposal (K steps)"] = draft_tokens
     else:
         out[f"{drafter} lookup"] = lookup
         out["target pass (1 token)"] = lambda t, d, s: target(t, d, s, 1, False)
     out[f"target pass ({K + 1} tokens)"] = lambda t, d, s: target(t, d, s, K + 1, False)
-    out[f"target + warp + {verify} verify"] = lambda t, d, s: target(t, d, s, K + 1, True)
+    out[f"target + warp + {rule} verify"] = lambda t, d, s: target(t, d, s, K + 1, True)
     return out
 
 
@@ -136,7 +142,7 @@ def main(argv):
         if FLAGS.shape not in SHAPES:
             raise cli.UsageError(f"--shape={FLAGS.shape}: not one of {', '.join(SHAPES)}")
         config = dataclasses.replace(config, target=SHAPES[FLAGS.shape], tokenizer_vocab=0)
-    need_draft = drafter == "model"
+    need_draft = drafters.kind(drafter).needs_draft_model
     if need_draft and config.draft is None:
         raise cli.UsageError(f"--config={config.name}: has no draft model (use --drafter=ngram)")
     if need_draft and config.draft.vocab_size != config.target.vocab_size:
@@ -149,9 +155,10 @@ def main(argv):
     bad = [c for c in FLAGS.context if c not in CONTEXTS]
     if bad or not FLAGS.context:
         raise cli.UsageError(f"--context={','.join(FLAGS.context)}: each must be one of {', '.join(CONTEXTS)}")
+    chosen = {}
     for setting in FLAGS.kernels:  # checked before any weights load
         try:
-            kernels.setting_value(setting)
+            chosen[setting] = Kernels.parse(setting)
         except ValueError as e:
             raise cli.UsageError(f"--kernels: {e}")
     weights = Weights.locate(config, "random", None, None, need_draft=need_draft, train_missing=False)
@@ -164,19 +171,26 @@ def main(argv):
     print(f"{config.name}{f' with the target shape {FLAGS.shape}' if FLAGS.shape else ''}: drafter {drafter}, "
           f"K={K}, prompt {FLAGS.prompt_len}, cache {FLAGS.cache}, {w}")
     runs, subjects = {}, {}
-    for setting in FLAGS.kernels:
-        with kernels.setting(setting):
-            subjects[setting] = tuple(None if lm is None else lm.packed() for lm in (target, draft))  # as decoding
-            for name, body in parts(K, w, config.sampling.verify, drafter, config.sampling.ngram).items():
-                def program(t, d, buffer, n, body=body):
-                    state = sps.start(t, d, buffer[:, :FLAGS.prompt_len], lens, jax.random.key(0), K, FLAGS.cache)
-                    state = dataclasses.replace(state, tokens=buffer)
-                    return jax.lax.fori_loop(0, n, lambda i, st: body(t, d, st), state).length
+    sampling = dataclasses.replace(config.sampling, drafter=drafter)
+    for setting, kernels in chosen.items():
+        # As decoding runs them: the setting is the models' and the warp's static data (each
+        # setting its own programs), the weights packed where the matmul kernel runs.
+        subject = target.with_kernels(kernels).packed()
+        d = drafters.make(sampling, config.target.vocab_size, None if draft is None else draft.with_kernels(kernels),
+                          None, mesh)
+        subjects[setting] = (subject, d)
+        warping = w._replace(kernels=kernels)
+        for name, body in parts(K, warping, config.sampling.verify, drafter).items():
+            def program(t, d, buffer, n, body=body, warping=warping):
+                state = sps.start(t, d, buffer[:, :FLAGS.prompt_len], lens, jax.random.key(0), sps.Settings(K, warping),
+                                  FLAGS.cache)
+                state = dataclasses.replace(state, tokens=buffer)
+                return jax.lax.fori_loop(0, n, lambda i, st: body(t, d, st), state).length
 
-                with jax.set_mesh(mesh):  # a fresh function per setting: traced under it
-                    example = next(iter(buffers.values()))
-                    runs[name, setting] = program_lib.compile_lowered(  # the trip count an argument: one compile
-                        jax.jit(program).lower(*subjects[setting], example, jnp.int32(5)))
+            with jax.set_mesh(mesh):
+                example = next(iter(buffers.values()))
+                runs[name, setting] = program_lib.compile_lowered(  # the trip count an argument: one compile
+                    jax.jit(program).lower(*subjects[setting], example, jnp.int32(5)))
     keys = [(name, setting, c) for (name, setting) in runs for c in FLAGS.context]
     now = time.perf_counter if FLAGS.clock == "wall" else time.process_time
     times = {key: [] for key in keys}

@@ -32,7 +32,8 @@ import numpy as np  # noqa: E402
 from absl import app, flags  # noqa: E402
 
 from forward_cost import loop  # noqa: E402  (also defines --config, --tokens, --cache, --steps, --repeats)
-from specjax import kernels, kv_cache, model, sharding  # noqa: E402
+from specjax import kv_cache, model, sharding  # noqa: E402
+from specjax.kernels import library  # noqa: E402
 from specjax.decode import program  # noqa: E402
 from specjax.config import MeshConfig, load_config  # noqa: E402
 
@@ -83,7 +84,7 @@ def kind(cfg, opcode: str, op_name: str, ops: set, shape: tuple, operands: list,
     if opcode in ("while", "call", "conditional", "parameter", "get-tuple-element", "tuple", "bitcast", "constant"):
         return None  # containers and no-ops: their children are counted
     scope = next((s for s in SCOPES.values() if f"/{s}/" in op_name + "/"), "")
-    if kernels.ATTENTION_TARGET in ops:
+    if library.ATTENTION_TARGET in ops:
         return "attention: cached-attention kernel (all of it)"
     if (opcode == "custom-call" or "dot" in ops) and not batched:  # a weight-reading matmul (maybe fused)
         if shape and shape[-1] == cfg.vocab_size:

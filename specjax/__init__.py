@@ -11,8 +11,8 @@ The public API; everything else is importable from its own module:
 """
 
 from specjax.config import Config, ModelConfig, SamplingConfig, UsageError, load_config
-from specjax.decode.api import (LoopTrace, NonFiniteLogitsError, Result, Totals, explain_loop, generate,
-                                next_token_probs)
+from specjax.decode.api import LoopTrace, NonFiniteLogitsError, explain_loop, generate, next_token_probs
+from specjax.decode.metrics import Result, Totals
 from specjax.model import LM, init_lm
 from specjax.sharding import make_mesh
 

@@ -86,16 +86,19 @@ def main(argv):
         cli.choices("verify", FLAGS.verify, base.verify, VERIFY_RULES),
         cli.unit_interval_list("draft_confidence", FLAGS.draft_confidence, base.draft_confidence),
         [base.num_drafts] if FLAGS.num_drafts is None else cli.int_list("num_drafts", FLAGS.num_drafts))
-    need_draft = any(drafters.uses_model(v["drafter"]) for v in variants)
+    need_draft = any(drafters.kind(v["drafter"]).needs_draft_model for v in variants)
     if target is not None and need_draft and draft is None:
         raise UsageError("--drafter=model|hybrid needs a draft: pass --hf_draft=DIR or --gguf_draft=FILE (a model "
                          "with the target's tokenizer), or compare --drafter=ngram (no draft model)")
     if need_draft and config.draft is None:
         raise UsageError(f"--config={FLAGS.config}: has no draft model, which --drafter=model|hybrid needs")
-    if any(v["drafter"] == "retrieval" for v in variants) and FLAGS.datastore is None:
-        raise UsageError("--drafter=retrieval needs --datastore=PATH (build one with `python -m specjax.datastore`)")
-    if FLAGS.datastore is not None and not any(v["drafter"] in ("retrieval", "hybrid") for v in variants):
-        raise UsageError(f"--datastore is used only by --drafter=retrieval or hybrid (got "
+    needs_store = [v["drafter"] for v in variants if drafters.kind(v["drafter"]).needs_datastore]
+    if needs_store and FLAGS.datastore is None:
+        raise UsageError(f"--drafter={needs_store[0]} needs --datastore=PATH (build one with "
+                         "`python -m specjax.datastore`)")
+    if FLAGS.datastore is not None and not any(drafters.kind(v["drafter"]).uses_datastore for v in variants):
+        raise UsageError(f"--datastore is used only by --drafter="
+                         f"{' or '.join(sorted(drafters.using('uses_datastore')))} (got "
                          f"--drafter={','.join(sorted({v['drafter'] for v in variants}))})")
     models = {"target": config.target, **({"draft": config.draft} if need_draft else {})}
     dataclasses.replace(base, lookahead=max(ks)).check_context(min(m.max_seq_len for m in models.values()))

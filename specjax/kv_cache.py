@@ -4,9 +4,11 @@ k, v: [L, B, G, S, H] (layers, batch, kv_heads, cache_seq, head_dim); lengths: [
 Heads before positions: a layer's slice [B, G, S, H] is already the layout both
 attention dots contract over (with [.., S, K, ..] XLA:CPU transposed a copy of every
 layer's keys and values on every step; BENCHMARKS.md, "Micro-benchmarks behind design choices").
-A forward writes its T new entries at the rows' own positions; `lengths` says how many
-entries of each row are valid. Rolling back rejected draft tokens is just setting
-`lengths` (the stale entries beyond it are masked, and overwritten later).
+A forward reads the cache and returns its own T keys and values (`Fresh`); `commit`
+writes them in, all T of a chain at consecutive positions or a tree's kept path, in
+place (the cache is loop-carried; one scatter per pass). `lengths` says how many entries
+of each row are valid. Rolling back rejected draft tokens is just setting `lengths` (the
+stale entries beyond it are masked, and overwritten later).
 
 Models with Transformer-XL relative positions also carry `position_table` [L, N, S, H]:
 W_r R for every distance a query can see in S slots (`model.position_table`). It
@@ -16,6 +18,7 @@ prefill) computes it and every later step of the program reuses it.
 from __future__ import annotations
 
 import dataclasses
+from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -25,7 +28,7 @@ from specjax.config import ModelConfig
 
 CACHE_AXES = ("layers", "batch", "kv_heads", "cache_seq", "head_dim")
 TABLE_AXES = ("layers", "heads", "cache_seq", "head_dim")
-TREE_AXES = ("layers", "batch", None, "kv_heads", "head_dim")  # a tree pass's own keys/values [L, B, T, G, H]
+FRESH_AXES = ("layers", "batch", None, "kv_heads", "head_dim")  # a pass's own keys/values [L, B, T, G, H]
 
 
 @jax.tree_util.register_dataclass
@@ -83,18 +86,34 @@ def init_cache(cfg: ModelConfig, batch: int, size: int, mesh: jax.sharding.Mesh 
     return jax.jit(lambda: empty(cfg, batch, size), out_shardings=cache_shardings(cfg, batch, size, mesh))()
 
 
-def commit(cache: KVCache, k_tree: jax.Array, v_tree: jax.Array, nodes: jax.Array, start: jax.Array) -> KVCache:
-    """Write the tree nodes `nodes` [B, P] (a path: the pending token, then one chain's
-    nodes) into every layer at consecutive positions start[b]..start[b]+P-1. One scatter
-    of P entries per layer and row, in place; `lengths` is left to the caller's rollback."""
-    batch, width = nodes.shape
-    index = nodes[None, :, :, None, None]
-    layers = jnp.arange(cache.k.shape[0])[:, None, None]
+class Fresh(NamedTuple):
+    """What one forward pass adds to the context: its keys and values for every layer,
+    [L, B, T, G, H] (not yet in any cache: `commit` writes them), and, when the forward was
+    asked for them, its final hidden states [B, T, D] (the features that heads such as
+    Medusa or EAGLE read)."""
+
+    k: jax.Array
+    v: jax.Array
+    hidden: jax.Array | None = None
+
+
+def commit(cache: KVCache, fresh: Fresh, start: jax.Array, nodes: jax.Array | None = None) -> KVCache:
+    """Write a pass's entries into every layer at consecutive positions start[b]..: all T
+    of them in order (`nodes` None: a chain, a prefill), or the pass's nodes `nodes` [B, P]
+    (a tree's kept path: the pending token, then one chain's nodes). One scatter per
+    buffer, in place; writes past the cache's end are dropped. `lengths` becomes start + P:
+    the caller's rollback sets the accepted length."""
+    k, v = fresh.k, fresh.v
+    if nodes is not None:
+        index = nodes[None, :, :, None, None]
+        k, v = (jnp.take_along_axis(a, index, axis=2) for a in (k, v))  # [L, B, P, G, H]
+    num_layers, batch, width = k.shape[:3]
+    layers = jnp.arange(num_layers)[:, None, None]
     rows = jnp.arange(batch)[None, :, None]
     positions = (start[:, None] + jnp.arange(width)[None, :])[None]
 
-    def put(buf, tree):  # buf[l, b, :, start[b] + j] = tree[l, b, nodes[b, j]]
-        path = jnp.take_along_axis(tree, index, axis=2).astype(buf.dtype)  # [L, B, P, G, H]
-        return sharding.constrain(buf.at[layers, rows, :, positions].set(path, mode="drop"), CACHE_AXES)
+    def put(buf, new):  # buf[l, b, :, start[b] + j] = new[l, b, j]
+        return sharding.constrain(buf.at[layers, rows, :, positions].set(new.astype(buf.dtype), mode="drop"),
+                                  CACHE_AXES)
 
-    return dataclasses.replace(cache, k=put(cache.k, k_tree), v=put(cache.v, v_tree))
+    return KVCache(put(cache.k, k), put(cache.v, v), (start + width).astype(jnp.int32), cache.position_table)

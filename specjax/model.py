@@ -4,14 +4,14 @@ Pre-RMSNorm blocks, multi-head attention with `num_kv_heads` (MHA/GQA/MQA), GELU
 SwiGLU feed-forward, rotary or Transformer-XL relative positions. Every parameter
 carries logical axis names (`logical=` metadata) that `sharding.RULES` maps to the mesh.
 
-ONE forward serves prefill of ragged prompts, one-token decode and scoring of K+1
-tokens: `forward(tokens[B,T], positions[B,T], cache) -> logits[B,T,V] float32, cache`.
-Each row writes its T keys/values at its own positions; a query at position i sees the
-keys at positions <= i that are below the row's length. With `ancestors` (a static
-[T, T] mask) the T tokens are a tree scored in one pass instead (several draft chains
-share positions): each sees the cache below the row's length and its own tree
-ancestors, and the tree's keys/values are returned, not written (`kv_cache.commit`
-writes the accepted path).
+ONE forward serves prefill of ragged prompts, one-token decode, scoring of K+1 tokens
+and scoring of a tree of draft chains: `forward(tokens[B,T], positions[B,T], cache,
+visible) -> (logits[B,T,V] float32, kv_cache.Fresh)`. Every query attends, in ONE
+softmax, to the row's cache entries before the pass (below its length) and to the
+pass's own keys that `visible` [T, T] allows: the causal triangle by default (a chain,
+a prefill), a tree's ancestors when several draft chains share positions. The pass's
+keys and values come back in `Fresh` and nothing is written: `kv_cache.commit` writes
+a chain's T entries or a tree's kept path. A chain is a tree of one.
 
 Letters: B batch, T query, S key/cache, N heads, G kv heads (groups of query heads),
 R = N // G query heads per kv head, H head dim,
@@ -29,9 +29,10 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
-from specjax import kernels, kv_cache, kv_heads, sharding
+from specjax import kv_cache, kv_heads, sharding
 from specjax.config import ModelConfig
-from specjax.kv_cache import CACHE_AXES, KVCache
+from specjax.kernels import DEFAULT as DEFAULT_KERNELS, Kernels, dispatch, pack_params, project, should_pack, stored
+from specjax.kv_cache import CACHE_AXES, Fresh, KVCache
 
 MASKED = -1e30
 
@@ -184,19 +185,16 @@ class Attention(nnx.Module):
             self.u = nnx.Param(jnp.zeros((N, H), dt), logical=("heads", "head_dim"))
             self.v = nnx.Param(jnp.zeros((N, H), dt), logical=("heads", "head_dim"))
 
-    def __call__(self, x, positions, k_all, v_all, table, layer, lengths, ancestors=None):
-        """x [B,T,D]; k_all/v_all: the whole stacked cache [L,B,G,S,H]; table: the stacked
-        position table [L,N,S,H] (relative positions) or None. Writes this layer's T new
-        entries straight into the cache (an in-place scatter inside the loop: no copy of a
-        layer slice) and returns (out [B,T,D], k_all, v_all). With `ancestors` [T,T] (a
-        tree, see the module docstring) nothing is written and it returns (out, k, v),
-        the tree's own keys/values [B,T,G,H]."""
+    def __call__(self, x, positions, k_all, v_all, table, layer, limit, visible, kernels: Kernels):
+        """x [B,T,D] -> (out [B,T,D], k, v): `attend` over the stacked cache k_all/v_all
+        [L,B,G,S,H] (layer `layer`, read only) and this pass's keys; table: the stacked
+        position table [L,N,S,H] (relative positions) or None. k, v [B,T,G,H] are the
+        pass's own keys/values (the caller commits them)."""
         cfg = self.cfg
         ct = jnp.dtype(cfg.compute_dtype)
-        B, T, _ = x.shape
-        q = kernels.einsum("BTD,DNH->BTNH", x, kernels.cast(self.wq.value, ct))
-        k = kernels.einsum("BTD,DGH->BTGH", x, kernels.cast(self.wk.value, ct))
-        v = kernels.einsum("BTD,DGH->BTGH", x, kernels.cast(self.wv.value, ct))
+        q = project("BTD,DNH->BTNH", x, self.wq.value, kernels, ct)
+        k = project("BTD,DGH->BTGH", x, self.wk.value, kernels, ct)
+        v = project("BTD,DGH->BTGH", x, self.wv.value, kernels, ct)
         if cfg.pos_encoding == "rope":
             cos, sin = rope_angles(cfg, positions)
             q, k = rotary(q, cos, sin), rotary(k, cos, sin)
@@ -204,89 +202,65 @@ class Attention(nnx.Module):
         # every device computes the (small) k, v itself instead of gathering them.
         k = sharding.constrain(k, ("batch", None, "kv_heads", "head_dim"))
         v = sharding.constrain(v, ("batch", None, "kv_heads", "head_dim"))
-        if ancestors is not None:
-            # Pinned as after a write: left free, XLA:CPU resharded the loop-carried cache
-            # over the query-head groups and gathered it back whole in the commit.
-            k_all = sharding.constrain(k_all, CACHE_AXES)
-            v_all = sharding.constrain(v_all, CACHE_AXES)
-            return self.project_out(self.attend_tree(q, k, v, k_all, v_all, table, layer, positions, lengths,
-                                                     ancestors)), k, v
-        rows = jnp.arange(B)[:, None]  # k[b, t] goes to [layer, b, :, positions[b, t]]
-        k_all = k_all.at[layer, rows, :, positions].set(k.astype(k_all.dtype), mode="drop")
-        v_all = v_all.at[layer, rows, :, positions].set(v.astype(v_all.dtype), mode="drop")
+        # Pinned as the commit writes it: left free, XLA:CPU resharded the loop-carried cache
+        # over the query-head groups and gathered it back whole in the commit.
         k_all = sharding.constrain(k_all, CACHE_AXES)
         v_all = sharding.constrain(v_all, CACHE_AXES)
-        S, G, N = k_all.shape[3], cfg.num_kv_heads, cfg.num_heads
-        R, H = N // G, cfg.head_dim
+        out = self.attend(q, k, v, k_all, v_all, table, layer, positions, limit, visible, kernels)
+        return self.project_out(out, kernels), k, v
 
-        def attend(q, k_all, v_all):  # [B,T,N,H] -> [B,T,N,H]
-            k_cache, v_cache = k_all[layer], v_all[layer]
-            key_pos = jnp.arange(S)
-            if cfg.pos_encoding == "relative":
-                u = self.u.value.astype(ct)
-                qc = (q + u).reshape(B, T, G, R, H)
-            else:
-                qc = q.reshape(B, T, G, R, H)
-            logits = jnp.einsum("BTGRH,BGSH->BGRTS", qc, k_cache.astype(ct),
-                                preferred_element_type=jnp.float32)
-            if cfg.pos_encoding == "relative":
-                # Position term (q_i + v) . W_r R_{i-j}: score every distance once against the
-                # precomputed table, then shift each query's scores to its own position.
-                qr = (q + self.v.value.astype(ct)).reshape(B, T, G, R, H)
-                by_reversed = jnp.einsum("BTGRH,GRSH->BGRTS", qr, table[layer].reshape(G, R, S, H),
-                                         preferred_element_type=jnp.float32)
-                logits = logits + relative_shift(by_reversed, positions)
-            logits = logits * (H ** -0.5)
-            visible = ((key_pos[None, None, :] <= positions[:, :, None])
-                       & (key_pos[None, None, :] < lengths[:, None, None]))
-            logits = jnp.where(visible[:, None, None], logits, MASKED)
-            weights = jax.nn.softmax(logits, axis=-1).astype(ct)
-            return jnp.einsum("BGRTS,BGSH->BTGRH", weights, v_cache.astype(ct)).reshape(B, T, N, H)
-
-        if cfg.pos_encoding != "relative" and kernels.use_attention(q, k_all, v_all):
-            # Reads this layer of the cache in place (XLA copies each layer's slice per step).
-            out = kernels.attention(q, k_all, v_all, layer, positions, lengths, H ** -0.5, attend)
-        else:
-            out = attend(q, k_all, v_all)
-        return self.project_out(out.reshape(B, T, N * H)), k_all, v_all
-
-    def project_out(self, out):
+    def project_out(self, out, kernels: Kernels):
         """[B,T,N*H] -> [B,T,D]. One [N*H, D] contraction: as "BTNH,NHD" XLA:CPU transposed
         wo (a weight copy per step)."""
-        wo = kernels.cast(self.wo.value, jnp.dtype(self.cfg.compute_dtype))
-        return kernels.einsum("BTF,FD->BTD", out, kernels.as_matrix(wo, out.shape[-1]))
+        wo = self.wo.value.reshape(out.shape[-1], -1)
+        return project("BTF,FD->BTD", out, wo, kernels, jnp.dtype(self.cfg.compute_dtype))
 
-
-    def attend_tree(self, q, k, v, k_all, v_all, table, layer, positions, lengths, ancestors):
-        """Tree attention -> [B,T,N*H]: one softmax over the row's cache entries below
-        `lengths` and the tree nodes in `ancestors[t]`, with the same content and
-        position terms as a plain forward over each node's path (a node's position is its
-        depth past the pending token, so its distance to an ancestor is their position
-        difference). The jnp path throughout: the tree pass is one per loop."""
+    def attend(self, q, k, v, k_all, v_all, table, layer, positions, limit, visible, kernels: Kernels):
+        """THE attention -> [B,T,N*H]: one softmax per query over the row's cache entries
+        below limit[b] and the pass's own keys u with visible[t, u], with the content and
+        position terms of a plain forward over the query's own path (a key's distance is
+        the difference of the positions: rotary has it in k; Transformer-XL's term reads
+        the cache part through the precomputed table and `relative_shift`, the own part
+        at the position differences). On one CPU device and for rotary positions
+        `cached_attention.cc` computes it; `reference` (jnp) elsewhere and for gradients."""
         cfg = self.cfg
         ct = jnp.dtype(cfg.compute_dtype)
-        B, T = q.shape[:2]
-        S, G, N, H = k_all.shape[3], cfg.num_kv_heads, cfg.num_heads, cfg.head_dim
-        R = N // G
-        k_cache, v_cache = k_all[layer].astype(ct), v_all[layer].astype(ct)
-        qc = q + self.u.value.astype(ct) if cfg.pos_encoding == "relative" else q
-        qc = qc.reshape(B, T, G, R, H)
-        f32 = dict(preferred_element_type=jnp.float32)
-        cached = jnp.einsum("BTGRH,BGSH->BGRTS", qc, k_cache, **f32)
-        own = jnp.einsum("BTGRH,BUGH->BGRTU", qc, k.astype(ct), **f32)
-        if cfg.pos_encoding == "relative":
-            qr = (q + self.v.value.astype(ct)).reshape(B, T, G, R, H)
-            by_reversed = jnp.einsum("BTGRH,GRSH->BGRTS", qr, table[layer].reshape(G, R, S, H), **f32)
-            cached = cached + relative_shift(by_reversed, positions)
-            distance = jnp.clip(positions[:, :, None] - positions[:, None, :], 0, S - 1)  # [B,T,U]
-            index = jnp.broadcast_to((S - 1 - distance)[:, None, None], (B, G, R, T, T))
-            own = own + jnp.take_along_axis(by_reversed, index, axis=-1)
-        visible = jnp.arange(S)[None, None, :] < lengths[:, None, None]  # [B,1,S]: all below every node
-        cached = jnp.where(visible[:, None, None], cached, MASKED)
-        own = jnp.where(jnp.asarray(ancestors)[None, None, None], own, MASKED)
-        weights = jax.nn.softmax(jnp.concatenate([cached, own], axis=-1) * (H ** -0.5), axis=-1).astype(ct)
-        out = (jnp.einsum("BGRTS,BGSH->BTGRH", weights[..., :S], v_cache)
-               + jnp.einsum("BGRTU,BUGH->BTGRH", weights[..., S:], v.astype(ct)))
+        B, T, N, H = q.shape
+        S, G = k_all.shape[3], cfg.num_kv_heads
+        R, scale = N // G, H ** -0.5
+
+        def reference(q, k, v, k_all, v_all):
+            k_cache, v_cache = k_all[layer].astype(ct), v_all[layer].astype(ct)
+            qc = q + self.u.value.astype(ct) if cfg.pos_encoding == "relative" else q
+            qc = qc.reshape(B, T, G, R, H)
+            f32 = dict(preferred_element_type=jnp.float32)
+            cached = jnp.einsum("BTGRH,BGSH->BGRTS", qc, k_cache, **f32)
+            own = jnp.einsum("BTGRH,BUGH->BGRTU", qc, k.astype(ct), **f32)
+            if cfg.pos_encoding == "relative":
+                # (q_i + v) . W_r R_{i-j}: every distance scored once against the table, then
+                # each query's scores shifted to its own position (cache) or read at the
+                # position difference (own keys).
+                width = table.shape[2]
+                qr = (q + self.v.value.astype(ct)).reshape(B, T, G, R, H)
+                by_reversed = jnp.einsum("BTGRH,GRSH->BGRTS", qr, table[layer].reshape(G, R, width, H), **f32)
+                if S:
+                    cached = cached + relative_shift(by_reversed, positions)[..., :S]
+                distance = jnp.clip(positions[:, :, None] - positions[:, None, :], 0, width - 1)  # [B,T,U]
+                index = jnp.broadcast_to((width - 1 - distance)[:, None, None], (B, G, R, T, T))
+                own = own + jnp.take_along_axis(by_reversed, index, axis=-1)
+            below = jnp.arange(S)[None, :] < limit[:, None]  # [B,S]: the same for every query of a row
+            cached = jnp.where(below[:, None, None, None], cached, MASKED)
+            own = jnp.where(visible[None, None, None], own, MASKED)
+            weights = jax.nn.softmax(jnp.concatenate([cached, own], axis=-1) * scale, axis=-1).astype(ct)
+            out = (jnp.einsum("BGRTS,BGSH->BTGRH", weights[..., :S], v_cache)
+                   + jnp.einsum("BGRTU,BUGH->BTGRH", weights[..., S:], v.astype(ct)))
+            return out.reshape(B, T, N, H)
+
+        if cfg.pos_encoding != "relative" and dispatch.use_attention(q, k_all, kernels):
+            # Reads this layer of the cache in place (XLA copies each layer's slice per step).
+            out = dispatch.attention(q, k, v, k_all, v_all, layer, limit, visible, scale, reference)
+        else:
+            out = reference(q, k, v, k_all, v_all)
         return out.reshape(B, T, N * H)
 
 
@@ -299,14 +273,14 @@ class FeedForward(nnx.Module):
             self.w_gate = _param(keys, (D, F), ("embed", "mlp"), D ** -0.5, dt)
         self.w_out = _param(keys, (F, D), ("mlp", "embed"), out_std, dt)
 
-    def __call__(self, x):
+    def __call__(self, x, kernels: Kernels):
         ct = jnp.dtype(self.cfg.compute_dtype)
-        h = kernels.einsum("BTD,DF->BTF", x, kernels.cast(self.w_in.value, ct))
+        h = project("BTD,DF->BTF", x, self.w_in.value, kernels, ct)
         if self.cfg.ffw == "swiglu":
-            h = jax.nn.silu(kernels.einsum("BTD,DF->BTF", x, kernels.cast(self.w_gate.value, ct))) * h
+            h = jax.nn.silu(project("BTD,DF->BTF", x, self.w_gate.value, kernels, ct)) * h
         else:
             h = jax.nn.gelu(h)
-        return kernels.einsum("BTF,FD->BTD", h, kernels.cast(self.w_out.value, ct))
+        return project("BTF,FD->BTD", h, self.w_out.value, kernels, ct)
 
 
 class Block(nnx.Module):
@@ -317,11 +291,11 @@ class Block(nnx.Module):
         self.ffw_norm = RMSNorm(cfg)
         self.ffw = FeedForward(cfg, keys, out_std)
 
-    def __call__(self, x, positions, k_all, v_all, table, layer, lengths, ancestors=None):
-        h, k_all, v_all = self.attn(self.attn_norm(x), positions, k_all, v_all, table, layer, lengths, ancestors)
+    def __call__(self, x, positions, k_all, v_all, table, layer, limit, visible, kernels: Kernels):
+        h, k, v = self.attn(self.attn_norm(x), positions, k_all, v_all, table, layer, limit, visible, kernels)
         x = x + h
-        x = x + self.ffw(self.ffw_norm(x))
-        return x, k_all, v_all
+        x = x + self.ffw(self.ffw_norm(x), kernels)
+        return x, k, v
 
 
 class Transformer(nnx.Module):
@@ -358,62 +332,69 @@ class Transformer(nnx.Module):
             table = jnp.stack([position_table(block.attn.wr.value, size, ct) for block in self.layers])
         return sharding.constrain(table, kv_cache.TABLE_AXES)
 
-    def __call__(self, tokens, positions, cache: KVCache, ancestors=None):
-        """-> (logits, cache); with `ancestors` (a tree) -> (logits, (k, v)): the tree's
-        keys/values [L,B,T,G,H], the cache left as it was."""
+    def __call__(self, tokens, positions, cache: KVCache, visible=None, kernels: Kernels = DEFAULT_KERNELS,
+                 features: bool = False):
+        """-> (logits [B,T,V] float32, Fresh): the module docstring's forward. `visible`: a
+        [T, T] mask of the pass's own keys each query sees (None: causal); `features`: also
+        return the final hidden states in Fresh.hidden. The cache is only read."""
         cfg = self.cfg
         ct = jnp.dtype(cfg.compute_dtype)
+        T = tokens.shape[1]
         mesh = jax.sharding.get_abstract_mesh()
         if not mesh.empty and mesh.shape.get("model", 1) > 1:
             # Vocab-parallel lookup as a one-hot contraction: each 'model' shard contributes
             # its rows and one all-reduce sums them (Megatron), never gathering the table.
             one_hot = jax.nn.one_hot(tokens, cfg.vocab_size, dtype=ct)
-            x = jnp.einsum("BTV,VD->BTD", one_hot, kernels.stored(self.embed.value).astype(ct))
+            x = jnp.einsum("BTV,VD->BTD", one_hot, stored(self.embed.value).astype(ct))
         else:  # one device holds the table: a gather costs B*T*D, not B*T*V*D
-            x = jnp.take(kernels.stored(self.embed.value), tokens, axis=0).astype(ct)
+            x = jnp.take(stored(self.embed.value), tokens, axis=0).astype(ct)
         if cfg.input_embedding_scale != 1.0:
             x = x * cfg.input_embedding_scale
-        if ancestors is None:
-            lengths = jnp.maximum(cache.lengths, positions[:, -1] + 1).astype(jnp.int32)
-        else:
-            lengths = cache.lengths
-        k_all, v_all = cache.k, cache.v
-        pos_table = cache.position_table
-        if pos_table is None:  # an empty cache (prefill, training): computed once, then carried
-            pos_table = self.position_table(cache.size)
+        visible = causal(T) if visible is None else jnp.asarray(visible, bool)
+        # The cache part: entries before the pass's first position that the row holds.
+        limit = jnp.clip(jnp.minimum(cache.lengths, positions[:, 0]), 0, cache.size).astype(jnp.int32)
+        table = cache.position_table
+        if table is None:  # no table carried (prefill, training): computed here, for the pass's distances too
+            table = self.position_table(max(cache.size, T))
+        args = (positions, cache.k, cache.v, table)
         if cfg.scan_layers:
             graphdef, stacked = nnx.split(self.layers)
 
             def body(carry, layer_params):
-                x, k_all, v_all, i = carry
-                block = nnx.merge(graphdef, layer_params)
-                x, k_out, v_out = block(x, positions, k_all, v_all, pos_table, i, lengths, ancestors)
-                if ancestors is None:
-                    return (x, k_out, v_out, i + 1), None
-                return (x, k_all, v_all, i + 1), (k_out, v_out)
+                x, i = carry
+                x, k, v = nnx.merge(graphdef, layer_params)(x, *args, i, limit, visible, kernels)
+                return (x, i + 1), (k, v)
 
-            (x, k_all, v_all, _), tree_kv = jax.lax.scan(body, (x, k_all, v_all, 0), stacked)
+            (x, _), (k, v) = jax.lax.scan(body, (x, 0), stacked)
         else:
-            tree_kv = []
+            kv = []
             for i, block in enumerate(self.layers):
-                x, k_out, v_out = block(x, positions, k_all, v_all, pos_table, i, lengths, ancestors)
-                if ancestors is None:
-                    k_all, v_all = k_out, v_out
-                else:
-                    tree_kv.append((k_out, v_out))
-            if ancestors is not None:
-                tree_kv = tuple(jnp.stack(kv) for kv in zip(*tree_kv))
+                x, k, v = block(x, *args, i, limit, visible, kernels)
+                kv.append((k, v))
+            k, v = (jnp.stack(a) for a in zip(*kv))
         x = self.final_norm(x)
-        # A tied table is stored [V, D]; packed for decoding, it holds panels of its transpose,
-        # as XLA:CPU's dot against its transpose at 2-7 rows ran at a fraction of the read rate.
-        table = kernels.transpose(self.embed.value) if cfg.tie_embeddings else self.unembed.value
-        logits = kernels.einsum("BTD,DV->BTV", x, kernels.cast(table, ct), preferred_element_type=jnp.float32)
+        # A tied table is stored [V, D]; packed for decoding, it holds panels of its transpose
+        # (`Packed.T`), as XLA:CPU's dot against its transpose at 2-7 rows ran at a fraction
+        # of the read rate.
+        table = self.embed.value.T if cfg.tie_embeddings else self.unembed.value
+        logits = project("BTD,DV->BTV", x, table, kernels, ct, preferred_element_type=jnp.float32)
         # Pinned vocab-parallel (Megatron): otherwise a consumer that wants whole rows (the
         # sampler) can make XLA gather the [D, V] table instead of the small logits.
         logits = sharding.constrain(logits, ("batch", None, "vocab"))
-        if ancestors is not None:
-            return logits, tuple(sharding.constrain(a, kv_cache.TREE_AXES) for a in tree_kv)
-        return logits, KVCache(k_all, v_all, lengths, pos_table)
+        # A zero term ties the pass's keys/values to its final hidden states, which depend on
+        # every layer's read of the cache, so a commit that writes them into the cache is
+        # ordered after those reads and done in place. Untied, XLA copied the loop-carried
+        # cache every step to keep the reads safe (an optimization barrier did not order
+        # them on XLA:CPU). Per row: no collective; a row whose state is not finite stops.
+        tie = 0 * jnp.sum(x, axis=(1, 2)).astype(k.dtype)[None, :, None, None, None]
+        k, v = (sharding.constrain(a + tie, kv_cache.FRESH_AXES) for a in (k, v))
+        return logits, Fresh(k, v, x if features else None)
+
+
+def causal(size: int) -> jax.Array:
+    """[T, T] True where key u is at or before query t: a chain's (or prefill's) visibility
+    of its own keys (built from iotas: no [T, T] constant in the program)."""
+    return jnp.arange(size)[:, None] >= jnp.arange(size)[None, :]
 
 
 # --------------------------------------------------------------------------- LM handle
@@ -427,51 +408,73 @@ PROJECTIONS = {"wq": (1, 3), "wk": (1, 3), "wv": (1, 3), "wo": (2, 3), "w_in": (
 @jax.tree_util.register_pytree_node_class
 @dataclasses.dataclass(frozen=True)
 class LM:
-    """A model as the loops see it: static config + graph, and the (sharded) params.
+    """A model as the loops see it: static config, graph and kernel setting, and the
+    (sharded) params.
 
-    A pytree whose only leaves are the params, so it can be passed into `jax.jit`."""
+    A pytree whose only leaves are the params, so it can be passed into `jax.jit`; the
+    `kernels` setting is static data, so each setting traces its own program."""
 
     cfg: ModelConfig
     graphdef: Any
     params: Any
+    kernels: Kernels = DEFAULT_KERNELS
 
-    def __call__(self, tokens, positions, cache: KVCache, ancestors=None):
-        return nnx.merge(self.graphdef, self.params)(tokens, positions, cache, ancestors)
+    def __call__(self, tokens, positions, cache: KVCache, visible=None, features: bool = False):
+        return nnx.merge(self.graphdef, self.params)(tokens, positions, cache, visible, self.kernels, features)
+
+    def extend(self, tokens, positions, cache: KVCache) -> tuple[jax.Array, KVCache]:
+        """A chain pass written into the cache: the forward, then `kv_cache.commit` of its
+        T entries at positions[:, 0].. (a prefill, a decode step). -> (logits, cache)."""
+        logits, fresh = self(tokens, positions, cache)
+        return logits, kv_cache.commit(cache, fresh, positions[:, 0])
 
     def with_position_table(self, cache: KVCache) -> KVCache:
-        """`cache` holding this model's position table (what the first forward over an
-        empty cache adds), for loops that start from `kv_cache.init_cache`."""
+        """`cache` holding this model's position table (for relative positions: what every
+        forward over it reads), for loops that start from `kv_cache.init_cache`."""
         table = nnx.merge(self.graphdef, self.params).position_table(cache.size)
         return cache if table is None else dataclasses.replace(cache, position_table=table)
 
     def tree_flatten(self):
-        return (self.params,), (self.cfg, self.graphdef)
+        return (self.params,), (self.cfg, self.graphdef, self.kernels)
 
     @classmethod
     def tree_unflatten(cls, aux, children):
-        return cls(aux[0], aux[1], children[0])
+        return cls(aux[0], aux[1], children[0], aux[2])
 
     @property
     def num_params(self) -> int:
         return sum(x.size for x in jax.tree.leaves(self.params))
 
+    def with_kernels(self, kernels: Kernels) -> LM:
+        """This model under another kernel setting (a packed copy already made is shared)."""
+        out = dataclasses.replace(self, kernels=kernels)
+        made = self.__dict__.get("_packed")
+        if made is not None:
+            _remember(out, out if made is self else dataclasses.replace(made, kernels=kernels))
+        return out
+
     def packed(self) -> LM:
-        """This model with its projections packed for the CPU few-row kernel where that
-        kernel runs (`kernels.should_pack`, asked on every call: it reads SPECJAX_KERNELS),
-        else itself; the same function either way. The decode programs call it. The copy is
-        made once and lives as long as this LM."""
+        """This model as decoding runs it: its projections packed for the CPU few-row kernel
+        where that kernel runs under `self.kernels` (`kernels.should_pack`), else itself;
+        the same function either way. The decode programs call it. The copy is made once
+        and lives as long as this LM."""
         dtypes = (self.cfg.param_dtype, self.cfg.compute_dtype)
-        if "_packed" in self.__dict__:  # made: only whether the kernel runs now decides
-            return self.__dict__["_packed"] if kernels.should_pack(self.params, dtypes, new_copy=False) else self
-        if not kernels.should_pack(self.params, dtypes):
+        made = self.__dict__.get("_packed")
+        if made is not None:  # made: only whether the kernel runs now decides
+            return made if should_pack(self.params, dtypes, self.kernels, new_copy=False) else self
+        if not should_pack(self.params, dtypes, self.kernels):
             return self
         # A tied table is packed too (as its transpose, for the logits): it is read every step.
         tied = ("embed",) if self.cfg.tie_embeddings else ()
         projections = {**PROJECTIONS, **{name: (1, 2) for name in tied}}
-        packed = dataclasses.replace(self, params=kernels.pack_params(self.params, projections, tied))  # subclasses stay
-        object.__setattr__(packed, "_packed", packed)
-        object.__setattr__(self, "_packed", packed)
+        packed = dataclasses.replace(self, params=pack_params(self.params, projections, tied))  # subclasses stay
+        _remember(self, packed)
         return packed
+
+
+def _remember(lm: LM, packed: LM) -> None:
+    object.__setattr__(packed, "_packed", packed)
+    object.__setattr__(lm, "_packed", packed)
 
 
 def abstract_lm(cfg: ModelConfig, mesh: jax.sharding.Mesh | None = None) -> LM:
@@ -508,9 +511,9 @@ def init_lm(cfg: ModelConfig, mesh: jax.sharding.Mesh, seed: int | None = None, 
 
 def full_forward(lm: LM, tokens: jax.Array) -> jax.Array:
     """Logits [B, T, V] of whole sequences through the same forward that sampling uses,
-    with a fresh cache of size T (every position sees the positions before it): the
-    training loss and the exact reference distributions both come from here."""
+    over an empty cache (no slots: every position sees its own keys before it, causally):
+    the training loss and the exact reference distributions both come from here."""
     batch, length = tokens.shape
     positions = jnp.broadcast_to(jnp.arange(length, dtype=jnp.int32), (batch, length))
-    logits, _ = lm(tokens, positions, kv_cache.empty(lm.cfg, batch, length))
+    logits, _ = lm(tokens, positions, kv_cache.empty(lm.cfg, batch, 0))
     return logits

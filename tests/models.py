@@ -2,6 +2,8 @@
 program to compile), and their values back as numpy."""
 from __future__ import annotations
 
+import re
+
 import jax
 import numpy as np
 
@@ -47,6 +49,28 @@ def numpy_params(params, dtype=None) -> dict:
 
 
 HOST_OPS = ("outfeed", "infeed", "send(", "recv(", "host_callback", "xla_python_cpu_callback")
+
+
+def cache_copies(program) -> list[str]:
+    """The copies of a whole KV cache (a rank-5 array with the cache's `size` slots on axis
+    3: the target's or the draft's, per device) that run inside the generation loop of a
+    built `program.Program`: a cache must be carried and written in place."""
+    hlo = HloProgram(program.compile().as_text())
+    _, line = hlo.generation_loop()
+    found, seen, todo = [], set(), hlo._callees(line)
+    while todo:
+        comp = todo.pop()
+        if comp in seen:
+            continue
+        seen.add(comp)
+        for instr, shape, op, text in hlo.instructions(comp):
+            dims = re.match(r"\w+\[([\d,]*)\]", shape)
+            if op in ("copy", "copy-start") and dims and len(dims.group(1).split(",")) == 5 \
+                    and int(dims.group(1).split(",")[3]) == program.size:
+                found.append(f"{instr} {shape}")
+            todo += hlo._callees(text)
+    assert len(seen) > 1, "the generation loop calls no computation: nothing was searched"
+    return found
 
 
 def fused_loop_collectives(program) -> dict:

@@ -16,7 +16,8 @@ import pytest
 
 import specjax
 from specjax.config import SamplingConfig
-from specjax.decode import drafters, speculative
+from specjax.decode import verify
+from specjax.decode.drafters import base, draft_model
 from specjax.decode.datastore import Datastore
 from specjax.decode.sampling import Warp, sample, warp
 from theorem1 import ALPHA, N, N_NEGATIVE, PROMPT, PROMPT_LONG, Case, make_models, run, swapper, undo
@@ -109,16 +110,16 @@ def test_samples_follow_the_exact_target_distribution(models, datastores, name, 
 
 # --------------------------------------------------------------------------- negative controls
 
-correct_block = speculative.accept_block
-correct_select = drafters.select
+correct_block = verify.accept_block
+correct_select = base.select
 
 
 def block_with_tokenwise_residual(key, x, p, q, length=None):
     """Block verification's tau, but the token-wise residual norm(max(0, q - p)) instead of
     norm(max(0, w_tau q - p))."""
     tau, _, _ = correct_block(key, x, p, q, length)
-    p = jnp.where(speculative.drafted_mask(x, length)[..., None], p, 0.0)
-    return tau, *speculative.resample(jax.random.fold_in(key, 1), q, p, jnp.ones(x.shape[:1]), tau)
+    p = jnp.where(verify.drafted_mask(x, length)[..., None], p, 0.0)
+    return tau, *verify.resample(jax.random.fold_in(key, 1), q, p, jnp.ones(x.shape[:1]), tau)
 
 
 def peeks_at_target(key, x, p, q, length=None):
@@ -147,22 +148,22 @@ def unwarped_draft_p(case):
     w = Warp(case.temperature, case.top_k, case.top_p)
     unwarped = lambda logits, _: (jax.nn.softmax(logits.astype(jnp.float32), axis=-1),  # noqa: E731
                                   jnp.zeros(logits.shape[:-1], bool))
-    return [(drafters, "warp", unwarped),
-            (drafters, "sample", lambda key, probs: sample(key, warp(jnp.log(probs), w)[0]))]
+    return [(draft_model, "warp", unwarped),
+            (draft_model, "sample", lambda key, probs: sample(key, warp(jnp.log(probs), w)[0]))]
 
 
 def greedy_draft_soft_p(case):
     """transformers #32867: a greedy draft (argmax tokens) whose soft probabilities are
     used as p, where p must be the point mass it really was."""
-    return [(drafters, "sample", lambda key, probs: (jnp.argmax(probs, axis=-1).astype(jnp.int32),
+    return [(draft_model, "sample", lambda key, probs: (jnp.argmax(probs, axis=-1).astype(jnp.int32),
                                                      jnp.zeros(probs.shape[:-1], bool)))]
 
 
 WRONG = {
-    "block_with_tokenwise_residual": lambda case: [(speculative, "accept_block", block_with_tokenwise_residual)],
-    "peeks_at_target": lambda case: [(speculative, "accept_block", peeks_at_target)],
-    "ngram_with_model_p": lambda case: [(drafters, "select", select_with_model_p)],
-    "zero_uniform": lambda case: [(speculative, "acceptance_draws", zero_draws)],
+    "block_with_tokenwise_residual": lambda case: [(verify, "accept_block", block_with_tokenwise_residual)],
+    "peeks_at_target": lambda case: [(verify, "accept_block", peeks_at_target)],
+    "ngram_with_model_p": lambda case: [(base, "select", select_with_model_p)],
+    "zero_uniform": lambda case: [(verify, "acceptance_draws", zero_draws)],
     "unwarped_draft_p": unwarped_draft_p,
     "greedy_draft_soft_p": greedy_draft_soft_p,
 }

@@ -2,10 +2,11 @@
 float64 numpy product over shapes (panels cut short by N, every row count), inside jit
 and loops, with gradients, and a row's result independent of how many rows come with it;
 the packed model equal to the unpacked one, through prefill (XLA over the panels) and
-decode (the kernel); the cached attention equal to the model's jnp
-attention over ragged positions, GQA and edge cases; the fallback where they are off or
-cannot be built; the model's logits with them equal those without; and multi-device
-meshes never use them."""
+decode (the kernel); the attention over [cache; the pass's own keys] equal to a float64
+reference over ragged cache lengths, causal and tree visibilities, GQA and edge cases;
+the fallback where they are off or cannot be built; the model's logits with them equal
+those without; the static setting (`Kernels`) chosen per traced program, never by the
+environment at trace time; and multi-device meshes never use them."""
 import dataclasses
 import pathlib
 import re
@@ -19,10 +20,12 @@ import pytest
 from specjax import kernels, kv_cache, model
 from specjax.decode import sampling
 from specjax.config import ModelConfig, load_config
+from specjax.kernels import NONE, Kernels, dispatch, formats, library
 from conftest import mesh_for
 
 needs_kernel = pytest.mark.skipif(not kernels.available(), reason="kernel not built here (no C++ compiler?)")
-CUSTOM_CALL = kernels.TARGET  # as named in lowered and compiled text
+CUSTOM_CALL = library.MATMUL_TARGET  # as named in lowered and compiled text
+ON = Kernels()
 
 
 def operands(T, K, N, seed=0):
@@ -33,7 +36,7 @@ def operands(T, K, N, seed=0):
 def matmul(x, w):
     """The kernel on w [K, N], packed."""
     p = kernels.pack(w, 1)
-    return jax.jit(kernels.fewrow_matmul, static_argnums=2)(x, p.panels, p.n)
+    return jax.jit(dispatch.fewrow_matmul, static_argnums=2)(x, p.panels, p.n)
 
 
 def reference(x, w):
@@ -74,7 +77,7 @@ def test_inside_while_loop_and_scan():
     p = kernels.pack(w, 1)
 
     def step(x):
-        return jnp.tanh(kernels.fewrow_matmul(x, p.panels, p.n))
+        return jnp.tanh(dispatch.fewrow_matmul(x, p.panels, p.n))
 
     def step_ref(x):
         return jnp.tanh(jnp.dot(x, w, precision="highest"))
@@ -95,49 +98,86 @@ def test_inside_while_loop_and_scan():
 def test_gradient_goes_through_the_dot_rule():
     x, w = operands(3, 40, 24)
     loss = lambda f: jax.grad(lambda x, w: jnp.sum(jnp.sin(f(x, w))), argnums=(0, 1))
-    packed = lambda x, w: kernels.einsum("TK,KN->TN", x, kernels.pack(w, 1))
+    packed = lambda x, w: kernels.project("TK,KN->TN", x, kernels.pack(w, 1), ON)
     with jax.set_mesh(mesh_for("1x1")):
         assert CUSTOM_CALL in jax.jit(packed).lower(x, w).as_text()
         for g, g_ref in zip(loss(packed)(x, w), loss(jnp.dot)(x, w)):
             close(g, np.asarray(g_ref))
 
 
-def test_einsum_dispatch_decided_from_static_facts(monkeypatch):
+def test_project_dispatch_decided_from_static_facts(monkeypatch):
     x, w = jnp.ones((1, 5, 64)), kernels.pack(jnp.ones((64, 4, 16)), 1)
 
-    def hlo(spec="BTD,DNH->BTNH", x=x, w=w, **kw):
-        return jax.jit(lambda x, w: kernels.einsum(spec, x, w, **kw)).lower(x, w).as_text()
+    def hlo(spec="BTD,DNH->BTNH", x=x, w=w, setting=ON, **kw):
+        return jax.jit(lambda x, w: kernels.project(spec, x, w, setting, **kw)).lower(x, w).as_text()
 
     with jax.set_mesh(mesh_for("1x1")):
         assert (CUSTOM_CALL in hlo()) == kernels.available()
         assert CUSTOM_CALL not in hlo(w=jnp.ones((64, 4, 16)))  # a plain array: jnp.einsum
         assert CUSTOM_CALL not in hlo(x=jnp.ones((3, 3, 64)))  # 9 rows: more than MAX_ROWS
-        assert CUSTOM_CALL not in hlo(x=x.astype(jnp.bfloat16), w=kernels.cast(w, jnp.bfloat16))
+        assert CUSTOM_CALL not in hlo(x=x.astype(jnp.bfloat16), w=w.astype(jnp.bfloat16))
         assert CUSTOM_CALL not in hlo(preferred_element_type=jnp.bfloat16)
+        assert CUSTOM_CALL not in hlo(setting=NONE)
+        assert CUSTOM_CALL not in hlo(setting=Kernels.parse("attention,nucleus"))
+        # The environment is read once, at start-up: changing it later changes no program.
         monkeypatch.setenv("SPECJAX_KERNELS", "0")
-        assert CUSTOM_CALL not in hlo()
+        assert (CUSTOM_CALL in hlo()) == kernels.available()
     assert CUSTOM_CALL not in hlo()  # no mesh and 8 devices
 
 
-@pytest.mark.parametrize("forced", ["env", "no compiler"])
+def test_kernel_setting_is_part_of_the_program_key():
+    """One jitted function, one model under two settings: two traces, two programs (the
+    setting is the LM's static data), never one program reused for both."""
+    lm = model.init_lm(load_config("tiny").target, mesh_for("1x1")).packed()
+    traces = []
+
+    @jax.jit
+    def step(lm, tokens, cache):
+        traces.append(lm.kernels)
+        return lm(tokens, cache.lengths[:, None], cache)[0]
+
+    cache = kv_cache.init_cache(lm.cfg, 1, 16)
+    tokens = jnp.zeros((1, 1), jnp.int32)
+    with jax.set_mesh(mesh_for("1x1")):
+        texts = [step.lower(subject, tokens, cache).as_text() for subject in (lm, lm.with_kernels(NONE), lm)]
+    assert traces == [ON, NONE]  # the third call found the first program
+    assert (CUSTOM_CALL in texts[0]) == kernels.available() and CUSTOM_CALL not in texts[1]
+
+
+@pytest.mark.parametrize("text,want", [("on", ON), ("1", ON), ("off", NONE), ("0", NONE),
+                                       ("matmul+attention", Kernels(True, True, False)),
+                                       ("nucleus", Kernels(False, False, True))])
+def test_kernel_settings_parse(text, want):
+    assert Kernels.parse(text) == want
+    assert Kernels.parse(str(want)) == want
+
+
+@pytest.mark.parametrize("bad", ["matmul,fast", "yes", ""])
+def test_bad_kernel_setting_names_the_value(bad):
+    with pytest.raises(ValueError, match="kernel setting"):
+        Kernels.parse(bad)
+
+
+@pytest.mark.parametrize("forced", ["setting", "no compiler"])
 def test_fallback_gives_the_same_values(monkeypatch, tmp_path, forced):
     x, w = operands(5, 96, 80)
     w = kernels.pack(w, 1)
     spec = "TK,KN->TN"
+    setting = ON
     with jax.set_mesh(mesh_for("1x1")):
-        used = jax.jit(lambda x, w: kernels.einsum(spec, x, w))
+        used = jax.jit(lambda x, w: kernels.project(spec, x, w, ON))
         expect_kernel = kernels.available()
         assert (CUSTOM_CALL in used.lower(x, w).as_text()) == expect_kernel
         value = used(x, w)
-        if forced == "env":
-            monkeypatch.setenv("SPECJAX_KERNELS", "0")
+        if forced == "setting":
+            setting = NONE
         else:  # a fresh machine without a compiler: building fails, nothing raises
             monkeypatch.setenv("SPECJAX_CACHE", str(tmp_path))
             monkeypatch.setenv("CXX", str(tmp_path / "no-such-compiler"))
             kernels.available.cache_clear()
         try:
-            fallback = jax.jit(lambda x, w: kernels.einsum(spec, x, w))
-            assert not kernels.use_kernel(x, w)
+            fallback = jax.jit(lambda x, w: kernels.project(spec, x, w, setting))
+            assert not dispatch.use_matmul(x, w.dtype, setting)
             assert CUSTOM_CALL not in fallback.lower(x, w).as_text()
             close(fallback(x, w), np.asarray(value))
             close(value, reference(x, w.plain))
@@ -166,49 +206,93 @@ def test_two_builds_at_once_leave_one_library(tmp_path):
     assert [p.name for p in pathlib.Path(results[0]).parent.iterdir()] == ["libspecjax_kernels.so"]
 
 
-def attention_reference(q, k_all, v_all, layer, positions, lengths):
-    """The model's jnp attention (MHA/GQA, rope), written out: q [B,T,N,H] -> [B,T,N,H]."""
+def attention_reference(q, k, v, k_all, v_all, layer, limit, visible):
+    """The attention over [cache below limit; own keys where visible], written out in jnp
+    (MHA/GQA, rotary: no position terms): q [B,T,N,H] -> [B,T,N,H]."""
     B, T, N, H = q.shape
     G, S = k_all.shape[2], k_all.shape[3]
     qc = q.reshape(B, T, G, N // G, H)
-    logits = jnp.einsum("BTGRH,BGSH->BGRTS", qc, k_all[layer], preferred_element_type=jnp.float32) * H ** -0.5
-    key_pos = jnp.arange(S)
-    visible = (key_pos[None, None] <= positions[:, :, None]) & (key_pos[None, None] < lengths[:, None, None])
-    weights = jax.nn.softmax(jnp.where(visible[:, None, None], logits, model.MASKED), axis=-1)
-    return jnp.einsum("BGRTS,BGSH->BTGRH", weights, v_all[layer]).reshape(B, T, N, H)
+    cached = jnp.einsum("BTGRH,BGSH->BGRTS", qc, k_all[layer])
+    own = jnp.einsum("BTGRH,BUGH->BGRTU", qc, k)
+    cached = jnp.where((jnp.arange(S)[None] < limit[:, None])[:, None, None, None], cached, model.MASKED)
+    own = jnp.where(jnp.asarray(visible)[None, None, None], own, model.MASKED)
+    weights = jax.nn.softmax(jnp.concatenate([cached, own], -1) * H ** -0.5, axis=-1)
+    out = (jnp.einsum("BGRTS,BGSH->BTGRH", weights[..., :S], v_all[layer])
+           + jnp.einsum("BGRTU,BUGH->BTGRH", weights[..., S:], v))
+    return out.reshape(B, T, N, H)
+
+
+def attention_float64(q, k, v, k_all, v_all, layer, limit, visible):
+    """The same in float64 numpy, one query at a time: the keys a query sees, softmax, the
+    weighted values (a query that sees none averages every cache slot and own key)."""
+    q, k, v, k_all, v_all = (np.asarray(a, np.float64) for a in (q, k, v, k_all, v_all))
+    B, T, N, H = q.shape
+    G, S = k_all.shape[2], k_all.shape[3]
+    out = np.zeros(q.shape)
+    for b, t, n in np.ndindex(B, T, N):
+        g = n // (N // G)
+        own = np.flatnonzero(np.asarray(visible)[t])
+        keys = np.concatenate([k_all[layer, b, g, :limit[b]], k[b, own, g]])
+        values = np.concatenate([v_all[layer, b, g, :limit[b]], v[b, own, g]])
+        if len(keys) == 0:
+            out[b, t, n] = np.concatenate([v_all[layer, b, g], v[b, :, g]]).mean(0)
+            continue
+        score = keys @ q[b, t, n] * H ** -0.5
+        w = np.exp(score - score.max())
+        out[b, t, n] = w @ values / w.sum()
+    return out
+
+
+def ancestors(T):
+    """A tree's visibility: node 0, then two branches (as `tree.ancestors(2, (T-1)//2)`)."""
+    from specjax.decode import tree
+    M = 2 if T >= 3 else 1
+    a = np.eye(T, dtype=bool)
+    a[:1 + M * ((T - 1) // M), :1 + M * ((T - 1) // M)] = tree.ancestors(M, (T - 1) // M)
+    return a
 
 
 @needs_kernel
 @pytest.mark.parametrize("B,T,N,G,H,S", [(1, 1, 8, 8, 64, 512), (1, 5, 8, 8, 64, 64), (2, 4, 8, 4, 8, 40),
                                          (8, 1, 8, 8, 16, 33), (1, 8, 4, 1, 20, 17), (2, 3, 6, 2, 3, 5)])
-def test_cached_attention_matches_jnp(B, T, N, G, H, S):
+@pytest.mark.parametrize("mask", ["causal", "tree", "one query sees nothing"])
+def test_cached_attention_matches_the_reference(B, T, N, G, H, S, mask):
     L = 3
-    keys = jax.random.split(jax.random.key(B * 100 + T), 4)
+    keys = jax.random.split(jax.random.key(B * 100 + T), 6)
     q = jax.random.normal(keys[0], (B, T, N, H))
     k_all, v_all = (jax.random.normal(k, (L, B, G, S, H)) for k in keys[1:3])
-    # Ragged rows: one mid-cache, one whose queries run past the cache's end (dropped writes),
-    # one at position 0, one with every key masked (a negative position) where B allows.
-    starts = np.array([S // 3, S - 2, 0, -T - 2, 5, 1, 2, 3])[:B]
-    positions = jnp.asarray(starts[:, None] + np.arange(T)[None], jnp.int32)
-    lengths = jnp.asarray(np.clip(starts + T, 0, S), jnp.int32)
-    fn = jax.jit(lambda q, k, v, layer, p, n: kernels.attention(q, k, v, layer, p, n, H ** -0.5, None))
-    ref = jax.jit(attention_reference)
+    k, v = (jax.random.normal(k, (B, T, G, H)) for k in keys[3:5])
+    # Ragged rows: mid-cache, the whole cache, an empty cache, and more.
+    limit = jnp.asarray(np.array([S // 3, S, 0, 1, 5, S - 2, 2, 3])[:B].clip(0, S), jnp.int32)
+    visible = {"causal": np.tril(np.ones((T, T), bool)), "tree": ancestors(T),
+               "one query sees nothing": np.tril(np.ones((T, T), bool))}[mask]
+    if mask == "one query sees nothing":  # with an empty cache (row 0): uniform weights, as the jnp softmax gives
+        limit = limit.at[0].set(0)
+        visible = visible.copy()
+        visible[T - 1] = False
+    fn = jax.jit(lambda q, k, v, ka, va, layer, n: dispatch.attention(q, k, v, ka, va, layer, n, visible,
+                                                                      H ** -0.5, None))
     for layer in range(L):
-        args = (q, k_all, v_all, layer, positions, lengths)
-        close(fn(*args), np.asarray(ref(*args)))
+        args = (q, k, v, k_all, v_all, layer, limit)
+        got = np.asarray(fn(*args))
+        close(got, attention_float64(*args, visible))
+        # Op by op: jitted, XLA:CPU's fused softmax gives NaN for a row whose every logit is
+        # masked (which the model never asks for: a query always sees its own key).
+        close(got, np.asarray(attention_reference(*args, visible)))
 
 
 @needs_kernel
 def test_cached_attention_gradient_uses_the_reference():
     B, T, N, G, H, S = 1, 3, 4, 2, 8, 12
-    keys = jax.random.split(jax.random.key(3), 3)
+    keys = jax.random.split(jax.random.key(3), 5)
     q = jax.random.normal(keys[0], (B, T, N, H))
-    k_all, v_all = (jax.random.normal(k, (2, B, G, S, H)) for k in keys[1:])
-    positions, lengths = jnp.array([[4, 5, 6]]), jnp.array([7])
-    ref = lambda q, k, v: attention_reference(q, k, v, 1, positions, lengths)
-    loss = lambda f: jax.grad(lambda q, k, v: jnp.sum(jnp.sin(f(q, k, v))), argnums=(0, 1, 2))
-    fast = lambda q, k, v: kernels.attention(q, k, v, 1, positions, lengths, H ** -0.5, ref)
-    for g, g_ref in zip(loss(fast)(q, k_all, v_all), loss(ref)(q, k_all, v_all)):
+    k_all, v_all = (jax.random.normal(k, (2, B, G, S, H)) for k in keys[1:3])
+    k, v = (jax.random.normal(a, (B, T, G, H)) for a in keys[3:])
+    limit, visible = jnp.array([4]), np.tril(np.ones((T, T), bool))
+    ref = lambda q, k, v, ka, va: attention_reference(q, k, v, ka, va, 1, limit, visible)
+    loss = lambda f: jax.grad(lambda *a: jnp.sum(jnp.sin(f(*a))), argnums=(0, 1, 2, 3, 4))
+    fast = lambda q, k, v, ka, va: dispatch.attention(q, k, v, ka, va, 1, limit, visible, H ** -0.5, ref)
+    for g, g_ref in zip(loss(fast)(q, k, v, k_all, v_all), loss(ref)(q, k, v, k_all, v_all)):
         close(g, np.asarray(g_ref))
 
 
@@ -218,7 +302,7 @@ SCANNED = dict(scan_layers=True, ffw="swiglu", tie_embeddings=True)  # stacked l
 @needs_kernel
 @pytest.mark.parametrize("config,B,T,changes", [("tiny", 1, 1, {}), ("tiny", 2, 4, {}), ("tiny", 1, 3, SCANNED),
                                                 ("mini_target", 1, 5, {}), ("mini_target", 1, 1, {})])
-def test_model_logits_with_and_without_kernel(monkeypatch, config, B, T, changes):
+def test_model_logits_with_and_without_kernel(config, B, T, changes):
     """The packed model (prefill of 7 or 14 rows, then T new tokens per row) against the
     unpacked model with the kernels off: XLA's dots on the original weights."""
     cfg = dataclasses.replace(load_config(config).target, **changes)
@@ -230,10 +314,9 @@ def test_model_logits_with_and_without_kernel(monkeypatch, config, B, T, changes
     assert shapes == {"Packed", "ArrayImpl"}
     prompt = 7
     tokens = jax.random.randint(jax.random.key(0), (B, prompt + T), 0, cfg.vocab_size)
-    forward = lambda lm, t, p, c: lm(t, p, c)
+    forward = lambda lm, t, p, c: lm.extend(t, p, c)
     results = {}
-    for setting, subject in (("1", packed), ("0", lm)):
-        monkeypatch.setenv("SPECJAX_KERNELS", setting)
+    for setting, subject in (("1", packed), ("0", lm.with_kernels(NONE))):
         with jax.set_mesh(mesh):
             cache = kv_cache.init_cache(lm.cfg, B, 32)
             prefill_logits, cache = jax.jit(forward)(subject, tokens[:, :prompt],
@@ -260,7 +343,7 @@ SMOLLM2 = ModelConfig(vocab_size=49152, d_model=576, num_layers=2, num_heads=9, 
 
 
 @needs_kernel
-def test_tied_unembedding_runs_the_kernel_at_every_few_row_count(monkeypatch):
+def test_tied_unembedding_runs_the_kernel_at_every_few_row_count():
     """The packed forward of a tied model computes its logits with the kernel at T = 2, 5
     and 7 (a custom call whose result is [T, V]), and they equal the unpacked model's
     (XLA's dot against the table's transpose, kernels off). The packed copy keeps the
@@ -271,13 +354,13 @@ def test_tied_unembedding_runs_the_kernel_at_every_few_row_count(monkeypatch):
     packed = lm.packed()
     prompt = 6
     tokens = jax.random.randint(jax.random.key(1), (1, prompt + 7), 0, cfg.vocab_size)
-    forward = jax.jit(lambda lm, t, p, c: lm(t, p, c))
+    forward = jax.jit(lambda lm, t, p, c: lm.extend(t, p, c))
     for T in (2, 5, 7):
         logits = {}
-        for setting, subject in (("1", packed), ("0", lm)):
-            monkeypatch.setenv("SPECJAX_KERNELS", setting)
+        for setting, subject in (("1", packed), ("0", lm.with_kernels(NONE))):
             with jax.set_mesh(mesh):
-                _, cache = forward(subject, tokens[:, :prompt], jnp.arange(prompt)[None], kv_cache.init_cache(cfg, 1, 16))
+                _, cache = forward(subject, tokens[:, :prompt], jnp.arange(prompt)[None],
+                                   kv_cache.init_cache(lm.cfg, 1, 16))
                 args = (subject, tokens[:, prompt:prompt + T], prompt + jnp.arange(T)[None], cache)
                 step = jax.jit(lambda lm, t, p, c: lm(t, p, c)[0])
                 unembedding = (T, cfg.vocab_size) in kernel_outputs(step.lower(*args).as_text())
@@ -292,16 +375,19 @@ def test_tied_unembedding_runs_the_kernel_at_every_few_row_count(monkeypatch):
 def test_packing_only_where_the_kernel_runs(monkeypatch, tiny):
     lm = model.init_lm(tiny.target, mesh_for("1x8"))
     assert lm.packed() is lm  # eight devices: XLA's partitioned dots
-    one = model.init_lm(tiny.target, mesh_for("1x1"))
-    monkeypatch.setenv("SPECJAX_KERNELS", "attention")
+    one = model.init_lm(tiny.target, mesh_for("1x1")).with_kernels(Kernels.parse("attention"))
     assert one.packed() is one
     bf16 = model.init_lm(dataclasses.replace(tiny.target, param_dtype="bfloat16"), mesh_for("1x1"))
-    monkeypatch.setenv("SPECJAX_KERNELS", "1")
     assert bf16.packed() is bf16
+    one = one.with_kernels(ON)
     assert (one.packed() is not one) == kernels.available()
-    # The copy must fit in half the free memory; one already made is kept.
-    monkeypatch.setattr(kernels, "_memory_available", lambda: 1024)  # bytes: less than the tiny weights
+    # The copy must fit in half the free memory; one already made is kept, and shared by
+    # the same model under another setting.
+    monkeypatch.setattr(formats, "memory_available", lambda: 1024)  # bytes: less than the tiny weights
     assert (one.packed() is not one) == kernels.available()
+    assert one.with_kernels(NONE).packed().params is one.with_kernels(NONE).params  # the kernel off: plain
+    again = one.with_kernels(Kernels.parse("matmul"))
+    assert (again.packed().params is one.packed().params) == kernels.available()
     fresh = model.init_lm(tiny.target, mesh_for("1x1"))
     assert fresh.packed() is fresh
 
@@ -334,7 +420,7 @@ def nucleus_reference(p, top_p):
 
 
 @needs_kernel
-def test_nucleus_kernel_matches_the_sorted_rule_and_the_jnp_bisection(monkeypatch):
+def test_nucleus_kernel_matches_the_sorted_rule_and_the_jnp_bisection():
     rows = []
     rng = np.random.default_rng(0)
     for V in (1, 7, 17, 40, 4096):
@@ -347,17 +433,15 @@ def test_nucleus_kernel_matches_the_sorted_rule_and_the_jnp_bisection(monkeypatc
     zeros = np.zeros((1, 40))
     zeros[0, [3, 30]] = [0.75, 0.25]
     probs += [ties, zeros]
-    kernel = jax.jit(kernels.nucleus, static_argnums=1)
+    kernel = jax.jit(dispatch.nucleus, static_argnums=1)
     checked = 0
     for top_p in (0.05, 0.5, 0.9, 0.95, 0.999):
         for p in probs:
             p32 = jnp.asarray(p, jnp.float32)
             with jax.set_mesh(mesh_for("1x1")):
-                assert kernels.use_nucleus(p32)
+                assert dispatch.use_nucleus(p32, ON)
                 got = np.asarray(kernel(p32, top_p))
-                monkeypatch.setenv("SPECJAX_KERNELS", "0")
-                bisection = np.asarray(jax.jit(lambda p: sampling.nucleus(p, top_p))(p32))
-                monkeypatch.delenv("SPECJAX_KERNELS")
+                bisection = np.asarray(jax.jit(lambda p: sampling.nucleus(p, top_p, NONE))(p32))
             for row, jnp_row, p_row in zip(got, bisection, np.asarray(p32)):
                 want, margin = nucleus_reference(p_row, top_p)
                 if margin < 1e-5:  # within float32 rounding of top_p: either cut is right
@@ -369,13 +453,12 @@ def test_nucleus_kernel_matches_the_sorted_rule_and_the_jnp_bisection(monkeypatc
     assert checked > 250  # of 310 rows: nearly all are far from a boundary
 
 
-def test_nucleus_dispatch(monkeypatch):
+def test_nucleus_dispatch():
     p = jnp.full((2, 3, 64), 1 / 64)
-    hlo = lambda: jax.jit(lambda p: sampling.nucleus(p, 0.9)).lower(p).as_text()
+    hlo = lambda setting=ON: jax.jit(lambda p: sampling.warp(p, sampling.Warp(1.0, 0, 0.9, setting))[0]).lower(
+        p).as_text()
     with jax.set_mesh(mesh_for("1x1")):
-        assert (kernels.NUCLEUS_TARGET in hlo()) == kernels.available()
-        monkeypatch.setenv("SPECJAX_KERNELS", "matmul,attention")
-        assert kernels.NUCLEUS_TARGET not in hlo()
-    monkeypatch.delenv("SPECJAX_KERNELS")
+        assert (library.NUCLEUS_TARGET in hlo()) == kernels.available()
+        assert library.NUCLEUS_TARGET not in hlo(Kernels.parse("matmul,attention"))
     with jax.set_mesh(mesh_for("1x8")):
-        assert kernels.NUCLEUS_TARGET not in hlo()
+        assert library.NUCLEUS_TARGET not in hlo()

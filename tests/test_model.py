@@ -40,7 +40,7 @@ def test_cached_decode_equals_full_forward_ragged(tiny, pos_encoding, scan_layer
     width = prompt_lens.max()
     padded = np.where(np.arange(width)[None] < prompt_lens[:, None], np.asarray(tokens[:, :width]), 7)
     positions = np.broadcast_to(np.arange(width), (B, width))
-    step = jax.jit(lambda lm, t, p, c: lm(t, p, c))
+    step = jax.jit(lambda lm, t, p, c: lm.extend(t, p, c))
     logits, cache = step(lm, jnp.asarray(padded), jnp.asarray(positions), kv_cache.init_cache(cfg, B, T + 4))
     for b in range(B):
         np.testing.assert_allclose(np.asarray(logits)[b, :prompt_lens[b]], ref[b, :prompt_lens[b]], atol=ATOL)
@@ -59,7 +59,7 @@ def test_scoring_k_plus_1_equals_single_steps(tiny):
     lm = model.init_lm(tiny.target, mesh_for("1x1"))
     B, P, K = 2, 6, 4
     tokens = jax.random.randint(jax.random.key(2), (B, P + K + 1), 0, 32)
-    step = jax.jit(lambda lm, t, p, c: lm(t, p, c))
+    step = jax.jit(lambda lm, t, p, c: lm.extend(t, p, c))
     pos = jnp.broadcast_to(jnp.arange(P + K + 1), tokens.shape)
     _, cache = step(lm, tokens[:, :P], pos[:, :P], kv_cache.init_cache(lm.cfg, B, 16))
     scored, _ = step(lm, tokens[:, P:], pos[:, P:], cache)

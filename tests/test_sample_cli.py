@@ -556,14 +556,15 @@ def test_mini_pair_is_trained_when_missing_or_unfinished_and_only_then(tmp_path,
 def test_report_totals_skip_padding_rows_and_weigh_batches_by_time():
     import io
     import numpy as np
-    from specjax.decode.api import Result
+    from specjax.decode.metrics import Result
     from specjax.config import SamplingConfig
     from specjax.app.report import Report
 
     def result(mode, num_new, loops, accepted, seconds):
         n = len(num_new)
-        return Result([[5] * k for k in num_new], mode, 4, np.array(loops), np.array(num_new), np.array(accepted),
-                      np.zeros((n, 4), int), np.zeros((n, 5), int), seconds, 0.0)
+        return Result(tokens=[[5] * k for k in num_new], mode=mode, lookahead=4, loops=np.array(loops),
+                      num_new=np.array(num_new), accepted=np.array(accepted), accepted_at=np.zeros((n, 4), int),
+                      histogram=np.zeros((n, 5), int), seconds=seconds, compile_seconds=0.0)
 
     report = Report(["ars", "sps"], SamplingConfig(lookahead=4), None, out=io.StringIO())
     prompts = [type("P", (), dict(source="p", text=None, tokens=[1]))()]

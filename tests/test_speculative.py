@@ -13,9 +13,9 @@ import jax
 import jax.numpy as jnp
 import pytest
 
-from specjax.decode import speculative
+from specjax.decode import verify
 from specjax.decode.sampling import sample
-from specjax.decode.speculative import accept as correct_accept
+from specjax.decode.verify import accept as correct_accept
 from theorem1 import ALPHA, N, N_NEGATIVE, Case, make_models, run, swapper, undo
 
 
@@ -47,7 +47,7 @@ WRONG = {"no_ratio_test": no_ratio_test, "resample_from_q": resample_from_q, "bo
 def use_accept(monkeypatch):
     """Swap the acceptance rule (see theorem1.swapper)."""
     swap = swapper(monkeypatch)
-    yield lambda name: swap([] if name is None else [(speculative, "accept", WRONG[name])])
+    yield lambda name: swap([] if name is None else [(verify, "accept", WRONG[name])])
     undo(monkeypatch)
 
 

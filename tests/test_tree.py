@@ -1,4 +1,4 @@
-"""Several drafts verified as one tree (`decode/tree.py`, `speculative.speculate_tree`).
+"""Several drafts verified as one tree (`decode/tree.py`; `speculative.speculate` with M > 1).
 
 1. Tree attention: the logits of every tree node equal those of a plain forward over
    that node's path (ragged rows, rotary and Transformer-XL positions, 1 device and a
@@ -29,7 +29,7 @@ from scipy import stats as scipy_stats
 import specjax
 from specjax import kv_cache, model
 from specjax.config import ConfigError, SamplingConfig
-from specjax.decode import program, speculative, tree
+from specjax.decode import program, tree, verify
 from specjax.decode.sampling import sample
 from specjax.decode.state import prefill
 from conftest import mesh_for
@@ -62,8 +62,8 @@ def test_tree_attention_equals_a_plain_forward_over_each_path(tiny, mesh_name, p
 
         @jax.jit
         def tree_then_next(lm, cache, scored, positions, winner, after):
-            logits, (k, v) = lm(scored, positions, cache, tree.ancestors(M, K))
-            committed = kv_cache.commit(cache, k, v, tree.path_nodes(winner, K), positions[:, 0])
+            logits, fresh = lm(scored, positions, cache, tree.ancestors(M, K))
+            committed = kv_cache.commit(cache, fresh, positions[:, 0], tree.path_nodes(winner, K))
             committed = committed.with_lengths(positions[:, 0] + K + 1)
             next_logits, _ = lm(after[:, None], (positions[:, 0] + K + 1)[:, None], committed)
             return logits, next_logits[:, 0]
@@ -226,7 +226,7 @@ def longest_of_independent_chains(key, x, p, q, length):
     nodes = jax.vmap(lambda m: tree.path_nodes(jnp.full((batch,), m), lookahead), out_axes=1)(jnp.arange(drafts))
     q_chain = jnp.take_along_axis(q[:, None], nodes[..., None], axis=2)  # [B, M, K+1, V]
     flat = lambda a: a.reshape((batch * drafts,) + a.shape[2:])
-    n, token, empty = speculative.accept(key, flat(x), flat(p), flat(q_chain), flat(length))
+    n, token, empty = verify.accept(key, flat(x), flat(p), flat(q_chain), flat(length))
     n, token, empty = n.reshape(batch, drafts), token.reshape(batch, drafts), empty.reshape(batch, drafts)
     best = jnp.argmax(n, axis=1)
     pick = lambda a: jnp.take_along_axis(a, best[:, None], axis=1)[:, 0]
@@ -353,6 +353,21 @@ def test_explain_loop_shows_the_winning_chain_of_the_first_tree_loop(pairs):
         assert trace.verify == "tree"
         tokens = specjax.generate(target, draft, [RAGGED[1]], sampling, seed=seed).tokens[0]
         assert tokens[:len(trace.tokens)] == trace.tokens
+
+
+def test_config_and_registry_agree_on_drafters_and_chains():
+    """SamplingConfig (which cannot import the decode layer) names the drafters and which
+    draw several chains as the registry's classes say."""
+    from specjax.config import DRAFTERS
+    from specjax.decode import drafters
+    assert set(DRAFTERS) == set(drafters.REGISTRY)
+    for name, kind in drafters.REGISTRY.items():
+        sampling = SamplingConfig(drafter=name, num_drafts=2)
+        if kind.several_chains:
+            sampling.validate()
+        else:
+            with pytest.raises(ConfigError, match="num_drafts=2"):
+                sampling.validate()
 
 
 @pytest.mark.parametrize("bad,message", [(dict(num_drafts=0), "num_drafts=0"),

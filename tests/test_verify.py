@@ -1,6 +1,7 @@
 """The verifiers alone, over whole blocks: losslessness at every one of K = 5 positions.
 
-The Theorem-1 tests run the loop end to end but see only 3 output tokens. Here the
+The Theorem-1 tests run the loop end to end but see only 3 output tokens. Here the rules
+the loop selects (`verify.select`, one chain) are checked alone, and the
 models are tables: a draft p and a target q over V = 4 tokens for every prefix of up to
 5 tokens (random, context dependent, some draft entries exactly 0). A block of K = 5 is
 proposed (sampled from p; or a point mass chosen from the prefix, as a lookup does; or
@@ -20,7 +21,8 @@ import numpy as np
 import pytest
 from scipy import stats as scipy_stats
 
-from specjax.decode import speculative
+from specjax.decode import verify
+from specjax.decode.drafters import Proposal
 
 ALPHA = 1e-3
 N = 200_000
@@ -101,32 +103,42 @@ def test_node_numbering_is_what_run_uses():
         assert i == node(prefix)
 
 
+def one_chain(rule: str):
+    """The loop's rule for one chain (`verify.select`), called as a rule over x [B, K]."""
+    def verifier(key, x, p, q, length):
+        batch = x.shape[0]
+        n, picks, token, empty = verify.select(rule, 1)(
+            key, Proposal(x[:, None], p[:, None], length[:, None], jnp.zeros((batch, 1), jnp.int32)), q)
+        return n, token, empty
+    return verifier
+
+
 @pytest.mark.parametrize("proposal", ["sampled", "point", "adaptive"])
 @pytest.mark.parametrize("rule", ["tokenwise", "block"])
 def test_verifier_is_lossless_over_the_whole_block(tables, rule, proposal):
-    pvalue, kept = run(tables, speculative.verifier(rule), proposal)
+    pvalue, kept = run(tables, one_chain(rule), proposal)
     print(f"{rule}, {proposal}: p = {pvalue:.4f}, mean accepted {kept:.3f}")
     assert pvalue > ALPHA
 
 
 def test_block_keeps_more_than_tokenwise_in_expectation(tables):
     """Optimality, seen in the mean accepted count (same blocks: one seed for both)."""
-    _, tokenwise = run(tables, speculative.accept, "sampled")
-    _, block = run(tables, speculative.accept_block, "sampled")
+    _, tokenwise = run(tables, verify.accept, "sampled")
+    _, block = run(tables, verify.accept_block, "sampled")
     assert block > tokenwise
 
 
 def block_with_tokenwise_residual(key, x, p, q, length):
-    tau, _, _ = speculative.accept_block(key, x, p, q, length)
-    p = jnp.where(speculative.drafted_mask(x, length)[..., None], p, 0.0)
-    return tau, *speculative.resample(jax.random.fold_in(key, 1), q, p, jnp.ones(x.shape[:1]), tau)
+    tau, _, _ = verify.accept_block(key, x, p, q, length)
+    p = jnp.where(verify.drafted_mask(x, length)[..., None], p, 0.0)
+    return tau, *verify.resample(jax.random.fold_in(key, 1), q, p, jnp.ones(x.shape[:1]), tau)
 
 
 def tokenwise_peeking_stop(key, x, p, q, length):
     """A stopping rule that drops the first draft token the target finds unlikely."""
     q_x = jnp.take_along_axis(q[:, :K], x[..., None], axis=-1)[..., 0]
     keep = jnp.sum(jnp.cumprod(q_x >= 0.2, axis=1), axis=1).astype(jnp.int32)
-    return speculative.accept(key, x, p, q, jnp.minimum(length, keep))
+    return verify.accept(key, x, p, q, jnp.minimum(length, keep))
 
 
 @pytest.mark.parametrize("wrong", [block_with_tokenwise_residual, tokenwise_peeking_stop])

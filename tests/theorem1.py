@@ -50,16 +50,16 @@ class ParityLM(model.LM):
 
     parity: int = 0
 
-    def __call__(self, tokens, positions, cache, ancestors=None):
-        logits, cache = super().__call__(tokens, positions, cache, ancestors)
-        return jnp.where(jnp.arange(V) % 2 == self.parity, logits, -1e9), cache
+    def __call__(self, tokens, positions, cache, visible=None, features=False):
+        logits, fresh = super().__call__(tokens, positions, cache, visible, features)
+        return jnp.where(jnp.arange(V) % 2 == self.parity, logits, -1e9), fresh
 
     def tree_flatten(self):
-        return (self.params,), (self.cfg, self.graphdef, self.parity)
+        return (self.params,), (self.cfg, self.graphdef, self.kernels, self.parity)
 
     @classmethod
     def tree_unflatten(cls, aux, children):
-        return cls(aux[0], aux[1], children[0], aux[2])
+        return cls(aux[0], aux[1], children[0], aux[2], aux[3])
 
 
 def make_models(tiny):

@@ -16,7 +16,8 @@ import numpy as np
 from specjax import kv_cache
 from specjax.config import UsageError
 from specjax.decode import datastore as datastore_lib, drafters, program as program_lib, tree as tree_lib
-from specjax.decode.api import Totals, generate
+from specjax.decode.api import generate
+from specjax.decode.metrics import Totals
 
 
 def time_forward(lm, tokens: int, context: int, repeats: int, batch: int = 1, tree: tuple[int, int] | None = None
@@ -76,7 +77,7 @@ def variants(base, drafter_names, verify_rules, confidences, num_drafts) -> list
     draft distribution to be unsure about, and proposes one chain), each validated."""
     out = [dict(verify=v, drafter=d, draft_confidence=c, num_drafts=m)
            for d in drafter_names for m in num_drafts for v in verify_rules for c in confidences
-           if drafters.uses_model(d) or (c == 0 and m == 1)]
+           if drafters.kind(d).needs_draft_model or (c == 0 and m == 1)]
     if not out:
         raise UsageError(f"--drafter={','.join(drafter_names)}: lookup drafters propose one chain with no draft "
                          "distribution, so --num_drafts > 1 and --draft_confidence > 0 leave nothing to compare")
@@ -90,7 +91,7 @@ def run_prompts(target, draft, prompts, sampling, seed, datastore=None):
     out = []
     for i, prompt in enumerate(prompts):
         out.append(generate(target, draft, [prompt], sampling, seed=seed + i,
-                            datastore=datastore if sampling.drafter in ("retrieval", "hybrid") else None))
+                            datastore=datastore if drafters.kind(sampling.drafter).uses_datastore else None))
     return out
 
 
@@ -206,7 +207,7 @@ def bench(target, draft, prompts, base, ks, batch_sizes, repeats: int, seed: int
                 step = time_forward(draft, 1, context, repeats, batch=m)
                 scoring = time_forward(target, 0, context, repeats, tree=(m, k))
                 report["target_scoring_ms"][f"tree {m}x{k}"] = 1000 * scoring
-            steps = k * step if sampling.drafter in ("model", "hybrid") else 0.0
+            steps = k * step if drafters.kind(sampling.drafter).needs_draft_model else 0.0
             row.update(lookahead=k, verify=sampling.verify, drafter=sampling.drafter, num_drafts=m,
                        draft_confidence=sampling.draft_confidence, speedup=ars_near / row["ms_per_token"],
                        ars_ms_per_token=ars_near,
@@ -227,7 +228,7 @@ def bench(target, draft, prompts, base, ks, batch_sizes, repeats: int, seed: int
         batch = [prompts[i % len(prompts)] for i in range(b)]
         row = {"batch": b}
         for mode, d, sampling in (("ars", None, ars_sampling), ("sps", draft, base)):
-            ds = datastore if mode == "sps" and sampling.drafter in ("retrieval", "hybrid") else None
+            ds = datastore if mode == "sps" and drafters.kind(sampling.drafter).uses_datastore else None
             generate(target, d, batch, sampling, seed=seed, datastore=ds)
             row[f"{mode}_ms_per_token"] = generate(target, d, batch, sampling, seed=seed, datastore=ds).ms_per_token
         row["speedup"] = row["ars_ms_per_token"] / row["sps_ms_per_token"]

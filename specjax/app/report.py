@@ -10,7 +10,7 @@ import textwrap
 from typing import Optional, Sequence
 
 from specjax.config import SamplingConfig
-from specjax.decode.api import Totals
+from specjax.decode.metrics import Totals
 
 
 LABEL = {"ars": "ArS", "sps": "SpS"}

@@ -67,11 +67,13 @@ def check(req: Request) -> None:
         raise UsageError(f"--mode={'both' if len(req.modes) == 2 else 'sps'} with --drafter={sampling.drafter} "
                          f"needs a draft model, and config {config.name!r} has none; use --mode=ars, "
                          "--drafter=ngram, or a config with a draft")
-    if sampling.drafter == "retrieval" and req.datastore is None:
-        raise UsageError("--drafter=retrieval needs --datastore=PATH (build one with `python -m specjax.datastore`)")
-    if req.datastore is not None and sampling.drafter not in ("retrieval", "hybrid"):
-        raise UsageError(f"--datastore is used only by --drafter=retrieval or hybrid (got "
-                         f"--drafter={sampling.drafter})")
+    kind = drafters.kind(sampling.drafter)
+    if kind.needs_datastore and req.datastore is None:
+        raise UsageError(f"--drafter={sampling.drafter} needs --datastore=PATH (build one with "
+                         "`python -m specjax.datastore`)")
+    if req.datastore is not None and not kind.uses_datastore:
+        raise UsageError(f"--datastore is used only by --drafter={' or '.join(drafters.using('uses_datastore'))} "
+                         f"(got --drafter={sampling.drafter})")
     if req.init == "random" and (req.checkpoint or req.draft_checkpoint):
         raise UsageError("--checkpoint/--draft_checkpoint have no effect with --init=random: drop one of them")
     context = min(m.max_seq_len for m in models(req).values())
@@ -97,7 +99,7 @@ def check_rows(req: Request, raw_prompts) -> None:
 
 
 def need_draft(req: Request) -> bool:
-    return "sps" in req.modes and drafters.uses_model(req.sampling.drafter)
+    return "sps" in req.modes and drafters.kind(req.sampling.drafter).needs_draft_model
 
 
 def models(req: Request) -> dict:

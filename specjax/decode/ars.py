@@ -8,7 +8,8 @@ import jax
 import jax.numpy as jnp
 
 from specjax.decode.sampling import Warp, sample, warp
-from specjax.decode.state import Stats, gather_rows, prefill, stop_after, token_buffer, write_rows
+from specjax.decode.metrics import Stats
+from specjax.decode.state import gather_rows, prefill, stop_after, token_buffer, write_rows
 from specjax.kv_cache import KVCache
 from specjax.model import LM
 
@@ -35,7 +36,7 @@ def autoregressive_generate(target: LM, prompts: jax.Array, prompt_lens: jax.Arr
 
     def step(s: ArsState) -> ArsState:
         pending = s.length - 1
-        logits, cache = target(gather_rows(s.tokens, pending)[:, None], pending[:, None], s.cache)
+        logits, cache = target.extend(gather_rows(s.tokens, pending)[:, None], pending[:, None], s.cache)
         key, sub = jax.random.split(s.key)
         probs, bad_probs = warp(logits[:, 0], warping)
         token, empty = sample(sub, probs)

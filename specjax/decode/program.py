@@ -23,10 +23,12 @@ import numpy as np
 
 from specjax import distributed, sharding
 from specjax.config import SEED_LIMIT, SamplingConfig, UsageError
+from specjax.decode import drafters
 from specjax.decode.ars import autoregressive_generate
 from specjax.decode.sampling import Warp
 from specjax.decode.datastore import Datastore
 from specjax.decode.speculative import Settings, speculative_generate
+from specjax.kernels import DEFAULT as DEFAULT_KERNELS, Kernels
 from specjax.model import LM
 
 PAD_TO = 16  # the narrowest prompt bucket
@@ -57,15 +59,14 @@ def seed_key(seed: jax.Array) -> jax.Array:
     return jax.random.wrap_key_data(data)
 
 
-SPS_STATICS = ("warping", "lookahead", "verify", "drafter", "ngram", "draft_confidence", "num_drafts", "max_new",
-               "eos_id", "size")
+SPS_STATICS = ("settings", "max_new", "eos_id", "size")
 
 
 @functools.partial(jax.jit, static_argnames=SPS_STATICS)
-def sps_program(target, draft, datastore, prompts, prompt_lens, seed, *, warping, lookahead, verify, drafter,
-                ngram, draft_confidence, num_drafts, max_new, eos_id, size):
-    settings = Settings(lookahead, warping, verify, drafter, ngram, draft_confidence, num_drafts)
-    return speculative_generate(target, draft, datastore, prompts, prompt_lens, seed_key(seed), settings=settings,
+def sps_program(target, drafter, prompts, prompt_lens, seed, *, settings, max_new, eos_id, size):
+    """`drafter` (a pytree: a draft model's params, a datastore's index) carries its own
+    static settings; `settings` are the loop's."""
+    return speculative_generate(target, drafter, prompts, prompt_lens, seed_key(seed), settings=settings,
                                 max_new=max_new, eos_id=eos_id, size=size)
 
 
@@ -180,6 +181,7 @@ class Program:
     size: int  # cache / token-buffer slots
     mode: str  # 'sps' | 'ars'
     prompt_lens: tuple[int, ...]  # tokens per prompt, on the host
+    sampling: SamplingConfig  # what the program samples with (its drafter, verifier, K, M)
 
     @property
     def settings(self) -> dict[str, Any]:
@@ -187,7 +189,7 @@ class Program:
 
     @property
     def lookahead(self) -> int:
-        return self.settings.get("lookahead", 1)
+        return self.sampling.lookahead if self.mode == "sps" else 1
 
     def lower(self):
         with jax.set_mesh(self.mesh):
@@ -240,8 +242,8 @@ def mesh_of(lm: LM) -> jax.sharding.Mesh:
     return jax.tree.leaves(lm.params)[0].sharding.mesh
 
 
-def warping_of(sampling: SamplingConfig) -> Warp:
-    return Warp(float(sampling.temperature), int(sampling.top_k), float(sampling.top_p))
+def warping_of(sampling: SamplingConfig, kernels: Kernels = DEFAULT_KERNELS) -> Warp:
+    return Warp(float(sampling.temperature), int(sampling.top_k), float(sampling.top_p), kernels)
 
 
 def check_models(target: LM, draft: LM | None) -> None:
@@ -257,44 +259,33 @@ def check_models(target: LM, draft: LM | None) -> None:
                          f"{target.cfg.vocab_size}: speculative sampling needs one shared vocabulary")
 
 
-def speculative_inputs(target: LM, draft: LM | None, sampling: SamplingConfig, datastore) -> tuple:
-    """(speculative?, the draft the program gets, the datastore): drafter='model' with a
-    draft is SpS and without one ArS; 'ngram' and 'retrieval' need no draft (one given is
-    not used); 'hybrid' needs one; 'retrieval' needs a datastore."""
-    drafter = sampling.drafter
-    if datastore is not None:
-        if not isinstance(datastore, Datastore):
-            raise UsageError(f"datastore: expected a specjax Datastore (Datastore.load / Datastore.build), got "
-                             f"{type(datastore).__name__}")
-        if drafter not in ("retrieval", "hybrid"):
-            raise UsageError(f"a datastore is used only by drafter='retrieval' or 'hybrid' (drafter={drafter!r})")
-        datastore.check(target.cfg.vocab_size)
-    if drafter == "retrieval" and datastore is None:
-        raise UsageError("drafter='retrieval' needs a datastore (--datastore=PATH; build one with "
-                         "`python -m specjax.datastore`)")
-    if drafter == "hybrid" and draft is None:
-        raise UsageError("drafter='hybrid' falls back to a draft model, and none was given (draft=None)")
-    if drafter in ("ngram", "retrieval"):
-        return True, None, datastore
-    return draft is not None, draft, datastore
+def check_datastore(datastore, vocab_size: int) -> None:
+    if datastore is None:
+        return
+    if not isinstance(datastore, Datastore):
+        raise UsageError(f"datastore: expected a specjax Datastore (Datastore.load / Datastore.build), got "
+                         f"{type(datastore).__name__}")
+    datastore.check(vocab_size)
 
 
 def build(target: LM, draft: LM | None, prompts, sampling: SamplingConfig, seed: int = 0,
           pad_to: int = PAD_TO, names: Sequence[str] | None = None, datastore: Datastore | None = None) -> Program:
     """Validate everything, bucket and place the prompts: the program that generates
-    continuations of `prompts` with SpS (a draft, or a lookup drafter) or ArS
-    (drafter='model' and draft=None)."""
+    continuations of `prompts` with SpS (the drafter sampling.drafter names: a draft
+    model, a lookup, or both) or ArS (drafter 'model' and draft=None)."""
     sampling.validate()
     check_models(target, draft)
-    speculative, draft, datastore = speculative_inputs(target, draft, sampling, datastore)
-    target, draft = target.packed(), draft.packed() if draft is not None else None  # where the CPU kernel runs
+    check_datastore(datastore, target.cfg.vocab_size)
     seed = check_seed(seed)
     prompts = as_token_lists(prompts, names)
-    context = context_of(target, draft)
+    kind = drafters.kind(sampling.drafter)
+    used = draft if kind.needs_draft_model else None  # ngram and retrieval ignore a draft given
+    context = context_of(target, used)
     check_prompts(prompts, target.cfg.vocab_size, context, sampling.max_new_tokens, names)
     if any(i >= target.cfg.vocab_size for i in sampling.stop_ids):
         raise UsageError(f"eos_id={sampling.eos_id}: outside the vocabulary (a row would never stop on it); "
                          f"allowed are token ids 0..{target.cfg.vocab_size - 1}, or -1 to never stop early")
+    speculative = used is not None or not kind.needs_draft_model
     lookahead = sampling.lookahead if speculative else 1
     if lookahead >= context:
         raise UsageError(f"lookahead={lookahead}: must be below the model's context of {context} tokens")
@@ -302,6 +293,8 @@ def build(target: LM, draft: LM | None, prompts, sampling: SamplingConfig, seed:
         raise UsageError(f"num_drafts={sampling.num_drafts}: must be at most the vocabulary's "
                          f"{target.cfg.vocab_size} tokens")
     mesh = mesh_of(target)
+    drafter = drafters.make(sampling, target.cfg.vocab_size, draft, datastore, mesh)
+    target = target.packed()  # where the CPU kernel runs (the drafter packs its own draft)
     width = bucket(max(len(p) for p in prompts), pad_to)
     size = cache_size(width, sampling.max_new_tokens, lookahead)
     padded = np.zeros((len(prompts), width), np.int32)
@@ -312,15 +305,13 @@ def build(target: LM, draft: LM | None, prompts, sampling: SamplingConfig, seed:
     args = (distributed.put(padded, sharding.named(mesh, ("batch", None), padded.shape)),
             distributed.put(lens, sharding.named(mesh, ("batch",), lens.shape)),
             distributed.put(words, sharding.replicated(mesh)))
-    statics = dict(warping=warping_of(sampling), max_new=sampling.max_new_tokens,
-                   eos_id=-1 if sampling.eos_id is None else sampling.eos_id, size=size)  # None: no stop ids here
-    if speculative:
-        index = datastore.on_mesh(mesh) if datastore is not None else None
-        statics = dict(statics, lookahead=lookahead, verify=sampling.verify, drafter=sampling.drafter,
-                       ngram=sampling.ngram, draft_confidence=float(sampling.draft_confidence),
-                       num_drafts=sampling.num_drafts)
-        fn, args, mode = sps_program, (target, draft, index) + args, "sps"
+    warping = warping_of(sampling, target.kernels)
+    statics = dict(max_new=sampling.max_new_tokens, eos_id=-1 if sampling.eos_id is None else sampling.eos_id,
+                   size=size)  # None: no stop ids here
+    if drafter is not None:
+        settings = Settings(lookahead, warping, sampling.verify, sampling.num_drafts)
+        fn, args, mode, statics = sps_program, (target, drafter) + args, "sps", dict(statics, settings=settings)
     else:
-        fn, args, mode = ars_program, (target,) + args, "ars"
+        fn, args, mode, statics = ars_program, (target,) + args, "ars", dict(statics, warping=warping)
     return Program(fn, args, tuple(sorted(statics.items(), key=operator.itemgetter(0))), mesh, len(prompts),
-                   width, size, mode, tuple(int(n) for n in lens))
+                   width, size, mode, tuple(int(n) for n in lens), sampling)

@@ -17,7 +17,7 @@ from typing import NamedTuple
 import jax
 import jax.numpy as jnp
 
-from specjax import kernels
+from specjax.kernels import DEFAULT as DEFAULT_KERNELS, Kernels, dispatch
 from specjax.sharding import constrain
 
 
@@ -27,6 +27,7 @@ class Warp(NamedTuple):
     temperature: float = 1.0
     top_k: int = 0
     top_p: float = 1.0
+    kernels: Kernels = DEFAULT_KERNELS  # whether the nucleus cut may run as its CPU kernel
 
 
 def warp(logits: jax.Array, w: Warp) -> tuple[jax.Array, jax.Array]:
@@ -56,11 +57,11 @@ def warp(logits: jax.Array, w: Warp) -> tuple[jax.Array, jax.Array]:
     weights = jnp.exp(scaled)  # in [0, 1], with 1 at the top: the sum is in [1, V]
     probs = weights / jnp.sum(weights, axis=-1, keepdims=True)
     if w.top_p < 1.0:
-        probs = nucleus(probs, w.top_p)
+        probs = nucleus(probs, w.top_p, w.kernels)
     return probs, bad | ~jnp.all(jnp.isfinite(probs), axis=-1)
 
 
-def nucleus(probs: jax.Array, top_p: float) -> jax.Array:
+def nucleus(probs: jax.Array, top_p: float, kernels: Kernels = DEFAULT_KERNELS) -> jax.Array:
     """Keep the smallest set of most likely tokens whose mass reaches top_p (ties at the
     boundary kept together), renormalised. Equivalently: keep p >= t*, the largest
     threshold whose kept mass is still >= top_p. t* is found by bisection over the bit
@@ -68,10 +69,10 @@ def nucleus(probs: jax.Array, top_p: float) -> jax.Array:
     one of the probabilities exactly, without sorting the vocabulary: on CPU a sort of the
     vocabulary costs far more than 32 masked sums, and top-p runs on every distribution
     of every loop (BENCHMARKS.md, "Micro-benchmarks behind design choices"). On one CPU
-    device `nucleus.cc` runs the same bisection (`kernels.nucleus`): XLA:CPU's loop of 32
-    small reductions costs more than the rest of a draft step's sampling."""
-    if kernels.use_nucleus(probs):
-        return kernels.nucleus(probs, top_p)
+    device `nucleus.cc` runs the same bisection where `kernels` allows it: XLA:CPU's loop
+    of 32 small reductions costs more than the rest of a draft step's sampling."""
+    if dispatch.use_nucleus(probs, kernels):
+        return dispatch.nucleus(probs, top_p)
     bits = jax.lax.bitcast_convert_type(probs, jnp.int32)
     lo = jnp.zeros(probs.shape[:-1] + (1,), jnp.int32)  # keeps everything: mass 1 >= top_p
     hi = jnp.max(bits, axis=-1, keepdims=True) + 1  # keeps nothing

@@ -1,13 +1,10 @@
 """Generation state shared by ArS and SpS.
 
 A token buffer [B, S] holds prompt + output; per row, `length` counts the tokens in the
-buffer (the last one is "pending": not yet in any KV cache), and `Stats` the loops and
-accepted drafts. Rows are ragged: every row has its own length and stops on its own
+buffer (the last one is "pending": not yet in any KV cache). Rows are ragged: every row has its own length and stops on its own
 (end-of-sequence or max_new_tokens), never a min over rows.
 """
 from __future__ import annotations
-
-import dataclasses
 
 import jax
 import jax.numpy as jnp
@@ -24,7 +21,7 @@ def prefill(lm: LM, prompts: jax.Array, prompt_lens: jax.Array, size: int) -> KV
     need no per-row logit gather here; entries past a row's length are masked."""
     batch, width = prompts.shape
     positions = jnp.broadcast_to(jnp.arange(width, dtype=jnp.int32), (batch, width))
-    _, cache = lm(prompts, positions, kv_cache.empty(lm.cfg, batch, size))
+    _, cache = lm.extend(prompts, positions, lm.with_position_table(kv_cache.empty(lm.cfg, batch, size)))
     return cache.with_lengths(prompt_lens - 1)
 
 
@@ -63,32 +60,3 @@ def stop_after(new_tokens: jax.Array, count: jax.Array, num_new: jax.Array, max_
         count = jnp.where(hit, first + 1, count)
         finished = finished | hit
     return count, finished
-
-
-@jax.tree_util.register_dataclass
-@dataclasses.dataclass
-class Stats:
-    """Per-row counters, returned with the tokens."""
-
-    loops: jax.Array  # [B] loops (ArS: steps) while the row was active
-    num_new: jax.Array  # [B] tokens generated
-    accepted: jax.Array  # [B] draft tokens accepted (SpS)
-    accepted_at: jax.Array  # [B, K] loops in which draft position j was accepted
-    histogram: jax.Array  # [B, K+1] loops that accepted exactly n draft tokens
-    drafted: jax.Array  # [B, K+1] loops that proposed exactly n tokens (all K unless adaptive or a lookup)
-    accepted_by: jax.Array  # [B, drafters] accepted tokens by the drafter that proposed them
-    proposed_by: jax.Array  # [B, drafters] proposed tokens by drafter
-    nonfinite: jax.Array  # [B] a NaN/inf logit was seen
-    # Per draft chain m (SpS; one chain unless num_drafts > 1):
-    chain_won: jax.Array  # [B, M] loops whose kept path ended on chain m (loops keeping nothing: none)
-    chain_accepted: jax.Array  # [B, M] kept tokens, by the chain picked at their depth
-    chain_proposed: jax.Array  # [B, M] tokens chain m proposed
-
-    @classmethod
-    def zeros(cls, batch: int, lookahead: int, drafters: int = 3, num_drafts: int = 1) -> "Stats":
-        z = jnp.zeros((batch,), jnp.int32)
-        hist = jnp.zeros((batch, lookahead + 1), jnp.int32)
-        by = jnp.zeros((batch, drafters), jnp.int32)
-        chains = jnp.zeros((batch, num_drafts), jnp.int32)
-        return cls(z, z, z, jnp.zeros((batch, lookahead), jnp.int32), hist, hist, by, by,
-                   jnp.zeros((batch,), bool), chains, chains, chains)

@@ -1,10 +1,11 @@
-"""Several draft chains verified jointly: the tree's layout and the multi-draft rule.
+"""The draft chains of a loop as one tree: its layout and the multi-draft rule.
 
 A loop's tree has T = 1 + M*K nodes: node 0 is the row's pending token, and chain m's
 depth-d token (d = 1..K) is node 1 + m*K + d - 1. Every chain hangs off node 0 on its own
 branch; a node's position is the pending token's plus its depth, so nodes of different
-chains share positions, and the target scores them all in ONE pass with an ancestor mask
-(`model`'s `ancestors`), each node seeing the cache and its own path.
+chains share positions, and the target scores them all in ONE pass with the ancestor
+mask as its visibility (`model`'s `visible`), each node seeing the cache and its own
+path. One chain (M = 1) is a tree of one: its ancestor mask is the causal triangle.
 
 Verification (`accept`) walks the tree level by level with multi-round rejection
 sampling over the candidates at each level (Miao et al., "SpecInfer", arXiv 2305.09781,
@@ -109,3 +110,13 @@ def winner(picks: jax.Array, n: jax.Array) -> jax.Array:
     """[B] the chain that holds the kept path: picks at depth n (0 when nothing was kept)."""
     last = jnp.take_along_axis(picks, jnp.maximum(n - 1, 0)[:, None], axis=1)[:, 0]
     return jnp.where(n > 0, last, 0)
+
+
+def kept(picks: jax.Array, n: jax.Array, num_drafts: int, lookahead: int) -> tuple[jax.Array, jax.Array | None]:
+    """(the kept chain [B], its path's nodes [B, K+1]: the pending token, then the chain's
+    K nodes). A tree of one chain keeps chain 0, whose nodes are all of them in order
+    (None: nothing to gather)."""
+    if num_drafts == 1:
+        return jnp.zeros_like(n), None
+    chain = winner(picks, n)
+    return chain, path_nodes(chain, lookahead)

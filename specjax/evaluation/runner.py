@@ -14,7 +14,8 @@ from specjax import sharding
 from specjax.app import cli
 from specjax.app.locate import Weights
 from specjax.config import SEED_LIMIT, UsageError
-from specjax.decode.api import Totals, generate
+from specjax.decode.api import generate
+from specjax.decode.metrics import Totals
 from specjax.evaluation.metrics import execute_humaneval, parses, pass_at_k, rouge, summary_of
 from specjax.evaluation.stats import mean_ci, paired_agreement
 from specjax.evaluation.tasks import SETTINGS, Item, Setting, humaneval_items, truncate_completion, xsum_items

@@ -1,15 +1,19 @@
-// Attention of a few new queries over one layer of the stacked KV cache, read in place,
-// as an XLA FFI custom call for the CPU backend:
+// Attention of a pass's few queries over one layer of the stacked KV cache, read in
+// place, and over the pass's own keys, as an XLA FFI custom call for the CPU backend:
 //
-//   out[b, t, n, :] = sum_s softmax_s(q[b, t, n] . k[layer, b, n / R, s] * scale) v[layer, b, n / R, s]
+//   out[b, t, n, :] = sum_j softmax_j(q[b, t, n] . key_j * scale) value_j
 //
-// over the keys s visible to query (b, t): s <= positions[b, t] and s < lengths[b]. A
-// query that sees no key gets the uniform average over all S slots, as a softmax over
-// all-masked logits does. Given the whole [L, B, G, S, H] cache and the layer index, XLA
-// has no layer slice to copy (it copied, and for values transposed, each layer's cache
-// before its attention dots, every step), and only the visible prefix of the cache is
-// read, not all S slots. Work is split over (batch row, kv head) pairs, each of which
-// reads its keys and values once for all T x R queries that share them.
+// over the keys visible to query (b, t), in this order: the cache entries s < limit[b] of
+// layer `layer` (kv head n / R), then the pass's own keys u with visible[t, u] (a chain's
+// are causal, a tree's its ancestors). A query that sees no key gets the uniform average
+// over all S slots and T own keys, as a softmax over all-masked logits does. Given the
+// whole [L, B, G, S, H] cache and the layer index, XLA has no layer slice to copy (it
+// copied, and for values transposed, each layer's cache before its attention dots, every
+// step), and only the cache's visible prefix is read, not all S slots. The visible keys
+// of a query are laid out as one sequence (cache, then own keys in order) and summed in
+// that order, so a chain's query sees the same sums as a one-token step at its position
+// over a cache that holds the chain's earlier keys. Work is split over (batch row, kv
+// head) pairs, each of which reads its keys and values once for all T x R queries.
 #include <algorithm>
 #include <atomic>
 #include <cmath>
@@ -68,34 +72,46 @@ struct Shapes {
 };
 
 // All T x R queries of batch row b that share kv head kh.
-void Attend(const Shapes& d, const float* q, const float* kc, const float* vc, const int32_t* positions,
-            int32_t length, float scale, float* out, int64_t b, int64_t kh) {
-  const int64_t rows = d.T * d.R, H = d.H;
-  std::vector<int64_t> span(d.T);
-  std::vector<bool> uniform(d.T);
-  int64_t smax = 0;
-  for (int64_t t = 0; t < d.T; ++t) {
-    const int64_t visible = std::clamp<int64_t>(std::min<int64_t>(positions[b * d.T + t] + 1, length), 0, d.S);
-    uniform[t] = visible == 0;
-    span[t] = visible == 0 ? d.S : visible;
-    smax = std::max(smax, span[t]);
+void Attend(const Shapes& d, const float* q, const float* kc, const float* vc, const float* kn, const float* vn,
+            const bool* visible, int32_t limit, float scale, float* out, int64_t b, int64_t kh) {
+  const int64_t T = d.T, rows = T * d.R, H = d.H;
+  // own[t * T + i]: the i-th own key query t sees; count[t] of them. A query that sees
+  // nothing at all sees everything, with equal logits (`uniform`).
+  const int64_t cached = std::clamp<int64_t>(limit, 0, d.S);
+  std::vector<int64_t> own(T * T), count(T, 0);
+  std::vector<bool> uniform(T);
+  bool any_uniform = false;
+  for (int64_t t = 0; t < T; ++t) {
+    for (int64_t u = 0; u < T; ++u)
+      if (visible[t * T + u]) own[t * T + count[t]++] = u;
+    uniform[t] = cached == 0 && count[t] == 0;
+    if (uniform[t]) {
+      any_uniform = true;
+      for (int64_t u = 0; u < T; ++u) own[t * T + u] = u;
+      count[t] = T;
+    }
   }
-  const int64_t stride = (smax + kWidth - 1) / kWidth * kWidth;
+  // Cache slots [0, span), then own keys from `span` on (span = limit unless a query
+  // sees nothing, which spans every slot).
+  const int64_t span = any_uniform ? d.S : cached;
+  const int64_t stride = (span + T + kWidth - 1) / kWidth * kWidth;
   std::vector<float> p(rows * stride, -INFINITY), acc(rows * H, 0.f), total(rows);
   const float* keys = kc + (b * d.G + kh) * d.S * H;
   const float* values = vc + (b * d.G + kh) * d.S * H;
-  auto query = [&](int64_t row) { return q + ((b * d.T + row / d.R) * d.N + kh * d.R + row % d.R) * H; };
+  auto new_row = [&](const float* base, int64_t u) { return base + ((b * T + u) * d.G + kh) * H; };
+  auto query = [&](int64_t row) { return q + ((b * T + row / d.R) * d.N + kh * d.R + row % d.R) * H; };
   for (int64_t row = 0; row < rows; ++row) {
     const int64_t t = row / d.R;
     float* pr = p.data() + row * stride;
     if (uniform[t]) {
-      std::fill(pr, pr + d.S, 0.f);
+      std::fill(pr, pr + span + T, 0.f);
     } else {
       const float* qr = query(row);
-      for (int64_t s = 0; s < span[t]; ++s) pr[s] = Dot(qr, keys + s * H, H) * scale;
+      for (int64_t s = 0; s < cached; ++s) pr[s] = Dot(qr, keys + s * H, H) * scale;
+      for (int64_t i = 0; i < count[t]; ++i) pr[span + i] = Dot(qr, new_row(kn, own[t * T + i]), H) * scale;
     }
     float m = -INFINITY;
-    for (int64_t s = 0; s < span[t]; ++s) m = std::max(m, pr[s]);
+    for (int64_t s = 0; s < stride; ++s) m = std::max(m, pr[s]);
     Vec sum{};
     for (int64_t s = 0; s < stride; s += kWidth) {
       const Vec e = Exp(Load(pr + s) - m);
@@ -104,7 +120,7 @@ void Attend(const Shapes& d, const float* q, const float* kc, const float* vc, c
     }
     total[row] = Sum(sum);
   }
-  for (int64_t s = 0; s < smax; ++s) {  // every value row once, for all queries
+  for (int64_t s = 0; s < span; ++s) {  // every cached value row once, for all queries
     const float* vs = values + s * H;
     for (int64_t row = 0; row < rows; ++row) {
       const float w = p[row * stride + s];
@@ -113,16 +129,24 @@ void Attend(const Shapes& d, const float* q, const float* kc, const float* vc, c
     }
   }
   for (int64_t row = 0; row < rows; ++row) {
+    const int64_t t = row / d.R;
+    float* a = acc.data() + row * H;
+    for (int64_t i = 0; i < count[t]; ++i) {
+      const float w = p[row * stride + span + i];
+      const float* vs = new_row(vn, own[t * T + i]);
+      for (int64_t h = 0; h < H; ++h) a[h] += w * vs[h];
+    }
     const float inv = 1.f / total[row];
-    float* o = out + ((b * d.T + row / d.R) * d.N + kh * d.R + row % d.R) * H;
-    for (int64_t h = 0; h < H; ++h) o[h] = acc[row * H + h] * inv;
+    float* o = out + ((b * T + t) * d.N + kh * d.R + row % d.R) * H;
+    for (int64_t h = 0; h < H; ++h) o[h] = a[h] * inv;
   }
 }
 
 struct Job {
   Shapes d;
-  const float *q, *kc, *vc;
-  const int32_t *positions, *lengths;
+  const float *q, *kc, *vc, *kn, *vn;
+  const bool* visible;
+  const int32_t* limits;
   float scale;
   float* out;
   std::atomic<int64_t> next{0}, done{0};
@@ -130,21 +154,26 @@ struct Job {
   void Work() {
     const int64_t items = d.B * d.G;
     for (int64_t i; (i = next.fetch_add(1, std::memory_order_relaxed)) < items;) {
-      Attend(d, q, kc, vc, positions, lengths[i / d.G], scale, out, i / d.G, i % d.G);
+      Attend(d, q, kc, vc, kn, vn, visible, limits[i / d.G], scale, out, i / d.G, i % d.G);
       done.fetch_add(1, std::memory_order_release);
     }
   }
 };
 
 ffi::Error CachedAttention(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> q, ffi::Buffer<ffi::F32> k_all,
-                           ffi::Buffer<ffi::F32> v_all, ffi::Buffer<ffi::S32> layer, ffi::Buffer<ffi::S32> positions,
-                           ffi::Buffer<ffi::S32> lengths, ffi::ResultBuffer<ffi::F32> out, float scale) {
-  auto qd = q.dimensions(), cd = k_all.dimensions();
-  const auto vd = v_all.dimensions();
-  const bool same = vd.size() == cd.size() && std::equal(cd.begin(), cd.end(), vd.begin());
-  if (qd.size() != 4 || cd.size() != 5 || !same || cd[1] != qd[0] || cd[4] != qd[3] || qd[2] % cd[2] != 0 ||
-      positions.element_count() != qd[0] * qd[1] || lengths.element_count() != qd[0])
-    return ffi::Error::InvalidArgument("specjax_cached_attention: want q[B,T,N,H], caches [L,B,G,S,H]");
+                           ffi::Buffer<ffi::F32> v_all, ffi::Buffer<ffi::S32> layer, ffi::Buffer<ffi::F32> k_new,
+                           ffi::Buffer<ffi::F32> v_new, ffi::Buffer<ffi::PRED> visible, ffi::Buffer<ffi::S32> limit,
+                           ffi::ResultBuffer<ffi::F32> out, float scale) {
+  auto qd = q.dimensions(), cd = k_all.dimensions(), nd = k_new.dimensions();
+  const auto vd = v_all.dimensions(), nvd = v_new.dimensions();
+  const bool same = vd.size() == cd.size() && std::equal(cd.begin(), cd.end(), vd.begin()) &&
+                    nvd.size() == nd.size() && std::equal(nd.begin(), nd.end(), nvd.begin());
+  if (qd.size() != 4 || cd.size() != 5 || nd.size() != 4 || !same || cd[1] != qd[0] || cd[4] != qd[3] ||
+      qd[2] % cd[2] != 0 || nd[0] != qd[0] || nd[1] != qd[1] || nd[2] != cd[2] || nd[3] != qd[3] ||
+      visible.element_count() != qd[1] * qd[1] || limit.element_count() != qd[0])
+    return ffi::Error::InvalidArgument(
+        "specjax_cached_attention: want q[B,T,N,H], caches [L,B,G,S,H], own k, v [B,T,G,H], visible[T,T], "
+        "limit[B]");
   const int64_t L = cd[0], l = layer.typed_data()[0];
   if (l < 0 || l >= L) return ffi::Error::InvalidArgument("specjax_cached_attention: layer out of range");
   auto job = std::make_shared<Job>();
@@ -153,8 +182,10 @@ ffi::Error CachedAttention(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> q, ffi::B
   job->q = q.typed_data();
   job->kc = k_all.typed_data() + l * layer_size;
   job->vc = v_all.typed_data() + l * layer_size;
-  job->positions = positions.typed_data();
-  job->lengths = lengths.typed_data();
+  job->kn = k_new.typed_data();
+  job->vn = v_new.typed_data();
+  job->visible = visible.typed_data();
+  job->limits = limit.typed_data();
   job->scale = scale;
   job->out = out->typed_data();
   const int64_t items = job->d.B * job->d.G;
@@ -174,7 +205,9 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(SpecjaxCachedAttention, CachedAttention,
                                   .Arg<ffi::Buffer<ffi::F32>>()
                                   .Arg<ffi::Buffer<ffi::F32>>()
                                   .Arg<ffi::Buffer<ffi::S32>>()
-                                  .Arg<ffi::Buffer<ffi::S32>>()
+                                  .Arg<ffi::Buffer<ffi::F32>>()
+                                  .Arg<ffi::Buffer<ffi::F32>>()
+                                  .Arg<ffi::Buffer<ffi::PRED>>()
                                   .Arg<ffi::Buffer<ffi::S32>>()
                                   .Ret<ffi::Buffer<ffi::F32>>()
                                   .Attr<float>("scale"));

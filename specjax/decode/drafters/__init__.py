@@ -1,0 +1,71 @@
+"""Drafters: who proposes the tokens that the target verifies in each loop.
+
+A drafter is a small frozen dataclass registered as a pytree (its arrays, such as a draft
+model's params or a datastore's index, are leaves; its settings are static), passed into
+the compiled loop, plus a pytree `state` the loop carries. Its interface (`base.Drafter`):
+
+  make(sampling, vocab, draft, datastore, mesh)  the drafter for a run, or None (ArS);
+                                                 checks that what it needs was given
+  init_state(prompts, prompt_lens, size, M)  its state after the prompts (a draft cache)
+  propose(state, tokens, length, key, K, M, warping)
+      -> (Proposal [B, M, ...], state, nonfinite [B])
+      up to K tokens per chain x, the EXACT distributions p they were drawn from after the
+      same warping as q (invariant 8: the warped draft softmax for a sampled token, a point
+      mass for a deterministic one), and per-chain lengths (0..K: positions past a length
+      are scored, as shapes stay static, but never accepted)
+  update(state, Verdict)  after verification: rows' new lengths, the kept count, the next
+                          token, the kept chain and (when `needs_features`) the target's
+                          hidden states along the kept path (the draft cache's rollback)
+
+and class attributes that say what it needs (`needs_draft_model`, `uses_datastore`,
+`needs_datastore`, `several_chains`, `needs_features`): the loop
+and the command lines read those, never the drafter's name. Any rule that decides how
+much to draft looks at the drafter's side only (invariant 9).
+
+  model      the draft model samples K tokens (`draft_model`)
+  ngram      prompt lookup in the row's own context (`lookup`)
+  retrieval  a corpus's most frequent continuation (`lookup`, `datastore`)
+  hybrid     per row a full-suffix lookup, else the draft model (`hybrid`)
+
+A new drafter is one more class and one line in REGISTRY: a self-draft (the target's own
+int8/int4 copy, or its first N layers) is `model` over a derived LM; Medusa-style heads
+propose from the target's last hidden state (`needs_features`: `update` receives the
+scoring pass's hidden states, which the next `propose` reads from the state); EAGLE is
+an autoregressive drafter over those features, with its own cache in the state.
+"""
+from __future__ import annotations
+
+from specjax.config import SamplingConfig, UsageError
+from specjax.decode.drafters.base import SOURCES, Drafter, Proposal, Verdict, point_mass, select
+from specjax.decode.drafters.draft_model import ModelDrafter, model_proposal, refeed_window
+from specjax.decode.drafters.hybrid import HybridDrafter
+from specjax.decode.drafters.lookup import NgramDrafter, RetrievalDrafter, ngram_match
+
+REGISTRY: dict[str, type[Drafter]] = {cls.name: cls for cls in (ModelDrafter, NgramDrafter, RetrievalDrafter,
+                                                                 HybridDrafter)}
+
+__all__ = ["REGISTRY", "SOURCES", "Drafter", "HybridDrafter", "ModelDrafter", "NgramDrafter", "Proposal",
+           "RetrievalDrafter", "Verdict", "kind", "make", "model_proposal", "ngram_match", "point_mass",
+           "refeed_window", "select"]
+
+
+def kind(name: str) -> type[Drafter]:
+    """The drafter class SamplingConfig.drafter names (its needs as class attributes)."""
+    return REGISTRY[name]
+
+
+def using(attribute: str) -> list[str]:
+    """Names of the drafters whose class sets `attribute`, e.g. 'uses_datastore'."""
+    return [name for name, cls in REGISTRY.items() if getattr(cls, attribute)]
+
+
+def make(sampling: SamplingConfig, vocab: int, draft, datastore, mesh) -> Drafter | None:
+    """THE place a drafter is chosen: the one `sampling.drafter` names, for a run with
+    `draft` (an LM or None) and `datastore` (a `Datastore` or None) on `mesh`; None where
+    the run is plain autoregressive sampling (drafter 'model' without a draft model). A
+    draft model given to a drafter that needs none is not used."""
+    cls = kind(sampling.drafter)
+    if datastore is not None and not cls.uses_datastore:
+        raise UsageError(f"a datastore is used only by drafter={' or '.join(map(repr, using('uses_datastore')))} "
+                         f"(drafter={sampling.drafter!r})")
+    return cls.make(sampling, vocab, draft if cls.needs_draft_model else None, datastore, mesh)

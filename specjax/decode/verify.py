@@ -1,0 +1,146 @@
+"""Verification: which prefix of the proposal the target keeps, and the next token.
+
+Every rule has one signature, `rule(key, chains, q) -> (num_accepted [B], picks [B, K],
+next_token [B], empty [B])`: `chains` is the loop's `drafters.Proposal` (fields [B, M,
+...]), q [B, T, V] the target's warped distributions at the T = 1 + M*K scored nodes
+(`tree`'s layout: for one chain, the pending token then x_1..x_K), picks the chain kept at
+each depth (-1 past num_accepted), empty a row whose distribution for next_token had no
+mass (only when p or q was not one). Each keeps the output distributed exactly as q
+(Theorem 1; invariant 10: several candidates only by a published lossless rule):
+
+  tokenwise  the paper's modified rejection sampling (Algorithm 2), token by token;
+  block      block verification (Sun et al. 2025): the same outputs decided jointly,
+             never fewer accepted tokens in expectation (one chain);
+  tree       SpecInfer's multi-round rule over M chains (`tree.accept`).
+
+`select(name, num_drafts)` is the one place a rule is chosen: SamplingConfig.verify for
+one chain, the tree rule for several.
+"""
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+
+from specjax.decode import tree
+from specjax.decode.sampling import sample
+
+
+def acceptance_draws(key: jax.Array, shape) -> jax.Array:
+    """The U[0, 1) draws that decide acceptance (Algorithm 2's r; block verification's eta)."""
+    return jax.random.uniform(key, shape)
+
+
+def drafted_mask(x: jax.Array, length: jax.Array | None) -> jax.Array:
+    """[B, K] True at the proposed positions j < length (all K when length is None)."""
+    if length is None:
+        return jnp.ones(x.shape, bool)
+    return jnp.arange(x.shape[1])[None, :] < length[:, None]
+
+
+def resample(key: jax.Array, q: jax.Array, p: jax.Array, weight: jax.Array, n: jax.Array):
+    """The token after n accepted drafts: a sample from norm(max(0, weight * q_{n+1} - p_{n+1})),
+    with p = 0 past the proposed positions (so after a full accept it is the bonus q_{n+1}),
+    and q_{n+1} itself when that has no mass. q [B, K+1, V], p [B, K, V] (masked), n [B].
+    Returns (token [B], empty [B]: the distribution had no mass, only when q was not one)."""
+    p_ext = jnp.concatenate([p, jnp.zeros_like(p[:, :1])], axis=1)
+    q_n = jnp.take_along_axis(q, n[:, None, None], axis=1)[:, 0]
+    p_n = jnp.take_along_axis(p_ext, n[:, None, None], axis=1)[:, 0]
+    residual = jnp.maximum(weight[:, None] * q_n - p_n, 0.0)
+    mass = jnp.sum(residual, axis=-1, keepdims=True)
+    residual = jnp.where(mass > 0, residual / jnp.where(mass > 0, mass, 1.0), q_n)  # q - p <= 0 everywhere: use q
+    return sample(key, residual)
+
+
+def accept(key: jax.Array, x: jax.Array, p: jax.Array, q: jax.Array, length: jax.Array | None = None):
+    """Modified rejection sampling (Algorithm 2), token by token, vectorised over rows.
+
+    x [B,K] proposed tokens, p [B,K,V] their distributions, q [B,K+1,V] target probs,
+    length [B] proposed tokens per row (None: all K). Returns (num_accepted [B] in
+    0..length, next_token [B], empty [B]): the residual sample at the first rejection, or
+    the bonus sample from q_{length+1} when every proposed token was accepted; empty marks
+    a row whose distribution for it had no mass (only when p or q was not one)."""
+    batch, lookahead = x.shape
+    drafted = drafted_mask(x, length)
+    accept_key, resample_key = jax.random.split(key)
+    p_x = jnp.take_along_axis(p, x[..., None], axis=-1)[..., 0]
+    q_x = jnp.take_along_axis(q[:, :lookahead], x[..., None], axis=-1)[..., 0]
+    u = acceptance_draws(accept_key, (batch, lookahead))
+    accepted = (u * p_x < q_x) & drafted  # u < q/p without dividing; p_x > 0 as x was drawn from p
+    num_accepted = jnp.sum(jnp.cumprod(accepted, axis=1), axis=1).astype(jnp.int32)
+    p = jnp.where(drafted[..., None], p, 0.0)
+    return (num_accepted, *resample(resample_key, q, p, jnp.ones((batch,), q.dtype), num_accepted))
+
+
+def accept_block(key: jax.Array, x: jax.Array, p: jax.Array, q: jax.Array, length: jax.Array | None = None):
+    """Block verification (Sun et al., "Block Verification Accelerates Speculative
+    Decoding", ICLR 2025, arXiv 2403.10444, Algorithm 2): the proposed block is verified
+    jointly. Same signature and meaning as `accept`; exact like it, and never fewer
+    accepted tokens in expectation (optimal among verifiers that see only the block).
+
+    With weights w_0 = 1, w_i = min(1, w_{i-1} q_i(x_i) / p_i(x_i)) and, for i < L,
+    h_i = S_i / (S_i + 1 - w_i) where S_i = sum_x max(0, w_i q_{i+1}(x) - p_{i+1}(x)),
+    and h_L = w_L (L = the row's length): draw eta_i ~ U(0, 1) and keep x_1..x_tau for
+    the largest tau with eta_tau < h_tau (0 if none); the next token comes from
+    norm(max(0, w_tau q_{tau+1} - p_{tau+1})), the bonus q_{L+1} when tau = L.
+    (S_i = 0 gives h_i = 0: no residual mass there, so the block never stops there.)"""
+    batch, lookahead = x.shape
+    drafted = drafted_mask(x, length)
+    size = jnp.full((batch,), lookahead, jnp.int32) if length is None else length
+    accept_key, resample_key = jax.random.split(key)
+    p = jnp.where(drafted[..., None], p, 0.0)
+    p_x = jnp.take_along_axis(p, x[..., None], axis=-1)[..., 0]
+    q_x = jnp.take_along_axis(q[:, :lookahead], x[..., None], axis=-1)[..., 0]
+    ratio = jnp.where(drafted, q_x / jnp.where(drafted, p_x, 1.0), 0.0)  # p_x > 0: x was drawn from p
+    weights = [jnp.ones((batch,), q.dtype)]
+    for j in range(lookahead):
+        weights.append(jnp.minimum(1.0, weights[-1] * ratio[:, j]))
+    w = jnp.stack(weights, axis=1)  # [B, K+1]: w_0..w_K
+    mass = jnp.sum(jnp.maximum(w[:, :lookahead, None] * q[:, :lookahead] - p, 0.0), axis=-1)  # S_0..S_{K-1}
+    s_i, w_i = mass[:, 1:], w[:, 1:lookahead]  # i = 1..K-1
+    h = jnp.where(s_i > 0, s_i / jnp.where(s_i > 0, s_i + 1.0 - w_i, 1.0), 0.0)
+    i = jnp.arange(1, lookahead + 1)[None, :]
+    h = jnp.concatenate([h, jnp.zeros((batch, 1), h.dtype)], axis=1)  # [B, K]: h_1..h_K
+    h = jnp.where(i < size[:, None], h, jnp.where(i == size[:, None], w[:, 1:], 0.0))
+    eta = acceptance_draws(accept_key, (batch, lookahead))
+    tau = jnp.max(jnp.where(eta < h, i, 0), axis=1).astype(jnp.int32)
+    weight = jnp.take_along_axis(w, tau[:, None], axis=1)[:, 0]
+    return (tau, *resample(resample_key, q, p, weight, tau))
+
+
+# --------------------------------------------------------------------------- the rules
+
+
+def on_chain_zero(rule, key, chains, q):
+    """A rule over one chain x [B, K] (`accept`, `accept_block`) applied to the loop's only
+    chain (M = 1): the kept path is chain 0's first n tokens."""
+    n, token, empty = rule(key, chains.x[:, 0], chains.p[:, 0], q, chains.length[:, 0])
+    picks = jnp.where(jnp.arange(chains.x.shape[2])[None, :] < n[:, None], 0, -1)
+    return n, picks, token, empty
+
+
+# `accept` and `accept_block` are looked up when a loop is traced, so a test can swap a
+# deliberately wrong rule in (the negative controls).
+def tokenwise(key, chains, q):
+    return on_chain_zero(accept, key, chains, q)
+
+
+def block(key, chains, q):
+    return on_chain_zero(accept_block, key, chains, q)
+
+
+def several(key, chains, q):
+    """SpecInfer's multi-draft rule over the tree of M chains."""
+    return tree.accept(key, chains.x, chains.p, q, chains.length)
+
+
+RULES = {"tokenwise": tokenwise, "block": block, "tree": several}
+
+
+def chosen(name: str, num_drafts: int) -> str:
+    """The rule a loop of `num_drafts` chains verifies with: `name` (SamplingConfig.verify:
+    'tokenwise' or 'block') for one chain, 'tree' for several."""
+    return "tree" if num_drafts > 1 else name
+
+
+def select(name: str, num_drafts: int):
+    return RULES[chosen(name, num_drafts)]

@@ -1,0 +1,105 @@
+"""When each kernel runs, and its XLA FFI call.
+
+Decided at trace time from static facts only: the `Kernels` setting the program was traced
+with, the backend (CPU), the devices (one: multi-device meshes, fake CPU devices included,
+keep XLA's SPMD-partitioned ops), dtypes (float32) and the number of rows (at most
+MAX_ROWS: a decode step or a scoring pass), and whether the library could be built.
+Every kernel has the plain jnp computation as its fallback and as its gradient.
+"""
+from __future__ import annotations
+
+import functools
+import math
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from specjax.kernels.library import ATTENTION_TARGET, MATMUL_TARGET, NUCLEUS_TARGET, available
+from specjax.kernels.setting import Kernels
+
+MAX_ROWS = 8
+
+
+def single_device() -> bool:
+    mesh = jax.sharding.get_abstract_mesh()
+    return mesh.size == 1 if not mesh.empty else jax.device_count() == 1
+
+
+def runs(enabled: bool) -> bool:
+    """The conditions every kernel shares: enabled by the setting, the CPU backend, the
+    library built (last: the first call builds it)."""
+    return enabled and jax.default_backend() == "cpu" and available()
+
+
+# --------------------------------------------------------------------------- few-row matmul
+
+
+def use_matmul(x: jax.Array, dtype, setting: Kernels) -> bool:
+    """x [..., K] times a packed weight of `dtype`: float32 both, 1..MAX_ROWS rows."""
+    rows = math.prod(x.shape[:-1])
+    return (x.dtype == jnp.float32 and dtype == jnp.float32 and 1 <= rows <= MAX_ROWS and single_device()
+            and runs(setting.matmul))
+
+
+def panel_dot(x: jax.Array, panels: jax.Array, n: int) -> jax.Array:
+    """x [T, K] @ the packed matrix with `n` columns, by XLA (the kernel's gradient)."""
+    return jnp.einsum("TK,PKC->TPC", x, panels).reshape(x.shape[0], -1)[:, :n]
+
+
+@functools.partial(jax.custom_jvp, nondiff_argnums=(2,))
+def fewrow_matmul(x: jax.Array, panels: jax.Array, n: int) -> jax.Array:
+    """x [T, K] @ the packed matrix with `n` columns, float32, by `fewrow_matmul.cc` (call
+    only where `available()`)."""
+    out = jax.ShapeDtypeStruct((x.shape[0], n), jnp.float32)
+    return jax.ffi.ffi_call(MATMUL_TARGET, out, vmap_method="sequential")(x, panels)
+
+
+@fewrow_matmul.defjvp
+def _fewrow_matmul_jvp(n, primals, tangents):  # so that a gradient through a small batch still works
+    (x, panels), (dx, dpanels) = primals, tangents
+    return fewrow_matmul(x, panels, n), panel_dot(dx, panels, n) + panel_dot(x, dpanels, n)
+
+
+# --------------------------------------------------------------------------- attention
+
+
+def use_attention(q: jax.Array, k_all: jax.Array, setting: Kernels) -> bool:
+    """q [B, T, N, H] against caches [L, B, G, S, H]: float32, B*T <= MAX_ROWS."""
+    B, T = q.shape[:2]
+    return (q.dtype == k_all.dtype == jnp.float32 and 1 <= B * T <= MAX_ROWS and single_device()
+            and runs(setting.attention))
+
+
+def attention(q, k, v, k_all, v_all, layer, limit, visible, scale: float, reference):
+    """`cached_attention.cc`: softmax(q . key * scale) over [layer `layer` of the caches
+    below limit[b]; this pass's keys k [B, T, G, H] where visible[t, u]], times the values;
+    q [B, T, N, H] -> [B, T, N, H] float32, as `reference(q, k, v, k_all, v_all)` (the jnp
+    path, also used for gradients) computes it. Call only where `use_attention`."""
+
+    @jax.custom_jvp
+    def run(q, k, v, k_all, v_all):
+        call = jax.ffi.ffi_call(ATTENTION_TARGET, jax.ShapeDtypeStruct(q.shape, jnp.float32), vmap_method="sequential")
+        return call(q, k_all, v_all, jnp.asarray(layer, jnp.int32), k, v, jnp.asarray(visible, bool),
+                    limit.astype(jnp.int32), scale=np.float32(scale))
+
+    @run.defjvp
+    def _(primals, tangents):
+        return run(*primals), jax.jvp(reference, primals, tangents)[1]
+
+    return run(q, k, v, k_all, v_all)
+
+
+# --------------------------------------------------------------------------- nucleus
+
+
+def use_nucleus(probs: jax.Array, setting: Kernels) -> bool:
+    return probs.dtype == jnp.float32 and single_device() and runs(setting.nucleus)
+
+
+def nucleus(probs: jax.Array, top_p: float) -> jax.Array:
+    """`sampling.nucleus(probs, top_p)` by `nucleus.cc` (call only where `use_nucleus`):
+    the same rule; its masked sums add in another order than XLA's, so a row whose mass
+    at the threshold is within float32 rounding of top_p may be cut one value apart."""
+    call = jax.ffi.ffi_call(NUCLEUS_TARGET, jax.ShapeDtypeStruct(probs.shape, jnp.float32), vmap_method="sequential")
+    return call(probs, top_p=np.float32(top_p))

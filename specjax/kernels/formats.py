@@ -1,0 +1,212 @@
+"""Weights as the model multiplies by them: `project(spec, x, w, setting)` is x @ W.
+
+A weight is a plain array (training, multi-device meshes, any dtype) or a *format*: a
+pytree class that holds its own storage and implements
+
+    project(spec, x, setting, **kwargs) -> jnp.einsum(spec, x, <the weight>, **kwargs)
+    reshape(k, -1)                     -> the same weight with its contracted axes merged
+    astype(dtype), dtype, shape, T     -> as an array's (T where the format holds a transpose)
+    plain                              -> the array as stored (`stored`: an embedding lookup)
+
+so the model asks for "x @ W" in one place and the weight's format picks the kernel. A
+new format (int8 per output channel; int4 in groups along the input with a scale and a
+minimum, onto which GGUF's Q8_0/Q4_0/Q4_1 map) is one more such class with its own
+kernel and its own packing function, used by `pack_params` in the same way.
+
+`Packed` is the float32 format of the CPU few-row kernel: `LM.packed()` packs a model's
+projections once, for decoding, where `should_pack` says that the kernel runs and the
+copy fits in memory.
+"""
+from __future__ import annotations
+
+import dataclasses
+import logging
+import math
+import pathlib
+
+import jax
+import jax.numpy as jnp
+
+from specjax.kernels import dispatch
+from specjax.kernels.setting import Kernels
+
+PANEL = 64  # columns per packed panel (fewrow_matmul.cc's kPanel)
+
+log = logging.getLogger(__name__)
+
+
+@jax.tree_util.register_pytree_node_class
+@dataclasses.dataclass(frozen=True)
+class Packed:
+    """A weight w [*lead, *contracted, *out] as it is (`plain`, for XLA's dots over many
+    rows: a prefill) and packed for the few-row kernel: `panels` [*lead, P, K, PANEL]
+    holds columns PANEL*p .. PANEL*p + PANEL - 1 of the matrix w.reshape(*lead, K, N)
+    (zeros past N), each panel one contiguous run that the kernel streams once. `out` are
+    w's trailing axes (N = their product). A pytree whose leaves are the two arrays, so it
+    rides inside a model's params (a scan over stacked layers slices their leading axis).
+
+    `transposed`: the weight multiplied by is plain's transpose (a tied embedding table,
+    stored [V, D] for the lookup, multiplied by as [D, V]); the panels are the transpose's."""
+
+    plain: jax.Array
+    panels: jax.Array
+    out: tuple[int, ...]
+    transposed: bool = False
+
+    def tree_flatten(self):
+        return (self.plain, self.panels), (self.out, self.transposed)
+
+    @classmethod
+    def tree_unflatten(cls, aux, children):
+        return cls(*children, *aux)
+
+    @property
+    def dtype(self):
+        return self.panels.dtype
+
+    @property
+    def shape(self):
+        """The shape of the weight as multiplied by (a transposed table's [D, V])."""
+        return self.matrix.shape
+
+    @property
+    def n(self) -> int:
+        return math.prod(self.out)
+
+    @property
+    def matrix(self) -> jax.Array:
+        """The weight as multiplied by, unpacked (a transpose is a view XLA folds into its dot)."""
+        return jnp.swapaxes(self.plain, -1, -2) if self.transposed else self.plain
+
+    def astype(self, dtype) -> "Packed":
+        if self.dtype == dtype:
+            return self
+        return Packed(self.plain.astype(dtype), self.panels.astype(dtype), self.out, self.transposed)
+
+    def reshape(self, k: int, n: int = -1) -> "Packed":
+        """The weight with its contracted axes merged into one of size k (as the panels are)."""
+        if self.panels.shape[-2] != k or n not in (-1, self.n) or self.transposed:
+            raise ValueError(f"packed weight contracts {self.panels.shape[-2]} inputs into {self.n}, not {k}")
+        return Packed(self.plain.reshape(k, self.n), self.panels, (self.n,))
+
+    @property
+    def T(self) -> "Packed":
+        """The transpose as a weight to multiply by: a table packed `transposed` already is
+        (its panels are plain.T's), as `w.T` is for a plain matrix."""
+        if not self.transposed:
+            raise ValueError("only a weight packed transposed can be multiplied by as its transpose")
+        return self
+
+    def project(self, spec: str, x: jax.Array, setting: Kernels, **kwargs) -> jax.Array:
+        """The kernel where it applies (float32, few rows, one CPU device), else jnp.einsum
+        over the plain array, exactly as unpacked."""
+        if (not dispatch.use_matmul(x, self.dtype, setting)
+                or kwargs.get("preferred_element_type", jnp.float32) != jnp.float32):
+            return jnp.einsum(spec, x, self.matrix, **kwargs)
+        y = dispatch.fewrow_matmul(x.reshape(-1, x.shape[-1]), self.panels, self.n)  # free reshapes: row-major
+        return y.reshape(*x.shape[:-1], *self.out)
+
+
+def project(spec: str, x: jax.Array, w, setting: Kernels, dtype=None, **kwargs) -> jax.Array:
+    """x @ W as `jnp.einsum(spec, x, w, **kwargs)`, `spec` contracting x's last axis with
+    w's leading ones, w first cast to `dtype` (the compute dtype) when given. A plain
+    array is multiplied by XLA; a format (`Packed`, ...) picks its kernel under `setting`."""
+    if dtype is not None:
+        w = w.astype(dtype)
+    if not hasattr(w, "project"):  # a plain array (a traced one too)
+        return jnp.einsum(spec, x, w, **kwargs)
+    return w.project(spec, x, setting, **kwargs)
+
+
+def pack(w: jax.Array, contracted: int, lead: int = 0, *, transposed: bool = False) -> Packed:
+    """w [*lead, *contracted, *out] -> Packed (w itself, and a copy of it in panels). With
+    `transposed`, w is [*lead, N, K] and what is packed is its transpose [*lead, K, N]
+    (`contracted` must then be 1)."""
+    if transposed:
+        if contracted != 1 or w.ndim != lead + 2:
+            raise ValueError(f"a transposed weight is [*lead, N, K]: got {w.shape} with lead={lead}")
+        packed = pack(jnp.swapaxes(w, -1, -2), 1, lead)
+        return Packed(w, packed.panels, packed.out, True)
+    shape = w.shape
+    K, out = math.prod(shape[lead:lead + contracted]), tuple(shape[lead + contracted:])
+    N = math.prod(out)
+    P = -(-N // PANEL)
+    m = jnp.pad(w.reshape(*shape[:lead], K, N), [(0, 0)] * (lead + 1) + [(0, P * PANEL - N)])
+    return Packed(w, jnp.moveaxis(m.reshape(*shape[:lead], K, P, PANEL), -2, -3), out)
+
+
+def stored(w) -> jax.Array:
+    """The array as stored: a format's plain array (a tied table's [V, D] rows for the
+    embedding lookup), a plain one itself."""
+    return w.plain if isinstance(w, Packed) else w
+
+
+def memory_available() -> int | None:
+    """Free memory in bytes (MemAvailable), None where unknown."""
+    try:
+        for line in pathlib.Path("/proc/meminfo").read_text().splitlines():
+            if line.startswith("MemAvailable:"):
+                return int(line.split()[1]) * 1024
+    except (OSError, ValueError, IndexError):
+        pass
+    return None
+
+
+def should_pack(params, dtypes: tuple[str, str], setting: Kernels, *, new_copy: bool = True) -> bool:
+    """Whether a model's decoding pays for a packed copy of its projections: the kernel would
+    run (CPU backend, params on one device, float32 params and compute, enabled in
+    `setting` and built), and, for a `new_copy`, the copy (as large as the weights) fits
+    in half the free memory."""
+    leaves = jax.tree.leaves(params)
+    one_device = lambda x: getattr(x, "sharding", None) is not None and len(x.sharding.device_set) == 1
+    if not (dtypes == ("float32", "float32") and leaves and all(one_device(x) for x in leaves)
+            and dispatch.runs(setting.matmul)):
+        return False
+    if not new_copy or not all(isinstance(x, jax.Array) for x in leaves):  # abstract (`plan`): nothing allocated
+        return True
+    size, free = sum(x.nbytes for x in leaves), memory_available()
+    if free is not None and size > free // 2:
+        log.info("specjax: not packing %d MB of weights for the CPU kernel (%d MB free)", size >> 20, free >> 20)
+        return False
+    return True
+
+
+def pack_params(params, contracted: dict[str, tuple[int, int]], transposed: tuple[str, ...] = ()):
+    """params with every weight named in `contracted` (name -> (contracted axes, axes of
+    one layer's weight); more axes are stacked layers) replaced by its Packed copy, the
+    panels made by one jitted program on the params' device (or, for abstract params,
+    their shapes). Names in `transposed` are [N, K] weights multiplied by as their
+    transpose (`pack`). The Packed weights hold the params' own arrays as `plain`: only
+    the panels are new (a jitted program returning the arrays too would copy them)."""
+    is_packed = lambda x: isinstance(x, Packed)  # noqa: E731
+
+    def recipe(path, w) -> dict | None:
+        names = [k.key for k in path if isinstance(k, jax.tree_util.DictKey) and isinstance(k.key, str)]
+        if is_packed(w) or not names or names[-1] not in contracted:
+            return None
+        axes, ndim = contracted[names[-1]]
+        return dict(contracted=axes, lead=len(w.shape) - ndim, transposed=names[-1] in transposed)
+
+    def panels(p):
+        return {jax.tree_util.keystr(path): pack(w, **r).panels
+                for path, w in jax.tree_util.tree_leaves_with_path(p, is_leaf=is_packed)
+                if (r := recipe(path, w)) is not None}
+
+    leaves = jax.tree.leaves(params)
+    if all(isinstance(x, jax.Array) for x in leaves):
+        made = jax.jit(panels)(params)
+    else:  # abstract params (what `plan` compiles): the shapes, on the params' one-device mesh
+        first = leaves[0].sharding
+        where = (jax.sharding.NamedSharding(first.mesh, jax.sharding.PartitionSpec())
+                 if isinstance(first, jax.sharding.NamedSharding) else first)
+        made = jax.tree.map(lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=where),
+                            jax.eval_shape(panels, params))
+
+    def one(path, w):
+        r = recipe(path, w)
+        if r is None:
+            return w
+        layout = jax.eval_shape(lambda w: pack(w, **r), jax.ShapeDtypeStruct(w.shape, w.dtype))
+        return Packed(w, made[jax.tree_util.keystr(path)], layout.out, layout.transposed)
+
+    return jax.tree_util.tree_map_with_path(one, params, is_leaf=is_packed)
