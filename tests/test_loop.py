@@ -201,6 +201,26 @@ def test_rows_stop_at_end_of_sequence_and_budget(pairs, mode):
     assert short == [row[:7] for row in free]
 
 
+@pytest.mark.parametrize("mode", ["ars", "sps"])
+def test_the_token_budget_is_an_argument_of_the_compiled_program(pairs, mode):
+    """`Program.run` warms a compiled program up with a budget of one token (the last
+    argument) instead of a whole second generation. The same compiled program, called with
+    budgets 1 and 7, emits each row's first 1 and 7 tokens of its full 40-token run. Fails
+    where the budget is a static setting (the call has one argument too many)."""
+    from specjax import distributed, sharding
+    target, draft = pairs["1x1"]
+    greedy = SamplingConfig(temperature=0, lookahead=3, max_new_tokens=40)
+    prog = program.build(target, draft if mode == "sps" else None, RAGGED, greedy, seed=0)
+    free = specjax.generate(target, draft if mode == "sps" else None, RAGGED, greedy).tokens
+    compiled = prog.compile()
+    for budget in (1, 7):
+        with jax.set_mesh(prog.mesh):
+            tokens, length, _ = distributed.fetch(compiled(
+                *prog.args[:-1], distributed.put(np.array([budget], np.int32), sharding.replicated(prog.mesh))))
+        got = [tokens[i, n:length[i]].tolist() for i, n in enumerate(prog.prompt_lens)]
+        assert got == [row[:budget] for row in free]
+
+
 def test_nan_logits_raise_a_clear_error(pairs):
     target, draft = pairs["1x1"]
     broken = jax.tree.map(lambda x: x, target.params)

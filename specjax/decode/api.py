@@ -111,7 +111,7 @@ class LoopTrace:
 
 
 @functools.partial(jax.jit, static_argnames=program_lib.SPS_STATICS)
-def explain_program(target, drafter, prompts, prompt_lens, seed, *, settings, max_new, eos_id, size):
+def explain_program(target, drafter, prompts, prompt_lens, seed, max_new, *, settings, eos_id, size):
     del max_new, eos_id  # one loop: no stopping rule
     state = speculative.start(target, drafter, prompts, prompt_lens, program_lib.seed_key(seed), settings, size)
     _, sp = speculative.speculate(target, drafter, state, settings)

@@ -26,7 +26,7 @@ class ArsState:
 
 
 def autoregressive_generate(target: LM, prompts: jax.Array, prompt_lens: jax.Array, key: jax.Array,
-                            *, warping: Warp, max_new: int, eos_id: int, size: int):
+                            *, warping: Warp, max_new: jax.Array, eos_id: int, size: int):
     """Algorithm 1 as one `lax.while_loop` of single decode steps (the speed and
     distribution reference). Returns (tokens [B, size], length [B], Stats)."""
     batch = prompts.shape[0]

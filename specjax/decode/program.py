@@ -59,21 +59,26 @@ def seed_key(seed: jax.Array) -> jax.Array:
     return jax.random.wrap_key_data(data)
 
 
-SPS_STATICS = ("settings", "max_new", "eos_id", "size")
+SPS_STATICS = ("settings", "eos_id", "size")
+
+# The token budget (max_new_tokens) is a traced argument ([1] int32), the last of every program's, so
+# that `Program.run` can warm a compiled program up with a budget of one token (a prefill
+# and one loop) instead of a whole generation. (The budget still sets the cache size, a
+# static: a larger budget is another program.)
 
 
 @functools.partial(jax.jit, static_argnames=SPS_STATICS)
-def sps_program(target, drafter, prompts, prompt_lens, seed, *, settings, max_new, eos_id, size):
+def sps_program(target, drafter, prompts, prompt_lens, seed, max_new, *, settings, eos_id, size):
     """`drafter` (a pytree: a draft model's params, a datastore's index) carries its own
     static settings; `settings` are the loop's."""
     return speculative_generate(target, drafter, prompts, prompt_lens, seed_key(seed), settings=settings,
-                                max_new=max_new, eos_id=eos_id, size=size)
+                                max_new=max_new[0], eos_id=eos_id, size=size)
 
 
-@functools.partial(jax.jit, static_argnames=("warping", "max_new", "eos_id", "size"))
-def ars_program(target, prompts, prompt_lens, seed, *, warping, max_new, eos_id, size):
+@functools.partial(jax.jit, static_argnames=("warping", "eos_id", "size"))
+def ars_program(target, prompts, prompt_lens, seed, max_new, *, warping, eos_id, size):
     return autoregressive_generate(target, prompts, prompt_lens, seed_key(seed), warping=warping,
-                                   max_new=max_new, eos_id=eos_id, size=size)
+                                   max_new=max_new[0], eos_id=eos_id, size=size)
 
 
 # --------------------------------------------------------------------------- input checks
@@ -215,7 +220,9 @@ class Program:
         compiles it for minutes), so all wait at a barrier first; otherwise this host's
         first collective would wait for the slowest one inside the timed region. The first
         run of a compiled program is an untimed warm-up (loading the executable onto the
-        devices, first allocations), so ms/token is the steady state on every process."""
+        devices, first allocations), so ms/token is the steady state on every process; it
+        runs the same program with a budget of one token, so it costs a prefill and one
+        loop, not a second generation."""
         start = time.perf_counter()
         compiled = self.compile()
         compile_seconds = time.perf_counter() - start
@@ -224,7 +231,8 @@ class Program:
         with jax.set_mesh(self.mesh):
             with jax.transfer_guard("disallow"):
                 if key not in _WARMED:
-                    jax.block_until_ready(compiled(*self.args))
+                    one = distributed.put(np.ones(1, np.int32), sharding.replicated(self.mesh))
+                    jax.block_until_ready(compiled(*self.args[:-1], one))
                     _WARMED.add(key)
                 start = time.perf_counter()
                 out = compiled(*self.args)
@@ -304,10 +312,10 @@ def build(target: LM, draft: LM | None, prompts, sampling: SamplingConfig, seed:
     words = np.array([seed & 0xFFFFFFFF, seed >> 32], np.uint32)
     args = (distributed.put(padded, sharding.named(mesh, ("batch", None), padded.shape)),
             distributed.put(lens, sharding.named(mesh, ("batch",), lens.shape)),
-            distributed.put(words, sharding.replicated(mesh)))
+            distributed.put(words, sharding.replicated(mesh)),
+            distributed.put(np.array([sampling.max_new_tokens], np.int32), sharding.replicated(mesh)))
     warping = warping_of(sampling, target.kernels)
-    statics = dict(max_new=sampling.max_new_tokens, eos_id=-1 if sampling.eos_id is None else sampling.eos_id,
-                   size=size)  # None: no stop ids here
+    statics = dict(eos_id=-1 if sampling.eos_id is None else sampling.eos_id, size=size)  # None: no stop ids here
     if drafter is not None:
         settings = Settings(lookahead, warping, sampling.verify, sampling.num_drafts)
         fn, args, mode, statics = sps_program, (target, drafter) + args, "sps", dict(statics, settings=settings)

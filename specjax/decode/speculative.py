@@ -119,7 +119,7 @@ def speculate(target: LM, drafter: Drafter, s: SpsState, settings: Settings):
 
 
 def speculative_generate(target: LM, drafter: Drafter, prompts: jax.Array, prompt_lens: jax.Array,
-                         key: jax.Array, *, settings: Settings, max_new: int, eos_id: int, size: int):
+                         key: jax.Array, *, settings: Settings, max_new: jax.Array, eos_id: int, size: int):
     """Algorithm 2 as one `lax.while_loop`. Returns (tokens [B, size], length [B], Stats)."""
     K = settings.lookahead
     state = start(target, drafter, prompts, prompt_lens, key, settings, size)

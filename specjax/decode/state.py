@@ -44,9 +44,10 @@ def write_rows(buf: jax.Array, start: jax.Array, values: jax.Array, count: jax.A
     return buf.at[jnp.arange(batch)[:, None], cols].set(values, mode="drop")
 
 
-def stop_after(new_tokens: jax.Array, count: jax.Array, num_new: jax.Array, max_new: int,
+def stop_after(new_tokens: jax.Array, count: jax.Array, num_new: jax.Array, max_new: jax.Array | int,
                eos_id: int | tuple[int, ...]):
-    """Clip each row's `count` new tokens at the token budget and just after end-of-sequence
+    """Clip each row's `count` new tokens at the token budget `max_new` (a traced scalar:
+    one compiled program serves every budget) and just after end-of-sequence
     (`eos_id`: one id, -1 for none, or a tuple of ids any of which ends a row).
     Returns (emitted count, row finished)."""
     count = jnp.minimum(count, max_new - num_new)
