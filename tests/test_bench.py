@@ -43,6 +43,10 @@ def test_bench_writes_json_and_png(tmp_path):
     (["--drafter=retrieval"], "--drafter=retrieval needs --datastore=PATH"),
     (["--num_drafts=0,2"], "--num_drafts='0,2'"),
     (["--drafter=ngram", "--num_drafts=2"], "leave nothing to compare"),
+    (["--self_draft=layers:1,layers:2"], "--self_draft='layers:2': layers:N needs N in 1..1"),
+    (["--self_draft=layers:1,,layers:1"], "expected comma-separated self-drafts"),
+    (["--self_draft=int4"], "int4 self-drafts need int4 weights, which are not built yet"),
+    (["--self_draft=layers:1", "--hf_draft=/tmp"], "--self_draft='layers:1' and --hf_draft both name the draft"),
 ])
 def test_bench_rejects_bad_input_before_any_work(args, fragment):
     proc = subprocess.run([sys.executable, "-m", "specjax.bench", "--config=tiny", "--init=random", *args],

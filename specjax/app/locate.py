@@ -99,22 +99,28 @@ def with_hf_models(config: Config, hf_target: Optional[str], hf_draft: Optional[
                                tokenizer_vocab=0, target_from="", draft_from="").validate()
 
 
-def with_self_draft(config: Config, text: Optional[str], *, hf_draft: Optional[str] = None,
-                    gguf_draft: Optional[str] = None, draft_checkpoint: Optional[str] = None):
-    """(config, Spec or None): with --self_draft, `config`'s draft is the target's first N
-    layers (`weights.self_draft`), made from the target at load time; a flag that names
-    other draft weights next to it fails here. `config.target` is final (after
-    `with_hf_models`)."""
+def self_draft_spec(text: Optional[str], *, hf_draft: Optional[str] = None, gguf_draft: Optional[str] = None,
+                    draft_checkpoint: Optional[str] = None):
+    """--self_draft's Spec (None when not given), checked before any other weight flag: a
+    flag that names other draft weights next to it fails here."""
     if text is None:
-        return config, None
+        return None
     from specjax.weights import self_draft
     for flag, value in (("--hf_draft", hf_draft), ("--gguf_draft", gguf_draft),
                         ("--draft_checkpoint", draft_checkpoint)):
         if value is not None:
             raise UsageError(f"--self_draft={text!r} and {flag} both name the draft: pick one of them")
-    spec = self_draft.parse(text)
-    return dataclasses.replace(config, draft=self_draft.draft_config(config.target, spec), draft_from="").validate(), \
-        spec
+    return self_draft.parse(text)
+
+
+def with_self_draft(config: Config, spec) -> Config:
+    """`config` whose draft is the self-draft `spec` (a `weights.self_draft.Spec`, made from
+    the target at load time; None: `config` itself). `config.target` is final (after
+    `with_hf_models`): N is checked against its layers."""
+    if spec is None:
+        return config
+    from specjax.weights import self_draft
+    return dataclasses.replace(config, draft=self_draft.draft_config(config.target, spec), draft_from="").validate()
 
 
 @dataclasses.dataclass

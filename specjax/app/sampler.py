@@ -9,7 +9,7 @@ from typing import Optional, Sequence
 
 from specjax import distributed, sharding
 from specjax.app import cli, prompts as prompts_lib
-from specjax.app.locate import Weights, imported, with_hf_models, with_self_draft
+from specjax.app.locate import Weights, imported, self_draft_spec, with_hf_models, with_self_draft
 from specjax.app.output import JsonlWriter, check_writable
 from specjax.app.report import Report
 from specjax.config import SEED_LIMIT, Config, MeshConfig, SamplingConfig, UsageError
@@ -134,14 +134,14 @@ def gather_and_check(req: Request):
 
 def run(req: Request) -> None:
     distributed.maybe_initialize()
+    spec = self_draft_spec(req.self_draft, hf_draft=req.hf_draft, gguf_draft=req.gguf_draft,
+                           draft_checkpoint=req.draft_checkpoint)
     # Every process reads the Hugging Face directories itself (each loads its own slices
     # of the weights), so every process checks them, and all stop if one cannot.
     req = dataclasses.replace(req, config=distributed.everywhere(lambda: with_hf_models(
         req.config, req.hf_target, req.hf_draft, init=req.init, checkpoint=req.checkpoint,
         draft_checkpoint=req.draft_checkpoint, gguf_target=req.gguf_target, gguf_draft=req.gguf_draft)))
-    config, spec = with_self_draft(req.config, req.self_draft, hf_draft=req.hf_draft, gguf_draft=req.gguf_draft,
-                                   draft_checkpoint=req.draft_checkpoint)
-    req = dataclasses.replace(req, config=config)
+    req = dataclasses.replace(req, config=with_self_draft(req.config, spec))
     check(req)
     cli.use_compilation_cache()
     # Host inputs are read by process 0 and shared: one answer (or one error) everywhere.

@@ -67,12 +67,12 @@ def parse(text: str, name: str = "--self_draft") -> Spec:
     return Spec(layers, text)
 
 
-def parse_list(text: str, name: str = "--self_draft") -> list[Spec]:
-    """'layers:1,layers:2' -> [Spec, Spec] (a sweep), each parsed as `parse`."""
+def split_list(text: str, name: str = "--self_draft") -> list[str]:
+    """'layers:1,layers:2' -> ['layers:1', 'layers:2'] (a sweep; each then `parse`d)."""
     items = [t.strip() for t in text.split(",")]
     if not all(items):
         raise UsageError(f"{name}={text!r}: expected comma-separated self-drafts, e.g. layers:1,layers:2")
-    return [parse(t, name) for t in items]
+    return items
 
 
 def draft_config(target_cfg, spec: Spec | str):
