@@ -18,7 +18,7 @@ from specjax.sharding import make_mesh
 
 __all__ = ["Config", "LM", "LoopTrace", "ModelConfig", "NonFiniteLogitsError", "Result", "SamplingConfig",
            "Totals", "UsageError", "explain_loop", "generate", "init_lm", "load_config", "load_gguf", "load_hf", "load_lm",
-           "make_mesh", "next_token_probs"]
+           "make_mesh", "next_token_probs", "self_draft"]
 
 
 def load_lm(*args, **kwargs):
@@ -39,3 +39,10 @@ def load_gguf(*args, **kwargs):
     sharded on the mesh, tokenizer or None)."""
     from specjax.weights.gguf import load
     return load(*args, **kwargs)
+
+
+def self_draft(target, spec: str):
+    """`specjax.weights.self_draft.self_draft(target, "layers:N")`: a draft LM made of the
+    target's own arrays (its first N layers, embedding, final norm and unembedding)."""
+    from specjax.weights.self_draft import self_draft as make
+    return make(target, spec)

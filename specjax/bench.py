@@ -12,6 +12,7 @@ SpS variants are compared side by side, each at every K (one Figure-1 line each)
     python -m specjax.bench --verify=tokenwise,block --lookahead=2,4,6,8
     python -m specjax.bench --draft_confidence=0,0.2,0.4,0.6 --lookahead=8
     python -m specjax.bench --drafter=model,ngram,retrieval,hybrid --datastore=stdlib.npz --prompts=rewrite
+    python -m specjax.bench --self_draft=layers:1,layers:2 --lookahead=2,3,4   # the target's own first layers
 """
 from __future__ import annotations
 
@@ -25,10 +26,11 @@ from absl import flags
 from specjax import sharding
 from specjax.analysis import timing
 from specjax.app import cli, output, prompts as prompts_lib
-from specjax.app.locate import Weights, imported, with_hf_models
+from specjax.app.locate import Weights, imported, self_draft_spec, with_hf_models, with_self_draft
 from specjax.config import DRAFTERS, VERIFY_RULES, UsageError
 from specjax.decode import drafters
 from specjax.decode.datastore import Datastore, file_sha256
+from specjax.weights import self_draft
 
 FLAGS = flags.FLAGS
 
@@ -45,6 +47,9 @@ def define_flags() -> None:
     flags.DEFINE_string("hf_draft", None, "Hugging Face model directory holding the draft.")
     flags.DEFINE_string("gguf_target", None, "GGUF file holding the target (with --gguf_draft or --hf_draft).")
     flags.DEFINE_string("gguf_draft", None, "GGUF file holding the draft.")
+    flags.DEFINE_string("self_draft", None, "Comma-separated self-drafts to compare, each the target's own first N "
+                        "layers (layers:N, as sample's --self_draft), e.g. layers:1,layers:2; instead of the "
+                        "config's draft, --hf_draft or --gguf_draft.")
     flags.DEFINE_string("json", None, "Write the results here.")
     flags.DEFINE_string("plot", None, "Write the Figure-1 panels (PNG) here.")
     flags.DEFINE_integer("seed", 0, "Sampling seed.")
@@ -74,11 +79,16 @@ def main(argv):
     output.check_writable(FLAGS.json, "--json")
     output.check_writable(FLAGS.plot, "--plot")
     raw_prompts = prompts_lib.gather(prompts_file=FLAGS.prompts_file) if FLAGS.prompts_file else None
+    specs = [] if FLAGS.self_draft is None else [  # each as sample's --self_draft, before the other weight flags
+        self_draft_spec(text, hf_draft=FLAGS.hf_draft, gguf_draft=FLAGS.gguf_draft)
+        for text in self_draft.split_list(FLAGS.self_draft)]
     sources = dict(hf_target=FLAGS.hf_target, hf_draft=FLAGS.hf_draft, gguf_target=FLAGS.gguf_target,
                    gguf_draft=FLAGS.gguf_draft)
     target, draft = imported(**sources)
     config = with_hf_models(cli.config(), FLAGS.hf_target, FLAGS.hf_draft, init=FLAGS.init, checkpoint=None,
                             draft_checkpoint=None, gguf_target=FLAGS.gguf_target, gguf_draft=FLAGS.gguf_draft)
+    for spec in specs:  # each checked against the target's layers
+        config = with_self_draft(config, spec)
     base = config.sampling if FLAGS.ngram is None else dataclasses.replace(config.sampling, ngram=FLAGS.ngram)
     variants = timing.variants(  # validated at the largest K measured
         dataclasses.replace(base, lookahead=max(ks + [base.lookahead])),
@@ -87,9 +97,10 @@ def main(argv):
         cli.unit_interval_list("draft_confidence", FLAGS.draft_confidence, base.draft_confidence),
         [base.num_drafts] if FLAGS.num_drafts is None else cli.int_list("num_drafts", FLAGS.num_drafts))
     need_draft = any(drafters.kind(v["drafter"]).needs_draft_model for v in variants)
-    if target is not None and need_draft and draft is None:
+    if target is not None and need_draft and draft is None and not specs:
         raise UsageError("--drafter=model|hybrid needs a draft: pass --hf_draft=DIR or --gguf_draft=FILE (a model "
-                         "with the target's tokenizer), or compare --drafter=ngram (no draft model)")
+                         "with the target's tokenizer), --self_draft=layers:N, or compare --drafter=ngram (no draft "
+                         "model)")
     if need_draft and config.draft is None:
         raise UsageError(f"--config={FLAGS.config}: has no draft model, which --drafter=model|hybrid needs")
     needs_store = [v["drafter"] for v in variants if drafters.kind(v["drafter"]).needs_datastore]
@@ -106,7 +117,7 @@ def main(argv):
     if store is not None:
         store.check(config.target.vocab_size, f"--datastore={FLAGS.datastore}")
     weights = Weights.locate(config, FLAGS.init, None, None, need_draft=need_draft, train_missing=False,
-                             **sources)
+                             **sources, self_draft=specs[0] if specs else None)
     tokenizer = weights.tokenizer()
     if store is not None:
         store.check_tokenizer(file_sha256(tokenizer.path) if tokenizer else None, f"--datastore={FLAGS.datastore}")
@@ -120,7 +131,10 @@ def main(argv):
                       config.target.vocab_size, min(m.max_seq_len for m in models.values()), max_new)
     mesh = sharding.make_checked_mesh(config.mesh, models)
     target, draft = weights.load(mesh, need_draft=need_draft)
+    if specs and need_draft:  # every self-draft made of the one target's arrays
+        draft = {spec.text: self_draft.self_draft(target, spec) for spec in specs}
     report = {"config": config.name, **{k: v for k, v in sources.items() if v is not None},
+              **({"self_draft": [s.text for s in specs]} if specs else {}),
               "machine": f"{jax.device_count()}x {jax.devices()[0].device_kind}",
               "init": FLAGS.init,
               "prompts": FLAGS.prompts_file or (FLAGS.prompts if tokenizer is not None else "random ids"),

@@ -327,7 +327,10 @@ class Transformer(nnx.Module):
             return None
         ct = jnp.dtype(cfg.compute_dtype)
         if cfg.scan_layers:  # one layer at a time: no [L, ...] float32 temporaries
-            table = jax.lax.map(lambda wr: position_table(wr, size, ct), self.layers.attn.wr.value)
+            # A self-draft's stack holds more layers than it runs: the table (made once per
+            # prefill) is of its own layers only.
+            wr = self.layers.attn.wr.value[:cfg.num_layers]
+            table = jax.lax.map(lambda wr: position_table(wr, size, ct), wr)
         else:
             table = jnp.stack([position_table(block.attn.wr.value, size, ct) for block in self.layers])
         return sharding.constrain(table, kv_cache.TABLE_AXES)
@@ -362,10 +365,18 @@ class Transformer(nnx.Module):
 
             def body(carry, layer_params):
                 x, i = carry
+                if layer_params is None:  # the first num_layers of a longer stack (a self-draft)
+                    layer_params = jax.tree.map(lambda a: a[i], stacked)
                 x, k, v = nnx.merge(graphdef, layer_params)(x, *args, i, limit, visible, kernels)
                 return (x, i + 1), (k, v)
 
-            (x, _), (k, v) = jax.lax.scan(body, (x, 0), stacked)
+            if stacked_layers(stacked) == cfg.num_layers:
+                (x, _), (k, v) = jax.lax.scan(body, (x, 0), stacked)
+            else:
+                # A model made of the first layers of another's stacked params
+                # (`weights.self_draft`) indexes the stack in the loop, as scan over xs
+                # does, rather than slicing it, which would copy those layers.
+                (x, _), (k, v) = jax.lax.scan(body, (x, 0), None, length=cfg.num_layers)
         else:
             kv = []
             for i, block in enumerate(self.layers):
@@ -389,6 +400,12 @@ class Transformer(nnx.Module):
         tie = 0 * jnp.sum(x, axis=(1, 2)).astype(k.dtype)[None, :, None, None, None]
         k, v = (sharding.constrain(a + tie, kv_cache.FRESH_AXES) for a in (k, v))
         return logits, Fresh(k, v, x if features else None)
+
+
+def stacked_layers(stacked) -> int:
+    """The leading (layer) axis of stacked params: a scanned model's num_layers, or more
+    where a self-draft runs the first layers of its target's stack."""
+    return jax.tree.leaves(stacked)[0].shape[0]
 
 
 def causal(size: int) -> jax.Array:

@@ -9,6 +9,7 @@ with their ms/token. Typical use:
     python -m specjax.sample --hf_target=SmolLM2-360M --hf_draft=SmolLM2-135M --prompt="def fib(n):"
     python -m specjax.sample --gguf_target=SmolLM2-135M-Instruct.Q4_1.gguf --mode=ars --prompt="def fib(n):"
     python -m specjax.sample --mode=sps --drafter=ngram --verify=block --lookahead=6
+    python -m specjax.sample --gguf_target=SmolLM2-135M-Instruct.Q4_1.gguf --self_draft=layers:8 --prompt="def f"
 
 Every input is checked before a model is built or compiled; bad input is one line on
 stderr and exit code 2. `--output` gets one JSON line per sample, written and flushed per
@@ -71,6 +72,9 @@ def define_flags() -> None:
     flags.DEFINE_string("gguf_target", None, "GGUF file (llama.cpp's format: llama architecture, any GGML type, "
                         "tokenizer in its metadata) holding the target, instead of --hf_target.")
     flags.DEFINE_string("gguf_draft", None, "GGUF file holding the draft (same tokenizer as the target).")
+    flags.DEFINE_string("self_draft", None, "layers:N: the draft is the target's own first N layers with its final "
+                        "norm and unembedding, sharing the target's weights (no draft file; instead of --hf_draft, "
+                        "--gguf_draft or --draft_checkpoint).")
     flags.DEFINE_enum("init", "checkpoint", ["checkpoint", "random"],
                       "random: random weights (speed measurements before a checkpoint exists).")
     flags.DEFINE_string("mesh", None, "DATAxMODEL, e.g. 1x8 or 2x4 (default: the config's mesh).")
@@ -93,7 +97,7 @@ def main(argv):
         init=FLAGS.init, checkpoint=FLAGS.checkpoint, draft_checkpoint=FLAGS.draft_checkpoint,
         output=FLAGS.output, train_missing=FLAGS.train_missing, print_samples=FLAGS.print_samples,
         hf_target=FLAGS.hf_target, hf_draft=FLAGS.hf_draft, gguf_target=FLAGS.gguf_target,
-        gguf_draft=FLAGS.gguf_draft, datastore=FLAGS.datastore))
+        gguf_draft=FLAGS.gguf_draft, datastore=FLAGS.datastore, self_draft=FLAGS.self_draft))
 
 
 if __name__ == "__main__":

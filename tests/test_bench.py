@@ -56,6 +56,10 @@ def test_bench_writes_json_and_png(tmp_path):
     (["--num_drafts=2,16", "--lookahead=2,8"], "num_drafts=16 x lookahead=8 = 128 tree nodes: at most 64"),
     ([f"--hf_target={ROOT / 'tests' / 'fixtures' / 'hf' / 'pair_target'}", "--init=checkpoint"],
      "--drafter=model|hybrid needs a draft: pass --hf_draft=DIR"),
+    (["--self_draft=layers:1,layers:2"], "--self_draft='layers:2': layers:N needs N in 1..1"),
+    (["--self_draft=layers:1,,layers:1"], "expected comma-separated self-drafts"),
+    (["--self_draft=int4"], "int4 self-drafts need int4 weights, which are not built yet"),
+    (["--self_draft=layers:1", "--hf_draft=/tmp"], "--self_draft='layers:1' and --hf_draft both name the draft"),
 ])
 def test_bench_rejects_bad_input_before_any_work(args, fragment):
     init = [] if any(a.startswith("--init=") for a in args) else ["--init=random"]

@@ -127,6 +127,17 @@ def greedy(env, tmp_path_factory):
     return runs
 
 
+def test_self_draft_is_made_from_the_target_and_gives_ars_tokens(env, greedy, tmp_path):
+    """--self_draft=layers:1: tiny's target's first layer drafts (no draft weights); greedy
+    SpS writes ArS's tokens, and the draft was heard."""
+    proc = sample(env, *TINY, "--mode=sps", *GREEDY, "--self_draft=layers:1", f"--output={tmp_path / 'self.jsonl'}")
+    assert proc.returncode == 0, proc.stderr
+    records, (_, ars) = read_jsonl(tmp_path / "self.jsonl"), greedy["ars"]
+    key = lambda r: (r["prompt_index"], r["sample_index"])  # noqa: E731
+    assert [r["tokens"] for r in sorted(records, key=key)] == [r["tokens"] for r in sorted(ars, key=key)]
+    assert sum(r["stats"]["accepted"] for r in records) > 0
+
+
 @pytest.mark.parametrize("mode", ["sps", "ars"])
 def test_writes_one_valid_line_per_sample(greedy, mode):
     proc, records = greedy[mode]
@@ -340,6 +351,19 @@ BAD_INPUTS = [
     ("output under a regular file", ["--output={files}/bad.jsonl/out.jsonl"], {}, ["--output=", "not a directory"]),
     ("checkpoint with random init", ["--init=random", "--checkpoint={files}/tiny_seed7"], {},
      ["--checkpoint", "no effect with --init=random"]),
+    ("self_draft N = the target's layers", ["--self_draft=layers:2"], {},
+     ["--self_draft='layers:2'", "N in 1..1", "the target has 2 layers"]),
+    ("self_draft N = 0", ["--self_draft=layers:0"], {}, ["--self_draft='layers:0'", "N in 1..1"]),
+    ("self_draft unknown form", ["--self_draft=half"], {}, ["--self_draft='half'", "unknown form", "layers:N"]),
+    ("self_draft int8", ["--self_draft=int8"], {}, ["--self_draft='int8'", "not built yet"]),
+    ("self_draft int4 with layers", ["--self_draft=int4+layers:1"], {}, ["int4", "not built yet"]),
+    ("self_draft list", ["--self_draft=layers:1,layers:1"], {}, ["one self-draft here"]),
+    ("self_draft with draft_checkpoint", ["--self_draft=layers:1", "--draft_checkpoint={files}/tiny_seed7"], {},
+     ["--self_draft='layers:1' and --draft_checkpoint", "pick one"]),
+    ("self_draft with gguf_draft", ["--self_draft=layers:1", "--gguf_draft={files}/x.gguf"], {},
+     ["--self_draft='layers:1' and --gguf_draft", "pick one"]),
+    ("self_draft with hf_draft", ["--self_draft=layers:1", "--hf_draft={files}"], {},
+     ["--self_draft='layers:1' and --hf_draft", "pick one"]),
     ("the headline command without weights", ["--config=chinchilla_70b", "--init=checkpoint"], {},
      ["config 'chinchilla_70b' has no weights", "--init=random --prompt_tokens=1,2,3",
       "--checkpoint=DIR --draft_checkpoint=DIR", "--hf_target=DIR --hf_draft=DIR"]),

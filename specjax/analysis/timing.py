@@ -116,9 +116,11 @@ def describe(results) -> dict:
 
 
 def label(row: dict) -> str:
-    """A Figure-1 line's name: drafter and verifier (the paper's is 'model, tokenwise')."""
-    text = f"{row['drafter']}, {row['verify']}" if row.get("num_drafts", 1) == 1 else \
-        f"{row['drafter']}, {row['num_drafts']} drafts"
+    """A Figure-1 line's name: drafter and verifier (the paper's is 'model, tokenwise'),
+    and which draft model where several are compared (self-drafts)."""
+    drafter = f"{row['drafter']} {row['draft']}" if row.get("draft") else row["drafter"]
+    text = f"{drafter}, {row['verify']}" if row.get("num_drafts", 1) == 1 else \
+        f"{drafter}, {row['num_drafts']} drafts"
     return text + (f", confidence {row['draft_confidence']}" if row.get("draft_confidence") else "")
 
 
@@ -166,13 +168,19 @@ def bench(target, draft, prompts, base, ks, batch_sizes, repeats: int, seed: int
     so machine noise hits both sides of every speedup alike (a K's speedup is over the ArS
     runs made next to it; the reported ArS is all of them). With M > 1 drafts the model of
     a loop is K draft steps over M rows plus the tree pass over 1 + M*K tokens, each timed
-    on its own."""
+    on its own. `draft` may be a dict {name: LM} of draft models (self-drafts), each
+    compared with every variant that uses a draft model."""
     context = max(len(p) for p in prompts)
-    draft_step = time_forward(draft, 1, context, repeats) if draft is not None else 0.0
+    drafts = draft if isinstance(draft, dict) else {"": draft}
+    draft = next(iter(drafts.values()))  # the batch-scaling runs' draft
+    draft_steps = {name: time_forward(d, 1, context, repeats) if d is not None else 0.0 for name, d in drafts.items()}
+    draft_step = draft_steps[next(iter(drafts))]
     target_step = time_forward(target, 1, context, repeats)
     ars_sampling = dataclasses.replace(base, drafter="model")
     report = {"max_new_tokens": base.max_new_tokens, "num_prompts": len(prompts),
               "sampling": dataclasses.asdict(base), "draft_forward_ms": 1000 * draft_step,
+              **({"draft_forward_ms_by_draft": {n: 1000 * t for n, t in draft_steps.items()}} if any(drafts)
+                 else {}),
               "target_forward_ms": 1000 * target_step, "target_scoring_ms": {},
               "lookup_ms": time_lookup(program_lib.mesh_of(target), datastore, max(ks), base.ngram, context, repeats)}
     if datastore is not None:
@@ -186,25 +194,30 @@ def bench(target, draft, prompts, base, ks, batch_sizes, repeats: int, seed: int
     for k in ks:
         score = time_forward(target, k + 1, context, repeats)
         report["target_scoring_ms"][k + 1] = 1000 * score
-        samplings = [dataclasses.replace(base, lookahead=k, **variant) for variant in variants]
-        for sampling in samplings:
-            run_prompts(target, draft, prompts[:1], sampling, seed, datastore)
+        # Every variant with every draft model; a lookup drafter uses none, so once.
+        samplings = [(name, dataclasses.replace(base, lookahead=k, **variant)) for variant in variants
+                     for name in (drafts if drafters.kind(variant.get("drafter", base.drafter)).needs_draft_model
+                                  else list(drafts)[:1])]
+        for name, sampling in samplings:
+            run_prompts(target, drafts[name], prompts[:1], sampling, seed, datastore)
         # Prompt by prompt, ArS next to every variant: the machine's drift (on a shared
         # host the same program's speed wanders by a third within minutes) hits both sides
         # of each speedup alike. The ArS runs of every K together are the reported ArS.
         ars_k, runs = [], [[] for _ in samplings]
         for i, prompt in enumerate(prompts):
             ars_k += run_prompts(target, None, [prompt], ars_sampling, seed + i)
-            for j, sampling in enumerate(samplings):
-                runs[j] += run_prompts(target, draft, [prompt], sampling, seed + i, datastore)
+            for j, (name, sampling) in enumerate(samplings):
+                runs[j] += run_prompts(target, drafts[name], [prompt], sampling, seed + i, datastore)
         ars_runs += ars_k
         ars_near = describe(ars_k)["ms_per_token"]
-        for sampling, results in zip(samplings, runs):
+        for (name, sampling), results in zip(samplings, runs):
             row = describe(results)
+            if name:
+                row["draft"] = name
             m = sampling.num_drafts
-            step, scoring = draft_step, score
+            step, scoring = draft_steps[name], score
             if m > 1:
-                step = time_forward(draft, 1, context, repeats, batch=m)
+                step = time_forward(drafts[name], 1, context, repeats, batch=m)
                 scoring = time_forward(target, 0, context, repeats, tree=(m, k))
                 report["target_scoring_ms"][f"tree {m}x{k}"] = 1000 * scoring
             steps = k * step if drafters.kind(sampling.drafter).needs_draft_model else 0.0

@@ -99,6 +99,30 @@ def with_hf_models(config: Config, hf_target: Optional[str], hf_draft: Optional[
                                tokenizer_vocab=0, target_from="", draft_from="").validate()
 
 
+def self_draft_spec(text: Optional[str], *, hf_draft: Optional[str] = None, gguf_draft: Optional[str] = None,
+                    draft_checkpoint: Optional[str] = None):
+    """--self_draft's Spec (None when not given), checked before any other weight flag: a
+    flag that names other draft weights next to it fails here."""
+    if text is None:
+        return None
+    from specjax.weights import self_draft
+    for flag, value in (("--hf_draft", hf_draft), ("--gguf_draft", gguf_draft),
+                        ("--draft_checkpoint", draft_checkpoint)):
+        if value is not None:
+            raise UsageError(f"--self_draft={text!r} and {flag} both name the draft: pick one of them")
+    return self_draft.parse(text)
+
+
+def with_self_draft(config: Config, spec) -> Config:
+    """`config` whose draft is the self-draft `spec` (a `weights.self_draft.Spec`, made from
+    the target at load time; None: `config` itself). `config.target` is final (after
+    `with_hf_models`): N is checked against its layers."""
+    if spec is None:
+        return config
+    from specjax.weights import self_draft
+    return dataclasses.replace(config, draft=self_draft.draft_config(config.target, spec), draft_from="").validate()
+
+
 @dataclasses.dataclass
 class Weights:
     config: Config
@@ -106,14 +130,20 @@ class Weights:
     target_dir: Optional[pathlib.Path]  # a GGUF file for kind 'gguf'
     draft_dir: Optional[pathlib.Path]
     sources: tuple = ()  # 'imported': (target Imported, draft Imported or None)
+    self_draft: object = None  # a weights.self_draft.Spec: the draft is made from the target at load time
 
     @classmethod
     def locate(cls, config: Config, init: str, checkpoint: Optional[str], draft_checkpoint: Optional[str],
                *, need_draft: bool, train_missing: bool, hf_target: Optional[str] = None,
                hf_draft: Optional[str] = None, gguf_target: Optional[str] = None,
-               gguf_draft: Optional[str] = None) -> "Weights":
+               gguf_draft: Optional[str] = None, self_draft=None) -> "Weights":
         """Find (and for the mini pair, train) the checkpoint directories; no JAX work.
-        With `hf_target` or `gguf_target`, `config` comes from `with_hf_models`."""
+        With `hf_target` or `gguf_target`, `config` comes from `with_hf_models`; with a
+        `self_draft` Spec, from `with_self_draft` (no draft weights are looked for)."""
+        if self_draft is not None:
+            found = cls.locate(config, init, checkpoint, None, need_draft=False, train_missing=train_missing,
+                               hf_target=hf_target, gguf_target=gguf_target)
+            return dataclasses.replace(found, self_draft=self_draft)
         target, draft = imported(hf_target, hf_draft, gguf_target, gguf_draft)
         if target is not None:
             draft = draft if need_draft else None
@@ -220,6 +250,10 @@ class Weights:
         return ()
 
     def load(self, mesh, *, need_draft: bool):
+        if self.self_draft is not None:
+            from specjax.weights.self_draft import self_draft
+            target, _ = dataclasses.replace(self, self_draft=None).load(mesh, need_draft=False)
+            return target, self_draft(target, self.self_draft) if need_draft else None
         if self.init == "imported":
             def one(source, cfg):
                 lm, _ = source.reader.load(source.path, mesh, **source.runtime(cfg))

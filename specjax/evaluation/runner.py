@@ -12,7 +12,7 @@ from tqdm import tqdm
 
 from specjax import sharding
 from specjax.app import cli
-from specjax.app.locate import Weights
+from specjax.app.locate import Weights, self_draft_spec, with_self_draft
 from specjax.config import SEED_LIMIT, UsageError
 from specjax.decode.api import generate
 from specjax.decode.metrics import Totals
@@ -164,10 +164,14 @@ SPS_FIELDS = ("verify", "drafter", "ngram", "draft_confidence", "num_drafts")
 
 def evaluate(config, task: str, *, limit=None, num_samples: int, ks: Sequence[int], execute: bool,
              timeout: float, xsum_file=None, lookahead=None, max_new_tokens=None, seed: int = 0,
-             checkpoint=None, draft_checkpoint=None, train_missing: bool = True, progress: bool = True) -> dict:
+             checkpoint=None, draft_checkpoint=None, train_missing: bool = True, progress: bool = True,
+             self_draft=None) -> dict:
     """Every item of `task` with ArS then SpS, scored; returns the result record that
     `format_table` prints (and `--output` writes). Ctrl-C stops after the current sample
-    and still scores what finished (result['interrupted'])."""
+    and still scores what finished (result['interrupted']). `self_draft` ('layers:N'):
+    the draft is the target's own first N layers instead of the config's draft."""
+    spec = self_draft_spec(self_draft, draft_checkpoint=draft_checkpoint)
+    config = with_self_draft(config, spec)
     if config.draft is None:
         raise UsageError(f"config {config.name!r} has no draft model; evaluate compares ArS with SpS")
     lookahead = lookahead or config.sampling.lookahead
@@ -192,7 +196,7 @@ def evaluate(config, task: str, *, limit=None, num_samples: int, ks: Sequence[in
 
     cli.use_compilation_cache()
     weights = Weights.locate(config, "checkpoint", checkpoint, draft_checkpoint, need_draft=True,
-                             train_missing=train_missing)
+                             train_missing=train_missing, self_draft=spec)
     tokenizer = weights.tokenizer()
     if tokenizer is None:
         raise UsageError(f"evaluate works on text and {weights.no_tokenizer_reason}")
@@ -209,7 +213,8 @@ def evaluate(config, task: str, *, limit=None, num_samples: int, ks: Sequence[in
 
     mesh = sharding.make_checked_mesh(config.mesh, {"target": config.target, "draft": config.draft})
     target, draft = weights.load(mesh, need_draft=True)
-    result = {"config": config.name, "task": task, "num_samples": num_samples, "lookahead": lookahead,
+    result = {"config": config.name, **({"self_draft": self_draft} if self_draft else {}), "task": task,
+              "num_samples": num_samples, "lookahead": lookahead,
               "executed": execute, "skipped_too_long": skipped, "settings": [], "interrupted": False}
     with tqdm(total=len(settings) * len(items) * num_samples, desc=f"{task} ArS+SpS", unit="sample",
               disable=not progress, file=sys.stderr) as bar:

@@ -1,0 +1,95 @@
+"""A draft made of the target's own weights, at load time, with no second file.
+
+`layers:N` is the target's first N layers with its own embedding, final norm and
+unembedding: early exit (the lectures' "prophet" that every model has for free; Elhoushi
+et al. 2024, LayerSkip, drafts the same way). It is a draft LM like any other, so every
+verifier, hybrid drafting and several drafts work with it unchanged.
+
+Held once in memory: the draft's params ARE the target's arrays, not copies. With
+unrolled layers the draft's state holds the target's first N layer arrays; with
+`scan_layers` (layers stacked along a leading axis) it holds the target's whole stacked
+arrays and its forward runs the first N of them (`model.Transformer.__call__` indexes
+the stack in its loop; a slice would copy the N layers). Where decoding packs weights
+for the CPU kernel, the draft is made from the target's packed copy (`LM.packed`), so
+the panels are shared too.
+
+A spec is one or more forms joined by '+': `layers:N`, and later `int8`/`int4` (a
+quantized copy of the target; not built yet). Command lines that sweep several
+self-drafts take them as a comma-separated list of specs.
+"""
+from __future__ import annotations
+
+import dataclasses
+import re
+
+import jax
+from flax import nnx
+
+from specjax.config import UsageError
+from specjax.model import LM, Transformer, Keys
+
+QUANTIZED = ("int8", "int4")
+FORMS = "layers:N (the target's first N layers)"
+
+
+@dataclasses.dataclass(frozen=True)
+class Spec:
+    """A parsed self-draft: `layers` the number of the target's layers it runs."""
+
+    layers: int
+    text: str
+
+    def check(self, num_layers: int, name: str = "--self_draft") -> "Spec":
+        """Refuse N outside 1..num_layers-1 (N = num_layers would be the target itself)."""
+        if not 1 <= self.layers < num_layers:
+            allowed = f"1..{num_layers - 1}" if num_layers > 1 else "none: the target has one layer"
+            raise UsageError(f"{name}={self.text!r}: layers:N needs N in {allowed} (the target has {num_layers} "
+                             "layers)")
+        return self
+
+
+def parse(text: str, name: str = "--self_draft") -> Spec:
+    """'layers:N' (forms joined by '+') -> Spec; UsageError in one line for anything else."""
+    forms = [f.strip() for f in text.split("+")]
+    if "," in text:
+        raise UsageError(f"{name}={text!r}: one self-draft here; join forms with '+' (e.g. layers:2); "
+                         "`bench --self_draft` compares a comma-separated list")
+    layers = None
+    for form in forms:
+        if form in QUANTIZED:
+            raise UsageError(f"{name}={text!r}: {form} self-drafts need {form} weights, which are not built yet; "
+                             f"use {FORMS}")
+        match = re.fullmatch(r"layers:(\d+)", form)
+        if match is None or layers is not None:
+            why = "layers given twice" if match is not None else f"unknown form {form!r}"
+            raise UsageError(f"{name}={text!r}: {why}; expected {FORMS}")
+        layers = int(match[1])
+    return Spec(layers, text)
+
+
+def split_list(text: str, name: str = "--self_draft") -> list[str]:
+    """'layers:1,layers:2' -> ['layers:1', 'layers:2'] (a sweep; each then `parse`d)."""
+    items = [t.strip() for t in text.split(",")]
+    if not all(items):
+        raise UsageError(f"{name}={text!r}: expected comma-separated self-drafts, e.g. layers:1,layers:2")
+    return items
+
+
+def draft_config(target_cfg, spec: Spec | str):
+    """The self-draft's ModelConfig: the target's with N layers."""
+    spec = parse(spec) if isinstance(spec, str) else spec
+    return dataclasses.replace(target_cfg, num_layers=spec.check(target_cfg.num_layers).layers)
+
+
+def self_draft(target: LM, spec: Spec | str) -> LM:
+    """The draft LM `spec` names, made of `target`'s own arrays (see the module doc)."""
+    spec = parse(spec) if isinstance(spec, str) else spec
+    cfg = draft_config(target.cfg, spec)
+    # Packed where decoding packs (the CPU kernel): the draft's projections are then the
+    # target's packed weights, not a second packed copy of the first N layers.
+    source = target.packed()
+    graphdef = nnx.split(nnx.eval_shape(lambda: Transformer(cfg, Keys(0))))[0]
+    state = jax.tree.map(lambda x: x, source.params)  # new Variables around the same arrays
+    if not cfg.scan_layers:  # unrolled: layers 0..N-1 of the target's list
+        state["layers"] = nnx.State({i: state["layers"][i] for i in range(cfg.num_layers)})
+    return dataclasses.replace(source, cfg=cfg, graphdef=graphdef, params=state)

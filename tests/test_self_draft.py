@@ -1,0 +1,163 @@
+"""Self-drafts (`--self_draft=layers:N`, `specjax.self_draft`): the target's first N
+layers with its embedding, final norm and unembedding, sharing the target's arrays.
+
+- Logits: equal to an N-layer model built the ordinary way (`abstract_lm` of a config
+  with num_layers=N, its params fresh device arrays holding copies of the target's
+  values: layer i's for i < N, the rest as they are). That model is independent of
+  `self_draft`: its own graph, its own buffers, a stack of exactly N (the scan over xs),
+  so a wrong layer choice, norm or table, or a wrong index into a longer stack shows.
+  `random_lm` makes every param random (norm scales too), so no mistake hides behind ones.
+- Memory: every draft leaf is one of the target's buffers (plain or packed): no copy.
+- Greedy SpS with the self-draft equals greedy ArS, for each verifier and a tree.
+- Theorem 1 (the enumeration and chi-square test of `theorem1`, N = 100,000, ALPHA =
+  0.001) with a two-layer target and its one-layer self-draft, and its negative control
+  (no ratio test: keep every draft token) rejected with N_NEGATIVE samples.
+"""
+import dataclasses
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+import specjax
+from specjax import model, sharding
+from specjax.config import SamplingConfig, UsageError
+from specjax.decode import verify
+from specjax.decode.sampling import sample
+from specjax.weights import self_draft as self_draft_lib
+from conftest import mesh_for
+from models import numpy_params, random_lm
+from theorem1 import ALPHA, N, N_NEGATIVE, Case, run, sharpened, swapper, undo
+
+LAYERS = 3  # target layers: a draft of 1 or 2 leaves layers out on both sides of it
+
+
+def reference_draft(target: model.LM, n: int) -> model.LM:
+    """An n-layer model built as any model is, its params copies of the target's values."""
+    cfg = dataclasses.replace(target.cfg, num_layers=n)
+    values = numpy_params(target.params)
+    abstract = model.abstract_lm(cfg)
+
+    def one(path, named_sharding, variable):
+        key = jax.tree_util.keystr(path).replace(".value", "")
+        value = values[key]
+        if cfg.scan_layers and key.startswith("['layers']"):
+            value = value[:n]  # the stack's first n layers
+        assert value.shape == variable.get_value().shape, key
+        return variable.replace(jax.device_put(np.array(value), named_sharding))
+
+    mesh = mesh_for("1x1")
+    params = jax.tree_util.tree_map_with_path(one, sharding.param_shardings(abstract.params, mesh), abstract.params)
+    return model.LM(cfg, abstract.graphdef, params)
+
+
+SETTINGS = {  # (scan_layers, pos_encoding, tie_embeddings)
+    "unrolled_rope": (False, "rope", False),
+    "scanned_rope": (True, "rope", False),
+    "scanned_relative_tied": (True, "relative", True),
+    "unrolled_relative": (False, "relative", False),
+}
+
+
+@pytest.fixture(scope="module", params=sorted(SETTINGS))
+def target(request, tiny):
+    scan, pos, tied = SETTINGS[request.param]
+    cfg = dataclasses.replace(tiny.target, num_layers=LAYERS, scan_layers=scan, pos_encoding=pos,
+                              tie_embeddings=tied)
+    return random_lm(cfg, mesh_for("1x1"), seed=3)
+
+
+@pytest.mark.parametrize("n", [1, 2])
+def test_self_draft_logits_equal_an_n_layer_model_with_the_targets_first_layers(target, n):
+    tokens = jnp.asarray([[5, 1, 30, 7, 7, 12, 3], [2, 9, 9, 0, 31, 4, 18]])
+    got = np.asarray(model.full_forward(specjax.self_draft(target, f"layers:{n}"), tokens))
+    want = np.asarray(model.full_forward(reference_draft(target, n), tokens))
+    full = np.asarray(model.full_forward(target, tokens))
+    np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-5)
+    assert np.abs(got - full).max() > 1e-2  # the draft really is another model than the target
+
+
+def buffers(tree) -> set:
+    return {x.unsafe_buffer_pointer() for x in jax.tree.leaves(tree)}
+
+
+def test_self_draft_shares_the_targets_buffers(target):
+    draft = specjax.self_draft(target, "layers:2")
+    held = buffers(target.params) | buffers(target.packed().params)
+    assert buffers(draft.params) <= held  # no new array: every leaf is one of the target's
+    assert buffers(draft.packed().params) <= held  # nor when decoding packs it
+    if target.cfg.scan_layers:  # the stacked arrays themselves, all LAYERS of them
+        leaf = jax.tree.leaves(draft.params["layers"])[0]
+        assert leaf.shape[0] == LAYERS
+        assert any(leaf is x for x in jax.tree.leaves(target.packed().params["layers"]))
+    else:
+        assert sorted(draft.params["layers"].keys()) == [0, 1]
+
+
+@pytest.mark.parametrize("name,overrides", [("tokenwise", dict(verify="tokenwise")), ("block", dict(verify="block")),
+                                            ("tree", dict(num_drafts=2)), ("hybrid", dict(drafter="hybrid"))])
+def test_greedy_sps_with_a_self_draft_equals_greedy_ars(target, name, overrides):
+    # Every verifier on one setting, tokenwise on a stacked one (each case compiles a loop).
+    if not (target.cfg.pos_encoding == "rope" and (not target.cfg.scan_layers or name == "tokenwise")):
+        pytest.skip("the logits test covers this setting; one loop per verifier is enough")
+    prompts = [[5, 1, 30], [2, 9, 9, 0, 31, 4, 18, 7]]
+    base = SamplingConfig(temperature=0.0, max_new_tokens=12, lookahead=3)
+    ars = specjax.generate(target, None, prompts, base)
+    sps = specjax.generate(target, specjax.self_draft(target, "layers:1"), prompts,
+                           dataclasses.replace(base, **overrides).validate())
+    assert sps.tokens == ars.tokens
+    assert sps.acceptance_rate > 0  # the draft proposed and was heard
+
+
+@pytest.mark.parametrize("text,needle", [
+    ("layers:0", "N in 1..2"), ("layers:3", "N in 1..2"), ("layers", "unknown form 'layers'"),
+    ("int8", "int8 self-drafts need int8 weights, which are not built yet"),
+    ("int4+layers:1", "not built yet"), ("layers:1+layers:2", "layers given twice"),
+    ("layers:1,layers:2", "one self-draft here"), ("first:2", "unknown form"),
+])
+def test_bad_self_drafts_are_refused_in_one_line(tiny, text, needle):
+    with pytest.raises(UsageError, match=needle) as e:  # `specjax.self_draft` checks the same way first
+        self_draft_lib.draft_config(dataclasses.replace(tiny.target, num_layers=LAYERS), text)
+    assert "\n" not in str(e.value) and repr(text) in str(e.value)
+
+
+# ----------------------------------------------------------------------------- Theorem 1
+
+@pytest.fixture(scope="module")
+def theorem1_models(tiny):
+    """A two-layer target (one kv head, logits sharpened x3, as theorem1.make_models) and
+    its first layer as the draft."""
+    two = dataclasses.replace(tiny.target, num_layers=2, num_kv_heads=1)
+    target = sharpened(model.init_lm(two, mesh_for("1x1")), 3.0)
+    return target, specjax.self_draft(target, "layers:1")
+
+
+def no_ratio_test(key, x, p, q, length=None):
+    """Wrong: keeps every draft token (samples follow the self-draft, not the target)."""
+    return jnp.full((x.shape[0],), x.shape[1], jnp.int32), *sample(key, q[:, -1])
+
+
+@pytest.fixture
+def use_accept(monkeypatch):
+    swap = swapper(monkeypatch)
+    yield lambda accept: swap([] if accept is None else [(verify, "accept", accept)])
+    undo(monkeypatch)
+
+
+CASE = Case(1.0, 0, 1.0, 3, "ragged")
+
+
+def test_self_draft_samples_follow_the_exact_target_distribution(theorem1_models, use_accept):
+    use_accept(None)
+    pvalue, result = run(theorem1_models, CASE)
+    print(f"self-draft layers:1: p = {pvalue:.4f}, acceptance rate {result.acceptance_rate:.3f}")
+    assert pvalue > ALPHA
+    assert 0.05 < result.acceptance_rate < 0.95  # the draft is not the target
+
+
+def test_self_draft_negative_control_is_rejected(theorem1_models, use_accept):
+    use_accept(no_ratio_test)
+    pvalue, _ = run(theorem1_models, CASE, N_NEGATIVE)
+    print(f"self-draft layers:1 with no ratio test: p = {pvalue:.2e}")
+    assert pvalue < ALPHA
