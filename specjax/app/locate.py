@@ -219,7 +219,15 @@ class Weights:
             return self.sources[0].reader.read_config(self.sources[0].path).eos_ids
         return ()
 
-    def load(self, mesh, *, need_draft: bool):
+    def load(self, mesh, *, need_draft: bool, quantize: Optional[str] = None):
+        """(target, draft or None) on `mesh`; with `quantize` ('int8'), each quantized on load
+        (`LM.quantized`): the run samples the quantized models."""
+        target, draft = self._load(mesh, need_draft)
+        if quantize is not None:
+            target, draft = target.quantized(quantize), (draft.quantized(quantize) if draft is not None else None)
+        return target, draft
+
+    def _load(self, mesh, need_draft: bool):
         if self.init == "imported":
             def one(source, cfg):
                 lm, _ = source.reader.load(source.path, mesh, **source.runtime(cfg))
