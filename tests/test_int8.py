@@ -96,8 +96,8 @@ def int8_outputs(text: str) -> list[tuple[int, int]]:
 def as_float(q_lm: model.LM) -> model.LM:
     """The quantized model's own weights, dequantized in float64 numpy, as a float model."""
     is_int8 = lambda x: isinstance(x, formats.Int8)  # noqa: E731
-    params = jax.tree.map(lambda w: jnp.asarray(dequantized(w), jnp.float32) if is_int8(w) else w, q_lm.params,
-                          is_leaf=is_int8)
+    params = jax.tree.map(lambda w: jax.device_put(dequantized(w).astype(np.float32), w.q.sharding) if is_int8(w)
+                          else w, q_lm.params, is_leaf=is_int8)
     return dataclasses.replace(q_lm, params=params)
 
 

@@ -172,7 +172,6 @@ def test_quantized_int8_run_samples_the_quantized_model(env, tmp_path):
     from specjax import model, sharding
     from specjax.config import MeshConfig, SamplingConfig, load_config
     from specjax.decode import api
-    import jax.numpy as jnp
     from specjax.kernels import Int8
 
     out = tmp_path / "int8.jsonl"
@@ -184,7 +183,7 @@ def test_quantized_int8_run_samples_the_quantized_model(env, tmp_path):
     deq = lambda w: np.asarray(w.q, np.float64) * (np.asarray(w.scale, np.float64)[:, None] if w.transposed  # noqa: E731
                                                   else np.asarray(w.scale, np.float64).reshape(w.out))
     reference = dataclasses.replace(q_lm, params=jax.tree.map(
-        lambda w: jnp.asarray(deq(w), jnp.float32) if isinstance(w, Int8) else w, q_lm.params,
+        lambda w: jax.device_put(deq(w).astype(np.float32), w.q.sharding) if isinstance(w, Int8) else w, q_lm.params,
         is_leaf=lambda x: isinstance(x, Int8)))
     with jax.set_mesh(mesh):
         want = api.generate(reference, None, [[1, 2, 3], [4, 5, 6, 7, 8]],

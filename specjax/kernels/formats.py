@@ -30,6 +30,7 @@ inside the k loop of the same kernel template.
 from __future__ import annotations
 
 import dataclasses
+import functools
 import logging
 import math
 import pathlib
@@ -214,19 +215,24 @@ def quantize_int8(w: jax.Array, contracted: int, lead: int = 0, *, transposed: b
 
 def quantize_params(params, contracted: dict[str, tuple[int, int]], transposed: tuple[str, ...] = ()):
     """params with every float weight named in `contracted` (as `pack_params`'s) replaced by
-    its `Int8` quantization, one jitted program per weight on its device (the float weights
-    are not copied); names in `transposed` are [N, K] tables quantized per row."""
+    its `Int8` quantization, one jitted program per weight (the float weights are not
+    copied), q placed as the weight was (its sharding on the mesh), the small scales
+    replicated; names in `transposed` are [N, K] tables quantized per row."""
     def one(path, w):
         names = [k.key for k in path if isinstance(k, jax.tree_util.DictKey) and isinstance(k.key, str)]
         if isinstance(w, (Packed, Int8)) or not names or names[-1] not in contracted:
             return w
         axes, ndim = contracted[names[-1]]
-        return _quantize(w, axes, len(w.shape) - ndim, transposed=names[-1] in transposed)
+        fn = functools.partial(quantize_int8, contracted=axes, lead=len(w.shape) - ndim,
+                               transposed=names[-1] in transposed)
+        where = getattr(w, "sharding", None)
+        if not isinstance(where, jax.sharding.NamedSharding):
+            return jax.jit(fn)(w)
+        everywhere = jax.sharding.NamedSharding(where.mesh, jax.sharding.PartitionSpec())
+        placed = jax.tree.map(lambda a: where if a.dtype == jnp.int8 else everywhere, jax.eval_shape(fn, w))
+        return jax.jit(fn, out_shardings=placed)(w)
 
     return jax.tree_util.tree_map_with_path(one, params, is_leaf=lambda x: isinstance(x, (Packed, Int8)))
-
-
-_quantize = jax.jit(quantize_int8, static_argnums=(1, 2), static_argnames="transposed")
 
 def project(spec: str, x: jax.Array, w, setting: Kernels, dtype=None, **kwargs) -> jax.Array:
     """x @ W as `jnp.einsum(spec, x, w, **kwargs)`, `spec` contracting x's last axis with
