@@ -7,7 +7,8 @@ in the sampling loops (in-place cache writes), at batch 1 with the cache one thi
 compiled as `generate` compiles (program.compile_lowered); medians over repeats. T=1 is an
 ArS step or a draft step; T=K+1 is SpS's scoring pass. `--kernels=off,on` compiles each
 program without and with specjax's CPU kernels (the model's static `Kernels` setting)
-and interleaves all of them, for an A/B within one run.
+and interleaves all of them, for an A/B within one run; `--quantize=none,int8` does the
+same for the float model and its int8 quantization (`LM.quantized`).
 """
 from __future__ import annotations
 
@@ -34,6 +35,7 @@ flags.DEFINE_list("kernels", ["default"], "Kernel settings to compare: on, off, 
 flags.DEFINE_integer("bandwidth_mb", 512, "Array size for the memory-bandwidth measurement (0: skip).")
 flags.DEFINE_enum("clock", "wall", ["wall", "cpu"], "wall: elapsed time; cpu: this process's CPU time (all its "
                   "threads), which other jobs on a shared host inflate far less than the elapsed time.")
+flags.DEFINE_list("quantize", ["none"], "Weights to compare: none (the float model) and/or int8 (quantized).")
 FLAGS = flags.FLAGS
 
 
@@ -70,24 +72,27 @@ def read_bandwidth(megabytes: int, repeats: int = 10) -> dict[str, float]:
     return rates
 
 
-def forward_times(lm, ts, sizes, settings, steps: int, repeats: int, clock: str = "wall"
+def forward_times(lm, ts, sizes, settings, steps: int, repeats: int, clock: str = "wall", quantize=("none",)
                   ) -> dict[tuple[int, str, int], float]:
-    """Median ms per forward of `lm` for every (cache size, kernel setting, T): `steps`
+    """Median ms per forward of `lm` for every (cache size, kernel setting, T), and each of
+    `quantize` ('none' or a `model.QUANTIZE` kind: the label is then 'setting/kind'): `steps`
     forwards per timed loop (`loop`), `repeats` loops, every program interleaved with the
     others of its cache size so that machine noise hits every T and setting alike.
     `clock`: 'wall' or 'cpu' (CPU ms of the process, summed over its threads)."""
     now = time.perf_counter if clock == "wall" else time.process_time
     cfg = lm.cfg
     out = {}
+    weights = {kind: lm if kind == "none" else lm.quantized(kind) for kind in quantize}
+    labels = {(s if kind == "none" else f"{s}/{kind}"): (s, w) for kind, w in weights.items() for s in settings}
     for size in sizes:
         # A relative-position model's table is made at prefill, so outside the timed loop.
         fresh = lambda: lm.with_position_table(kv_cache.init_cache(cfg, 1, size)).with_lengths(  # noqa: E731
             jnp.array([size // 3], jnp.int32))
         progs, subject = {}, {}
-        for setting in settings:
+        for setting, (name, weights_lm) in labels.items():
             # Packed where the matmul kernel runs, as decoding has it; the setting is the
             # model's static data, so each setting traces and compiles its own programs.
-            subject[setting] = lm.with_kernels(Kernels.parse(setting)).packed()
+            subject[setting] = weights_lm.with_kernels(Kernels.parse(name)).packed()
             for t in ts:
                 fn = jax.jit(functools.partial(loop), static_argnums=(2, 3), donate_argnums=1)
                 progs[setting, t] = program.compile_lowered(fn.lower(subject[setting], fresh(), t, steps))
@@ -115,6 +120,8 @@ def main(argv):
     ts = [int(t) for t in FLAGS.tokens.split(",")]
     sizes = [int(s) for s in FLAGS.cache.split(",")]
     check_settings(FLAGS.kernels)
+    if not set(FLAGS.quantize) <= {"none", *model.QUANTIZE}:
+        raise app.UsageError(f"--quantize={','.join(FLAGS.quantize)}: expected none and/or {', '.join(model.QUANTIZE)}")
     lm = model.init_lm(cfg, sharding.make_mesh(MeshConfig(1, 1), jax.devices()[:1]))
     weight_bytes = sum(x.nbytes for x in jax.tree.leaves(lm.params))
     print(f"{FLAGS.config}: {lm.num_params / 1e6:.1f}M params, {weight_bytes / 1e6:.1f} MB")
@@ -125,12 +132,13 @@ def main(argv):
               + f" -> 1-token roofline {weight_bytes / gbps / 1e6:.2f} ms"
               " (weights read once at the best rate, cache ignored)")
     print(f"{FLAGS.clock} ms per forward (median of {FLAGS.repeats})")
-    label = len(FLAGS.kernels) > 1
-    wide = max(8, *(len(k) for k in FLAGS.kernels))
+    rows = [s if q == "none" else f"{s}/{q}" for q in FLAGS.quantize for s in FLAGS.kernels]
+    label = len(rows) > 1
+    wide = max(8, *(len(k) for k in rows))
     print("cache S  " + (f"{'kernels':<{wide}} " if label else "") + "  ".join(f"T={t:<6}" for t in ts) + "  T_max/T_1")
-    med = forward_times(lm, ts, sizes, FLAGS.kernels, FLAGS.steps, FLAGS.repeats, FLAGS.clock)
+    med = forward_times(lm, ts, sizes, FLAGS.kernels, FLAGS.steps, FLAGS.repeats, FLAGS.clock, FLAGS.quantize)
     for size in sizes:
-        for setting in FLAGS.kernels:
+        for setting in rows:
             row = [med[size, setting, t] for t in ts]
             print(f"{size:<8} " + (f"{setting:<{wide}} " if label else "") + "  ".join(f"{m:<8.2f}" for m in row)
                   + f"  {row[-1] / row[0]:.2f}")

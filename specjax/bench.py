@@ -69,6 +69,7 @@ def define_flags() -> None:
                       "copy-heavy task).")
     flags.DEFINE_string("prompts_file", None, "Prompts from this file instead (one per line, or JSONL with "
                         "\"prompt\" or \"prompt_tokens\", as sample's), all of them (--num_prompts is ignored).")
+    cli.define_quantize_flag()
 
 
 def main(argv):
@@ -130,13 +131,13 @@ def main(argv):
     prompts_lib.check([prompts_lib.Prompt(f"prompt {i}", p) for i, p in enumerate(prompts)],
                       config.target.vocab_size, min(m.max_seq_len for m in models.values()), max_new)
     mesh = sharding.make_checked_mesh(config.mesh, models)
-    target, draft = weights.load(mesh, need_draft=need_draft)
+    target, draft = weights.load(mesh, need_draft=need_draft, quantize=cli.quantize())
     if specs and need_draft:  # every self-draft made of the one target's arrays
         draft = {spec.text: self_draft.self_draft(target, spec) for spec in specs}
     report = {"config": config.name, **{k: v for k, v in sources.items() if v is not None},
               **({"self_draft": [s.text for s in specs]} if specs else {}),
               "machine": f"{jax.device_count()}x {jax.devices()[0].device_kind}",
-              "init": FLAGS.init,
+              "init": FLAGS.init, "quantize": FLAGS.quantize,
               "prompts": FLAGS.prompts_file or (FLAGS.prompts if tokenizer is not None else "random ids"),
               **timing.bench(target, draft, prompts, base, ks, batch_sizes, repeats, seed, variants=variants,
                              datastore=store)}

@@ -31,7 +31,8 @@ from flax import nnx
 
 from specjax import kv_cache, kv_heads, sharding
 from specjax.config import ModelConfig
-from specjax.kernels import DEFAULT as DEFAULT_KERNELS, Kernels, dispatch, pack_params, project, should_pack, stored
+from specjax.kernels import (DEFAULT as DEFAULT_KERNELS, Kernels, dispatch, pack_params, project, quantize_params, rows,
+                             should_pack, stored)
 from specjax.kv_cache import CACHE_AXES, Fresh, KVCache
 
 MASKED = -1e30
@@ -350,7 +351,7 @@ class Transformer(nnx.Module):
             one_hot = jax.nn.one_hot(tokens, cfg.vocab_size, dtype=ct)
             x = jnp.einsum("BTV,VD->BTD", one_hot, stored(self.embed.value).astype(ct))
         else:  # one device holds the table: a gather costs B*T*D, not B*T*V*D
-            x = jnp.take(stored(self.embed.value), tokens, axis=0).astype(ct)
+            x = rows(self.embed.value, tokens, ct)
         if cfg.input_embedding_scale != 1.0:
             x = x * cfg.input_embedding_scale
         visible = causal(T) if visible is None else jnp.asarray(visible, bool)
@@ -420,6 +421,7 @@ def causal(size: int) -> jax.Array:
 # one layer's weight).
 PROJECTIONS = {"wq": (1, 3), "wk": (1, 3), "wv": (1, 3), "wo": (2, 3), "w_in": (1, 2), "w_gate": (1, 2),
                "w_out": (1, 2), "unembed": (1, 2)}
+QUANTIZE = ("int8",)  # what `LM.quantized` makes (int4 is the next format)
 
 
 @jax.tree_util.register_pytree_node_class
@@ -469,6 +471,18 @@ class LM:
         if made is not None:
             _remember(out, out if made is self else dataclasses.replace(made, kernels=kernels))
         return out
+
+    def quantized(self, kind: str) -> LM:
+        """This model with its weights quantized (`QUANTIZE`; 'int8': `kernels.Int8`,
+        symmetric per output column): every projection, the unembedding, and the embedding
+        table (per row: a tied table is then the unembedding's per-column quantization
+        too, and the lookup dequantizes only the rows it reads). The norms, Transformer-XL's
+        W_r and biases stay float. The result is a model of its own, the one that sampling
+        from it (SpS included) samples exactly; `packed()` gives it the int8 kernel's panels."""
+        if kind not in QUANTIZE:
+            raise ValueError(f"quantization {kind!r}: not one of {', '.join(QUANTIZE)}")
+        names = {**PROJECTIONS, "embed": (1, 2)}
+        return dataclasses.replace(self, params=quantize_params(self.params, names, ("embed",)))  # subclasses stay
 
     def packed(self) -> LM:
         """This model as decoding runs it: its projections packed for the CPU few-row kernel

@@ -10,6 +10,7 @@ with their ms/token. Typical use:
     python -m specjax.sample --gguf_target=SmolLM2-135M-Instruct.Q4_1.gguf --mode=ars --prompt="def fib(n):"
     python -m specjax.sample --mode=sps --drafter=ngram --verify=block --lookahead=6
     python -m specjax.sample --gguf_target=SmolLM2-135M-Instruct.Q4_1.gguf --self_draft=layers:8 --prompt="def f"
+    python -m specjax.sample --hf_target=SmolLM2-360M --hf_draft=SmolLM2-135M --quantize=int8
 
 Every input is checked before a model is built or compiled; bad input is one line on
 stderr and exit code 2. `--output` gets one JSON line per sample, written and flushed per
@@ -82,6 +83,7 @@ def define_flags() -> None:
     flags.DEFINE_bool("train_missing", True, f"Train {' and '.join(locate.AUTO_TRAIN)} first when their default "
                       "checkpoints are missing (the embedded default); other configs are never trained here.")
     flags.DEFINE_bool("print_samples", True, "Print each sample's text as its batch finishes.")
+    cli.define_quantize_flag()
 
 
 def main(argv):
@@ -97,7 +99,8 @@ def main(argv):
         init=FLAGS.init, checkpoint=FLAGS.checkpoint, draft_checkpoint=FLAGS.draft_checkpoint,
         output=FLAGS.output, train_missing=FLAGS.train_missing, print_samples=FLAGS.print_samples,
         hf_target=FLAGS.hf_target, hf_draft=FLAGS.hf_draft, gguf_target=FLAGS.gguf_target,
-        gguf_draft=FLAGS.gguf_draft, datastore=FLAGS.datastore, self_draft=FLAGS.self_draft))
+        gguf_draft=FLAGS.gguf_draft, datastore=FLAGS.datastore, self_draft=FLAGS.self_draft,
+        quantize=cli.quantize()))
 
 
 if __name__ == "__main__":

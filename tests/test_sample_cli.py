@@ -191,6 +191,31 @@ def test_both_modes_print_side_by_side(env, greedy, tmp_path):
     assert "SpS speedup over ArS" in proc.stdout
 
 
+def test_quantized_int8_run_samples_the_quantized_model(env, tmp_path):
+    """--quantize=int8: greedy SpS equals greedy ArS, and both equal greedy ArS (in this
+    process) of the float model whose weights are the int8 ones dequantized in numpy."""
+    from specjax import model, sharding
+    from specjax.config import MeshConfig, SamplingConfig, load_config
+    from specjax.decode import api
+    from specjax.kernels import Int8
+
+    out = tmp_path / "int8.jsonl"
+    proc = sample(env, *TINY, "--mode=both", "--quantize=int8", *GREEDY, f"--output={out}")
+    assert proc.returncode == 0, proc.stderr
+    records = read_jsonl(out)
+    mesh = sharding.make_mesh(MeshConfig(1, 1), jax.devices()[:1])
+    q_lm = model.init_lm(load_config("tiny").target, mesh).quantized("int8")
+    deq = lambda w: np.asarray(w.q, np.float64) * (np.asarray(w.scale, np.float64)[:, None] if w.transposed  # noqa: E731
+                                                  else np.asarray(w.scale, np.float64).reshape(w.out))
+    reference = dataclasses.replace(q_lm, params=jax.tree.map(
+        lambda w: jax.device_put(deq(w).astype(np.float32), w.q.sharding) if isinstance(w, Int8) else w, q_lm.params,
+        is_leaf=lambda x: isinstance(x, Int8)))
+    with jax.set_mesh(mesh):
+        want = api.generate(reference, None, [[1, 2, 3], [4, 5, 6, 7, 8]],
+                            SamplingConfig(temperature=0.0, max_new_tokens=MAX_NEW)).tokens
+    assert by_row(records, "sps") == by_row(records, "ars") == {(p, s): want[p] for p in (0, 1) for s in (0, 1)}
+
+
 def test_checkpoint_weights_are_the_ones_sampled(env, files, greedy, tmp_path):
     from_ckpt = sample(env, "--config=tiny", "--mode=ars", f"--checkpoint={files / 'tiny_seed7'}", *GREEDY,
                        f"--output={tmp_path / 'ckpt.jsonl'}")
@@ -287,6 +312,7 @@ BAD_INPUTS = [
      ["num_heads=8", "'model' mesh axis of size 3"]),
     ("mesh larger than the devices", ["--mesh=2x4"], {}, ["mesh 2x4", "needs 8 devices", "1 are available"]),
     ("mode misspelled", ["--mode=spd"], {}, ["--mode=spd", "sps|ars|both"]),
+    ("quantize unknown", ["--quantize=int3"], {}, ["--quantize=int3", "none|int8"]),
     ("sps without a draft", ["--config=mini_target"], {}, ["--mode=sps", "no", "draft", "--mode=ars"]),
     ("num_samples 0", ["--num_samples=0"], {}, ["--num_samples=0", "positive integer"]),
     ("verify misspelled", ["--verify=greedy"], {}, ["--verify=greedy", "block|tokenwise"]),

@@ -34,6 +34,17 @@ class RunError(RuntimeError):
     """A run failed for a reason outside the inputs (a full disk, a failed subprocess)."""
 
 
+def define_quantize_flag() -> None:
+    from specjax.model import QUANTIZE
+    flags.DEFINE_enum("quantize", "none", ["none", *QUANTIZE], "Quantize the float weights on load: int8 = "
+                      "symmetric per output channel (every projection, the unembedding and the embedding table); "
+                      "the run samples the quantized model exactly. Applies to the target and the draft.")
+
+
+def quantize() -> Optional[str]:
+    return None if FLAGS.quantize == "none" else FLAGS.quantize
+
+
 def define_config_flag(default: str) -> None:
     flags.DEFINE_string("config", default, "Config name (specjax/configs/NAME.py) or path to a config file. "
                         "Override fields with --config.FIELD.SUB=VALUE, e.g. --config.sampling.lookahead=3.")

@@ -249,11 +249,21 @@ class Weights:
             return self.sources[0].reader.read_config(self.sources[0].path).eos_ids
         return ()
 
-    def load(self, mesh, *, need_draft: bool):
+    def load(self, mesh, *, need_draft: bool, quantize: Optional[str] = None):
+        """(target, draft or None) on `mesh`; with `quantize` ('int8'), each quantized on load
+        (`LM.quantized`): the run samples the quantized models. A self-draft is made of the
+        (quantized) target's own arrays."""
         if self.self_draft is not None:
             from specjax.weights.self_draft import self_draft
-            target, _ = dataclasses.replace(self, self_draft=None).load(mesh, need_draft=False)
+            target, _ = dataclasses.replace(self, self_draft=None)._load(mesh, False)
+            target = target.quantized(quantize) if quantize is not None else target
             return target, self_draft(target, self.self_draft) if need_draft else None
+        target, draft = self._load(mesh, need_draft)
+        if quantize is not None:
+            target, draft = target.quantized(quantize), (draft.quantized(quantize) if draft is not None else None)
+        return target, draft
+
+    def _load(self, mesh, need_draft: bool):
         if self.init == "imported":
             def one(source, cfg):
                 lm, _ = source.reader.load(source.path, mesh, **source.runtime(cfg))

@@ -43,6 +43,7 @@ class Request:
     print_samples: bool = True
     datastore: Optional[str] = None  # for drafter='retrieval' | 'hybrid'
     self_draft: Optional[str] = None  # 'layers:N': the draft is made of the target's own first N layers
+    quantize: Optional[str] = None  # 'int8': target and draft quantized on load
 
 
 @dataclasses.dataclass(frozen=True)
@@ -153,7 +154,7 @@ def run(req: Request) -> None:
                              gguf_draft=req.gguf_draft, self_draft=spec)
     inputs = distributed.agreed(lambda: read_inputs(req, raw_prompts, weights))
     mesh = sharding.make_checked_mesh(req.mesh, models(req))  # first device work: all input is valid by now
-    target, draft = weights.load(mesh, need_draft=need_draft(req))
+    target, draft = weights.load(mesh, need_draft=need_draft(req), quantize=req.quantize)
     by_mode = {"sps": inputs.sampling, "ars": dataclasses.replace(inputs.sampling, drafter="model")}  # ArS: target alone
     report = Report(req.modes, inputs.sampling, weights.tokenizer() if distributed.is_main() else None,
                     print_samples=req.print_samples)

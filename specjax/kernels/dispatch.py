@@ -15,7 +15,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from specjax.kernels.library import ATTENTION_TARGET, MATMUL_TARGET, NUCLEUS_TARGET, available
+from specjax.kernels.library import ATTENTION_TARGET, MATMUL_INT8_TARGET, MATMUL_TARGET, NUCLEUS_TARGET, available
 from specjax.kernels.setting import Kernels
 
 MAX_ROWS = 8
@@ -59,6 +59,22 @@ def fewrow_matmul(x: jax.Array, panels: jax.Array, n: int) -> jax.Array:
 def _fewrow_matmul_jvp(n, primals, tangents):  # so that a gradient through a small batch still works
     (x, panels), (dx, dpanels) = primals, tangents
     return fewrow_matmul(x, panels, n), panel_dot(dx, panels, n) + panel_dot(x, dpanels, n)
+
+
+@functools.partial(jax.custom_jvp, nondiff_argnums=(3,))
+def fewrow_matmul_int8(x: jax.Array, panels: jax.Array, scale: jax.Array, n: int) -> jax.Array:
+    """x [T, K] @ (int8 panels [P, K, PANEL] times scale [P, PANEL] per column), the first
+    `n` columns, float32, by `fewrow_matmul.cc`'s int8 variant (call only where
+    `available()`). Differentiable in x (the weight is a constant)."""
+    out = jax.ShapeDtypeStruct((x.shape[0], n), jnp.float32)
+    return jax.ffi.ffi_call(MATMUL_INT8_TARGET, out, vmap_method="sequential")(x, panels, scale)
+
+
+@fewrow_matmul_int8.defjvp
+def _fewrow_matmul_int8_jvp(n, primals, tangents):
+    (x, panels, scale), (dx, _, _) = primals, tangents
+    dy = panel_dot(dx, panels.astype(dx.dtype), n) * scale.reshape(-1)[:n]
+    return fewrow_matmul_int8(x, panels, scale, n), dy
 
 
 # --------------------------------------------------------------------------- attention

@@ -8,18 +8,29 @@ pytree class that holds its own storage and implements
     astype(dtype), dtype, shape, T     -> as an array's (T where the format holds a transpose)
     plain                              -> the array as stored (`stored`: an embedding lookup)
 
-so the model asks for "x @ W" in one place and the weight's format picks the kernel. A
-new format (int8 per output channel; int4 in groups along the input with a scale and a
-minimum, onto which GGUF's Q8_0/Q4_0/Q4_1 map) is one more such class with its own
-kernel and its own packing function, used by `pack_params` in the same way.
+so the model asks for "x @ W" in one place and the weight's format picks the kernel.
 
 `Packed` is the float32 format of the CPU few-row kernel: `LM.packed()` packs a model's
 projections once, for decoding, where `should_pack` says that the kernel runs and the
 copy fits in memory.
+
+`Int8` is a quantized weight, w = q * scale with int8 q and a float32 scale per output
+column (symmetric: `quantize_int8`). It is the model: every path multiplies by exactly
+q * scale, as x @ q scaled per column (the same sum whichever path runs). `pack_params`
+gives it int8 panels for the few-row kernel (`fewrow_matmul.cc`, dequantized in
+registers: a quarter of the float32 panels' bytes); elsewhere XLA's dot multiplies by q
+converted to the compute dtype. An embedding table is quantized per row (= per output
+column of its transpose, the tied unembedding); `rows` looks tokens up in it.
+
+Next, int4 (groups of 32 along the input, a scale and a minimum per group: GGUF's
+Q4_0/Q4_1 and, with int8 codes, Q8_0, which are per input block and so not `Int8`) is one
+more such class: packed nibbles in the same panel layout, a per-group scale applied
+inside the k loop of the same kernel template.
 """
 from __future__ import annotations
 
 import dataclasses
+import functools
 import logging
 import math
 import pathlib
@@ -107,6 +118,122 @@ class Packed:
         return y.reshape(*x.shape[:-1], *self.out)
 
 
+@jax.tree_util.register_pytree_node_class
+@dataclasses.dataclass(frozen=True)
+class Int8:
+    """A weight q * scale: q int8 in the float weight's layout [*lead, *contracted, *out]
+    (`transposed`: [*lead, N, K], a table multiplied by as its transpose and looked up by
+    rows), scale float32 [*lead, N], one per output column (N = prod(out)). `panels`
+    [*lead, P, K, PANEL] int8: q as the few-row kernel reads it (`pack`'s layout), made by
+    `pack_params` where the kernel runs, else None. A pytree of those arrays, so it rides
+    in a model's params and a scan over stacked layers slices them all."""
+
+    q: jax.Array
+    scale: jax.Array
+    out: tuple[int, ...]
+    transposed: bool = False
+    panels: jax.Array | None = None
+
+    def tree_flatten(self):
+        return (self.q, self.scale, self.panels), (self.out, self.transposed)
+
+    @classmethod
+    def tree_unflatten(cls, aux, children):
+        q, scale, panels = children
+        return cls(q, scale, *aux, panels)
+
+    dtype = jnp.dtype(jnp.float32)  # what x @ W computes in: the scale's dtype
+
+    @property
+    def n(self) -> int:
+        return math.prod(self.out)
+
+    @property
+    def shape(self):
+        """The shape of the weight as multiplied by (a transposed table's [D, V])."""
+        s = self.q.shape
+        return (*s[:-2], s[-1], s[-2]) if self.transposed else s
+
+    def astype(self, dtype) -> "Int8":
+        """Itself: q is converted to the input's dtype where it is multiplied."""
+        return self
+
+    def reshape(self, k: int, n: int = -1) -> "Int8":
+        """The weight with its contracted axes merged into one of size k (one layer's)."""
+        if self.transposed or self.scale.ndim != 1 or self.q.size != k * self.n or n not in (-1, self.n):
+            raise ValueError(f"int8 weight {self.q.shape} contracts into {self.n}: not [{k}, {n}]")
+        return Int8(self.q.reshape(k, self.n), self.scale, (self.n,), False, self.panels)
+
+    @property
+    def T(self) -> "Int8":
+        if not self.transposed:
+            raise ValueError("only a weight quantized transposed can be multiplied by as its transpose")
+        return self
+
+    def dequantized(self, dtype=jnp.float32) -> jax.Array:
+        """q * scale as stored (a table's [*lead, V, D] rows), in `dtype`."""
+        if self.transposed:
+            return self.q.astype(dtype) * self.scale[..., None].astype(dtype)
+        lead = self.scale.ndim - 1
+        shape = (*self.scale.shape[:lead], *[1] * (self.q.ndim - lead - len(self.out)), *self.out)
+        return self.q.astype(dtype) * self.scale.reshape(shape).astype(dtype)
+
+    def project(self, spec: str, x: jax.Array, setting: Kernels, **kwargs) -> jax.Array:
+        """The int8 kernel where it applies (panels made, float32, few rows, one CPU
+        device), else XLA's einsum over q in x's dtype; either way the sum over k of
+        x * q, times the column's scale. `spec`'s output ends with w's `out` axes."""
+        if (self.panels is not None and dispatch.use_matmul(x, self.dtype, setting)
+                and kwargs.get("preferred_element_type", jnp.float32) == jnp.float32):
+            P = self.panels.shape[-3]
+            scale = jnp.pad(self.scale, (0, P * PANEL - self.n)).reshape(P, PANEL)
+            y = dispatch.fewrow_matmul_int8(x.reshape(-1, x.shape[-1]), self.panels, scale, self.n)
+            return y.reshape(*x.shape[:-1], *self.out)
+        q = self.q.astype(x.dtype)
+        y = jnp.einsum(spec, x, jnp.swapaxes(q, -1, -2) if self.transposed else q, **kwargs)
+        return (y * self.scale.reshape(self.out)).astype(y.dtype)
+
+
+def quantize_int8(w: jax.Array, contracted: int, lead: int = 0, *, transposed: bool = False) -> Int8:
+    """w [*lead, *contracted, *out] (`transposed`: [*lead, N, K]) -> Int8, symmetric per
+    output column: scale = max |w| over the column / 127, q = round(w / scale) (a zero
+    column gets scale 1 and q 0)."""
+    w = jnp.asarray(w, jnp.float32)
+    if transposed:
+        if contracted != 1 or w.ndim != lead + 2:
+            raise ValueError(f"a transposed weight is [*lead, N, K]: got {w.shape} with lead={lead}")
+        amax = jnp.max(jnp.abs(w), axis=-1)
+        scale = jnp.where(amax > 0, amax / 127, 1.0)
+        q = jnp.clip(jnp.round(w / scale[..., None]), -127, 127).astype(jnp.int8)
+        return Int8(q, scale, (w.shape[-2],), True)
+    out = tuple(w.shape[lead + contracted:])
+    axes = tuple(range(lead, lead + contracted))
+    amax = jnp.max(jnp.abs(w), axis=axes, keepdims=True)
+    scale = jnp.where(amax > 0, amax / 127, 1.0)
+    q = jnp.clip(jnp.round(w / scale), -127, 127).astype(jnp.int8)
+    return Int8(q, scale.reshape(*w.shape[:lead], math.prod(out)), out)
+
+
+def quantize_params(params, contracted: dict[str, tuple[int, int]], transposed: tuple[str, ...] = ()):
+    """params with every float weight named in `contracted` (as `pack_params`'s) replaced by
+    its `Int8` quantization, one jitted program per weight (the float weights are not
+    copied), q placed as the weight was (its sharding on the mesh), the small scales
+    replicated; names in `transposed` are [N, K] tables quantized per row."""
+    def one(path, w):
+        names = [k.key for k in path if isinstance(k, jax.tree_util.DictKey) and isinstance(k.key, str)]
+        if isinstance(w, (Packed, Int8)) or not names or names[-1] not in contracted:
+            return w
+        axes, ndim = contracted[names[-1]]
+        fn = functools.partial(quantize_int8, contracted=axes, lead=len(w.shape) - ndim,
+                               transposed=names[-1] in transposed)
+        where = getattr(w, "sharding", None)
+        if not isinstance(where, jax.sharding.NamedSharding):
+            return jax.jit(fn)(w)
+        everywhere = jax.sharding.NamedSharding(where.mesh, jax.sharding.PartitionSpec())
+        placed = jax.tree.map(lambda a: where if a.dtype == jnp.int8 else everywhere, jax.eval_shape(fn, w))
+        return jax.jit(fn, out_shardings=placed)(w)
+
+    return jax.tree_util.tree_map_with_path(one, params, is_leaf=lambda x: isinstance(x, (Packed, Int8)))
+
 def project(spec: str, x: jax.Array, w, setting: Kernels, dtype=None, **kwargs) -> jax.Array:
     """x @ W as `jnp.einsum(spec, x, w, **kwargs)`, `spec` contracting x's last axis with
     w's leading ones, w first cast to `dtype` (the compute dtype) when given. A plain
@@ -137,8 +264,18 @@ def pack(w: jax.Array, contracted: int, lead: int = 0, *, transposed: bool = Fal
 
 def stored(w) -> jax.Array:
     """The array as stored: a format's plain array (a tied table's [V, D] rows for the
-    embedding lookup), a plain one itself."""
+    embedding lookup), a quantized one dequantized, a plain one itself."""
+    if isinstance(w, Int8):
+        return w.dequantized()
     return w.plain if isinstance(w, Packed) else w
+
+
+def rows(table, tokens: jax.Array, dtype) -> jax.Array:
+    """An embedding lookup: rows `tokens` of a [V, D] table in `dtype` (of a quantized table,
+    only those rows dequantized)."""
+    if isinstance(table, Int8):
+        return jnp.take(table.q, tokens, axis=0).astype(dtype) * jnp.take(table.scale, tokens, axis=0)[..., None].astype(dtype)
+    return jnp.take(stored(table), tokens, axis=0).astype(dtype)
 
 
 def memory_available() -> int | None:
@@ -173,22 +310,25 @@ def should_pack(params, dtypes: tuple[str, str], setting: Kernels, *, new_copy: 
 
 def pack_params(params, contracted: dict[str, tuple[int, int]], transposed: tuple[str, ...] = ()):
     """params with every weight named in `contracted` (name -> (contracted axes, axes of
-    one layer's weight); more axes are stacked layers) replaced by its Packed copy, the
+    one layer's weight); more axes are stacked layers) replaced by its Packed copy (an
+    `Int8` given its int8 panels), the
     panels made by one jitted program on the params' device (or, for abstract params,
     their shapes). Names in `transposed` are [N, K] weights multiplied by as their
     transpose (`pack`). The Packed weights hold the params' own arrays as `plain`: only
     the panels are new (a jitted program returning the arrays too would copy them)."""
-    is_packed = lambda x: isinstance(x, Packed)  # noqa: E731
+    is_packed = lambda x: isinstance(x, (Packed, Int8))  # noqa: E731
+    source = lambda w: w.q if isinstance(w, Int8) else w  # what is packed: an Int8's q  # noqa: E731
 
     def recipe(path, w) -> dict | None:
         names = [k.key for k in path if isinstance(k, jax.tree_util.DictKey) and isinstance(k.key, str)]
-        if is_packed(w) or not names or names[-1] not in contracted:
+        if isinstance(w, Packed) or (isinstance(w, Int8) and w.panels is not None) or not names \
+                or names[-1] not in contracted:
             return None
         axes, ndim = contracted[names[-1]]
-        return dict(contracted=axes, lead=len(w.shape) - ndim, transposed=names[-1] in transposed)
+        return dict(contracted=axes, lead=len(source(w).shape) - ndim, transposed=names[-1] in transposed)
 
     def panels(p):
-        return {jax.tree_util.keystr(path): pack(w, **r).panels
+        return {jax.tree_util.keystr(path): pack(source(w), **r).panels
                 for path, w in jax.tree_util.tree_leaves_with_path(p, is_leaf=is_packed)
                 if (r := recipe(path, w)) is not None}
 
@@ -206,6 +346,8 @@ def pack_params(params, contracted: dict[str, tuple[int, int]], transposed: tupl
         r = recipe(path, w)
         if r is None:
             return w
+        if isinstance(w, Int8):
+            return dataclasses.replace(w, panels=made[jax.tree_util.keystr(path)])
         layout = jax.eval_shape(lambda w: pack(w, **r), jax.ShapeDtypeStruct(w.shape, w.dtype))
         return Packed(w, made[jax.tree_util.keystr(path)], layout.out, layout.transposed)
 

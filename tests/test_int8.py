@@ -1,0 +1,163 @@
+"""int8 weights (`kernels.Int8`): the quantization, the few-row kernel's int8 variant and
+XLA's path against float64 numpy references of the dequantized weight, a quantized model
+through prefill and decode against the same model with those weights dequantized in
+numpy, the kernel's dispatch, and greedy SpS == greedy ArS on a quantized target."""
+from __future__ import annotations
+
+import dataclasses
+import re
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from specjax import kernels, kv_cache, model
+from specjax.config import SamplingConfig
+from specjax.decode import api
+from specjax.kernels import NONE, Kernels, formats, library
+from conftest import mesh_for
+
+needs_kernel = pytest.mark.skipif(not kernels.available(), reason="kernel not built here (no C++ compiler?)")
+INT8_CALL = library.MATMUL_INT8_TARGET
+FLOAT_CALL = library.MATMUL_TARGET
+ON = Kernels()
+
+
+def quantize_reference(w: np.ndarray, axes: tuple[int, ...]) -> tuple[np.ndarray, np.ndarray]:
+    """Symmetric int8 in float64: scale = max |w| over `axes` (the contracted ones) / 127."""
+    w = np.asarray(w, np.float64)
+    scale = np.abs(w).max(axis=axes, keepdims=True) / 127
+    scale = np.where(scale > 0, scale, 1.0)
+    return np.clip(np.round(w / scale), -127, 127), scale
+
+
+def dequantized(w: formats.Int8) -> np.ndarray:
+    """q * scale in float64 as stored (a transposed table's [V, D] rows), from the arrays."""
+    q, s = np.asarray(w.q, np.float64), np.asarray(w.scale, np.float64)
+    if w.transposed:
+        return q * s[..., None]
+    lead = s.ndim - 1
+    return q * s.reshape(*s.shape[:lead], *[1] * (q.ndim - lead - len(w.out)), *w.out)
+
+
+def test_quantization_is_symmetric_per_output_channel():
+    rng = np.random.default_rng(0)
+    w = rng.standard_normal((3, 20, 4, 5)).astype(np.float32)  # two stacked layers of [20] x [4, 5]
+    w[1, :, 2, 3] = 0  # a zero column: scale 1, q 0
+    qw = kernels.quantize_int8(jnp.asarray(w), 1, lead=1)
+    q_ref, s_ref = quantize_reference(w, (1,))
+    assert qw.q.dtype == jnp.int8 and qw.scale.shape == (3, 20) and qw.out == (4, 5)
+    np.testing.assert_array_equal(np.asarray(qw.q), q_ref)
+    np.testing.assert_allclose(np.asarray(qw.scale), s_ref.reshape(3, 20), rtol=1e-6)
+    assert np.abs(np.asarray(qw.q)).max() == 127
+    table = rng.standard_normal((50, 8)).astype(np.float32)  # [V, D]: per row
+    qt = kernels.quantize_int8(jnp.asarray(table), 1, transposed=True)
+    q_ref, s_ref = quantize_reference(table, (1,))
+    np.testing.assert_array_equal(np.asarray(qt.q), q_ref)
+    np.testing.assert_allclose(np.asarray(qt.scale), s_ref[:, 0], rtol=1e-6)
+    assert qt.shape == (8, 50) and qt.T is qt
+    tokens = jnp.array([[3, 49, 0]])
+    np.testing.assert_allclose(np.asarray(kernels.rows(qt, tokens, jnp.float32)), (q_ref * s_ref)[[[3, 49, 0]]],
+                               rtol=1e-6)
+
+
+@needs_kernel
+@pytest.mark.parametrize("K,N", [(1, 1), (3, 17), (33, 47), (7, 130), (64, 64), (129, 200), (301, 1000)])
+def test_int8_kernel_and_xla_path_match_float64_of_the_dequantized_weight(K, N):
+    """Every T in 1..8, partial panels (N not a multiple of 64), odd K: the kernel (packed)
+    and XLA's path (not packed) against x @ (q * scale) in float64; a row's value does not
+    depend on the rows beside it."""
+    rng = np.random.default_rng(K * 1000 + N)
+    w = (rng.standard_normal((K, N)) * K ** -0.5).astype(np.float32)
+    qw = kernels.quantize_int8(jnp.asarray(w), 1)
+    packed = formats.pack_params({"w": qw}, {"w": (1, 2)})["w"]
+    assert packed.panels.dtype == jnp.int8 and packed.panels.shape == (-(-N // 64), K, 64)
+    deq = dequantized(qw)
+    x8 = rng.standard_normal((8, K)).astype(np.float32)
+    lowered = jax.jit(lambda x, w: kernels.project("TK,KN->TN", x, w, ON))
+    with jax.set_mesh(mesh_for("1x1")):
+        assert INT8_CALL in lowered.lower(x8[:3], packed).as_text()
+        assert INT8_CALL not in lowered.lower(x8[:3], qw).as_text()  # no panels: XLA
+        by_kernel = [np.asarray(lowered(x8[:T], packed)) for T in range(1, 9)]
+        by_xla = [np.asarray(lowered(x8[:T], qw)) for T in range(1, 9)]
+    for T in range(1, 9):
+        want = x8[:T].astype(np.float64) @ deq
+        np.testing.assert_allclose(by_kernel[T - 1], want, rtol=1e-5, atol=1e-5)
+        np.testing.assert_allclose(by_xla[T - 1], want, rtol=1e-5, atol=1e-5)
+        np.testing.assert_array_equal(by_kernel[T - 1], by_kernel[-1][:T])
+
+
+def int8_outputs(text: str) -> list[tuple[int, int]]:
+    """(rows, columns) of every int8 few-row matmul in a lowered program's text."""
+    return [(int(m[1]), int(m[2])) for m in re.finditer(rf"custom_call @{INT8_CALL}\(.*-> tensor<(\d+)x(\d+)xf32>", text)]
+
+
+def as_float(q_lm: model.LM) -> model.LM:
+    """The quantized model's own weights, dequantized in float64 numpy, as a float model."""
+    is_int8 = lambda x: isinstance(x, formats.Int8)  # noqa: E731
+    params = jax.tree.map(lambda w: jax.device_put(dequantized(w).astype(np.float32), w.q.sharding) if is_int8(w)
+                          else w, q_lm.params, is_leaf=is_int8)
+    return dataclasses.replace(q_lm, params=params)
+
+
+@pytest.mark.parametrize("tied", [False, True], ids=["untied", "tied"])
+def test_quantized_model_equals_its_dequantized_float_model(tiny, tied):
+    """Prefill (11 tokens: XLA's dot on q), then decode passes of T = 1 and 5 (the int8
+    kernel, where built: checked on the lowered program), against the float model of the
+    dequantized weights with no kernels; every projection, the unembedding and the table
+    are int8."""
+    cfg = dataclasses.replace(tiny.target, tie_embeddings=tied)
+    mesh = mesh_for("1x1")
+    lm = model.init_lm(cfg, mesh)
+    q_lm = lm.quantized("int8")
+    leaves = jax.tree.leaves(q_lm.params, is_leaf=lambda x: isinstance(x, formats.Int8))
+    per_layer = 7 if cfg.ffw == "swiglu" else 6
+    assert sum(isinstance(x, formats.Int8) for x in leaves) == cfg.num_layers * per_layer + (1 if tied else 2)
+    reference = as_float(q_lm).with_kernels(NONE)
+    decoding = q_lm.packed()
+    assert (decoding is not q_lm) == kernels.available()
+    prompt = 11
+    tokens = jax.random.randint(jax.random.key(3), (1, prompt + 6), 0, cfg.vocab_size)
+    extend = jax.jit(lambda lm, t, p, c: lm.extend(t, p, c))
+    with jax.set_mesh(mesh):
+        first = (tokens[:, :prompt], jnp.arange(prompt)[None], kv_cache.init_cache(cfg, 1, 32))
+        assert int8_outputs(extend.lower(decoding, *first).as_text()) == []  # 11 rows: XLA's dot
+        logits = {}
+        for name, subject in (("int8", decoding), ("float", reference)):
+            out, cache = extend(subject, *first)
+            steps = [out]
+            start = prompt
+            for T in (1, 5):
+                args = (subject, tokens[:, start:start + T], (start + jnp.arange(T))[None], cache)
+                if name == "int8":
+                    calls = int8_outputs(extend.lower(*args).as_text())
+                    # Every layer's projections and the logits run the int8 kernel, on T rows.
+                    want = [(T, n) for n in [cfg.num_heads * cfg.head_dim] + [cfg.num_kv_heads * cfg.head_dim] * 2
+                            + [cfg.d_model, cfg.d_ff, cfg.d_model]] * cfg.num_layers + [(T, cfg.vocab_size)]
+                    assert sorted(calls) == (sorted(want) if kernels.available() else []), (T, calls)
+                    assert FLOAT_CALL + "(" not in extend.lower(*args).as_text()
+                out, cache = extend(*args)
+                steps.append(out)
+                start += T
+            logits[name] = np.concatenate([np.asarray(s) for s in steps], axis=1)
+    scale = np.abs(logits["float"]).max()
+    np.testing.assert_allclose(logits["int8"], logits["float"], rtol=1e-4, atol=1e-5 * scale)
+    # The quantization changed the model (the comparison above is not between equal weights).
+    float_logits = np.asarray(jax.jit(model.full_forward)(lm.with_kernels(NONE), tokens[:, :prompt + 6]))
+    assert np.abs(float_logits - logits["float"]).max() > 1e-4 * scale
+
+
+@pytest.mark.parametrize("draft_kind", ["int8", "float"])
+def test_greedy_sps_equals_greedy_ars_on_an_int8_target(tiny, draft_kind):
+    mesh = mesh_for("1x1")
+    with jax.set_mesh(mesh):
+        target = model.init_lm(tiny.target, mesh).quantized("int8")
+        draft = model.init_lm(tiny.draft, mesh)
+        draft = draft.quantized("int8") if draft_kind == "int8" else draft
+        sampling = SamplingConfig(temperature=0.0, lookahead=3, max_new_tokens=20)
+        prompts = [[1, 2, 3], [4, 5, 6, 7, 8]]
+        sps = api.generate(target, draft, prompts, sampling, seed=0)
+        ars = api.generate(target, None, prompts, sampling, seed=1)
+    assert all(len(t) == 20 for t in ars.tokens)
+    assert sps.tokens == ars.tokens
