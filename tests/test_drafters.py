@@ -93,7 +93,11 @@ def test_samples_follow_the_exact_target_distribution(models, datastores, name, 
     assert pvalue > ALPHA
     proposed, accepted = summary["proposed_by"], summary["accepted_by"]
     if case.kind == "same":
-        assert accepted["model"] == proposed["model"] > 0  # p == q: every draft token is accepted
+        # p == q up to rounding: the draft's 1-token pass and the target's (K+1)-token scoring
+        # pass sum in different orders (the few-row kernel, per ISA), so q/p is 1 within float
+        # error and a handful of 300k tokens may be rejected (CI saw 2 on another host). A rule
+        # that rejected for any other reason would reject far more than 1 in 10^4.
+        assert proposed["model"] > 0 and proposed["model"] - accepted["model"] <= 1e-4 * proposed["model"]
     elif case.kind == "disjoint":
         assert result.acceptance_rate == 0.0  # q(x) = 0 for every drafted x
     else:
