@@ -110,7 +110,7 @@ def main(argv):
                          "`python -m specjax.datastore`)")
     if FLAGS.datastore is not None and not any(drafters.kind(v["drafter"]).uses_datastore for v in variants):
         raise UsageError(f"--datastore is used only by --drafter="
-                         f"{' or '.join(sorted(drafters.using('uses_datastore')))} (got "
+                         f"{' or '.join(sorted(drafters.using('uses_datastore'), reverse=True))} (got "
                          f"--drafter={','.join(sorted({v['drafter'] for v in variants}))})")
     models = {"target": config.target, **({"draft": config.draft} if need_draft else {})}
     dataclasses.replace(base, lookahead=max(ks)).check_context(min(m.max_seq_len for m in models.values()))

@@ -7,7 +7,7 @@ import pytest
 from scipy import stats
 
 from specjax.decode.sampling import Warp, cumulative, sample, warp
-from specjax.decode.speculative import accept
+from specjax.decode.verify import accept
 
 
 def reference_warp(logits, temperature, top_k, top_p):

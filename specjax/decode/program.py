@@ -228,10 +228,11 @@ class Program:
         compile_seconds = time.perf_counter() - start
         distributed.barrier("specjax: programs compiled")
         key = self._key()
+        # The warm-up's budget is placed before the guard: its transfer is the only one.
+        one = None if key in _WARMED else distributed.put(np.ones(1, np.int32), sharding.replicated(self.mesh))
         with jax.set_mesh(self.mesh):
             with jax.transfer_guard("disallow"):
                 if key not in _WARMED:
-                    one = distributed.put(np.ones(1, np.int32), sharding.replicated(self.mesh))
                     jax.block_until_ready(compiled(*self.args[:-1], one))
                     _WARMED.add(key)
                 start = time.perf_counter()
