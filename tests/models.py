@@ -5,6 +5,7 @@ from __future__ import annotations
 import re
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 
 from specjax import model, sharding
@@ -82,3 +83,16 @@ def fused_loop_collectives(program) -> dict:
     hlo = HloProgram(text)
     hlo.generation_loop()  # raises unless ENTRY holds exactly one data-dependent while loop
     return hlo.loop_and_outside()[0]
+
+
+@jax.jit
+def _full_forward(lm, tokens):
+    return model.full_forward(lm, tokens)
+
+
+def logits_of(lm, ids):
+    """Logits [B, T, V] of a whole sequence (no cache) as numpy, `ids` placed on the model's mesh."""
+    mesh = jax.tree.leaves(lm.params)[0].sharding.mesh
+    tokens = jax.device_put(jnp.asarray(ids, jnp.int32), sharding.named(mesh, ("batch", None), ids.shape))
+    with jax.set_mesh(mesh):
+        return np.asarray(_full_forward(lm, tokens))

@@ -34,6 +34,7 @@ from specjax.config import SamplingConfig, UsageError, cache_dir, load_config
 from specjax.weights import checkpoint, gguf, hf
 from specjax.weights.tokenizer import HFTokenizer
 from conftest import mesh_for
+from models import logits_of
 
 import gguf as gguf_package  # the format's own package: the independent reference for its types
 
@@ -56,18 +57,6 @@ def path(name):
 
 def reference(name):
     return np.load(FIXTURES / f"{name}.npz")
-
-
-@jax.jit
-def forward(lm, tokens):
-    return model.full_forward(lm, tokens)
-
-
-def logits_of(lm, ids):
-    mesh = jax.tree.leaves(lm.params)[0].sharding.mesh
-    tokens = jax.device_put(jnp.asarray(ids, jnp.int32), sharding.named(mesh, ("batch", None), ids.shape))
-    with jax.set_mesh(mesh):
-        return np.asarray(forward(lm, tokens))
 
 
 @pytest.mark.parametrize("name,mesh_name,scan", CASES, ids=[f"{f}-{m}-{'scan' if s else 'unrolled'}"

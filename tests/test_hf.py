@@ -35,6 +35,7 @@ from specjax.decode.sampling import Warp
 from specjax.weights import checkpoint, hf
 from specjax.weights.tokenizer import HFTokenizer
 from conftest import mesh_for
+from models import logits_of
 from test_speculative import use_accept  # noqa: F401 (a fixture)
 from theorem1 import ALPHA, N, N_NEGATIVE, chi_square_pvalue, exact_joint
 
@@ -52,18 +53,6 @@ CASES = ([(m, "1x1", scan) for m in MODELS for scan in (False, True)]
 
 def reference(name):
     return np.load(FIXTURES / name / "reference.npz")
-
-
-@jax.jit
-def forward(lm, tokens):
-    return model.full_forward(lm, tokens)
-
-
-def logits_of(lm, ids):
-    mesh = jax.tree.leaves(lm.params)[0].sharding.mesh
-    tokens = jax.device_put(jnp.asarray(ids, jnp.int32), sharding.named(mesh, ("batch", None), ids.shape))
-    with jax.set_mesh(mesh):
-        return np.asarray(forward(lm, tokens))
 
 
 @pytest.mark.parametrize("name,mesh_name,scan", CASES, ids=[f"{m}-{n}-{'scan' if s else 'unrolled'}"
