@@ -90,7 +90,10 @@ def test_70b_and_4b_fit_one_32gib_chip_at_batch_1(chinchilla):
     # Temporaries: both KV caches (0.33 GiB/chip) and activations, not a second f32 copy
     # of the stacked weights (what XLA:CPU's loop-invariant code motion would hoist).
     assert sps["temporaries"] < 2 * GiB
-    assert report["peak_rss_bytes"] < 3 * GiB  # nothing model-sized was allocated
+    # Nothing model-sized was allocated: the smallest model, the 4B draft, is 8 GiB in bf16.
+    # The compiler's own peak is what remains, and it grows with the host's threads (about
+    # 1 GiB on 2 cores, 3.9 GiB on a CI host), so the bound sits between the two.
+    assert report["peak_rss_bytes"] < 6 * GiB
 
 
 def _all_reduces(summary):

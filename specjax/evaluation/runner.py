@@ -170,8 +170,8 @@ def evaluate(config, task: str, *, limit=None, num_samples: int, ks: Sequence[in
     `format_table` prints (and `--output` writes). Ctrl-C stops after the current sample
     and still scores what finished (result['interrupted']). `self_draft` ('layers:N'):
     the draft is the target's own first N layers instead of the config's draft."""
-    spec = self_draft_spec(self_draft, draft_checkpoint=draft_checkpoint)
-    config = with_self_draft(config, spec)
+    self_spec = self_draft_spec(self_draft, draft_checkpoint=draft_checkpoint)
+    config = with_self_draft(config, self_spec)
     if config.draft is None:
         raise UsageError(f"config {config.name!r} has no draft model; evaluate compares ArS with SpS")
     lookahead = lookahead or config.sampling.lookahead
@@ -180,9 +180,10 @@ def evaluate(config, task: str, *, limit=None, num_samples: int, ks: Sequence[in
                          "sample or bench with --datastore")
     # The task fixes the paper's decoding (temperature, top-p, budget); how SpS drafts and
     # verifies is the config's.
-    spec = {k: getattr(config.sampling, k) for k in SPS_FIELDS}
+    decoding = {k: getattr(config.sampling, k) for k in SPS_FIELDS}
     settings = [dataclasses.replace(s, sampling=dataclasses.replace(
-        s.sampling, lookahead=lookahead, max_new_tokens=max_new_tokens or s.sampling.max_new_tokens, **spec).validate())
+        s.sampling, lookahead=lookahead, max_new_tokens=max_new_tokens or s.sampling.max_new_tokens,
+        **decoding).validate())
         for s in SETTINGS[task]]
     items = humaneval_items(limit) if task == "humaneval" else xsum_items(xsum_file, limit)
     check_seeds(seed, task, len(items), num_samples)
@@ -196,7 +197,7 @@ def evaluate(config, task: str, *, limit=None, num_samples: int, ks: Sequence[in
 
     cli.use_compilation_cache()
     weights = Weights.locate(config, "checkpoint", checkpoint, draft_checkpoint, need_draft=True,
-                             train_missing=train_missing, self_draft=spec)
+                             train_missing=train_missing, self_draft=self_spec)
     tokenizer = weights.tokenizer()
     if tokenizer is None:
         raise UsageError(f"evaluate works on text and {weights.no_tokenizer_reason}")
