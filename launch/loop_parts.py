@@ -60,7 +60,7 @@ def define_flags() -> None:
     flags.DEFINE_list("kernels", ["default"], "Kernel settings to compare, interleaved (as forward_cost.py's: on, "
                       "off, default, or kernels' names joined by +, e.g. matmul+attention).")
     flags.DEFINE_enum("drafter", None, ["model", "ngram"], "The drafter (default: the config's).")
-    flags.DEFINE_string("shape", None, f"The target's shape, one of launch/shapes.py's (default: the config's).")
+    flags.DEFINE_string("shape", None, "The target's shape, one of launch/shapes.py's (default: the config's).")
     flags.DEFINE_list("context", ["random"], "What the token buffer holds: random, distinct or repeating.")
     flags.DEFINE_enum("clock", "wall", ["wall", "cpu"], "wall: elapsed time; cpu: this process's CPU time (all its "
                       "threads: on a host shared with other jobs it is inflated far less).")

@@ -90,7 +90,7 @@ def main(argv):
             cells = " ".join(f"{m:6.1f}{'!' if r > FLAGS.limit else ' '}" for m, r in zip(row, ratios))
             print(f"| {name} | {cfg.num_layers}/{full.num_layers} | {weights / 1e9:.2f} + {packed / 1e9:.2f} | "
                   f"{setting} | {weights / gbps / 1e6:.1f} | {cells} | {max(ratios):.2f} |")
-            print(f"|   T/T=1 |  |  |  |  | " + " ".join(f"{r:6.2f} " for r in ratios) + " |  |")
+            print("|   T/T=1 |  |  |  |  | " + " ".join(f"{r:6.2f} " for r in ratios) + " |  |")
             flagged += [f"{name} [{setting}] T={t}: {r:.2f}x" for t, r in zip(ts, ratios) if r > FLAGS.limit]
         del lm
         gc.collect()  # a packed LM refers to itself: free both before the next shape

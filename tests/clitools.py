@@ -1,7 +1,23 @@
-"""What the CLI tests share: the tiny text config and an interruptible command line."""
+"""What the CLI tests share: the environment of a CLI run, the tiny text config, an
+interruptible command line, and many short runs forked from one process."""
 from __future__ import annotations
 
+import os
+import pathlib
 import sys
+
+ROOT = pathlib.Path(__file__).resolve().parent.parent
+
+
+def cli_env(base: pathlib.Path, devices: int = 1) -> dict:
+    """The environment of a CLI run: `devices` CPU devices (1 compiles fastest), a
+    compilation cache in `base` shared by the runs of one file (the same programs are
+    compiled once), an empty specjax cache (no default checkpoint exists), this checkout
+    first on the path, and a pinned terminal width (xdist workers have none)."""
+    return {**os.environ, "XLA_FLAGS": f"--xla_force_host_platform_device_count={devices}", "JAX_PLATFORMS": "cpu",
+            "JAX_COMPILATION_CACHE_DIR": str(base / "jax_cache"), "JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS": "0",
+            "JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES": "0", "SPECJAX_CACHE": str(base / "empty_cache"),
+            "PYTHONPATH": str(ROOT), "COLUMNS": "160"}
 
 # tiny with a 512-token vocabulary, for runs that need a tokenizer (saved next to it).
 TEXT_CONFIG = '''
@@ -26,3 +42,78 @@ def interruptible(module: str, *args: str) -> list[str]:
     code = ("import runpy, signal; signal.signal(signal.SIGINT, signal.default_int_handler); "
             f"runpy.run_module({module!r}, run_name='__main__', alter_sys=True)")
     return [sys.executable, "-c", code, *args]
+
+
+# One Python process imports the entry point and its libraries once, then forks a child per
+# command line; each child runs the module as `python -m` would (runpy, as __main__, with its
+# argv and environment) and exits with the program's own exit code. The children are real
+# processes running the real CLI; what is shared is only the ~4 s of CPU that importing
+# Python, JAX and specjax costs per process, which the bad-input tables paid some 200 times.
+# The parent never initialises a JAX backend, so each child starts its own from its own
+# environment (XLA_FLAGS included).
+_FORK_SERVER = r'''
+import importlib, json, os, runpy, sys, tempfile, traceback
+module, parallel = sys.argv[1], int(sys.argv[2])
+importlib.import_module(module)
+for name in ("specjax.app.locate", "specjax.decode.api", "specjax.model", "orbax.checkpoint"):
+    try:
+        importlib.import_module(name)
+    except ImportError:
+        pass
+cases = json.load(sys.stdin)
+results, running, scratch = [None] * len(cases), {}, tempfile.mkdtemp()
+
+
+def read(path):
+    with open(path, errors="replace") as f:
+        return f.read()
+
+
+def finish():
+    pid, status = os.wait()
+    i, out, err = running.pop(pid)
+    results[i] = {"returncode": os.waitstatus_to_exitcode(status), "stdout": read(out), "stderr": read(err)}
+
+
+for i, (args, env) in enumerate(cases):
+    if len(running) >= parallel:
+        finish()
+    out, err = os.path.join(scratch, f"{i}.out"), os.path.join(scratch, f"{i}.err")
+    pid = os.fork()
+    if pid == 0:
+        os.dup2(os.open(out, os.O_WRONLY | os.O_CREAT), 1)
+        os.dup2(os.open(err, os.O_WRONLY | os.O_CREAT), 2)
+        os.environ.update(env)
+        sys.argv = ["-m", *args]
+        del sys.modules[module]  # imported above; runpy runs it afresh as __main__ (and warns if it is still there)
+        code = 0
+        try:
+            runpy.run_module(module, run_name="__main__", alter_sys=True)
+        except SystemExit as e:
+            code = e.code if isinstance(e.code, int) else (0 if e.code is None else 1)
+            if not isinstance(e.code, (int, type(None))):
+                print(e.code, file=sys.stderr)
+        except BaseException:
+            traceback.print_exc()
+            code = 1
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os._exit(code)
+    running[pid] = (i, out, err)
+while running:
+    finish()
+json.dump(results, sys.stdout)
+'''
+
+
+def run_many(module: str, cases: list, *, env: dict, cwd=None, parallel: int = 2, timeout: float = 600) -> list:
+    """`python -m module *args` for each (args, extra_env) in `cases`, as CompletedProcesses
+    in the same order (see _FORK_SERVER)."""
+    import json
+    import subprocess
+    proc = subprocess.run([sys.executable, "-c", _FORK_SERVER, module, str(parallel)], cwd=cwd, env=env,
+                          input=json.dumps([[list(a), dict(e)] for a, e in cases]), capture_output=True, text=True,
+                          timeout=timeout)
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    return [subprocess.CompletedProcess([sys.executable, "-m", module, *a], r["returncode"], r["stdout"], r["stderr"])
+            for (a, _), r in zip(cases, json.loads(proc.stdout))]

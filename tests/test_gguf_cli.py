@@ -5,11 +5,8 @@ through the file's own tokenizer, a 1x8 mesh; and every bad file or flag combina
 one line on stderr with exit code 2, before anything is compiled."""
 from __future__ import annotations
 
-import concurrent.futures
 import json
-import os
 import pathlib
-import shutil
 import subprocess
 import sys
 
@@ -17,6 +14,7 @@ import numpy as np
 import pytest
 
 import gguf as gguf_package
+from clitools import cli_env, run_many
 
 ROOT = pathlib.Path(__file__).resolve().parent.parent
 FIXTURES = ROOT / "tests" / "fixtures" / "gguf"
@@ -25,11 +23,7 @@ HF_FIXTURES = ROOT / "tests" / "fixtures" / "hf"
 
 @pytest.fixture(scope="module")
 def env(tmp_path_factory):
-    base = tmp_path_factory.mktemp("gguf_cli")
-    return {**os.environ, "XLA_FLAGS": "--xla_force_host_platform_device_count=1", "JAX_PLATFORMS": "cpu",
-            "JAX_COMPILATION_CACHE_DIR": str(base / "jax_cache"), "JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS": "0",
-            "JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES": "0", "SPECJAX_CACHE": str(base / "empty_cache"),
-            "PYTHONPATH": str(ROOT), "COLUMNS": "160"}
+    return cli_env(tmp_path_factory.mktemp("gguf_cli"))
 
 
 def run(env, module, *args, timeout=900, **extra):
@@ -164,12 +158,9 @@ BAD_INPUTS = [  # (name, args, fragments of the one error line)
 
 @pytest.fixture(scope="module")
 def bad_runs(env, bad):
-    def one(case):
-        _, args, _ = case
-        return run(env, "sample", "--prompt_tokens=0,5,6", "--max_new_tokens=16",
-                   *[a.format(bad=bad) for a in args], timeout=300)
-    with concurrent.futures.ThreadPoolExecutor(3) as pool:
-        return dict(zip((c[0] for c in BAD_INPUTS), pool.map(one, BAD_INPUTS)))
+    cases = [(["--prompt_tokens=0,5,6", "--max_new_tokens=16", *[a.format(bad=bad) for a in args]], {})
+             for _, args, _ in BAD_INPUTS]
+    return dict(zip((c[0] for c in BAD_INPUTS), run_many("specjax.sample", cases, env=env, cwd=ROOT)))
 
 
 @pytest.mark.parametrize("case", BAD_INPUTS, ids=[c[0] for c in BAD_INPUTS])

@@ -7,7 +7,6 @@ are each compiled once for the whole file. Bad inputs never reach a compile.
 """
 from __future__ import annotations
 
-import concurrent.futures
 import dataclasses
 import json
 import os
@@ -20,7 +19,7 @@ import time
 import jax
 import numpy as np
 import pytest
-from clitools import TEXT_CONFIG, interruptible
+from clitools import TEXT_CONFIG, cli_env, interruptible, run_many
 
 ROOT = pathlib.Path(__file__).resolve().parent.parent
 TINY = ["--config=tiny", "--init=random"]
@@ -32,16 +31,7 @@ MAX_NEW = 16  # tiny's sampling.max_new_tokens
 
 @pytest.fixture(scope="module")
 def env(tmp_path_factory):
-    base = tmp_path_factory.mktemp("sample_cli")
-    return {**os.environ,
-            "XLA_FLAGS": "--xla_force_host_platform_device_count=1",  # not conftest's 8: faster compiles
-            "JAX_PLATFORMS": "cpu",
-            "JAX_COMPILATION_CACHE_DIR": str(base / "jax_cache"),
-            "JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS": "0",
-            "JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES": "0",
-            "SPECJAX_CACHE": str(base / "empty_cache"),  # no default checkpoint exists
-            "PYTHONPATH": str(ROOT),
-            "COLUMNS": "160"}  # the side-by-side columns fit the terminal: pin it (xdist workers have none)
+    return cli_env(tmp_path_factory.mktemp("sample_cli"))
 
 
 def command(*args: str) -> list[str]:
@@ -455,12 +445,9 @@ def with_defaults(args: list[str]) -> list[str]:
 
 @pytest.fixture(scope="module")
 def bad_runs(env, files):
-    """All bad-input runs at once, three at a time (each is a Python start-up: ~3 s of CPU)."""
-    def run(case):
-        _, args, env_extra, _ = case
-        return sample(env, *with_defaults([a.format(files=files) for a in args]), timeout=120, **env_extra)
-    with concurrent.futures.ThreadPoolExecutor(3) as pool:
-        return dict(zip((c[0] for c in BAD_INPUTS), pool.map(run, BAD_INPUTS)))
+    """All bad-input runs, forked from one process that imported specjax once."""
+    cases = [(with_defaults([a.format(files=files) for a in args]), env_extra) for _, args, env_extra, _ in BAD_INPUTS]
+    return dict(zip((c[0] for c in BAD_INPUTS), run_many("specjax.sample", cases, env=env, cwd=ROOT)))
 
 
 @pytest.mark.parametrize("case", BAD_INPUTS, ids=[c[0] for c in BAD_INPUTS])
@@ -519,16 +506,13 @@ BAD_DATASTORE = [
 @pytest.fixture(scope="module")
 def bad_datastore_runs(env, files, tmp_path_factory):
     """All bad `datastore` runs, three at a time: {id: (process, its default --out)}."""
-    def run(case):
-        _, args, _ = case
-        out = tmp_path_factory.mktemp("ds") / "out" / "store.npz"
+    outs, cases = [], []
+    for _, args, _ in BAD_DATASTORE:
+        outs.append(tmp_path_factory.mktemp("ds") / "out" / "store.npz")
         args = [a.format(files=files) for a in args]
-        if not any(a.startswith("--out=") for a in args):
-            args.append(f"--out={out}")
-        return subprocess.run([sys.executable, "-m", "specjax.datastore", *args], cwd=ROOT, env=env,
-                              capture_output=True, text=True, timeout=120), out
-    with concurrent.futures.ThreadPoolExecutor(3) as pool:
-        return dict(zip((c[0] for c in BAD_DATASTORE), pool.map(run, BAD_DATASTORE)))
+        cases.append((args if any(a.startswith("--out=") for a in args) else [*args, f"--out={outs[-1]}"], {}))
+    procs = run_many("specjax.datastore", cases, env=env, cwd=ROOT)
+    return dict(zip((c[0] for c in BAD_DATASTORE), zip(procs, outs)))
 
 
 @pytest.mark.parametrize("case", BAD_DATASTORE, ids=[c[0] for c in BAD_DATASTORE])

@@ -9,7 +9,6 @@ Runs go through the real entry point (`python -m specjax.train`) in subprocesses
 2x4 mesh of fake CPU devices (data and tensor parallel at once); they share one
 SPECJAX_CACHE, so later runs reuse the first run's compiled programs.
 """
-import concurrent.futures
 import contextlib
 import math
 import os
@@ -28,7 +27,7 @@ import pytest
 from specjax.training import trainer
 from specjax.weights import checkpoint
 from specjax.config import load_config
-from clitools import TEXT_CONFIG
+from clitools import TEXT_CONFIG, run_many
 
 STEPS = 60
 LOG_EVERY = 3  # checkpoints every 10 steps: resumes land between two records
@@ -303,16 +302,15 @@ def bad_files(tmp_path_factory, reference):
 
 @pytest.fixture(scope="module")
 def bad_runs(env, bad_files, tmp_path_factory):
-    """All bad-input runs at once, three at a time (each is a Python start-up)."""
-    def run(case):
+    """All bad-input runs, forked from one process that imported specjax once."""
+    def args_of(case):
         _, extra, _ = case
         args = [a.format(files=bad_files) for a in extra]
         workdir = next((a.split("=", 1)[1] for a in args if a.startswith("--workdir=")), None)
         args = [a for a in args if not a.startswith("--workdir=")]
-        return subprocess.run(command(workdir or tmp_path_factory.mktemp("w"), *args), env=env,
-                              capture_output=True, text=True, timeout=TIMEOUT)
-    with concurrent.futures.ThreadPoolExecutor(3) as pool:
-        return dict(zip((c[0] for c in BAD_TRAIN), pool.map(run, BAD_TRAIN)))
+        return command(workdir or tmp_path_factory.mktemp("w"), *args)[3:], {}  # after `python -m specjax.train`
+    cases = [args_of(c) for c in BAD_TRAIN]
+    return dict(zip((c[0] for c in BAD_TRAIN), run_many("specjax.train", cases, env=env)))
 
 
 def assert_one_line(proc, code, fragments):

@@ -477,12 +477,13 @@ def load_params(cfg: ModelConfig, mesh: jax.sharding.Mesh, files: WeightFiles) -
             hf_shape, spec_hf = (layers,) + hf_shapes[name.format(i=0)], (spec[0],) + hf_spec(layout, spec[1:])
         else:
             hf_shape, spec_hf = hf_shapes[name.format(i=layer)], hf_spec(layout, spec)
-        source = None
         if kv_heads.is_kv(key) and c > 1:  # the rows (heads) of [cG*H, D]: read from [G*H, D]
             def source(index):
                 rows, expand = kv_heads.head_rows(index[-2], c, H)
                 post = (lambda x: np.stack([expand(y) for y in x])) if stacked else expand
                 return index[:-2] + (rows, index[-1]), post
+        else:
+            source = None
 
         def read(box):
             if not stacked:
