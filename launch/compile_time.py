@@ -1,7 +1,7 @@
 """What the settings that unroll at trace time cost: seconds to compile the SpS program
 `generate` builds, by tree size (num_drafts x lookahead) and by n-gram length, and
 seconds to build a datastore, by its n-gram length. The reasons for the bounds in
-`specjax.config` (MAX_NUM_DRAFTS, MAX_TREE_NODES, MAX_NGRAM); BENCHMARKS.md section 10.
+`specjax.config` (MAX_NUM_DRAFTS, MAX_TREE_NODES, MAX_NGRAM); benchmarks/bounds.md.
 
     python launch/compile_time.py --config=tiny --trees=1x4,2x4,4x4,8x4,4x8,16x2 --ngrams=3,16 \
         --datastore_ngrams=3,8,16

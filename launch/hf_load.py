@@ -14,7 +14,7 @@ tensors' total size, and with --logits_of=IDS the logits of those token ids (a s
 multi-process load must compute the same ones). --reads=auto,remote loads twice, the
 second time reading the local files through the ranged requests a gs:// path gets
 (keys bytes_read_remote, ...). tests/test_multiprocess.py and
-BENCHMARKS.md use it.
+benchmarks/hf_import.md use it.
 
 Writing: seeded random bf16 tensors of the config's model, one tensor in memory at a
 time, as `model.safetensors` + config.json (the exporter's own `hf_config` and writer),

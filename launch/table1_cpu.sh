@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# Table 1 and Figure 1 in miniature on this machine's CPU (BENCHMARKS.md sections 4-5):
+# Table 1 and Figure 1 in miniature on this machine's CPU (benchmarks/table1.md, figure1.md):
 # train the mini pair (and an LM-only draft to compare with the distilled one), then
 # evaluate both tasks and sweep K. Every step resumes or is skipped when already done;
 # results go to $OUT (default results/).
@@ -33,7 +33,7 @@ mkdir -p "$OUT"
   --json="$OUT/figure1.json" --plot="$OUT/figure1.png" | tee "$OUT/figure1.txt"
 
 # Why the speedup is what it is: forward costs by tokens and cache size, the roofline,
-# and one SpS loop body against its parts (BENCHMARKS.md section 5).
+# and one SpS loop body against its parts (benchmarks/figure1.md).
 "$PYTHON" launch/forward_cost.py --config=mini_target --tokens=1,2,3,5 --cache=64,512,1024 | tee "$OUT/forward_cost_target.txt"
 "$PYTHON" launch/forward_cost.py --config=mini_draft --tokens=1,2,5 --cache=64,1024 --bandwidth_mb=0 | tee "$OUT/forward_cost_draft.txt"
 "$PYTHON" launch/loop_parts.py --config=mini --lookahead=4 | tee "$OUT/loop_parts.txt"

@@ -203,7 +203,7 @@ class MeshConfig:
 
 
 # Bounds on what a loop unrolls at trace time, so that a setting compiles in a reasonable
-# time (compile time grows with each; BENCHMARKS.md section 10 measures it): the n-gram
+# time (compile time grows with each; benchmarks/bounds.md measures it): the n-gram
 # match runs one shifted comparison per suffix length, and a tree of M drafts of K tokens
 # is verified node by node.
 MAX_NGRAM = 16

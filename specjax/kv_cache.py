@@ -3,7 +3,7 @@
 k, v: [L, B, G, S, H] (layers, batch, kv_heads, cache_seq, head_dim); lengths: [B].
 Heads before positions: a layer's slice [B, G, S, H] is already the layout both
 attention dots contract over (with [.., S, K, ..] XLA:CPU transposed a copy of every
-layer's keys and values on every step; BENCHMARKS.md, "Micro-benchmarks behind design choices").
+layer's keys and values on every step; benchmarks/micro.md).
 A forward reads the cache and returns its own T keys and values (`Fresh`); `commit`
 writes them in, all T of a chain at consecutive positions or a tree's kept path, in
 place (the cache is loop-carried; one scatter per pass). `lengths` says how many entries

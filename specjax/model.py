@@ -41,7 +41,7 @@ MASKED = -1e30
 class Keys:
     """A fresh key per parameter (fold_in of a counter) from a seed or a key. Cheaper to
     trace than nnx.Rngs, whose per-call state update made tracing a deep model's init
-    quadratic in L (BENCHMARKS.md, "Micro-benchmarks behind design choices")."""
+    quadratic in L (benchmarks/micro.md)."""
 
     def __init__(self, seed: int | jax.Array):
         self.base = seed if isinstance(seed, jax.Array) else jax.random.key(seed)
@@ -103,7 +103,7 @@ def rope_tables(cfg: ModelConfig) -> tuple[np.ndarray, np.ndarray] | None:
     is, its cos and sin taken in float64. None where a table would pass
     ROPE_TABLE_LIMIT entries (a long-context model). A lookup costs less than sin and cos
     on CPU, where XLA evaluates them per element inside every q and k consumer, 12 times a
-    forward for a 6-layer model, even when written once (BENCHMARKS.md section 8)."""
+    forward for a 6-layer model, even when written once (benchmarks/kernels.md)."""
     half = cfg.head_dim // 2
     if cfg.max_seq_len * half > ROPE_TABLE_LIMIT:
         return None

@@ -12,7 +12,7 @@ config needs on that chip.
 
 Why `--xla_disable_hlo_passes=while-loop-invariant-code-motion`: XLA:CPU hoists the
 bf16->f32 convert of the stacked (scanned) weights out of the layer loop, so the whole
-f32 copy of every layer lives at once (BENCHMARKS.md section 2). A TPU feeds bf16 to the
+f32 copy of every layer lives at once (benchmarks/paper_scale.md). A TPU feeds bf16 to the
 MXU and converts nothing, so the numbers without the pass are the realistic ones.
 `--licm` keeps XLA's default passes to show the difference. plan also passes
 `--xla_backend_optimization_level=0`: it never runs the code, and LLVM's optimisation is

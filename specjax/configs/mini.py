@@ -10,5 +10,5 @@ def get_config() -> Config:
                   target_from="mini_target", draft_from="mini_draft",
                   # K=6: the fastest SpS of K=2..7 for the trained pair on CPU with the packed
                   # few-row kernel, which scores up to 8 tokens for about the cost of one
-                  # (BENCHMARKS.md section 8, "Second round ... the demo's K").
+                  # (benchmarks/kernels.md, "Second round ... the demo's K").
                   sampling=SamplingConfig(temperature=0.8, top_p=0.95, lookahead=6, max_new_tokens=128))

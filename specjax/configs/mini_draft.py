@@ -10,7 +10,7 @@ MODEL = ModelConfig(vocab_size=4096, d_model=128, num_layers=2, num_heads=8, num
 def get_config() -> Config:
     return Config(name="mini_draft", target=MODEL, tokenizer_vocab=4096,
                   # Distilled from mini_target (the teacher's forward runs every step); its
-                  # time on 2 CPU cores is in BENCHMARKS.md section 3.
+                  # time on 2 CPU cores is in benchmarks/training.md.
                   train=TrainConfig(batch_size=16, seq_len=256, steps=250, learning_rate=3e-3,
                                     warmup_steps=25, save_every=50, eval_every=125,
                                     teacher="mini_target", distill_weight=0.7))

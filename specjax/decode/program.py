@@ -150,9 +150,9 @@ def context_of(target: LM, draft: LM | None) -> int:
 
 
 # XLA:CPU (jaxlib 0.10) hands multi-row dots to YNNPACK fusions by default; for the
-# few-row matmuls of decoding they are slower than XLA's own dot emitter (BENCHMARKS.md
-# section 5). Every program compiled here for a CPU turns them off; other backends get
-# no options.
+# few-row matmuls of decoding they are slower than XLA's own dot emitter
+# (benchmarks/figure1.md). Every program compiled here for a CPU turns them off; other
+# backends get no options.
 CPU_COMPILER_OPTIONS = {"xla_cpu_experimental_ynn_fusion_type": ""}
 
 

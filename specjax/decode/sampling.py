@@ -68,9 +68,9 @@ def nucleus(probs: jax.Array, top_p: float, kernels: Kernels = DEFAULT_KERNELS) 
     patterns of the float32 probabilities (ordered like the values, as p >= 0), so it is
     one of the probabilities exactly, without sorting the vocabulary: on CPU a sort of the
     vocabulary costs far more than 32 masked sums, and top-p runs on every distribution
-    of every loop (BENCHMARKS.md, "Micro-benchmarks behind design choices"). On one CPU
-    device `nucleus.cc` runs the same bisection where `kernels` allows it: XLA:CPU's loop
-    of 32 small reductions costs more than the rest of a draft step's sampling."""
+    of every loop (benchmarks/micro.md). On one CPU device `nucleus.cc` runs the same
+    bisection where `kernels` allows it: XLA:CPU's loop of 32 small reductions costs
+    more than the rest of a draft step's sampling."""
     if dispatch.use_nucleus(probs, kernels):
         return dispatch.nucleus(probs, top_p)
     bits = jax.lax.bitcast_convert_type(probs, jnp.int32)
@@ -91,9 +91,8 @@ def nucleus(probs: jax.Array, top_p: float, kernels: Kernels = DEFAULT_KERNELS) 
 def cumulative(probs: jax.Array, block: int = 64) -> jax.Array:
     """cumsum over the last axis as two small triangular matmuls (within blocks of 64,
     then the block offsets): on CPU the two small dots cost less than `jnp.cumsum`, and
-    this runs on every draw of every loop (BENCHMARKS.md, "Micro-benchmarks behind design
-    choices"); the same float32 error (~1e-7). `highest` keeps TPUs from rounding the
-    operands to bf16."""
+    this runs on every draw of every loop (benchmarks/micro.md); the same float32 error
+    (~1e-7). `highest` keeps TPUs from rounding the operands to bf16."""
     V = probs.shape[-1]
     n = -(-V // block)
     blocks = jnp.pad(probs, [(0, 0)] * (probs.ndim - 1) + [(0, n * block - V)]).reshape(probs.shape[:-1] + (n, block))
@@ -111,10 +110,10 @@ def sample(key: jax.Array, probs: jax.Array) -> tuple[jax.Array, jax.Array]:
     Inverse CDF: the first token whose cumulative mass exceeds u * total, u ~ U[0, 1).
     One uniform per distribution; `jax.random.categorical` draws a Gumbel per vocabulary
     entry, and generating a vocabulary's worth of random bits costs far more on CPU than
-    this CDF, on every one of the K+1 draws of a loop (BENCHMARKS.md, "Micro-benchmarks
-    behind design choices"). A zero-probability token repeats its predecessor's cumulative
-    mass, so it is never the first to exceed u * total; the clamp to the last token with
-    mass covers u * total rounding up to the total itself."""
+    this CDF, on every one of the K+1 draws of a loop (benchmarks/micro.md). A
+    zero-probability token repeats its predecessor's cumulative mass, so it is never the
+    first to exceed u * total; the clamp to the last token with mass covers u * total
+    rounding up to the total itself."""
     cdf = cumulative(probs)
     total = cdf[..., -1:]
     u = jax.random.uniform(key, probs.shape[:-1] + (1,), jnp.float32) * total

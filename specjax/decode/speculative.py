@@ -103,7 +103,7 @@ def speculate(target: LM, drafter: Drafter, s: SpsState, settings: Settings):
     # Always all the nodes, even in a lookup loop that proposed nothing for any row: a
     # lax.cond choosing a 1-token pass there made XLA copy the whole KV cache into and out
     # of the conditional in every loop, which cost more than the K extra positions do with
-    # the few-row kernel (BENCHMARKS.md section 10).
+    # the few-row kernel (counted in the compiled HLO; no figure in benchmarks/ yet).
     logits, fresh = target(scored, positions, s.target_cache, visible, features=drafter.needs_features)
     q, target_bad = warp(logits, warping)
     target_bad = jnp.any(target_bad, axis=1)

@@ -84,7 +84,7 @@ def score_setting(task: str, items: Sequence[Item], records: list[dict], ks: lis
     per_item = {"ars": [], "sps": []}
     metric = None
     # Secondary metrics: same paired test. Not the paper's, but not all-zero for a small
-    # model, so the agreement test has something to detect (BENCHMARKS.md section 4).
+    # model, so the agreement test has something to detect (benchmarks/table1.md).
     if task == "xsum":
         metric = "ROUGE-2"
         secondary = {"ROUGE-1": {"ars": [], "sps": []}, "ROUGE-L": {"ars": [], "sps": []}}
