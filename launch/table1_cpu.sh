@@ -20,7 +20,7 @@ mkdir -p "$OUT"
 "$PYTHON" -m specjax.train --config=mini_draft                      # distilled from mini_target
 "$PYTHON" -m specjax.train --config=mini_draft --config.train.teacher= --workdir="$CKPT/mini_draft_lm"
 
-# Table 1: HumanEval (runs model-written code: see README "Evaluating") and XSum format.
+# Table 1: HumanEval (runs model-written code: see docs/evaluating.md) and XSum format.
 "$PYTHON" -m specjax.evaluate --task=humaneval --limit="$HUMANEVAL_LIMIT" --num_samples="$SAMPLES" \
   --pass_k=1,"$SAMPLES" --execute --output="$OUT/humaneval.json" | tee "$OUT/humaneval.txt"
 "$PYTHON" -m specjax.evaluate --task=xsum --limit="$XSUM_LIMIT" --output="$OUT/xsum.json" | tee "$OUT/xsum.txt"

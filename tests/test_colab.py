@@ -18,7 +18,7 @@ def test_committed_notebook_is_valid_and_has_no_outputs():
     nbformat.validate(nb)
     code = [c for c in nb.cells if c.cell_type == "code"]
     assert code and all(c.outputs == [] and c.execution_count is None for c in code), \
-        "strip the outputs before committing (see README, Colab)"
+        "strip the outputs before committing (see docs/colab.md)"
 
 
 def text_of(cell) -> str:
