@@ -5,6 +5,10 @@ import os
 import pathlib
 
 os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "") + " --xla_force_host_platform_device_count=8").strip()
+# No untimed warm-up run before each compiled program's first batch (see
+# specjax.decode.program.WARM_UP): no test reads a first batch's timing except those that
+# test the warm-up, which turn it back on. The CLI runs of the tests inherit it.
+os.environ.setdefault("SPECJAX_WARMUP", "0")
 
 import jax  # noqa: E402
 import pytest  # noqa: E402

@@ -25,6 +25,7 @@ def text_of(cell) -> str:
     return "".join(o.get("text", "") + o.get("data", {}).get("text/plain", "") for o in cell.outputs)
 
 
+@pytest.mark.slow  # ~3 minutes: every cell, trained checkpoints included
 def test_notebook_runs_under_small_settings(tmp_path, monkeypatch):
     monkeypatch.setenv("SPECJAX_COLAB_SMALL", "1")
     monkeypatch.setenv("SPECJAX_CACHE", str(tmp_path / "cache"))  # no checkpoints of this machine

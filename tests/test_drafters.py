@@ -74,7 +74,7 @@ CASES = {
 }
 # The default suite runs one case per mode plus the edge cases of the new verifier (p == q
 # gives S_i = 0 everywhere); the rest (~2 minutes) runs with `pytest -m slow`.
-DEFAULT = {"block_ragged_K3", "block_top_k_5_K3", "block_draft_is_target_K3", "adaptive_ragged_K5",
+DEFAULT = {"block_ragged_K3", "adaptive_ragged_K5",
            "ngram_repeats_K3", "retrieval_ragged_K3", "hybrid_repeats_K3"}
 
 

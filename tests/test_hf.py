@@ -324,6 +324,7 @@ def theorem_1(pair, n):
     return chi_square_pvalue(np.array(result.tokens), exact_joint(target, PROMPT, Warp(1.0, 0, 1.0))), result
 
 
+@pytest.mark.slow  # with its control ~2 minutes; Theorem 1 itself is the default suite's (test_speculative)
 def test_sps_with_an_imported_pair_follows_the_exact_target_distribution(pair, use_accept):  # noqa: F811
     """Theorem 1 on pair_target/pair_draft (vocabulary 32): N=100,000 three-token samples
     against the exact joint from the target's full forward, chi-square at ALPHA=0.001."""
@@ -334,6 +335,7 @@ def test_sps_with_an_imported_pair_follows_the_exact_target_distribution(pair, u
     assert 0.05 < result.acceptance_rate < 0.95
 
 
+@pytest.mark.slow
 def test_negative_control_imported_pair_without_the_ratio_test_is_rejected(pair, use_accept):  # noqa: F811
     use_accept("no_ratio_test")
     pvalue, _ = theorem_1(pair, N_NEGATIVE)

@@ -148,7 +148,7 @@ def test_quantized_model_equals_its_dequantized_float_model(tiny, tied):
     assert np.abs(float_logits - logits["float"]).max() > 1e-4 * scale
 
 
-@pytest.mark.parametrize("draft_kind", ["int8", "float"])
+@pytest.mark.parametrize("draft_kind", ["int8", pytest.param("float", marks=pytest.mark.slow)])
 def test_greedy_sps_equals_greedy_ars_on_an_int8_target(tiny, draft_kind):
     mesh = mesh_for("1x1")
     with jax.set_mesh(mesh):

@@ -74,7 +74,9 @@ def run_case(models, name, n=N, seed=0):
 # K=5 (40 s), and plain temperature 1 at K=3 with its two controls (~70 s), whose ground
 # stays covered by default: K=3 at temperature 1 with ragged rows, and both wrong rules
 # on top_p_0.8_K3 / ragged_rows_K3.
-SLOW = {"top_k_5_K5", "temperature_1_K3"}
+# Also slow: the disjoint supports and temperature 0.7 at K=1 with their controls (~2
+# minutes); p == q, top-p and ragged rows stay.
+SLOW = {"top_k_5_K5", "temperature_1_K3", "disjoint_support_K3", "temperature_0.7_K1"}
 
 
 def maybe_slow(name, *rest):

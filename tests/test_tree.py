@@ -43,8 +43,9 @@ V = 4
 # --------------------------------------------------------------------------- 1. tree attention
 
 
-@pytest.mark.parametrize("mesh_name", ["1x1", "2x4"])
-@pytest.mark.parametrize("pos_encoding", ["rope", "relative"])
+@pytest.mark.parametrize("pos_encoding,mesh_name", [  # the other two pairings run with -m slow
+    ("rope", "1x1"), ("relative", "2x4"), pytest.param("rope", "2x4", marks=pytest.mark.slow),
+    pytest.param("relative", "1x1", marks=pytest.mark.slow)])
 def test_tree_attention_equals_a_plain_forward_over_each_path(tiny, mesh_name, pos_encoding):
     lm = model.init_lm(dataclasses.replace(tiny.target, pos_encoding=pos_encoding), mesh_for(mesh_name))
     M, K = 3, 3
@@ -285,7 +286,7 @@ def pairs(tiny):
     return tiny_pairs(tiny)
 
 
-@pytest.mark.parametrize("mesh_name", ["1x1", "1x8"])
+@pytest.mark.parametrize("mesh_name", ["1x1", pytest.param("1x8", marks=pytest.mark.slow)])
 def test_greedy_multi_draft_equals_greedy_ars(pairs, mesh_name):
     """With the random draft (mostly rejected) and with the target as its own draft (all
     kept), for the model drafter and hybrid (whose chain 0 is the n-gram proposal)."""

@@ -14,6 +14,7 @@ import dataclasses
 import functools
 import hashlib
 import operator
+import os
 import time
 from typing import Any, Callable, Sequence
 
@@ -170,6 +171,11 @@ def compile_lowered(lowered):
 
 _COMPILED: dict = {}
 _WARMED: set = set()  # compiled programs that have run once in this process
+# The untimed warm-up of `Program.run` costs a prefill and one loop per compiled program,
+# for a steady-state ms/token. SPECJAX_WARMUP=0 (read once, here) skips it where the first
+# batch's timing does not matter (one-shot batches, the test suite); its ms/token then
+# includes first-run costs. Anything else, or unset: warm up.
+WARM_UP = os.environ.get("SPECJAX_WARMUP", "1").strip() != "0"
 
 
 @dataclasses.dataclass(frozen=True)
@@ -229,10 +235,11 @@ class Program:
         distributed.barrier("specjax: programs compiled")
         key = self._key()
         # The warm-up's budget is placed before the guard: its transfer is the only one.
-        one = None if key in _WARMED else distributed.put(np.ones(1, np.int32), sharding.replicated(self.mesh))
+        warm_up = WARM_UP and key not in _WARMED
+        one = distributed.put(np.ones(1, np.int32), sharding.replicated(self.mesh)) if warm_up else None
         with jax.set_mesh(self.mesh):
             with jax.transfer_guard("disallow"):
-                if key not in _WARMED:
+                if warm_up:
                     jax.block_until_ready(compiled(*self.args[:-1], one))
                     _WARMED.add(key)
                 start = time.perf_counter()
