@@ -18,7 +18,7 @@ from absl import app, flags
 
 from specjax.config import SamplingConfig, load_config
 from specjax.decode import program
-from specjax.decode.datastore import Datastore
+from specjax.decode.retrieval_index import Datastore
 from specjax.model import init_lm
 from specjax.sharding import make_mesh
 from specjax.training import trainer

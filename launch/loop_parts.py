@@ -42,7 +42,7 @@ from specjax import sharding  # noqa: E402
 from specjax.app import cli  # noqa: E402
 from specjax.app.locate import Weights  # noqa: E402
 from specjax.decode import drafters, program as program_lib, speculative as sps, verify  # noqa: E402
-from specjax.decode.sampling import Warp, warp  # noqa: E402
+from specjax.decode.warping import Warp, warp  # noqa: E402
 from specjax.kernels import Kernels  # noqa: E402
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))

@@ -1,4 +1,4 @@
-"""The three choices in `specjax/decode/sampling.py` against the obvious alternative each:
+"""The three choices in `specjax/decode/warping.py` against the obvious alternative each:
 
     python launch/micro_sampling.py --vocab=4096 --rows=1,5
 
@@ -29,7 +29,7 @@ import numpy as np  # noqa: E402
 from absl import flags  # noqa: E402
 
 from specjax.app import cli  # noqa: E402
-from specjax.decode import sampling  # noqa: E402
+from specjax.decode import warping  # noqa: E402
 
 FLAGS = flags.FLAGS
 
@@ -45,7 +45,7 @@ def define_flags() -> None:
 
 def nucleus_by_sort(probs: jax.Array, top_p: float) -> jax.Array:
     """Textbook top-p: sort descending, keep every entry whose predecessors' mass is below
-    top_p, renormalise (ties at the boundary kept together, as `sampling.nucleus` does)."""
+    top_p, renormalise (ties at the boundary kept together, as `warping.nucleus` does)."""
     desc = -jnp.sort(-probs, axis=-1)
     before = jnp.cumsum(desc, axis=-1) - desc
     threshold = jnp.min(jnp.where(before < top_p, desc, jnp.inf), axis=-1, keepdims=True)
@@ -60,9 +60,9 @@ def categorical(key: jax.Array, probs: jax.Array) -> jax.Array:
 def pairs(top_p: float):
     """{name: (ours, alternative)}: each (key, probs) -> an array."""
     return {
-        "nucleus": (lambda k, p: sampling.nucleus(p, top_p), lambda k, p: nucleus_by_sort(p, top_p)),
-        "cumulative": (lambda k, p: sampling.cumulative(p), lambda k, p: jnp.cumsum(p, axis=-1)),
-        "sample": (lambda k, p: sampling.sample(k, p)[0], categorical),
+        "nucleus": (lambda k, p: warping.nucleus(p, top_p), lambda k, p: nucleus_by_sort(p, top_p)),
+        "cumulative": (lambda k, p: warping.cumulative(p), lambda k, p: jnp.cumsum(p, axis=-1)),
+        "sample": (lambda k, p: warping.sample(k, p)[0], categorical),
     }
 
 

@@ -29,7 +29,7 @@ from specjax.app import cli, output, prompts as prompts_lib
 from specjax.app.locate import Weights, imported, self_draft_spec, with_hf_models, with_self_draft
 from specjax.config import DRAFTERS, VERIFY_RULES, UsageError
 from specjax.decode import drafters
-from specjax.decode.datastore import Datastore, file_sha256
+from specjax.decode.retrieval_index import Datastore, file_sha256
 from specjax.weights import self_draft
 
 FLAGS = flags.FLAGS

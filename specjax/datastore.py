@@ -7,7 +7,7 @@ that training holds out, so prompts taken from there are held out here too. Then
     python -m specjax.sample --drafter=retrieval --datastore=stdlib.npz
 
 proposes, in every loop, the continuation that most often follows each row's last
---ngram tokens in that corpus (see `specjax.decode.datastore`). Prints the index size and
+--ngram tokens in that corpus (see `specjax.decode.retrieval_index`). Prints the index size and
 the build time; both are recorded in the file with the tokenizer's sha256, so the file is
 refused with any other tokenizer.
 """
@@ -22,7 +22,7 @@ from absl import flags
 from specjax.app import cli, output
 from specjax.app.locate import Weights, train_command
 from specjax.config import MAX_NGRAM, UsageError, load_config, user_path
-from specjax.decode.datastore import Datastore, file_sha256
+from specjax.decode.retrieval_index import Datastore, file_sha256
 from specjax.training import data, trainer
 from specjax.weights import checkpoint as ckpt_lib
 

@@ -28,7 +28,7 @@ import sys
 import jax
 from absl import flags
 
-from specjax.analysis import compile as compile_lib, report as report_lib
+from specjax.analysis import compile as compile_lib, plan_report as report_lib
 from specjax.analysis.roofline import CHIPS, Chip
 from specjax.app import cli, output
 from specjax.config import MeshConfig, UsageError

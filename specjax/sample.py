@@ -22,7 +22,7 @@ import dataclasses
 
 from absl import flags
 
-from specjax.app import cli, locate, sampler
+from specjax.app import cli, locate, sample_command
 from specjax.config import DRAFTERS, VERIFY_RULES
 
 FLAGS = flags.FLAGS
@@ -90,7 +90,7 @@ def main(argv):
     config = cli.config()
     overrides = {k: getattr(FLAGS, k) for k in SAMPLING_FLAGS if getattr(FLAGS, k) is not None}
     sampling = dataclasses.replace(config.sampling, **overrides).validate()
-    sampler.run(sampler.Request(
+    sample_command.run(sample_command.Request(
         config, ["ars", "sps"] if FLAGS.mode == "both" else [FLAGS.mode], sampling,
         dict(texts=FLAGS.prompt, prompts_file=FLAGS.prompts_file, token_lists=FLAGS.prompt_tokens,
              humaneval_n=FLAGS.humaneval),

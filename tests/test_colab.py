@@ -5,6 +5,7 @@ import pathlib
 import re
 
 import nbformat
+import pytest
 from nbclient import NotebookClient
 
 import specjax

@@ -18,8 +18,8 @@ import specjax
 from specjax.config import SamplingConfig
 from specjax.decode import verify
 from specjax.decode.drafters import base, draft_model
-from specjax.decode.datastore import Datastore
-from specjax.decode.sampling import Warp, sample, warp
+from specjax.decode.retrieval_index import Datastore
+from specjax.decode.warping import Warp, sample, warp
 from theorem1 import ALPHA, N, N_NEGATIVE, PROMPT, PROMPT_LONG, Case, make_models, run, swapper, undo
 
 

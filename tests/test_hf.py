@@ -31,7 +31,7 @@ from safetensors.numpy import load_file
 import specjax
 from specjax import model, sharding
 from specjax.config import SamplingConfig, UsageError, load_config
-from specjax.decode.sampling import Warp
+from specjax.decode.warping import Warp
 from specjax.weights import checkpoint, hf
 from specjax.weights.tokenizer import HFTokenizer
 from conftest import mesh_for

@@ -18,7 +18,7 @@ import numpy as np
 import pytest
 
 from specjax import kernels, kv_cache, model
-from specjax.decode import sampling
+from specjax.decode import warping
 from specjax.config import ModelConfig, load_config
 from specjax.kernels import NONE, Kernels, dispatch, formats, library
 from conftest import mesh_for
@@ -441,7 +441,7 @@ def test_nucleus_kernel_matches_the_sorted_rule_and_the_jnp_bisection():
             with jax.set_mesh(mesh_for("1x1")):
                 assert dispatch.use_nucleus(p32, ON)
                 got = np.asarray(kernel(p32, top_p))
-                bisection = np.asarray(jax.jit(lambda p: sampling.nucleus(p, top_p, NONE))(p32))
+                bisection = np.asarray(jax.jit(lambda p: warping.nucleus(p, top_p, NONE))(p32))
             for row, jnp_row, p_row in zip(got, bisection, np.asarray(p32)):
                 want, margin = nucleus_reference(p_row, top_p)
                 if margin < 1e-5:  # within float32 rounding of top_p: either cut is right
@@ -455,7 +455,7 @@ def test_nucleus_kernel_matches_the_sorted_rule_and_the_jnp_bisection():
 
 def test_nucleus_dispatch():
     p = jnp.full((2, 3, 64), 1 / 64)
-    hlo = lambda setting=ON: jax.jit(lambda p: sampling.warp(p, sampling.Warp(1.0, 0, 0.9, setting))[0]).lower(
+    hlo = lambda setting=ON: jax.jit(lambda p: warping.warp(p, warping.Warp(1.0, 0, 0.9, setting))[0]).lower(
         p).as_text()
     with jax.set_mesh(mesh_for("1x1")):
         assert (library.NUCLEUS_TARGET in hlo()) == kernels.available()

@@ -11,7 +11,7 @@ import pytest
 
 from specjax.config import ConfigError, SamplingConfig, UsageError
 from specjax.decode import drafters
-from specjax.decode.datastore import Datastore, lookup
+from specjax.decode.retrieval_index import Datastore, lookup
 from conftest import mesh_for
 
 

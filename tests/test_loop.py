@@ -13,7 +13,7 @@ from specjax import model
 from specjax.decode import program
 from specjax.config import SamplingConfig, load_config
 from specjax.analysis.hlo import HloProgram
-from specjax.decode.datastore import Datastore
+from specjax.decode.retrieval_index import Datastore
 from conftest import mesh_for
 from models import RAGGED, cache_copies, fused_loop_collectives, tiny_pairs
 

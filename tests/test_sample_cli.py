@@ -62,7 +62,7 @@ def files(tmp_path_factory):
     from specjax.config import MeshConfig, load_config
     from specjax.model import init_lm
     from specjax.weights.tokenizer import train_tokenizer
-    from specjax.decode.datastore import Datastore, file_sha256
+    from specjax.decode.retrieval_index import Datastore, file_sha256
 
     base = tmp_path_factory.mktemp("sample_files")
     mesh = sharding.make_mesh(MeshConfig(1, 1), jax.devices()[:1])

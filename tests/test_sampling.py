@@ -6,7 +6,7 @@ import numpy as np
 import pytest
 from scipy import stats
 
-from specjax.decode.sampling import Warp, cumulative, sample, warp
+from specjax.decode.warping import Warp, cumulative, sample, warp
 from specjax.decode.verify import accept
 
 

@@ -24,7 +24,7 @@ import specjax
 from specjax import model, sharding
 from specjax.config import SamplingConfig, UsageError
 from specjax.decode import verify
-from specjax.decode.sampling import sample
+from specjax.decode.warping import sample
 from specjax.weights import self_draft as self_draft_lib
 from conftest import mesh_for
 from models import numpy_params, random_lm

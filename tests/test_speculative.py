@@ -14,7 +14,7 @@ import jax.numpy as jnp
 import pytest
 
 from specjax.decode import verify
-from specjax.decode.sampling import sample
+from specjax.decode.warping import sample
 from specjax.decode.verify import accept as correct_accept
 from theorem1 import ALPHA, N, N_NEGATIVE, Case, make_models, run, swapper, undo
 

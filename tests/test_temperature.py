@@ -17,7 +17,7 @@ import pytest
 import specjax
 from specjax import model
 from specjax.config import SamplingConfig
-from specjax.decode.sampling import Warp, sample, warp
+from specjax.decode.warping import Warp, sample, warp
 from conftest import mesh_for
 
 TEMPERATURES = [1e-40, 1e-30, 1e-12, 1e-9, 1e-6, 0.01, 1.0, 1e3, math.inf]

@@ -30,7 +30,7 @@ import specjax
 from specjax import kv_cache, model
 from specjax.config import ConfigError, SamplingConfig
 from specjax.decode import program, tree, verify
-from specjax.decode.sampling import sample
+from specjax.decode.warping import sample
 from specjax.decode.state import prefill
 from conftest import mesh_for
 from models import RAGGED, fused_loop_collectives, tiny_pairs

@@ -23,7 +23,7 @@ import specjax
 from specjax import kv_cache, model
 from specjax.config import SamplingConfig
 from specjax.decode import program
-from specjax.decode.sampling import Warp, warp
+from specjax.decode.warping import Warp, warp
 from conftest import mesh_for
 
 ALPHA = 1e-3

@@ -15,7 +15,7 @@ import numpy as np
 
 from specjax import kv_cache
 from specjax.config import UsageError
-from specjax.decode import datastore as datastore_lib, drafters, program as program_lib, tree as tree_lib
+from specjax.decode import retrieval_index as datastore_lib, drafters, program as program_lib, tree as tree_lib
 from specjax.decode.api import generate
 from specjax.decode.metrics import Totals
 

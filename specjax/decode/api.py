@@ -17,9 +17,9 @@ import numpy as np
 from specjax import distributed, model, sharding
 from specjax.config import SamplingConfig, UsageError
 from specjax.decode import program as program_lib, speculative, verify
-from specjax.decode.datastore import Datastore
+from specjax.decode.retrieval_index import Datastore
 from specjax.decode.metrics import Result
-from specjax.decode.sampling import warp
+from specjax.decode.warping import warp
 from specjax.model import LM
 
 

@@ -7,7 +7,7 @@ import dataclasses
 import jax
 import jax.numpy as jnp
 
-from specjax.decode.sampling import Warp, sample, warp
+from specjax.decode.warping import Warp, sample, warp
 from specjax.decode.metrics import Stats
 from specjax.decode.state import gather_rows, prefill, stop_after, token_buffer, write_rows
 from specjax.kv_cache import KVCache

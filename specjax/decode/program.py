@@ -26,8 +26,8 @@ from specjax import distributed, sharding
 from specjax.config import SEED_LIMIT, SamplingConfig, UsageError
 from specjax.decode import drafters
 from specjax.decode.ars import autoregressive_generate
-from specjax.decode.sampling import Warp
-from specjax.decode.datastore import Datastore
+from specjax.decode.warping import Warp
+from specjax.decode.retrieval_index import Datastore
 from specjax.decode.speculative import Settings, speculative_generate
 from specjax.kernels import DEFAULT as DEFAULT_KERNELS, Kernels
 from specjax.model import LM

@@ -31,7 +31,7 @@ from specjax import kv_cache
 from specjax.decode import drafters, tree, verify
 from specjax.decode.drafters import Drafter, Proposal, Verdict
 from specjax.decode.metrics import Stats, counted
-from specjax.decode.sampling import Warp, warp
+from specjax.decode.warping import Warp, warp
 from specjax.decode.state import gather_rows, prefill, stop_after, token_buffer, write_rows
 from specjax.kv_cache import KVCache
 from specjax.model import LM

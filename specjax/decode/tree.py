@@ -28,7 +28,7 @@ import numpy as np
 import jax
 import jax.numpy as jnp
 
-from specjax.decode.sampling import sample
+from specjax.decode.warping import sample
 
 
 def depths(num_drafts: int, lookahead: int) -> np.ndarray:

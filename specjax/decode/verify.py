@@ -22,7 +22,7 @@ import jax
 import jax.numpy as jnp
 
 from specjax.decode import tree
-from specjax.decode.sampling import sample
+from specjax.decode.warping import sample
 
 
 def acceptance_draws(key: jax.Array, shape) -> jax.Array:

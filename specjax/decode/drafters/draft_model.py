@@ -17,7 +17,7 @@ import jax.numpy as jnp
 
 from specjax.config import SamplingConfig, UsageError
 from specjax.decode.drafters.base import SOURCES, Drafter, Proposal, Verdict, point_mass
-from specjax.decode.sampling import Warp, sample, warp
+from specjax.decode.warping import Warp, sample, warp
 from specjax.decode.state import prefill
 from specjax.kv_cache import KVCache
 from specjax.model import LM

@@ -20,7 +20,7 @@ import jax
 import jax.numpy as jnp
 
 from specjax.config import SamplingConfig, UsageError
-from specjax.decode import datastore as datastore_lib
+from specjax.decode import retrieval_index as datastore_lib
 from specjax.decode.drafters.base import SOURCES, Drafter, Proposal, as_chains, point_mass
 
 

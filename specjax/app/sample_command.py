@@ -14,7 +14,7 @@ from specjax.app.output import JsonlWriter, check_writable
 from specjax.app.report import Report
 from specjax.config import SEED_LIMIT, Config, MeshConfig, SamplingConfig, UsageError
 from specjax.decode import api, drafters
-from specjax.decode.datastore import Datastore, file_sha256
+from specjax.decode.retrieval_index import Datastore, file_sha256
 
 MAX_ROWS = 1_000_000  # prompts x samples: beyond this the row list alone is a memory problem
 
