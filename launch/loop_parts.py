@@ -40,7 +40,7 @@ from absl import flags  # noqa: E402
 
 from specjax import sharding  # noqa: E402
 from specjax.app import cli  # noqa: E402
-from specjax.app.locate import Weights  # noqa: E402
+from specjax.app.locate import Sources  # noqa: E402
 from specjax.decode import drafters, program as program_lib, speculative as sps, verify  # noqa: E402
 from specjax.decode.warping import Warp, warp  # noqa: E402
 from specjax.kernels import Kernels  # noqa: E402
@@ -161,7 +161,7 @@ def main(argv):
             chosen[setting] = Kernels.parse(setting)
         except ValueError as e:
             raise cli.UsageError(f"--kernels: {e}")
-    weights = Weights.locate(config, "random", None, None, need_draft=need_draft, train_missing=False)
+    weights = Sources(init="random").locate(config, need_draft=need_draft, train_missing=False)
     models = {"target": config.target, **({"draft": config.draft} if need_draft else {})}
     mesh = sharding.make_checked_mesh(config.mesh, models)
     target, draft = weights.load(mesh, need_draft=need_draft)

@@ -19,7 +19,7 @@ import numpy as np
 from absl import app, flags
 
 from specjax import kv_cache, model, sharding
-from specjax.app.locate import Weights
+from specjax.app.locate import Sources
 from specjax.config import MeshConfig, UsageError, load_config
 from specjax.decode import program, tree
 
@@ -46,7 +46,7 @@ def main(argv):
     cfg = load_config(FLAGS.config)
     mesh = sharding.make_mesh(MeshConfig(1, 1), jax.devices()[:1])
     try:
-        target, _ = Weights.locate(cfg, "checkpoint", None, None, need_draft=False, train_missing=False).load(
+        target, _ = Sources().locate(cfg, need_draft=False, train_missing=False).load(
             mesh, need_draft=False)
         weights = "trained"
     except UsageError:  # no checkpoint: random weights time the same

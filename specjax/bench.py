@@ -26,7 +26,6 @@ from absl import flags
 from specjax import sharding
 from specjax.analysis import timing
 from specjax.app import cli, output, prompts as prompts_lib
-from specjax.app.locate import Weights, imported, self_draft_spec, with_hf_models, with_self_draft
 from specjax.config import DRAFTERS, VERIFY_RULES, UsageError
 from specjax.decode import drafters
 from specjax.decode.retrieval_index import Datastore, file_sha256
@@ -42,14 +41,7 @@ def define_flags() -> None:
     flags.DEFINE_integer("num_prompts", 8, "Prompts (HumanEval with a tokenizer, random ids without).")
     flags.DEFINE_integer("prompt_len", 64, "Random-id prompt length when there is no tokenizer.")
     flags.DEFINE_integer("max_new_tokens", 128, "Tokens per sequence (Figure 1 uses 128).")
-    flags.DEFINE_enum("init", "checkpoint", ["checkpoint", "random"], "random: random weights.")
-    flags.DEFINE_string("hf_target", None, "Hugging Face model directory holding the target (with --hf_draft).")
-    flags.DEFINE_string("hf_draft", None, "Hugging Face model directory holding the draft.")
-    flags.DEFINE_string("gguf_target", None, "GGUF file holding the target (with --gguf_draft or --hf_draft).")
-    flags.DEFINE_string("gguf_draft", None, "GGUF file holding the draft.")
-    flags.DEFINE_string("self_draft", None, "Comma-separated self-drafts to compare, each the target's own first N "
-                        "layers (layers:N, as sample's --self_draft), e.g. layers:1,layers:2; instead of the "
-                        "config's draft, --hf_draft or --gguf_draft.")
+    cli.define_weight_flags(self_draft_list=True)
     flags.DEFINE_string("json", None, "Write the results here.")
     flags.DEFINE_string("plot", None, "Write the Figure-1 panels (PNG) here.")
     flags.DEFINE_integer("seed", 0, "Sampling seed.")
@@ -80,16 +72,14 @@ def main(argv):
     output.check_writable(FLAGS.json, "--json")
     output.check_writable(FLAGS.plot, "--plot")
     raw_prompts = prompts_lib.gather(prompts_file=FLAGS.prompts_file) if FLAGS.prompts_file else None
-    specs = [] if FLAGS.self_draft is None else [  # each as sample's --self_draft, before the other weight flags
-        self_draft_spec(text, hf_draft=FLAGS.hf_draft, gguf_draft=FLAGS.gguf_draft)
-        for text in self_draft.split_list(FLAGS.self_draft)]
-    sources = dict(hf_target=FLAGS.hf_target, hf_draft=FLAGS.hf_draft, gguf_target=FLAGS.gguf_target,
-                   gguf_draft=FLAGS.gguf_draft)
-    target, draft = imported(**sources)
-    config = with_hf_models(cli.config(), FLAGS.hf_target, FLAGS.hf_draft, init=FLAGS.init, checkpoint=None,
-                            draft_checkpoint=None, gguf_target=FLAGS.gguf_target, gguf_draft=FLAGS.gguf_draft)
-    for spec in specs:  # each checked against the target's layers
-        config = with_self_draft(config, spec)
+    sources = cli.sources()
+    # Each self-draft of the list as sample's --self_draft; the run's config and weights
+    # are those of the first (every one is checked against the target's layers).
+    each = [dataclasses.replace(sources, self_draft=text) for text in self_draft.split_list(FLAGS.self_draft)] \
+        if FLAGS.self_draft is not None else [sources]
+    specs = [s.self_draft_spec() for s in each if s.self_draft is not None]
+    target, draft = sources.imported()
+    config = [s.configure(cli.config()) for s in each][0]
     base = config.sampling if FLAGS.ngram is None else dataclasses.replace(config.sampling, ngram=FLAGS.ngram)
     variants = timing.variants(  # validated at the largest K measured
         dataclasses.replace(base, lookahead=max(ks + [base.lookahead])),
@@ -117,8 +107,7 @@ def main(argv):
     store = Datastore.load(FLAGS.datastore) if FLAGS.datastore else None
     if store is not None:
         store.check(config.target.vocab_size, f"--datastore={FLAGS.datastore}")
-    weights = Weights.locate(config, FLAGS.init, None, None, need_draft=need_draft, train_missing=False,
-                             **sources, self_draft=specs[0] if specs else None)
+    weights = each[0].locate(config, need_draft=need_draft, train_missing=False)
     tokenizer = weights.tokenizer()
     if store is not None:
         store.check_tokenizer(file_sha256(tokenizer.path) if tokenizer else None, f"--datastore={FLAGS.datastore}")
@@ -134,7 +123,7 @@ def main(argv):
     target, draft = weights.load(mesh, need_draft=need_draft, quantize=cli.quantize())
     if specs and need_draft:  # every self-draft made of the one target's arrays
         draft = {spec.text: self_draft.self_draft(target, spec) for spec in specs}
-    report = {"config": config.name, **{k: v for k, v in sources.items() if v is not None},
+    report = {"config": config.name, **{k: v for k, v in sources.named().items() if k != "self_draft"},
               **({"self_draft": [s.text for s in specs]} if specs else {}),
               "machine": f"{jax.device_count()}x {jax.devices()[0].device_kind}",
               "init": FLAGS.init, "quantize": FLAGS.quantize,

@@ -42,10 +42,7 @@ def define_flags() -> None:
     flags.DEFINE_integer("seed", 0, "Sample j of item i uses seed + 1000 * i + j in both modes "
                          "(the last of them must stay below 2**63).")
     flags.DEFINE_string("output", None, "Write the table, per-item scores and every sample to this JSON file.")
-    flags.DEFINE_string("checkpoint", None, "Target checkpoint directory (default: the training recipe's).")
-    flags.DEFINE_string("draft_checkpoint", None, "Draft checkpoint directory (default: the training recipe's).")
-    flags.DEFINE_string("self_draft", None, "layers:N: the draft is the target's own first N layers (sharing its "
-                        "weights) instead of the config's draft; not with --draft_checkpoint.")
+    cli.define_weight_flags(init=False)
     flags.DEFINE_bool("train_missing", True, "Train the mini pair first when its default checkpoints are missing.")
     flags.DEFINE_bool("progress", True, "Show a progress bar.")
 
@@ -67,8 +64,8 @@ def main(argv):
         timeout=cli.finite("timeout", FLAGS.timeout, 1e-3), xsum_file=FLAGS.xsum_file,
         lookahead=cli.positive("lookahead", FLAGS.lookahead),
         max_new_tokens=cli.positive("max_new_tokens", FLAGS.max_new_tokens),
-        seed=cli.seed("seed", FLAGS.seed), checkpoint=FLAGS.checkpoint, draft_checkpoint=FLAGS.draft_checkpoint,
-        train_missing=FLAGS.train_missing, progress=FLAGS.progress, self_draft=FLAGS.self_draft)
+        seed=cli.seed("seed", FLAGS.seed), sources=cli.sources(), train_missing=FLAGS.train_missing,
+        progress=FLAGS.progress)
     print(runner.format_table(result))
     if result["skipped_too_long"]:
         print(f"skipped {len(result['skipped_too_long'])} prompts too long for the context: "

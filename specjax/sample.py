@@ -61,23 +61,7 @@ def define_flags() -> None:
     flags.DEFINE_multi_string("prompt_tokens", [], "A prompt as comma-separated token ids, e.g. 1,2,3 "
                               "(repeatable; for configs without a tokenizer).")
     flags.DEFINE_integer("humaneval", 3, "Without any prompt flag: use the first N HumanEval prompts.")
-    flags.DEFINE_string("checkpoint", None, "Target checkpoint directory (default: where "
-                        "`python -m specjax.train --config=<target config>` writes).")
-    flags.DEFINE_string("draft_checkpoint", None, "Draft checkpoint directory (default: where the draft "
-                        "config's training writes).")
-    flags.DEFINE_string("hf_target", None, "Hugging Face model directory (config.json, safetensors, tokenizer) "
-                        "holding the target: Llama or Mistral architecture; the config still gives dtypes, mesh "
-                        "and sampling settings.")
-    flags.DEFINE_string("hf_draft", None, "Hugging Face model directory holding the draft (same tokenizer as "
-                        "the target; not needed for --mode=ars).")
-    flags.DEFINE_string("gguf_target", None, "GGUF file (llama.cpp's format: llama architecture, any GGML type, "
-                        "tokenizer in its metadata) holding the target, instead of --hf_target.")
-    flags.DEFINE_string("gguf_draft", None, "GGUF file holding the draft (same tokenizer as the target).")
-    flags.DEFINE_string("self_draft", None, "layers:N: the draft is the target's own first N layers with its final "
-                        "norm and unembedding, sharing the target's weights (no draft file; instead of --hf_draft, "
-                        "--gguf_draft or --draft_checkpoint).")
-    flags.DEFINE_enum("init", "checkpoint", ["checkpoint", "random"],
-                      "random: random weights (speed measurements before a checkpoint exists).")
+    cli.define_weight_flags()
     flags.DEFINE_string("mesh", None, "DATAxMODEL, e.g. 1x8 or 2x4 (default: the config's mesh).")
     flags.DEFINE_string("output", None, "Write one JSON line per sample to this file.")
     flags.DEFINE_bool("train_missing", True, f"Train {' and '.join(locate.AUTO_TRAIN)} first when their default "
@@ -96,11 +80,8 @@ def main(argv):
              humaneval_n=FLAGS.humaneval),
         cli.parse_mesh(FLAGS.mesh, config.mesh), num_samples=cli.positive("num_samples", FLAGS.num_samples),
         batch_size=cli.positive("batch_size", FLAGS.batch_size), seed=cli.seed("seed", FLAGS.seed),
-        init=FLAGS.init, checkpoint=FLAGS.checkpoint, draft_checkpoint=FLAGS.draft_checkpoint,
-        output=FLAGS.output, train_missing=FLAGS.train_missing, print_samples=FLAGS.print_samples,
-        hf_target=FLAGS.hf_target, hf_draft=FLAGS.hf_draft, gguf_target=FLAGS.gguf_target,
-        gguf_draft=FLAGS.gguf_draft, datastore=FLAGS.datastore, self_draft=FLAGS.self_draft,
-        quantize=cli.quantize()))
+        sources=cli.sources(), output=FLAGS.output, train_missing=FLAGS.train_missing,
+        print_samples=FLAGS.print_samples, datastore=FLAGS.datastore, quantize=cli.quantize()))
 
 
 if __name__ == "__main__":

@@ -9,6 +9,20 @@ import sys
 ROOT = pathlib.Path(__file__).resolve().parent.parent
 
 
+def assert_one_line(proc, code: int, fragments, program: str | None = None) -> str:
+    """A refused run: exit `code`, exactly one line on stderr and no traceback, the line
+    holding every fragment (and starting `PROGRAM.py: error: ` where `program` is given);
+    returns the line."""
+    lines = [line for line in proc.stderr.splitlines() if line.strip()]
+    assert proc.returncode == code, (proc.returncode, proc.stderr[-3000:])
+    assert len(lines) == 1 and "Traceback" not in proc.stderr, proc.stderr[-3000:]
+    if program is not None:
+        assert lines[0].startswith((f"{program}.py: error: ", "__main__.py: error: ")), lines[0]
+    for fragment in fragments:
+        assert fragment in lines[0], (fragment, lines[0])
+    return lines[0]
+
+
 def cli_env(base: pathlib.Path, devices: int = 1) -> dict:
     """The environment of a CLI run: `devices` CPU devices (1 compiles fastest), a
     compilation cache in `base` shared by the runs of one file (the same programs are

@@ -96,3 +96,16 @@ def logits_of(lm, ids):
     tokens = jax.device_put(jnp.asarray(ids, jnp.int32), sharding.named(mesh, ("batch", None), ids.shape))
     with jax.set_mesh(mesh):
         return np.asarray(_full_forward(lm, tokens))
+
+
+def assert_tokenizer_cases(tok, cases: list[dict]) -> None:
+    """`tok` encodes and decodes each committed transformers reference case (31 strings:
+    with and without special tokens, skipping them or not) exactly as transformers did."""
+    assert len(cases) == 31
+    for case in cases:
+        text = case["text"]
+        assert tok.encode_prompt(text) == case["ids"], text
+        assert tok.encode(text) == case["ids_no_special"], text
+        assert tok.decode(case["ids"]) == case["decode"], text
+        assert tok.decode(case["ids"], skip_special_tokens=True) == case["decode_skip_special"], text
+        assert tok.decode(case["ids_no_special"]) == case["decode_no_special"], text

@@ -14,7 +14,7 @@ import numpy as np
 import pytest
 
 import gguf as gguf_package
-from clitools import cli_env, run_many
+from clitools import assert_one_line, cli_env, run_many
 
 ROOT = pathlib.Path(__file__).resolve().parent.parent
 FIXTURES = ROOT / "tests" / "fixtures" / "gguf"
@@ -167,11 +167,7 @@ def bad_runs(env, bad):
 def test_bad_input_is_one_line_and_exit_2(bad_runs, case):
     name, _, fragments = case
     proc = bad_runs[name]
-    lines = [line for line in proc.stderr.splitlines() if line.strip()]
-    assert proc.returncode == 2, (proc.returncode, proc.stderr[-3000:])
-    assert len(lines) == 1 and "Traceback" not in proc.stderr, proc.stderr[-3000:]
-    for fragment in fragments:
-        assert fragment in lines[0], (fragment, lines[0])
+    assert_one_line(proc, 2, fragments)
     assert proc.stdout.strip() == ""  # nothing ran
 
 

@@ -16,7 +16,7 @@ import numpy as np
 import pytest
 from safetensors.numpy import load_file, save_file
 
-from clitools import cli_env, run_many
+from clitools import assert_one_line, cli_env, run_many
 
 ROOT = pathlib.Path(__file__).resolve().parent.parent
 FIXTURES = ROOT / "tests" / "fixtures" / "hf"
@@ -289,9 +289,5 @@ def test_bad_input_is_one_line_and_exit_2(bad_runs, case):
     if name == "gs:// without gcsfs" and importlib.util.find_spec("gcsfs") is not None:
         pytest.skip("gcsfs is installed here")
     proc = bad_runs[name]
-    lines = [line for line in proc.stderr.splitlines() if line.strip()]
-    assert proc.returncode == 2, (proc.returncode, proc.stderr[-3000:])
-    assert len(lines) == 1 and "Traceback" not in proc.stderr, proc.stderr[-3000:]
-    for fragment in fragments:
-        assert fragment in lines[0], (fragment, lines[0])
+    assert_one_line(proc, 2, fragments)
     assert proc.stdout.strip() == ""  # nothing ran

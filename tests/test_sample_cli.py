@@ -19,7 +19,7 @@ import time
 import jax
 import numpy as np
 import pytest
-from clitools import TEXT_CONFIG, cli_env, interruptible, run_many
+from clitools import TEXT_CONFIG, assert_one_line, cli_env, interruptible, run_many
 
 ROOT = pathlib.Path(__file__).resolve().parent.parent
 TINY = ["--config=tiny", "--init=random"]
@@ -454,12 +454,7 @@ def bad_runs(env, files):
 def test_bad_input_is_one_line_and_exit_2(bad_runs, files, case):
     name, _, _, fragments = case
     proc = bad_runs[name]
-    lines = [line for line in proc.stderr.splitlines() if line.strip()]
-    assert proc.returncode == 2, (proc.returncode, proc.stderr[-3000:])
-    assert len(lines) == 1 and "Traceback" not in proc.stderr, proc.stderr[-3000:]
-    assert lines[0].startswith("sample.py: error: ") or lines[0].startswith("__main__.py: error: "), lines[0]
-    for fragment in fragments:
-        assert fragment in lines[0], (fragment, lines[0])
+    assert_one_line(proc, 2, fragments, "sample")
     assert proc.stdout.strip() == ""  # nothing ran
 
 
@@ -519,12 +514,8 @@ def bad_datastore_runs(env, files, tmp_path_factory):
 def test_datastore_bad_input_is_one_line_and_exit_2_before_any_work(bad_datastore_runs, case):
     name, _, fragments = case
     proc, out = bad_datastore_runs[name]
-    lines = [line for line in proc.stderr.splitlines() if line.strip()]
-    assert proc.returncode == 2, (proc.returncode, proc.stderr[-3000:])
-    assert len(lines) == 1 and "Traceback" not in proc.stderr, proc.stderr[-3000:]
-    for fragment in fragments:
-        assert fragment in lines[0], (fragment, lines[0])
-    assert "--init=random" not in lines[0] and "--hf_target" not in lines[0]  # flags datastore does not have
+    line = assert_one_line(proc, 2, fragments)
+    assert "--init=random" not in line and "--hf_target" not in line  # flags datastore does not have
     assert not out.parent.exists() and proc.stdout.strip() == ""
 
 

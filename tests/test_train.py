@@ -27,6 +27,7 @@ import pytest
 from specjax.training import trainer
 from specjax.weights import checkpoint
 from specjax.config import load_config
+import clitools
 from clitools import TEXT_CONFIG, run_many
 
 STEPS = 60
@@ -314,12 +315,7 @@ def bad_runs(env, bad_files, tmp_path_factory):
 
 
 def assert_one_line(proc, code, fragments):
-    lines = [line for line in proc.stderr.splitlines() if line.strip()]
-    assert proc.returncode == code, (proc.returncode, proc.stderr[-3000:])
-    assert len(lines) == 1 and "Traceback" not in proc.stderr, proc.stderr[-3000:]
-    assert lines[0].startswith("train.py: error: ") or lines[0].startswith("__main__.py: error: "), lines[0]
-    for fragment in fragments:
-        assert fragment in lines[0], (fragment, lines[0])
+    return clitools.assert_one_line(proc, code, fragments, "train")
 
 
 @pytest.mark.parametrize("case", BAD_TRAIN, ids=[c[0] for c in BAD_TRAIN])

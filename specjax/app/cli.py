@@ -34,6 +34,39 @@ class RunError(RuntimeError):
     """A run failed for a reason outside the inputs (a full disk, a failed subprocess)."""
 
 
+def define_weight_flags(*, init: bool = True, self_draft_list: bool = False) -> None:
+    """Where the weights come from (`locate.Sources`): one group, the same names, types and
+    help in every command that loads models. `self_draft_list`: --self_draft takes a
+    comma-separated list to compare (bench), each item as the single value elsewhere."""
+    if init:
+        flags.DEFINE_enum("init", "checkpoint", ["checkpoint", "random"],
+                          "random: random weights (speed measurements before a checkpoint exists).")
+    flags.DEFINE_string("checkpoint", None, "Target checkpoint directory (default: where "
+                        "`python -m specjax.train --config=<target config>` writes).")
+    flags.DEFINE_string("draft_checkpoint", None, "Draft checkpoint directory (default: where the draft "
+                        "config's training writes).")
+    flags.DEFINE_string("hf_target", None, "Hugging Face model directory (config.json, safetensors, tokenizer) "
+                        "holding the target: Llama or Mistral architecture; the config still gives dtypes, mesh "
+                        "and sampling settings.")
+    flags.DEFINE_string("hf_draft", None, "Hugging Face model directory holding the draft (same tokenizer as "
+                        "the target; not needed for --mode=ars).")
+    flags.DEFINE_string("gguf_target", None, "GGUF file (llama.cpp's format: llama architecture, any GGML type, "
+                        "tokenizer in its metadata) holding the target, instead of --hf_target.")
+    flags.DEFINE_string("gguf_draft", None, "GGUF file holding the draft (same tokenizer as the target).")
+    one = ("layers:N: the draft is the target's own first N layers with its final norm and unembedding, sharing "
+           "the target's weights (no draft file; instead of --hf_draft, --gguf_draft or --draft_checkpoint).")
+    flags.DEFINE_string("self_draft", None, ("Comma-separated self-drafts to compare, e.g. layers:1,layers:2; each "
+                                             + one) if self_draft_list else one)
+
+
+def sources():
+    """The weight flags' `locate.Sources` (`define_weight_flags`)."""
+    from specjax.app.locate import Sources
+    return Sources(init=FLAGS.init if "init" in FLAGS else "checkpoint", checkpoint=FLAGS.checkpoint,
+                   draft_checkpoint=FLAGS.draft_checkpoint, hf_target=FLAGS.hf_target, hf_draft=FLAGS.hf_draft,
+                   gguf_target=FLAGS.gguf_target, gguf_draft=FLAGS.gguf_draft, self_draft=FLAGS.self_draft)
+
+
 def define_quantize_flag() -> None:
     from specjax.model import QUANTIZE
     flags.DEFINE_enum("quantize", "none", ["none", *QUANTIZE], "Quantize the float weights on load: int8 = "

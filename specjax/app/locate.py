@@ -123,6 +123,54 @@ def with_self_draft(config: Config, spec) -> Config:
     return dataclasses.replace(config, draft=self_draft.draft_config(config.target, spec), draft_from="").validate()
 
 
+@dataclasses.dataclass(frozen=True)
+class Sources:
+    """Where a run's weights come from, as one group of flags names them (`cli.define_weight_flags`,
+    the same in sample, bench and evaluate): specjax checkpoints, Hugging Face directories,
+    GGUF files, a self-draft made of the target, or random init. `configure` and `locate`
+    are the one run setup every command goes through."""
+
+    init: str = "checkpoint"  # 'checkpoint' | 'random'
+    checkpoint: Optional[str] = None
+    draft_checkpoint: Optional[str] = None
+    hf_target: Optional[str] = None
+    hf_draft: Optional[str] = None
+    gguf_target: Optional[str] = None
+    gguf_draft: Optional[str] = None
+    self_draft: Optional[str] = None  # 'layers:N'
+
+    def imported(self) -> tuple[Optional[Imported], Optional[Imported]]:
+        return imported(self.hf_target, self.hf_draft, self.gguf_target, self.gguf_draft)
+
+    def self_draft_spec(self):
+        """--self_draft's Spec, or None; a flag naming other draft weights next to it fails."""
+        return self_draft_spec(self.self_draft, hf_draft=self.hf_draft, gguf_draft=self.gguf_draft,
+                               draft_checkpoint=self.draft_checkpoint)
+
+    def configure(self, config: Config) -> Config:
+        """`config` with the imported models (read from their own config files) and the
+        self-draft in place of its draft; conflicting flags fail here, before any weights
+        are looked for. Every process reads the imported files itself (each loads its own
+        slices), so every process checks them, and all stop if one cannot."""
+        spec = self.self_draft_spec()
+        config = distributed.everywhere(lambda: with_hf_models(
+            config, self.hf_target, self.hf_draft, init=self.init, checkpoint=self.checkpoint,
+            draft_checkpoint=self.draft_checkpoint, gguf_target=self.gguf_target, gguf_draft=self.gguf_draft))
+        return with_self_draft(config, spec)
+
+    def locate(self, config: Config, *, need_draft: bool, train_missing: bool) -> "Weights":
+        """The weights of `config` (from `configure`), found (the mini pair trained if
+        missing and `train_missing`); no JAX work."""
+        return Weights.locate(config, self.init, self.checkpoint, self.draft_checkpoint, need_draft=need_draft,
+                              train_missing=train_missing, hf_target=self.hf_target, hf_draft=self.hf_draft,
+                              gguf_target=self.gguf_target, gguf_draft=self.gguf_draft,
+                              self_draft=self.self_draft_spec())
+
+    def named(self) -> dict:
+        """The flags given (for a run's report)."""
+        return {k: v for k, v in dataclasses.asdict(self).items() if v is not None and k != "init"}
+
+
 @dataclasses.dataclass
 class Weights:
     config: Config

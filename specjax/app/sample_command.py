@@ -9,7 +9,7 @@ from typing import Optional, Sequence
 
 from specjax import distributed, sharding
 from specjax.app import cli, prompts as prompts_lib
-from specjax.app.locate import Weights, imported, self_draft_spec, with_hf_models, with_self_draft
+from specjax.app.locate import Sources, Weights
 from specjax.app.output import JsonlWriter, check_writable
 from specjax.app.report import Report
 from specjax.config import SEED_LIMIT, Config, MeshConfig, SamplingConfig, UsageError
@@ -31,18 +31,11 @@ class Request:
     num_samples: int = 1
     batch_size: int = 1
     seed: int = 0
-    init: str = "checkpoint"
-    checkpoint: Optional[str] = None
-    draft_checkpoint: Optional[str] = None
+    sources: Sources = Sources()  # checkpoints, Hugging Face directories, GGUF files, a self-draft
     output: Optional[str] = None
-    hf_target: Optional[str] = None  # Hugging Face model directories (instead of checkpoints)
-    hf_draft: Optional[str] = None
-    gguf_target: Optional[str] = None  # GGUF files (instead of checkpoints)
-    gguf_draft: Optional[str] = None
     train_missing: bool = True
     print_samples: bool = True
     datastore: Optional[str] = None  # for drafter='retrieval' | 'hybrid'
-    self_draft: Optional[str] = None  # 'layers:N': the draft is made of the target's own first N layers
     quantize: Optional[str] = None  # 'int8': target and draft quantized on load
 
 
@@ -60,8 +53,8 @@ class Inputs:
 def check(req: Request) -> None:
     """The checks that need neither files nor devices (`req.config` has its HF models)."""
     config, sampling = req.config, req.sampling
-    target, draft = imported(req.hf_target, req.hf_draft, req.gguf_target, req.gguf_draft)
-    if need_draft(req) and target is not None and draft is None and req.self_draft is None:
+    target, draft = req.sources.imported()
+    if need_draft(req) and target is not None and draft is None and req.sources.self_draft is None:
         raise UsageError(f"--mode={'both' if len(req.modes) == 2 else 'sps'} with --drafter={sampling.drafter} needs "
                          "a draft: pass --hf_draft=DIR or --gguf_draft=FILE (a model with the target's tokenizer), "
                          "--self_draft=layers:N, use --drafter=ngram (no draft model), or use --mode=ars")
@@ -76,7 +69,7 @@ def check(req: Request) -> None:
     if req.datastore is not None and not kind.uses_datastore:
         raise UsageError(f"--datastore is used only by --drafter={' or '.join(drafters.using('uses_datastore'))} "
                          f"(got --drafter={sampling.drafter})")
-    if req.init == "random" and (req.checkpoint or req.draft_checkpoint):
+    if req.sources.init == "random" and (req.sources.checkpoint or req.sources.draft_checkpoint):
         raise UsageError("--checkpoint/--draft_checkpoint have no effect with --init=random: drop one of them")
     context = min(m.max_seq_len for m in models(req).values())
     if sampling.lookahead >= context:
@@ -136,22 +129,12 @@ def gather_and_check(req: Request):
 
 def run(req: Request) -> None:
     distributed.maybe_initialize()
-    spec = self_draft_spec(req.self_draft, hf_draft=req.hf_draft, gguf_draft=req.gguf_draft,
-                           draft_checkpoint=req.draft_checkpoint)
-    # Every process reads the Hugging Face directories itself (each loads its own slices
-    # of the weights), so every process checks them, and all stop if one cannot.
-    req = dataclasses.replace(req, config=distributed.everywhere(lambda: with_hf_models(
-        req.config, req.hf_target, req.hf_draft, init=req.init, checkpoint=req.checkpoint,
-        draft_checkpoint=req.draft_checkpoint, gguf_target=req.gguf_target, gguf_draft=req.gguf_draft)))
-    req = dataclasses.replace(req, config=with_self_draft(req.config, spec))
+    req = dataclasses.replace(req, config=req.sources.configure(req.config))
     check(req)
     cli.use_compilation_cache()
     # Host inputs are read by process 0 and shared: one answer (or one error) everywhere.
     raw_prompts = distributed.agreed(lambda: gather_and_check(req))
-    weights = Weights.locate(req.config, req.init, req.checkpoint, req.draft_checkpoint,
-                             need_draft=need_draft(req), train_missing=req.train_missing,
-                             hf_target=req.hf_target, hf_draft=req.hf_draft, gguf_target=req.gguf_target,
-                             gguf_draft=req.gguf_draft, self_draft=spec)
+    weights = req.sources.locate(req.config, need_draft=need_draft(req), train_missing=req.train_missing)
     inputs = distributed.agreed(lambda: read_inputs(req, raw_prompts, weights))
     mesh = sharding.make_checked_mesh(req.mesh, models(req))  # first device work: all input is valid by now
     target, draft = weights.load(mesh, need_draft=need_draft(req), quantize=req.quantize)

@@ -12,7 +12,7 @@ from tqdm import tqdm
 
 from specjax import sharding
 from specjax.app import cli
-from specjax.app.locate import Weights, self_draft_spec, with_self_draft
+from specjax.app.locate import Sources
 from specjax.config import SEED_LIMIT, UsageError
 from specjax.decode.api import generate
 from specjax.decode.metrics import Totals
@@ -164,16 +164,17 @@ SPS_FIELDS = ("verify", "drafter", "ngram", "draft_confidence", "num_drafts")
 
 def evaluate(config, task: str, *, limit=None, num_samples: int, ks: Sequence[int], execute: bool,
              timeout: float, xsum_file=None, lookahead=None, max_new_tokens=None, seed: int = 0,
-             checkpoint=None, draft_checkpoint=None, train_missing: bool = True, progress: bool = True,
-             self_draft=None) -> dict:
+             sources: Sources = Sources(), train_missing: bool = True, progress: bool = True) -> dict:
     """Every item of `task` with ArS then SpS, scored; returns the result record that
     `format_table` prints (and `--output` writes). Ctrl-C stops after the current sample
-    and still scores what finished (result['interrupted']). `self_draft` ('layers:N'):
-    the draft is the target's own first N layers instead of the config's draft."""
-    self_spec = self_draft_spec(self_draft, draft_checkpoint=draft_checkpoint)
-    config = with_self_draft(config, self_spec)
+    and still scores what finished (result['interrupted']). The weights come from
+    `sources` (checkpoints, Hugging Face directories, GGUF files, a self-draft), as in
+    `sample`."""
+    config = sources.configure(config)
     if config.draft is None:
-        raise UsageError(f"config {config.name!r} has no draft model; evaluate compares ArS with SpS")
+        what = "the Hugging Face or GGUF target has" if sources.imported()[0] else f"config {config.name!r} has"
+        raise UsageError(f"{what} no draft model, and evaluate compares ArS with SpS: name one with --hf_draft=DIR, "
+                         "--gguf_draft=FILE or --self_draft=layers:N")
     lookahead = lookahead or config.sampling.lookahead
     if config.sampling.drafter == "retrieval":
         raise UsageError("config sampling.drafter='retrieval' needs a datastore, which evaluate does not take: use "
@@ -196,8 +197,7 @@ def evaluate(config, task: str, *, limit=None, num_samples: int, ks: Sequence[in
         s.sampling.check_context(context)
 
     cli.use_compilation_cache()
-    weights = Weights.locate(config, "checkpoint", checkpoint, draft_checkpoint, need_draft=True,
-                             train_missing=train_missing, self_draft=self_spec)
+    weights = sources.locate(config, need_draft=True, train_missing=train_missing)
     tokenizer = weights.tokenizer()
     if tokenizer is None:
         raise UsageError(f"evaluate works on text and {weights.no_tokenizer_reason}")
@@ -214,7 +214,8 @@ def evaluate(config, task: str, *, limit=None, num_samples: int, ks: Sequence[in
 
     mesh = sharding.make_checked_mesh(config.mesh, {"target": config.target, "draft": config.draft})
     target, draft = weights.load(mesh, need_draft=True)
-    result = {"config": config.name, **({"self_draft": self_draft} if self_draft else {}), "task": task,
+    result = {"config": config.name, **{k: v for k, v in sources.named().items() if "checkpoint" not in k},
+              "task": task,
               "num_samples": num_samples, "lookahead": lookahead,
               "executed": execute, "skipped_too_long": skipped, "settings": [], "interrupted": False}
     with tqdm(total=len(settings) * len(items) * num_samples, desc=f"{task} ArS+SpS", unit="sample",
