@@ -11,6 +11,7 @@ import dataclasses
 import json
 import os
 import pathlib
+import re
 import signal
 import subprocess
 import sys
@@ -259,6 +260,29 @@ def test_ctrl_c_leaves_only_complete_lines(env, greedy, tmp_path):
     assert 4 <= len(records) < 10_000 and len(records) % 2 == 0  # whole batches of 2, and it was cut short
     expected = by_row(greedy["sps"][1], "sps")  # greedy: every sample of a prompt is the same
     assert all(r["tokens"] == expected[r["prompt_index"], 0] for r in records)
+
+
+@pytest.mark.slow  # starts training the mini pair (~1 minute)
+def test_ctrl_c_while_the_mini_pair_trains_on_first_use_saves_and_exits_130(env, tmp_path):
+    """The embedded default with no checkpoints trains mini_target first; Ctrl-C during
+    that training stops it at a step boundary with its state saved: one message saying how
+    to resume, exit code 130, no traceback, and a checkpoint directory to resume from."""
+    cache = tmp_path / "cache"
+    proc = subprocess.Popen(interruptible("specjax.sample", "--mode=ars", "--humaneval=1", "--noprint_samples"),
+                            cwd=ROOT, env={**env, "SPECJAX_CACHE": str(cache)}, stdout=subprocess.DEVNULL,
+                            stderr=subprocess.PIPE, text=True)
+    try:
+        deadline, seen = time.monotonic() + 240, ""
+        while not re.search(r" [1-9]\d*/\d+ \[", seen):  # the progress bar has counted a step: in the loop
+            assert proc.poll() is None and time.monotonic() < deadline, seen[-2000:]
+            seen += os.read(proc.stderr.fileno(), 4096).decode(errors="replace")
+        proc.send_signal(signal.SIGINT)
+        _, rest = proc.communicate(timeout=240)
+    finally:
+        proc.kill()
+    assert proc.returncode == 130, rest[-3000:]
+    assert "Traceback" not in rest and "stopped at step" in rest and "run the same command again" in rest, rest
+    assert (cache / "checkpoints" / "mini_target").is_dir()
 
 
 # ------------------------------------------------------------------ bad input

@@ -6,6 +6,7 @@ flag checks, the compile-cache policy, and ONE mapping from failures to exit cod
     FloatingPointError (NonFiniteLogitsError,
       a diverged training run)                one line on stderr, exit 1
     Ctrl-C                                    "interrupted", exit 130
+    Stopped (a signal, state saved)           its message, exit 130 / 143
 
     def define_flags(): cli.define_config_flag("mini"); flags.DEFINE_...
     def main(argv): config = cli.config(); ...
@@ -32,6 +33,15 @@ _OVERRIDES: list[str] = []
 
 class RunError(RuntimeError):
     """A run failed for a reason outside the inputs (a full disk, a failed subprocess)."""
+
+
+class Stopped(Exception):
+    """A run stopped by a signal after saving its state (training the mini pair on first
+    use): the message goes to stderr and the entry point exits with the signal's code."""
+
+    def __init__(self, message: str, signal_name: str):
+        super().__init__(message)
+        self.code = {"SIGINT": 130, "SIGTERM": 143}[signal_name]
 
 
 def define_weight_flags(*, init: bool = True, self_draft_list: bool = False) -> None:
@@ -119,6 +129,9 @@ def run(main: Callable[[list[str]], None], extra_args_hint: str = "") -> None:
             fail(str(e))
         except (RunError, FloatingPointError) as e:
             fail(str(e), 1)
+        except Stopped as e:
+            print(str(e), file=sys.stderr)
+            sys.exit(e.code)
         except KeyboardInterrupt:
             print("interrupted", file=sys.stderr)
             sys.exit(130)

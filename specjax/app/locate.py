@@ -388,6 +388,6 @@ def train(names: Sequence[str]) -> None:
               f"resumes. The same by hand: {train_command(name)}", file=sys.stderr, flush=True)
         result = trainer.train(config, ckpt_lib.default_dir(name), progress=True)
         if result.stopped_by:
-            print(f"specjax: training {name!r} stopped at step {result.step} of {config.train.steps} "
-                  f"({result.stopped_by}); run the same command again to resume", file=sys.stderr)
-            sys.exit(130 if result.stopped_by == "SIGINT" else 143)
+            from specjax.app.cli import Stopped
+            raise Stopped(f"specjax: training {name!r} stopped at step {result.step} of {config.train.steps} "
+                          f"({result.stopped_by}); run the same command again to resume", result.stopped_by)
