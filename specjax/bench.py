@@ -78,6 +78,8 @@ def main(argv):
     each = [dataclasses.replace(sources, self_draft=text) for text in self_draft.split_list(FLAGS.self_draft)] \
         if FLAGS.self_draft is not None else [sources]
     specs = [s.self_draft_spec() for s in each if s.self_draft is not None]
+    for spec in specs:
+        self_draft.check_quantize(spec, cli.quantize())
     target, draft = sources.imported()
     config = [s.configure(cli.config()) for s in each][0]
     base = config.sampling if FLAGS.ngram is None else dataclasses.replace(config.sampling, ngram=FLAGS.ngram)

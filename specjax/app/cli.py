@@ -64,7 +64,8 @@ def define_weight_flags(*, init: bool = True, self_draft_list: bool = False) -> 
                         "tokenizer in its metadata) holding the target, instead of --hf_target.")
     flags.DEFINE_string("gguf_draft", None, "GGUF file holding the draft (same tokenizer as the target).")
     one = ("layers:N: the draft is the target's own first N layers with its final norm and unembedding, sharing "
-           "the target's weights (no draft file; instead of --hf_draft, --gguf_draft or --draft_checkpoint).")
+           "the target's weights; int8: the target's int8 copy; int8+layers:N: both (no draft file; instead of "
+           "--hf_draft, --gguf_draft or --draft_checkpoint).")
     flags.DEFINE_string("self_draft", None, ("Comma-separated self-drafts to compare, e.g. layers:1,layers:2; each "
                                              + one) if self_draft_list else one)
 

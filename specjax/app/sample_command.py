@@ -15,6 +15,7 @@ from specjax.app.report import Report
 from specjax.config import SEED_LIMIT, Config, MeshConfig, SamplingConfig, UsageError
 from specjax.decode import api, drafters
 from specjax.decode.retrieval_index import Datastore, file_sha256
+from specjax.weights import self_draft
 
 MAX_ROWS = 1_000_000  # prompts x samples: beyond this the row list alone is a memory problem
 
@@ -69,6 +70,7 @@ def check(req: Request) -> None:
     if req.datastore is not None and not kind.uses_datastore:
         raise UsageError(f"--datastore is used only by --drafter={' or '.join(drafters.using('uses_datastore'))} "
                          f"(got --drafter={sampling.drafter})")
+    self_draft.check_quantize(req.sources.self_draft_spec(), req.quantize)
     if req.sources.init == "random" and (req.sources.checkpoint or req.sources.draft_checkpoint):
         raise UsageError("--checkpoint/--draft_checkpoint have no effect with --init=random: drop one of them")
     context = min(m.max_seq_len for m in models(req).values())

@@ -13,9 +13,12 @@ the stack in its loop; a slice would copy the N layers). Where decoding packs we
 for the CPU kernel, the draft is made from the target's packed copy (`LM.packed`), so
 the panels are shared too.
 
-A spec is one or more forms joined by '+': `layers:N`, and later `int8`/`int4` (a
-quantized copy of the target; not built yet). Command lines that sweep several
-self-drafts take them as a comma-separated list of specs.
+`int8` is the target's int8 copy (`LM.quantized`: symmetric per output channel, read
+by the int8 few-row kernel): a quarter of the float target's bytes per token, with
+logits close to the target's, so nearly every proposal is kept. Unlike layers:N it is new
+memory (a quarter of the float weights). Forms join with '+': `int8+layers:N` is the
+first N layers of the int8 copy. `int4` is refused until int4 weights exist. Command
+lines that sweep several self-drafts take them as a comma-separated list of specs.
 """
 from __future__ import annotations
 
@@ -26,22 +29,26 @@ import jax
 from flax import nnx
 
 from specjax.config import UsageError
+from specjax.kernels.formats import Int8
 from specjax.model import LM, Transformer, Keys
 
 QUANTIZED = ("int8", "int4")
-FORMS = "layers:N (the target's first N layers)"
+BUILT = ("int8",)  # of QUANTIZED
+FORMS = "layers:N (the target's first N layers), int8 (its int8 copy), or both joined by '+' (int8+layers:N)"
 
 
 @dataclasses.dataclass(frozen=True)
 class Spec:
-    """A parsed self-draft: `layers` the number of the target's layers it runs."""
+    """A parsed self-draft: `layers` the number of the target's layers it runs (None: all
+    of them), `quantize` the format of its copy of the weights (None: the target's own)."""
 
-    layers: int
+    layers: int | None
     text: str
+    quantize: str | None = None
 
     def check(self, num_layers: int, name: str = "--self_draft") -> "Spec":
         """Refuse N outside 1..num_layers-1 (N = num_layers would be the target itself)."""
-        if not 1 <= self.layers < num_layers:
+        if self.layers is not None and not 1 <= self.layers < num_layers:
             allowed = f"1..{num_layers - 1}" if num_layers > 1 else "none: the target has one layer"
             raise UsageError(f"{name}={self.text!r}: layers:N needs N in {allowed} (the target has {num_layers} "
                              "layers)")
@@ -54,17 +61,29 @@ def parse(text: str, name: str = "--self_draft") -> Spec:
     if "," in text:
         raise UsageError(f"{name}={text!r}: one self-draft here; join forms with '+' (e.g. layers:2); "
                          "`bench --self_draft` compares a comma-separated list")
-    layers = None
+    layers = quantize = None
     for form in forms:
-        if form in QUANTIZED:
+        if form in QUANTIZED and form not in BUILT:
             raise UsageError(f"{name}={text!r}: {form} self-drafts need {form} weights, which are not built yet; "
                              f"use {FORMS}")
+        if form in QUANTIZED:
+            if quantize is not None:
+                raise UsageError(f"{name}={text!r}: a quantized form given twice; expected {FORMS}")
+            quantize = form
+            continue
         match = re.fullmatch(r"layers:(\d+)", form)
         if match is None or layers is not None:
             why = "layers given twice" if match is not None else f"unknown form {form!r}"
             raise UsageError(f"{name}={text!r}: {why}; expected {FORMS}")
         layers = int(match[1])
-    return Spec(layers, text)
+    return Spec(layers, text, quantize)
+
+
+def check_quantize(spec: Spec | None, quantize: str | None, name: str = "--self_draft") -> None:
+    """A quantized self-draft of a target quantized on load would be the target itself."""
+    if spec is not None and spec.quantize is not None and quantize is not None:
+        raise UsageError(f"{name}={spec.text!r} with --quantize={quantize}: the target is {quantize} already, "
+                         f"so its {spec.quantize} copy is the target itself; drop one of them, or use layers:N")
 
 
 def split_list(text: str, name: str = "--self_draft") -> list[str]:
@@ -76,9 +95,10 @@ def split_list(text: str, name: str = "--self_draft") -> list[str]:
 
 
 def draft_config(target_cfg, spec: Spec | str):
-    """The self-draft's ModelConfig: the target's with N layers."""
+    """The self-draft's ModelConfig: the target's with N layers (all of them for `int8`)."""
     spec = parse(spec) if isinstance(spec, str) else spec
-    return dataclasses.replace(target_cfg, num_layers=spec.check(target_cfg.num_layers).layers)
+    layers = spec.check(target_cfg.num_layers).layers
+    return dataclasses.replace(target_cfg, num_layers=target_cfg.num_layers if layers is None else layers)
 
 
 def self_draft(target: LM, spec: Spec | str) -> LM:
@@ -86,8 +106,12 @@ def self_draft(target: LM, spec: Spec | str) -> LM:
     spec = parse(spec) if isinstance(spec, str) else spec
     cfg = draft_config(target.cfg, spec)
     # Packed where decoding packs (the CPU kernel): the draft's projections are then the
-    # target's packed weights, not a second packed copy of the first N layers.
-    source = target.packed()
+    # target's packed weights, not a second packed copy of the first N layers. A quantized
+    # form packs its own copy, once.
+    if spec.quantize is not None and any(isinstance(x, Int8) for x in jax.tree.leaves(
+            target.params, is_leaf=lambda x: isinstance(x, Int8))):
+        check_quantize(spec, spec.quantize)  # the target is quantized already: refused
+    source = (target.quantized(spec.quantize) if spec.quantize is not None else target).packed()
     graphdef = nnx.split(nnx.eval_shape(lambda: Transformer(cfg, Keys(0))))[0]
     state = jax.tree.map(lambda x: x, source.params)  # new Variables around the same arrays
     if not cfg.scan_layers:  # unrolled: layers 0..N-1 of the target's list
