@@ -81,7 +81,9 @@ def main(argv):
     for spec in specs:
         self_draft.check_quantize(spec, cli.quantize())
     target, draft = sources.imported()
-    config = [s.configure(cli.config()) for s in each][0]
+    config = each[0].configure(cli.config())  # the other items differ only in their self-draft:
+    for spec in specs[1:]:  # each checked against the target's layers, as configure checks the first
+        spec.check(config.target.num_layers)
     base = config.sampling if FLAGS.ngram is None else dataclasses.replace(config.sampling, ngram=FLAGS.ngram)
     variants = timing.variants(  # validated at the largest K measured
         dataclasses.replace(base, lookahead=max(ks + [base.lookahead])),
