@@ -86,6 +86,7 @@ def main(argv):
         again = specjax.generate(target, d, same_bucket, sampling, seed=1)
         # Run seconds of the first generate (compiled here) and of the second (same program).
         out[f"{mode}_seconds"] = [result.seconds, again.seconds]
+        out[f"{mode}_compile_seconds"] = result.compile_seconds  # until every process had compiled
         prog = program.build(target, d, rows, sampling, seed=0)
         out[f"{mode}_fingerprint"] = program.fingerprint(prog.compile())
         out[f"{mode}_plan_fingerprint"] = compile_lib.compile_program(

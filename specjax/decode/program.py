@@ -218,7 +218,8 @@ class Program:
         return _COMPILED[key]
 
     def run(self) -> tuple[Any, float, float]:
-        """(outputs as numpy on every process, run seconds, compile seconds). The run
+        """(outputs as numpy on every process, run seconds, compile seconds: until every
+        process has compiled, the slowest one's). The run
         happens under a transfer guard: a silent host<->device copy inside it fails.
 
         The timed run starts on every process together: each compiles at its own pace (on
@@ -231,8 +232,10 @@ class Program:
         loop, not a second generation."""
         start = time.perf_counter()
         compiled = self.compile()
-        compile_seconds = time.perf_counter() - start
         distributed.barrier("specjax: programs compiled")
+        # Counted through the barrier: the seconds until every process holds the program,
+        # so worker 0's figure shows a host that recompiles while worker 0 loads its cache.
+        compile_seconds = time.perf_counter() - start
         key = self._key()
         # The warm-up's budget is placed before the guard: its transfer is the only one.
         warm_up = WARM_UP and key not in _WARMED
