@@ -191,6 +191,16 @@ def bad(tmp_path_factory):
     copy_model("pair_target", base / "theta_text", rope_parameters={"rope_type": "default", "rope_theta": "abc"})
     copy_model("pair_target", base / "scaling_string", rope_parameters=None, rope_scaling="linear")
     copy_model("pair_target", base / "arch_string", architectures="LlamaForCausalLM")
+    copy_model("pair_target", base / "theta_null", rope_parameters={"rope_type": "default", "rope_theta": None})
+    copy_model("pair_target", base / "max_len_text", max_position_embeddings="abc")
+    copy_model("pair_target", base / "eps_text", rms_norm_eps="x")
+    copy_model("mistral", base / "window_text", sliding_window="abc")
+    rope = json.loads((FIXTURES / "llama3_scaled" / "config.json").read_text())["rope_parameters"]
+    copy_model("llama3_scaled", base / "factor_null", rope_parameters={**rope, "factor": None})
+    d = copy_model("pair_target", base / "eos_null")
+    (d / "generation_config.json").write_text(json.dumps({"bos_token_id": 0, "eos_token_id": [1, None]}))
+    d = copy_model("llama_gqa", base / "tokenizer_config_broken")
+    (d / "tokenizer_config.json").write_text('{"bos_token": ')
     copy_model("mistral", base / "mistral_window", sliding_window=64, use_sliding_window=False)
     copy_model("pair_target", base / "short_context", max_position_embeddings=8)
     d = copy_model("pair_target", base / "eos_text")
@@ -251,6 +261,20 @@ BAD_INPUTS = [  # (name, args, fragments of the one error line)
      ["config.json: rope_parameters.rope_theta=\"abc\": must be a finite number"]),
     ("rope_scaling a string", ["--hf_target={bad}/scaling_string", "--mode=ars"],
      ["config.json: rope_scaling=\"linear\": must be a JSON object or null"]),
+    ("rope_theta null", ["--hf_target={bad}/theta_null", "--mode=ars"],
+     ["theta_null/config.json: rope_parameters.rope_theta=null: must be a finite number"]),
+    ("llama3 factor null", ["--hf_target={bad}/factor_null", "--mode=ars"],
+     ["factor_null/config.json: rope_parameters.factor=null: must be"]),
+    ("max_position_embeddings text", ["--hf_target={bad}/max_len_text", "--mode=ars"],
+     ["max_len_text/config.json: max_position_embeddings=\"abc\": must be an integer"]),
+    ("rms_norm_eps text", ["--hf_target={bad}/eps_text", "--mode=ars"],
+     ["eps_text/config.json: rms_norm_eps=\"x\": must be"]),
+    ("sliding_window text", ["--hf_target={bad}/window_text", "--mode=ars"],
+     ["window_text/config.json: sliding_window=\"abc\": must be"]),
+    ("generation eos holds null", ["--hf_target={bad}/eos_null", "--mode=ars"],
+     ["eos_null/generation_config.json: eos_token_id=[1, null]: must be"]),
+    ("tokenizer_config not JSON", ["--hf_target={bad}/tokenizer_config_broken", "--mode=ars"],
+     ["tokenizer_config_broken/tokenizer_config.json: not valid JSON"]),
     ("architectures a string", ["--hf_target={bad}/arch_string", "--mode=ars"],
      ["config.json: architectures=\"LlamaForCausalLM\": must be a list of strings or null"]),
     ("mistral window despite use_sliding_window", ["--hf_target={bad}/mistral_window", "--mode=ars"],

@@ -96,7 +96,7 @@ WRONG = [
     ("llama_gqa", "config.json", "bos_token_id", ["a", 1.0, True, [301]]),
     ("llama_gqa", "generation_config.json", "eos_token_id", [["a"], [1, None], 1.0, True, "2", [302, 304], -1]),
     ("llama_gqa", "generation_config.json", "bos_token_id", ["1", True, 1.0, [301]]),
-    ("llama_gqa", "generation_config.json", "pad_token_id", ["0", True, 1.0, [0], -1]),
+    ("llama_gqa", "generation_config.json", "pad_token_id", ["0", True, 1.0, [0], -2.0]),
     ("llama_gqa", "tokenizer_config.json", "bos_token", [5, ["<s>"]]),
     ("llama_gqa", "tokenizer_config.json", "eos_token", [5, True]),
     ("llama_gqa", "tokenizer_config.json", "bos_token.content", [5, None]),
@@ -179,6 +179,15 @@ def test_the_table_covers_every_key_the_reader_reads(tmp_path, monkeypatch):
     covered = {(file, key) for _, file, key, _ in WRONG}
     assert asked - covered == set()
     assert len(asked) >= 40
+
+
+def test_a_pad_token_id_of_minus_1_means_no_pad_token(tmp_path):
+    """Llama-1-era conversions write `pad_token_id: -1` (transformers loads them): read as
+    no pad id in generation_config.json (as if the key were absent), not refused."""
+    minus_one = edited(tmp_path / "a", "llama_gqa", {"generation_config.json": {"pad_token_id": -1}})
+    absent = edited(tmp_path / "b", "llama_gqa", {"generation_config.json": {"pad_token_id": DELETE}})
+    read_everything(minus_one)
+    assert hf.tokenizer(minus_one).pad_id == hf.tokenizer(absent).pad_id
 
 
 @pytest.mark.parametrize("file,contents,fragment", [

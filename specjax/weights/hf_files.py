@@ -93,12 +93,13 @@ class Fields:
         """The JSON object at `key` (absent or null: an empty one)."""
         return Fields(self.get(key, OBJECT.or_null(), None) or {}, self.where, f"{self.prefix}{key}.")
 
-    def token_ids(self, key: str, vocab_size: Optional[int] = None, *, single: bool = False
-                  ) -> Optional[tuple[int, ...]]:
+    def token_ids(self, key: str, vocab_size: Optional[int] = None, *, single: bool = False,
+                  negative_is_none: bool = False) -> Optional[tuple[int, ...]]:
         """An id or (unless `single`) a list of ids, each in the vocabulary; None when
-        the key is absent or null."""
+        the key is absent or null (or, with `negative_is_none`, a single negative id: the
+        `pad_token_id: -1` of Llama-1-era conversions, which transformers loads as "no pad")."""
         value = self.get(key, INT.or_null() if single else TOKEN_IDS, None)
-        if value is None:
+        if value is None or (negative_is_none and single and value < 0):
             return None
         ids = tuple(value) if isinstance(value, list) else (value,)
         if any(i < 0 or (vocab_size is not None and i >= vocab_size) for i in ids):

@@ -256,7 +256,7 @@ class HFTokenizer:
             {}, str(directory / "tokenizer_config.json"))
         generation_bos, generation_eos = hf_files.generation_ids(directory)
         generation = hf_files.read_json(directory / "generation_config.json", required=False)
-        generation_pad = generation.token_ids("pad_token_id", single=True) if generation is not None else None
+        generation_pad = generation.token_ids("pad_token_id", single=True, negative_is_none=True) if generation is not None else None
         if (directory / "tokenizer.json").exists():
             import tokenizers
             self.path = directory / "tokenizer.json"
