@@ -276,7 +276,40 @@ def test_plan_on_one_cpu_device_compiles_the_packed_program(tmp_path):
     assert "Traceback" not in proc.stderr and json.loads(out.read_text())
 
 
+def test_plan_duplicates_kv_heads_on_a_wider_model_axis_and_sizes_another_chip(tmp_path):
+    """tiny's target has 4 kv heads; on a 1x8 mesh the loaders store each twice so that
+    every device holds the one kv head its query heads use. plan must compile that: per
+    device the same kv weight and cache bytes, and the same collectives, as a model built
+    with 8 kv heads, and 1/8 of the cache. `--chip=v5e` sizes it against v5e's 16 GiB."""
+    runs = {}
+    for kv in (4, 8):
+        out = tmp_path / f"kv{kv}.json"
+        runs[kv] = (out, subprocess.Popen(
+            [sys.executable, "-m", "specjax.plan", "--config=tiny", "--mesh=1x8", "--chip=v5e",
+             f"--config.target.num_kv_heads={kv}", f"--json={out}"],
+            cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True))
+    reports = {}
+    for kv, (out, proc) in runs.items():
+        stdout, stderr = proc.communicate(timeout=600)
+        assert proc.returncode == 0, stderr[-3000:]
+        assert "TPU v5e" in stdout, stdout
+        reports[kv] = json.loads(out.read_text())
+    dup, full = reports[4], reports[8]
+    t_dup, t_full = dup["models"]["target"], full["models"]["target"]
+    assert (t_dup["kv_heads"], t_dup["kv_copies"], t_full["kv_copies"]) == (8, 2, 1)
+    assert t_dup["weight_bytes_per_device"] == t_full["weight_bytes_per_device"]
+    assert t_dup["cache_bytes_per_device"] == t_full["cache_bytes_per_device"]
+    cfg = load_config("tiny").target  # [L, B, kv heads, S, H] keys and values, float32, cache_len 512
+    whole = 2 * cfg.num_layers * 8 * 512 * cfg.head_dim * 4
+    assert 0 <= t_dup["cache_bytes_per_device"] - whole // 8 <= 64  # plus the rows' lengths
+    for name in dup["programs"]:
+        counts = lambda r: {k: v for k, v in r["programs"][name].items() if k.startswith("collectives")}  # noqa: E731
+        assert counts(dup) == counts(full), name
+    assert dup["capacity"]["fits"] and dup["setup"]["devices"] == 8
+
+
 @pytest.mark.parametrize("args, fragment", [
+    (["--chip=v3"], "--chip"),
     (["--collective_latency_us=nan"], "--collective_latency_us=nan: must be a finite number"),
     (["--collective_latency_us=-1"], "--collective_latency_us=-1.0: must be a finite number in [0.0,"),
     (["--json=/"], "--json='/': cannot write it, it is a directory"),
@@ -508,3 +541,26 @@ def test_tpu_padding_and_the_chips_a_config_needs_on_a_smaller_chip():
     assert (cap["fits"], cap["model_axis_needed"], cap["chips_needed"]) == (False, 32, 32)
     cap = compile_lib.capacity(report, models, 1, 16, CHIPS["v4"])  # 20 GiB fit a 32 GiB chip: 16 is plenty,
     assert (cap["fits"], cap["chips_needed"]) == (True, 16)           # 8 chips would need 40
+
+
+def test_plan_of_quantized_models_counts_their_bytes(tmp_path):
+    """`plan --quantize=int8|int4` compiles the programs of the models as `--quantize`
+    loads them: int8 weights are about a quarter of float32's bytes, int4's codes (one
+    per byte where XLA runs) plus a scale and minimum per 32 about a third; the parameter
+    count is the float model's. (One device: on a mesh the small scales are replicated.)"""
+    runs = {}
+    for q in ("none", "int8", "int4"):
+        out = tmp_path / f"{q}.json"
+        runs[q] = (out, subprocess.Popen(
+            [sys.executable, "-m", "specjax.plan", "--config=tiny", "--mesh=1x1", f"--quantize={q}", f"--json={out}"],
+            cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True))
+    reports = {}
+    for q, (out, proc) in runs.items():
+        _, stderr = proc.communicate(timeout=600)
+        assert proc.returncode == 0, stderr[-3000:]
+        reports[q] = json.loads(out.read_text())
+    weights = {q: r["models"]["target"]["weight_bytes_per_device"] for q, r in reports.items()}
+    assert 0.2 < weights["int8"] / weights["none"] < 0.35, weights
+    assert 0.25 < weights["int4"] / weights["none"] < 0.45, weights
+    assert {r["models"]["target"]["params"] for r in reports.values()} == {load_config("tiny").target.num_params}
+    assert reports["int4"]["setup"]["quantize"] == "int4"
