@@ -31,8 +31,8 @@ from flax import nnx
 
 from specjax import kv_cache, kv_heads, sharding
 from specjax.config import ModelConfig
-from specjax.kernels import (DEFAULT as DEFAULT_KERNELS, Kernels, dispatch, pack_params, project, quantize_params, rows,
-                             should_pack, stored)
+from specjax.kernels import (DEFAULT as DEFAULT_KERNELS, QUANTIZED, Kernels, Packed, dispatch, pack_params, project,
+                             quantize_params, rows, should_pack, stored)
 from specjax.kv_cache import CACHE_AXES, Fresh, KVCache
 
 MASKED = -1e30
@@ -421,7 +421,7 @@ def causal(size: int) -> jax.Array:
 # one layer's weight).
 PROJECTIONS = {"wq": (1, 3), "wk": (1, 3), "wv": (1, 3), "wo": (2, 3), "w_in": (1, 2), "w_gate": (1, 2),
                "w_out": (1, 2), "unembed": (1, 2)}
-QUANTIZE = ("int8",)  # what `LM.quantized` makes (int4 is the next format)
+QUANTIZE = ("int8", "int4")  # what `LM.quantized` makes
 
 
 @jax.tree_util.register_pytree_node_class
@@ -462,7 +462,11 @@ class LM:
 
     @property
     def num_params(self) -> int:
-        return sum(x.size for x in jax.tree.leaves(self.params))
+        """The weights' count as the model defines them (a quantized or packed weight counts
+        its logical shape, not its codes, scales or panels)."""
+        formats = lambda x: isinstance(x, (Packed, *QUANTIZED))  # noqa: E731
+        return sum(math.prod(x.plain.shape if isinstance(x, Packed) else x.shape)
+                   for x in jax.tree.leaves(self.params, is_leaf=formats))
 
     def with_kernels(self, kernels: Kernels) -> LM:
         """This model under another kernel setting (a packed copy already made is shared)."""
@@ -474,15 +478,16 @@ class LM:
 
     def quantized(self, kind: str) -> LM:
         """This model with its weights quantized (`QUANTIZE`; 'int8': `kernels.Int8`,
-        symmetric per output column): every projection, the unembedding, and the embedding
-        table (per row: a tied table is then the unembedding's per-column quantization
-        too, and the lookup dequantizes only the rows it reads). The norms, Transformer-XL's
-        W_r and biases stay float. The result is a model of its own, the one that sampling
-        from it (SpS included) samples exactly; `packed()` gives it the int8 kernel's panels."""
+        symmetric per output column; 'int4': `kernels.Int4`, a scale and minimum per output
+        column and group of 32 inputs): every projection, the unembedding, and the embedding
+        table (per row: a tied table is then the unembedding's quantization too, and the
+        lookup dequantizes only the rows it reads). The norms, Transformer-XL's W_r and
+        biases stay float. The result is a model of its own, the one that sampling from it
+        (SpS included) samples exactly; `packed()` gives it the kernel's panels."""
         if kind not in QUANTIZE:
             raise ValueError(f"quantization {kind!r}: not one of {', '.join(QUANTIZE)}")
         names = {**PROJECTIONS, "embed": (1, 2)}
-        return dataclasses.replace(self, params=quantize_params(self.params, names, ("embed",)))  # subclasses stay
+        return dataclasses.replace(self, params=quantize_params(self.params, names, ("embed",), kind))  # subclasses stay
 
     def packed(self) -> LM:
         """This model as decoding runs it: its projections packed for the CPU few-row kernel

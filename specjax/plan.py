@@ -8,7 +8,9 @@ compiled HLO), and a TPU roofline ms/token set against the paper's Table 1
 (`specjax.analysis`). `--chip=v4|v5e|v5p|v6e` picks the chip (HBM size and bandwidth, peak
 FLOP/s: `roofline.CHIPS`); memory counts TPU padding (minor dims to 128 lanes) and kv
 heads duplicated as the loaders do (`kv_heads`), and the report says how many chips the
-config needs on that chip.
+config needs on that chip. `--quantize=int8|int4` plans the models as `--quantize` loads
+them (`LM.quantized`): their bytes per device, and what XLA keeps of a dequantized weight
+(the temporaries column).
 
 Why `--xla_disable_hlo_passes=while-loop-invariant-code-motion`: XLA:CPU hoists the
 bf16->f32 convert of the stacked (scanned) weights out of the layer loop, so the whole
@@ -47,6 +49,7 @@ def define_flags() -> None:
     flags.DEFINE_enum("chip", "v4", list(CHIPS), "TPU generation: HBM size and bandwidth, peak bf16 FLOP/s, ICI.")
     flags.DEFINE_float("collective_latency_us", Chip.collective_latency_s * 1e6,
                        "Fixed latency per collective in the TPU roofline (microseconds).")
+    cli.define_quantize_flag()
     flags.DEFINE_integer("num_drafts", 1, "Also compile the tree loop with this many draft chains (> 1) and "
                          "report its scoring pass against the chain's.")
     flags.DEFINE_bool("licm", False, "Keep XLA's while-loop-invariant-code-motion pass (XLA:CPU then hoists "
@@ -80,7 +83,7 @@ def main(argv):
     configure_xla(data * model, FLAGS.licm)
     jax.config.update("jax_platforms", "cpu")
     chip = dataclasses.replace(CHIPS[FLAGS.chip], collective_latency_s=latency * 1e-6)
-    report = compile_lib.plan(cfg, data, model, batch, prompt_len, cache_len, chip, num_drafts)
+    report = compile_lib.plan(cfg, data, model, batch, prompt_len, cache_len, chip, num_drafts, cli.quantize())
     print(report_lib.format_report(report))
     if FLAGS.json:
         output.save(FLAGS.json, json.dumps(report, indent=1, default=str), "--json")

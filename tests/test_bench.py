@@ -58,7 +58,8 @@ def test_bench_writes_json_and_png(tmp_path):
      "--drafter=model|hybrid needs a draft: pass --hf_draft=DIR"),
     (["--self_draft=layers:1,layers:2"], "--self_draft='layers:2': layers:N needs N in 1..1"),
     (["--self_draft=layers:1,,layers:1"], "expected comma-separated self-drafts"),
-    (["--self_draft=int4"], "int4 self-drafts need int4 weights, which are not built yet"),
+    (["--self_draft=int4+int8"], "a quantized form given twice"),
+    (["--self_draft=int4", "--quantize=int4"], "--self_draft='int4' with --quantize=int4: the target is int4 already"),
     (["--self_draft=layers:1", "--hf_draft=/tmp"], "--self_draft='layers:1' and --hf_draft both name the draft"),
 ])
 def test_bench_rejects_bad_input_before_any_work(args, fragment):

@@ -26,7 +26,7 @@ import numpy as np
 import pytest
 
 import specjax
-from specjax import model, sharding
+from specjax import kernels, model, sharding
 from specjax.config import SamplingConfig, UsageError, cache_dir, load_config
 from specjax.weights import checkpoint, gguf, hf
 from specjax.weights.tokenizer import HFTokenizer
@@ -128,6 +128,38 @@ def test_a_gguf_tokenizer_and_its_hf_directory_share_one_vocabulary():
 
 
 # ------------------------------------------------------------------ the blocks of the lossless types
+
+
+@pytest.mark.parametrize("name", ["bpe_Q4_0", "bpe_Q4_1", "spm_Q4_0"])
+def test_int4_takes_a_files_q4_blocks_as_stored(name):
+    """`--quantize=int4` on a Q4_0 / Q4_1 file: each Q4 matrix becomes a kernels.Int4 of
+    the file's codes, scales and minimums, whose values are the float load's (= the gguf
+    package's dequantization, bit for bit: the test above) up to one float32 rounding;
+    `LM.quantized('int4')` then leaves those alone (codes unchanged), and the model's
+    logits are transformers' within ATOL and its greedy tokens transformers' generate."""
+    ref = reference(name)
+    mesh = mesh_for("1x1")
+    lm, _ = gguf.load(path(name), mesh, param_dtype="float32")
+    taken = gguf.take_stored(lm, path(name), "int4")
+    f = gguf.open_file(path(name))
+    matrices = [n for n in f.tensors if f.type_name(n) in ("Q4_0", "Q4_1")]
+    is_q = lambda x: isinstance(x, kernels.Int4)  # noqa: E731
+    pairs = [(a, b) for a, b in zip(jax.tree.leaves(taken.params, is_leaf=is_q), jax.tree.leaves(lm.params))
+             if is_q(a)]
+    assert len(pairs) == len(matrices) > 0
+    for int4, float_w in pairs:
+        np.testing.assert_allclose(np.asarray(kernels.stored(int4)), np.asarray(float_w), rtol=1e-6, atol=1e-7)
+    quantized = taken.quantized("int4")
+    for a, b in zip(jax.tree.leaves(taken.params, is_leaf=is_q), jax.tree.leaves(quantized.params, is_leaf=is_q)):
+        if is_q(a):
+            np.testing.assert_array_equal(np.asarray(a.code), np.asarray(b.code))
+    np.testing.assert_allclose(logits_of(quantized, ref["input_ids"]), ref["logits"], rtol=0, atol=ATOL)
+    if name == "bpe_Q4_0":  # every matrix is Q4_0 there: the model is the file's
+        prompt = ref["prompt_ids"][0].tolist()
+        result = specjax.generate(quantized, None, [prompt],
+                                  SamplingConfig(temperature=0.0, max_new_tokens=16, eos_id=-1))
+        assert result.tokens[0] == ref["greedy_ids"][0, len(prompt):].tolist()
+    assert gguf.take_stored(lm, path(name), "int8") is lm  # int8: quantized from the float values
 
 
 def _raw(file, name):

@@ -1,7 +1,8 @@
-"""int8 weights (`kernels.Int8`): the quantization, the few-row kernel's int8 variant and
-XLA's path against float64 numpy references of the dequantized weight, a quantized model
-through prefill and decode against the same model with those weights dequantized in
-numpy, the kernel's dispatch, and greedy SpS == greedy ArS on a quantized target."""
+"""Quantized weights (`kernels.Int8`, `kernels.Int4`): the quantizations against float64
+numpy, the few-row kernel's int8 and int4 variants and XLA's path against float64 numpy
+references of the dequantized weight, a quantized model through prefill and decode
+against the same model with those weights dequantized in numpy, the kernel's dispatch,
+and greedy SpS == greedy ArS on a quantized target."""
 from __future__ import annotations
 
 import dataclasses
@@ -19,9 +20,10 @@ from specjax.kernels import NONE, Kernels, formats, library
 from conftest import mesh_for
 
 needs_kernel = pytest.mark.skipif(not kernels.available(), reason="kernel not built here (no C++ compiler?)")
-INT8_CALL = library.MATMUL_INT8_TARGET
+CALLS = {"int8": library.MATMUL_INT8_TARGET, "int4": library.MATMUL_INT4_TARGET}
 FLOAT_CALL = library.MATMUL_TARGET
 ON = Kernels()
+KINDS = ("int8", "int4")
 
 
 def quantize_reference(w: np.ndarray, axes: tuple[int, ...]) -> tuple[np.ndarray, np.ndarray]:
@@ -32,8 +34,19 @@ def quantize_reference(w: np.ndarray, axes: tuple[int, ...]) -> tuple[np.ndarray
     return np.clip(np.round(w / scale), -127, 127), scale
 
 
-def dequantized(w: formats.Int8) -> np.ndarray:
-    """q * scale in float64 as stored (a transposed table's [V, D] rows), from the arrays."""
+def dequantized(w) -> np.ndarray:
+    """The weight in float64 as stored (a transposed table's [V, D] rows), from its arrays:
+    q * scale (int8), code * scale + min per group of 32 inputs (int4)."""
+    if isinstance(w, formats.Int4):
+        code, scale, low = (np.asarray(a, np.float64) for a in (w.code, w.scale, w.low))
+        if w.transposed:  # [.., V, D], groups along D
+            g = np.arange(code.shape[-1]) // 32
+            return code * scale[..., g] + low[..., g]
+        lead = scale.ndim - 2
+        shape = code.shape
+        m = code.reshape(*shape[:lead], -1, int(np.prod(w.out)))
+        g = np.arange(m.shape[-2]) // 32
+        return (m * scale[..., g, :] + low[..., g, :]).reshape(shape)
     q, s = np.asarray(w.q, np.float64), np.asarray(w.scale, np.float64)
     if w.transposed:
         return q * s[..., None]
@@ -62,23 +75,61 @@ def test_quantization_is_symmetric_per_output_channel():
                                rtol=1e-6)
 
 
+def test_int4_quantization_has_a_scale_and_minimum_per_group_of_32_inputs():
+    """Per output column and group of 32 inputs (the last group short: K = 70), against
+    float64 numpy: min = the group's minimum, scale = its range / 15, every weight within
+    half a step of its code's value; a constant group gets scale 1 and codes 0. A table
+    [V, D] is grouped along D, per row, and looked up by rows."""
+    rng = np.random.default_rng(1)
+    w = rng.standard_normal((2, 70, 3, 5)).astype(np.float32)  # two stacked layers of [70] x [3, 5]
+    w[1, 32:64, 2, 4] = 0.25  # a constant group
+    qw = kernels.quantize_int4(jnp.asarray(w), 1, lead=1)
+    assert qw.code.dtype == jnp.uint8 and qw.code.shape == w.shape and qw.scale.shape == (2, 3, 15)
+    m = w.astype(np.float64).reshape(2, 70, 15)
+    for g, (a, b) in enumerate(((0, 32), (32, 64), (64, 70))):
+        lo, hi = m[:, a:b].min(axis=1), m[:, a:b].max(axis=1)
+        np.testing.assert_allclose(np.asarray(qw.low)[:, g], lo, rtol=1e-6)
+        np.testing.assert_allclose(np.asarray(qw.scale)[:, g], np.where(hi > lo, (hi - lo) / 15, 1.0), rtol=1e-5)
+    code = np.asarray(qw.code)
+    assert code.max() <= 15 and code[1, 32:64, 2, 4].max() == 0
+    step = np.repeat(np.asarray(qw.scale, np.float64), [32, 32, 6], axis=1).reshape(2, 70, 3, 5)
+    assert (np.abs(dequantized(qw) - w) <= 0.5 * step * (1 + 1e-5) + 1e-7).all()
+    table = rng.standard_normal((50, 40)).astype(np.float32)  # [V, D]: groups along D
+    qt = kernels.quantize_int4(jnp.asarray(table), 1, transposed=True)
+    assert qt.shape == (40, 50) and qt.T is qt and qt.scale.shape == (50, 2)
+    assert np.abs(dequantized(qt) - table).max() <= 0.5 * np.asarray(qt.scale).max() * (1 + 1e-5)
+    tokens = jnp.array([[3, 49, 0]])
+    np.testing.assert_allclose(np.asarray(kernels.rows(qt, tokens, jnp.float32)), dequantized(qt)[[[3, 49, 0]]],
+                               rtol=1e-6, atol=1e-6)
+
+
+def quantize(kind, w):
+    return (kernels.quantize_int8 if kind == "int8" else kernels.quantize_int4)(jnp.asarray(w), 1)
+
+
 @needs_kernel
+@pytest.mark.parametrize("kind", KINDS)
 @pytest.mark.parametrize("K,N", [(1, 1), (3, 17), (33, 47), (7, 130), (64, 64), (129, 200), (301, 1000)])
-def test_int8_kernel_and_xla_path_match_float64_of_the_dequantized_weight(K, N):
-    """Every T in 1..8, partial panels (N not a multiple of 64), odd K: the kernel (packed)
-    and XLA's path (not packed) against x @ (q * scale) in float64; a row's value does not
-    depend on the rows beside it."""
+def test_kernel_and_xla_path_match_float64_of_the_dequantized_weight(kind, K, N):
+    """Every T in 1..8, partial panels (N not a multiple of 64), odd K (and, for int4, K
+    not a multiple of its groups): the kernel (packed) and XLA's path (not packed) against
+    x @ the dequantized weight in float64; a row's value does not depend on the rows
+    beside it."""
     rng = np.random.default_rng(K * 1000 + N)
     w = (rng.standard_normal((K, N)) * K ** -0.5).astype(np.float32)
-    qw = kernels.quantize_int8(jnp.asarray(w), 1)
+    qw = quantize(kind, w)
     packed = formats.pack_params({"w": qw}, {"w": (1, 2)})["w"]
-    assert packed.panels.dtype == jnp.int8 and packed.panels.shape == (-(-N // 64), K, 64)
+    if kind == "int8":
+        assert packed.panels.dtype == jnp.int8 and packed.panels.shape == (-(-N // 64), K, 64)
+    else:
+        assert packed.panels.dtype == jnp.uint8 and packed.panels.shape == (-(-N // 64), K, 32)
+        assert packed.aux.shape == (-(-N // 64), -(-K // 32), 2, 64)
     deq = dequantized(qw)
     x8 = rng.standard_normal((8, K)).astype(np.float32)
     lowered = jax.jit(lambda x, w: kernels.project("TK,KN->TN", x, w, ON))
     with jax.set_mesh(mesh_for("1x1")):
-        assert INT8_CALL in lowered.lower(x8[:3], packed).as_text()
-        assert INT8_CALL not in lowered.lower(x8[:3], qw).as_text()  # no panels: XLA
+        assert CALLS[kind] in lowered.lower(x8[:3], packed).as_text()
+        assert CALLS[kind] not in lowered.lower(x8[:3], qw).as_text()  # no panels: XLA
         by_kernel = [np.asarray(lowered(x8[:T], packed)) for T in range(1, 9)]
         by_xla = [np.asarray(lowered(x8[:T], qw)) for T in range(1, 9)]
     for T in range(1, 9):
@@ -88,32 +139,37 @@ def test_int8_kernel_and_xla_path_match_float64_of_the_dequantized_weight(K, N):
         np.testing.assert_array_equal(by_kernel[T - 1], by_kernel[-1][:T])
 
 
-def int8_outputs(text: str) -> list[tuple[int, int]]:
-    """(rows, columns) of every int8 few-row matmul in a lowered program's text."""
-    return [(int(m[1]), int(m[2])) for m in re.finditer(rf"custom_call @{INT8_CALL}\(.*-> tensor<(\d+)x(\d+)xf32>", text)]
+def kernel_outputs(text: str, kind: str) -> list[tuple[int, int]]:
+    """(rows, columns) of every few-row matmul of `kind` in a lowered program's text."""
+    return [(int(m[1]), int(m[2]))
+            for m in re.finditer(rf"custom_call @{CALLS[kind]}\(.*-> tensor<(\d+)x(\d+)xf32>", text)]
 
 
 def as_float(q_lm: model.LM) -> model.LM:
     """The quantized model's own weights, dequantized in float64 numpy, as a float model."""
-    is_int8 = lambda x: isinstance(x, formats.Int8)  # noqa: E731
-    params = jax.tree.map(lambda w: jax.device_put(dequantized(w).astype(np.float32), w.q.sharding) if is_int8(w)
-                          else w, q_lm.params, is_leaf=is_int8)
+    is_q = lambda x: isinstance(x, formats.QUANTIZED)  # noqa: E731
+    where = lambda w: (w.q if isinstance(w, formats.Int8) else w.code).sharding  # noqa: E731
+    params = jax.tree.map(lambda w: jax.device_put(dequantized(w).astype(np.float32), where(w)) if is_q(w)
+                          else w, q_lm.params, is_leaf=is_q)
     return dataclasses.replace(q_lm, params=params)
 
 
+@pytest.mark.parametrize("kind", KINDS)
 @pytest.mark.parametrize("tied", [False, True], ids=["untied", "tied"])
-def test_quantized_model_equals_its_dequantized_float_model(tiny, tied):
-    """Prefill (11 tokens: XLA's dot on q), then decode passes of T = 1 and 5 (the int8
-    kernel, where built: checked on the lowered program), against the float model of the
-    dequantized weights with no kernels; every projection, the unembedding and the table
-    are int8."""
+def test_quantized_model_equals_its_dequantized_float_model(tiny, tied, kind):
+    """Prefill (11 tokens: XLA's dot), then decode passes of T = 1 and 5 (the kernel of
+    that format, where built: checked on the lowered program), against the float model of
+    the dequantized weights with no kernels; every projection, the unembedding and the
+    table are quantized. The model's parameter count is the float model's."""
     cfg = dataclasses.replace(tiny.target, tie_embeddings=tied)
     mesh = mesh_for("1x1")
     lm = model.init_lm(cfg, mesh)
-    q_lm = lm.quantized("int8")
-    leaves = jax.tree.leaves(q_lm.params, is_leaf=lambda x: isinstance(x, formats.Int8))
+    q_lm = lm.quantized(kind)
+    fmt = formats.Int8 if kind == "int8" else formats.Int4
+    leaves = jax.tree.leaves(q_lm.params, is_leaf=lambda x: isinstance(x, fmt))
     per_layer = 7 if cfg.ffw == "swiglu" else 6
-    assert sum(isinstance(x, formats.Int8) for x in leaves) == cfg.num_layers * per_layer + (1 if tied else 2)
+    assert sum(isinstance(x, fmt) for x in leaves) == cfg.num_layers * per_layer + (1 if tied else 2)
+    assert q_lm.num_params == q_lm.packed().num_params == lm.num_params == cfg.num_params
     reference = as_float(q_lm).with_kernels(NONE)
     decoding = q_lm.packed()
     assert (decoding is not q_lm) == kernels.available()
@@ -122,17 +178,17 @@ def test_quantized_model_equals_its_dequantized_float_model(tiny, tied):
     extend = jax.jit(lambda lm, t, p, c: lm.extend(t, p, c))
     with jax.set_mesh(mesh):
         first = (tokens[:, :prompt], jnp.arange(prompt)[None], kv_cache.init_cache(cfg, 1, 32))
-        assert int8_outputs(extend.lower(decoding, *first).as_text()) == []  # 11 rows: XLA's dot
+        assert kernel_outputs(extend.lower(decoding, *first).as_text(), kind) == []  # 11 rows: XLA's dot
         logits = {}
-        for name, subject in (("int8", decoding), ("float", reference)):
+        for name, subject in (("quantized", decoding), ("float", reference)):
             out, cache = extend(subject, *first)
             steps = [out]
             start = prompt
             for T in (1, 5):
                 args = (subject, tokens[:, start:start + T], (start + jnp.arange(T))[None], cache)
-                if name == "int8":
-                    calls = int8_outputs(extend.lower(*args).as_text())
-                    # Every layer's projections and the logits run the int8 kernel, on T rows.
+                if name == "quantized":
+                    calls = kernel_outputs(extend.lower(*args).as_text(), kind)
+                    # Every layer's projections and the logits run the format's kernel, on T rows.
                     want = [(T, n) for n in [cfg.num_heads * cfg.head_dim] + [cfg.num_kv_heads * cfg.head_dim] * 2
                             + [cfg.d_model, cfg.d_ff, cfg.d_model]] * cfg.num_layers + [(T, cfg.vocab_size)]
                     assert sorted(calls) == (sorted(want) if kernels.available() else []), (T, calls)
@@ -142,19 +198,20 @@ def test_quantized_model_equals_its_dequantized_float_model(tiny, tied):
                 start += T
             logits[name] = np.concatenate([np.asarray(s) for s in steps], axis=1)
     scale = np.abs(logits["float"]).max()
-    np.testing.assert_allclose(logits["int8"], logits["float"], rtol=1e-4, atol=1e-5 * scale)
+    np.testing.assert_allclose(logits["quantized"], logits["float"], rtol=1e-4, atol=1e-5 * scale)
     # The quantization changed the model (the comparison above is not between equal weights).
     float_logits = np.asarray(jax.jit(model.full_forward)(lm.with_kernels(NONE), tokens[:, :prompt + 6]))
     assert np.abs(float_logits - logits["float"]).max() > 1e-4 * scale
 
 
-@pytest.mark.parametrize("draft_kind", ["int8", pytest.param("float", marks=pytest.mark.slow)])
-def test_greedy_sps_equals_greedy_ars_on_an_int8_target(tiny, draft_kind):
+@pytest.mark.parametrize("kind,draft_kind", [("int8", "int8"), ("int4", "int4"),
+                                             pytest.param("int8", "float", marks=pytest.mark.slow)])
+def test_greedy_sps_equals_greedy_ars_on_a_quantized_target(tiny, kind, draft_kind):
     mesh = mesh_for("1x1")
     with jax.set_mesh(mesh):
-        target = model.init_lm(tiny.target, mesh).quantized("int8")
+        target = model.init_lm(tiny.target, mesh).quantized(kind)
         draft = model.init_lm(tiny.draft, mesh)
-        draft = draft.quantized("int8") if draft_kind == "int8" else draft
+        draft = draft.quantized(draft_kind) if draft_kind != "float" else draft
         sampling = SamplingConfig(temperature=0.0, lookahead=3, max_new_tokens=20)
         prompts = [[1, 2, 3], [4, 5, 6, 7, 8]]
         sps = api.generate(target, draft, prompts, sampling, seed=0)

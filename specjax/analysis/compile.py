@@ -90,10 +90,11 @@ def capacity(report: dict, models: dict, data: int, model: int, chip: Chip) -> d
 
 
 def plan(cfg, data: int, model: int, batch: int = 1, prompt_len: int = 128, cache_len: int | None = None,
-         chip: Chip = Chip(), num_drafts: int = 1) -> dict:
+         chip: Chip = Chip(), num_drafts: int = 1, quantize: str | None = None) -> dict:
     """Compile SpS (when the config has a draft), ArS for the target, and ArS for the
     draft alone on a data x model mesh of the process's (fake CPU) devices; with
-    num_drafts > 1 also the tree loop of that many draft chains ('sps_tree')."""
+    num_drafts > 1 also the tree loop of that many draft chains ('sps_tree'); with
+    `quantize` ('int8', 'int4') the models quantized as `LM.quantized` makes them."""
     devices = jax.devices()
     if len(devices) < data * model:
         raise UsageError(f"mesh {data}x{model} needs {data * model} devices, this process has {len(devices)}")
@@ -107,10 +108,13 @@ def plan(cfg, data: int, model: int, batch: int = 1, prompt_len: int = 128, cach
         sharding.check_divisible(c, mesh, name)
     # As the loaders run them: kv heads duplicated where there are fewer than the 'model' axis.
     lms = {name: abstract_lm(kv_heads.for_mesh(c, mesh), mesh) for name, c in models.items()}
+    if quantize is not None:
+        lms = {name: lm.quantized(quantize) for name, lm in lms.items()}
     report: dict[str, Any] = {
         "config": cfg.name,
         "setup": {"data": data, "model": model, "devices": data * model, "batch": batch, "prompt_len": prompt_len,
                   "cache_len": cache_len, "lookahead": cfg.sampling.lookahead, "num_drafts": num_drafts,
+                  "quantize": quantize,
                   "sampling": dataclasses.asdict(cfg.sampling),
                   "xla_flags": os.environ.get("XLA_FLAGS", "")},
         "models": {}, "programs": {}}

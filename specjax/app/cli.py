@@ -80,9 +80,10 @@ def sources():
 
 def define_quantize_flag() -> None:
     from specjax.model import QUANTIZE
-    flags.DEFINE_enum("quantize", "none", ["none", *QUANTIZE], "Quantize the float weights on load: int8 = "
-                      "symmetric per output channel (every projection, the unembedding and the embedding table); "
-                      "the run samples the quantized model exactly. Applies to the target and the draft.")
+    flags.DEFINE_enum("quantize", "none", ["none", *QUANTIZE], "Quantize the float weights on load (every "
+                      "projection, the unembedding and the embedding table): int8 = symmetric per output channel; "
+                      "int4 = a scale and minimum per output channel and group of 32 inputs. The run samples the "
+                      "quantized model exactly. Applies to the target and the draft.")
 
 
 def quantize() -> Optional[str]:

@@ -298,24 +298,28 @@ class Weights:
         return ()
 
     def load(self, mesh, *, need_draft: bool, quantize: Optional[str] = None):
-        """(target, draft or None) on `mesh`; with `quantize` ('int8'), each quantized on load
-        (`LM.quantized`): the run samples the quantized models. A self-draft is made of the
-        (quantized) target's own arrays."""
+        """(target, draft or None) on `mesh`; with `quantize` ('int8', 'int4'), each quantized
+        on load (`LM.quantized`; a GGUF file's Q4_0/Q4_1 tensors taken as stored for int4):
+        the run samples the quantized models. A self-draft is made of the (quantized)
+        target's own arrays."""
         if self.self_draft is not None:
             from specjax.weights.self_draft import self_draft
-            target, _ = dataclasses.replace(self, self_draft=None)._load(mesh, False)
+            target, _ = dataclasses.replace(self, self_draft=None)._load(mesh, False, quantize)
             target = target.quantized(quantize) if quantize is not None else target
             return target, self_draft(target, self.self_draft) if need_draft else None
-        target, draft = self._load(mesh, need_draft)
+        target, draft = self._load(mesh, need_draft, quantize)
         if quantize is not None:
             target, draft = target.quantized(quantize), (draft.quantized(quantize) if draft is not None else None)
         return target, draft
 
-    def _load(self, mesh, need_draft: bool):
+    def _load(self, mesh, need_draft: bool, quantize: Optional[str] = None):
         if self.init == "imported":
             def one(source, cfg):
                 lm, _ = source.reader.load(source.path, mesh, **source.runtime(cfg))
-                return lm
+                # A file's weights already in the `quantize` format (GGUF Q4_0/Q4_1 for int4)
+                # are taken as stored, not re-quantized from their float values.
+                keep = getattr(source.reader, "take_stored", None)
+                return keep(lm, source.path, quantize) if keep is not None else lm
             target, draft = self.sources
             return one(target, self.config.target), (one(draft, self.config.draft) if need_draft else None)
         if self.init == "random":

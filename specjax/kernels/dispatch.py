@@ -15,7 +15,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from specjax.kernels.library import ATTENTION_TARGET, MATMUL_INT8_TARGET, MATMUL_TARGET, NUCLEUS_TARGET, available
+from specjax.kernels.library import (ATTENTION_TARGET, MATMUL_INT4_TARGET, MATMUL_INT8_TARGET, MATMUL_TARGET,
+                                     NUCLEUS_TARGET, available)
 from specjax.kernels.setting import Kernels
 
 MAX_ROWS = 8
@@ -75,6 +76,30 @@ def _fewrow_matmul_int8_jvp(n, primals, tangents):
     (x, panels, scale), (dx, _, _) = primals, tangents
     dy = panel_dot(dx, panels.astype(dx.dtype), n) * scale.reshape(-1)[:n]
     return fewrow_matmul_int8(x, panels, scale, n), dy
+
+
+@functools.partial(jax.custom_jvp, nondiff_argnums=(3,))
+def fewrow_matmul_int4(x: jax.Array, panels: jax.Array, aux: jax.Array, n: int) -> jax.Array:
+    """x [T, K] @ (int4 panels [P, K, PANEL // 2], two codes per byte, dequantized by the
+    groups' scales and minimums aux [P, G, 2, PANEL]), the first `n` columns, float32, by
+    `fewrow_matmul.cc`'s int4 variant (call only where `available()`). Differentiable in x."""
+    out = jax.ShapeDtypeStruct((x.shape[0], n), jnp.float32)
+    return jax.ffi.ffi_call(MATMUL_INT4_TARGET, out, vmap_method="sequential")(x, panels, aux)
+
+
+def int4_panel_matrix(panels: jax.Array, aux: jax.Array) -> jax.Array:
+    """The dequantized [P, K, PANEL] panels of int4 `panels` and `aux` (the kernel's weight, by XLA)."""
+    codes = jnp.concatenate([panels & 15, panels >> 4], axis=-1).astype(jnp.float32)  # [P, K, PANEL]
+    K = codes.shape[-2]
+    scale = jnp.repeat(aux[..., 0, :], 32, axis=-2)[..., :K, :]
+    low = jnp.repeat(aux[..., 1, :], 32, axis=-2)[..., :K, :]
+    return codes * scale + low
+
+
+@fewrow_matmul_int4.defjvp
+def _fewrow_matmul_int4_jvp(n, primals, tangents):
+    (x, panels, aux), (dx, _, _) = primals, tangents
+    return fewrow_matmul_int4(x, panels, aux, n), panel_dot(dx, int4_panel_matrix(panels, aux), n)
 
 
 # --------------------------------------------------------------------------- attention

@@ -1,19 +1,14 @@
 // y[T, N] = x[T, K] @ w[K, N] for a few rows (T <= 8), as XLA FFI custom calls for the
 // CPU backend, with w packed once into panels: wp[P, K, 64] holds columns 64p..64p+63 of w
-// (zeros past N), row after row, so each panel is one contiguous run. Two weight formats
-// share the one loop (`Tile<T, W>`): float32 panels, and int8 panels with a float32 scale
-// per column (w = q * scale, symmetric per output channel), dequantized in registers: a
+// (zeros past N), row after row, so each panel is one contiguous run. Three weight formats
+// share the one loop (`Tile<T, F>`): float32 panels; int8 panels with a float32 scale per
+// column (w = q * scale, symmetric per output channel), dequantized in registers: a
 // column's sum is over x[t, k] * q[k, n] and is scaled once at the end, so a quarter of
-// the bytes are read.
+// the bytes are read; and int4 panels (two 4-bit codes per byte, 32 bytes per panel row)
+// with a float32 scale and minimum per column and group of 32 rows of k (w = code * scale
+// + min, GGUF's Q4_1 and, with min = -8 scale, Q4_0), dequantized in registers as each
+// row streams past: an eighth of the float32 bytes plus the groups' scales.
 //
-// XLA:CPU's dot for a handful of rows runs well below the rate at which the weights can be
-// read, although it reads no more of them than a one-row dot. Here a tile of a panel's
-// columns keeps its T rows of partial sums in registers while the panel streams past once:
-// every weight is loaded once, used for all T rows, and the sums never leave the registers
-// until the panel ends. The panels are split between the threads of XLA's intra-op pool
-// (ffi::ThreadPool) in contiguous ranges. Each output is one thread's sum over k in order,
-// so the result is deterministic and a row's value does not depend on T (greedy ArS and SpS
-// see identical logits).
 #include <algorithm>
 #include <atomic>
 #include <cstdint>
@@ -37,6 +32,26 @@ constexpr int kVecs = kPanel / kWidth;   // vectors per panel row
 constexpr int64_t kAhead = 2048;         // bytes of a panel prefetched ahead: the hardware prefetchers alone fall behind
 constexpr int64_t kMinSplit = 1 << 16;   // elements of w below which one thread does it all
 
+// The weight formats: what one panel row holds (W elements, kRow bytes) and how many
+// floats of side data (`aux`) each panel has: int8's 64 column scales, int4's scale and
+// minimum for each group of kGroup rows and each column, [G, 2, 64].
+constexpr int64_t kGroup = 32;  // int4: rows of k per scale and minimum
+struct F32 {
+  using W = float;
+  static constexpr int64_t kElems = kPanel;
+  static int64_t Aux(int64_t) { return 0; }
+};
+struct I8 {
+  using W = int8_t;
+  static constexpr int64_t kElems = kPanel;
+  static int64_t Aux(int64_t) { return kPanel; }
+};
+struct I4 {
+  using W = uint8_t;  // byte b of a row: column b in the low nibble, column b + 32 in the high one
+  static constexpr int64_t kElems = kPanel / 2;
+  static int64_t Aux(int64_t K) { return 2 * kPanel * ((K + kGroup - 1) / kGroup); }
+};
+
 // A panel row's kWidth weights from p as floats: a float load, or int8 widened in registers
 // (AVX-512 and AVX2: one sign-extending load and one conversion; GCC 12 turned the vector
 // extensions' conversion into one scalar conversion per lane, so they are the portable path).
@@ -53,56 +68,88 @@ inline Vec Weights(const int8_t* p) {
 #endif
 }
 
+// Columns c*kWidth .. c*kWidth + kWidth - 1 of an int4 panel row as floats 0..15: the low
+// nibbles of bytes c*kWidth.. for the first 32 columns, the high nibbles of bytes
+// c*kWidth - 32.. for the rest (one zero-extending load, a mask or a shift, a conversion).
+inline Vec Codes(const uint8_t* row, int c) {
+  const bool high = c * kWidth >= kPanel / 2;
+  const uint8_t* p = row + c * kWidth - (high ? kPanel / 2 : 0);
+#if defined(__AVX512F__)
+  __m512i v = _mm512_cvtepu8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
+  v = high ? _mm512_srli_epi32(v, 4) : _mm512_and_si512(v, _mm512_set1_epi32(15));
+  return (Vec)_mm512_cvtepi32_ps(v);
+#elif defined(__AVX2__)
+  __m256i v = _mm256_cvtepu8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(p)));
+  v = high ? _mm256_srli_epi32(v, 4) : _mm256_and_si256(v, _mm256_set1_epi32(15));
+  return (Vec)_mm256_cvtepi32_ps(v);
+#else
+  Vec v;
+  for (int i = 0; i < kWidth; ++i) v[i] = static_cast<float>(high ? p[i] >> 4 : p[i] & 15);
+  return v;
+#endif
+}
+
 // out[t, :kPanel] (row stride ldo) = x[t, :] @ panel (times scale[:kPanel], for int8). The
 // whole panel row is one tile for every T <= 8 and vector width, so each panel is swept
 // once: with 8-16 vector registers some of the T x kVecs sums spill to L1, which costs far
 // less than sweeping the panel again per half (measured on AVX-512, and on AVX2 code on
 // the same host: T=5 with quarter-width tiles 3.8 ms per 84 MB of matrices, with the full
 // tile 1.6).
-template <int T, typename W>
-inline void Tile(const float* x, const W* panel, const float* scale, int64_t K, float* out, int64_t ldo) {
+template <int T, typename F>
+inline void Tile(const float* x, const typename F::W* panel, const float* aux, int64_t K, float* out, int64_t ldo) {
   constexpr int C = kVecs;
-  constexpr int64_t kRow = kPanel * sizeof(W);  // bytes per panel row
+  constexpr int64_t kRow = F::kElems * sizeof(typename F::W);  // bytes per panel row
   Vec acc[T][C] = {};
+  Vec scale[C], low[C];  // int4: the current group's
   for (int64_t k = 0; k < K; ++k) {
-    const W* wk = panel + k * kPanel;
+    const typename F::W* wk = panel + k * F::kElems;
     const char* ahead = reinterpret_cast<const char*>(wk) + kAhead;
     for (int64_t b = 0; b < kRow; b += 64) __builtin_prefetch(ahead + b);
     Vec w[C];
-    for (int c = 0; c < C; ++c) w[c] = Weights(wk + c * kWidth);
+    if constexpr (std::is_same_v<F, I4>) {
+      if (k % kGroup == 0)
+        for (int c = 0; c < C; ++c) {
+          const float* g = aux + (k / kGroup) * 2 * kPanel + c * kWidth;
+          scale[c] = Load(g);
+          low[c] = Load(g + kPanel);
+        }
+      for (int c = 0; c < C; ++c) w[c] = Codes(wk, c) * scale[c] + low[c];
+    } else {
+      for (int c = 0; c < C; ++c) w[c] = Weights(wk + c * kWidth);
+    }
     for (int t = 0; t < T; ++t) {
       const Vec b = Splat(x[t * K + k]);
       for (int c = 0; c < C; ++c) acc[t][c] += w[c] * b;
     }
   }
-  if constexpr (!std::is_same_v<W, float>)
+  if constexpr (std::is_same_v<F, I8>)
     for (int c = 0; c < C; ++c) {
-      const Vec s = Load(scale + c * kWidth);
+      const Vec s = Load(aux + c * kWidth);
       for (int t = 0; t < T; ++t) acc[t][c] *= s;
     }
   for (int t = 0; t < T; ++t)
     for (int c = 0; c < C; ++c) Store(out + t * ldo + c * kWidth, acc[t][c]);
 }
 
-// y[:, 64p0 : 64p1] (clipped to N) for panels p0..p1-1; scale [P * 64] for int8 (else null).
-template <int T, typename W>
-void Panels(const float* x, const void* wv, const float* scale, float* y, int64_t K, int64_t N, int64_t p0,
+// y[:, 64p0 : 64p1] (clipped to N) for panels p0..p1-1; aux: each panel's F::Aux(K) floats.
+template <int T, typename F>
+void Panels(const float* x, const void* wv, const float* aux, float* y, int64_t K, int64_t N, int64_t p0,
             int64_t p1) {
-  const W* wp = static_cast<const W*>(wv);
+  const typename F::W* wp = static_cast<const typename F::W*>(wv);
   float last[T * kPanel];  // a panel that runs past N is computed here, then clipped
   for (int64_t p = p0; p < p1; ++p) {
     const bool full = (p + 1) * kPanel <= N;
     float* out = full ? y + p * kPanel : last;
-    Tile<T, W>(x, wp + p * K * kPanel, scale ? scale + p * kPanel : nullptr, K, out, full ? N : kPanel);
+    Tile<T, F>(x, wp + p * K * F::kElems, aux ? aux + p * F::Aux(K) : nullptr, K, out, full ? N : kPanel);
     if (!full)
       for (int t = 0; t < T; ++t) std::memcpy(y + t * N + p * kPanel, last + t * kPanel, (N - p * kPanel) * sizeof(float));
   }
 }
 
 using PanelFn = void (*)(const float*, const void*, const float*, float*, int64_t, int64_t, int64_t, int64_t);
-template <typename W>
-constexpr PanelFn kPanels[kMaxRows + 1] = {nullptr,         Panels<1, W>, Panels<2, W>, Panels<3, W>, Panels<4, W>,
-                                           Panels<5, W>, Panels<6, W>, Panels<7, W>, Panels<8, W>};
+template <typename F>
+constexpr PanelFn kPanels[kMaxRows + 1] = {nullptr,         Panels<1, F>, Panels<2, F>, Panels<3, F>, Panels<4, F>,
+                                           Panels<5, F>, Panels<6, F>, Panels<7, F>, Panels<8, F>};
 
 // One matmul's panel ranges, taken by whichever thread comes first: the calling thread
 // never waits for a task that has not started, so a busy pool cannot stall it.
@@ -124,14 +171,15 @@ struct Job {
   }
 };
 
-// The checks and the split between threads that both formats share; scale is null for float32.
-ffi::Error Run(ffi::ThreadPool& pool, const char* name, PanelFn const* fns, ffi::AnyBuffer::Dimensions xd,
+// The checks and the split between threads that the formats share (a panel row holds
+// `row` elements); scale is null for float32.
+ffi::Error Run(ffi::ThreadPool& pool, const char* name, PanelFn const* fns, int64_t row, ffi::AnyBuffer::Dimensions xd,
                ffi::AnyBuffer::Dimensions wd, ffi::AnyBuffer::Dimensions yd, const float* xs, const void* ws,
                const float* scale, float* ys) {
   if (xd.size() != 2 || wd.size() != 3 || yd.size() != 2 || xd[0] < 1 || xd[0] > kMaxRows || xd[1] != wd[1] ||
-      wd[2] != kPanel || yd[0] != xd[0] || yd[1] > wd[0] * kPanel || yd[1] <= (wd[0] - 1) * kPanel)
-    return ffi::Error::InvalidArgument(std::string(name) + ": want x[T<=8, K], wp[P, K, 64] and y[T, N] "
-                                       "with 64(P-1) < N <= 64P");
+      wd[2] != row || yd[0] != xd[0] || yd[1] > wd[0] * kPanel || yd[1] <= (wd[0] - 1) * kPanel)
+    return ffi::Error::InvalidArgument(std::string(name) + ": want x[T<=8, K], wp[P, K, " + std::to_string(row) +
+                                       "] and y[T, N] with 64(P-1) < N <= 64P");
   const int64_t T = xd[0], K = xd[1], N = yd[1], P = wd[0];
   if (K == 0) {
     std::fill(ys, ys + T * N, 0.f);
@@ -162,7 +210,7 @@ ffi::Error Run(ffi::ThreadPool& pool, const char* name, PanelFn const* fns, ffi:
 
 ffi::Error FewRowMatmul(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::Buffer<ffi::F32> wp,
                         ffi::ResultBuffer<ffi::F32> y) {
-  return Run(pool, "specjax_fewrow_matmul", kPanels<float>, x.dimensions(), wp.dimensions(), y->dimensions(),
+  return Run(pool, "specjax_fewrow_matmul", kPanels<F32>, kPanel, x.dimensions(), wp.dimensions(), y->dimensions(),
              x.typed_data(), wp.typed_data(), nullptr, y->typed_data());
 }
 
@@ -172,11 +220,32 @@ ffi::Error FewRowMatmulInt8(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::
   auto sd = scale.dimensions();
   if (sd.size() != 2 || sd[0] != wp.dimensions()[0] || sd[1] != kPanel)
     return ffi::Error::InvalidArgument("specjax_fewrow_matmul_int8: want scale[P, 64] for wp[P, K, 64]");
-  return Run(pool, "specjax_fewrow_matmul_int8", kPanels<int8_t>, x.dimensions(), wp.dimensions(),
+  return Run(pool, "specjax_fewrow_matmul_int8", kPanels<I8>, kPanel, x.dimensions(), wp.dimensions(),
              y->dimensions(), x.typed_data(), wp.typed_data(), scale.typed_data(), y->typed_data());
 }
 
+// wp holds int4 codes, 32 bytes per panel row (`I4`); aux[P, G, 2, 64] each group's
+// scales then minimums (G = ceil(K / 32); columns past N: any value, dropped).
+ffi::Error FewRowMatmulInt4(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::Buffer<ffi::U8> wp,
+                            ffi::Buffer<ffi::F32> aux, ffi::ResultBuffer<ffi::F32> y) {
+  auto ad = aux.dimensions();
+  auto wd = wp.dimensions();
+  if (wd.size() != 3 || ad.size() != 4 || ad[0] != wd[0] || ad[1] != (wd[1] + kGroup - 1) / kGroup || ad[2] != 2 ||
+      ad[3] != kPanel)
+    return ffi::Error::InvalidArgument("specjax_fewrow_matmul_int4: want aux[P, ceil(K/32), 2, 64] for wp[P, K, 32]");
+  return Run(pool, "specjax_fewrow_matmul_int4", kPanels<I4>, kPanel / 2, x.dimensions(), wd, y->dimensions(),
+             x.typed_data(), wp.typed_data(), aux.typed_data(), y->typed_data());
+}
+
 }  // namespace
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(SpecjaxFewRowMatmulInt4, FewRowMatmulInt4,
+                              ffi::Ffi::Bind()
+                                  .Ctx<ffi::ThreadPool>()
+                                  .Arg<ffi::Buffer<ffi::F32>>()
+                                  .Arg<ffi::Buffer<ffi::U8>>()
+                                  .Arg<ffi::Buffer<ffi::F32>>()
+                                  .Ret<ffi::Buffer<ffi::F32>>());
 
 XLA_FFI_DEFINE_HANDLER_SYMBOL(SpecjaxFewRowMatmul, FewRowMatmul,
                               ffi::Ffi::Bind()

@@ -22,10 +22,14 @@ registers: a quarter of the float32 panels' bytes); elsewhere XLA's dot multipli
 converted to the compute dtype. An embedding table is quantized per row (= per output
 column of its transpose, the tied unembedding); `rows` looks tokens up in it.
 
-Next, int4 (groups of 32 along the input, a scale and a minimum per group: GGUF's
-Q4_0/Q4_1 and, with int8 codes, Q8_0, which are per input block and so not `Int8`) is one
-more such class: packed nibbles in the same panel layout, a per-group scale applied
-inside the k loop of the same kernel template.
+`Int4` is w = code * scale + min with 4-bit codes (0..15) and a float32 scale and minimum
+per output column and group of GROUP consecutive inputs (GGUF's Q4_1; Q4_0 is min = -8
+scale): `quantize_int4` picks each group's min and (max - min) / 15. Its codes are kept
+one per byte for XLA's paths (a prefill, meshes: the weight is dequantized into the dot);
+`pack_params` gives it panels of two codes per byte with the groups' scales and minimums
+beside them (`fewrow_matmul.cc`'s int4 format, dequantized in registers as each row
+streams past: an eighth of float32's bytes plus 1/8 for the groups). The kernel and XLA
+compute the same products, w dequantized in float32, summed in their own orders.
 """
 from __future__ import annotations
 
@@ -42,6 +46,7 @@ from specjax.kernels import dispatch
 from specjax.kernels.setting import Kernels
 
 PANEL = 64  # columns per packed panel (fewrow_matmul.cc's kPanel)
+GROUP = 32  # int4: consecutive inputs per scale and minimum (fewrow_matmul.cc's kGroup; GGUF's block)
 
 log = logging.getLogger(__name__)
 
@@ -213,26 +218,189 @@ def quantize_int8(w: jax.Array, contracted: int, lead: int = 0, *, transposed: b
     return Int8(q, scale.reshape(*w.shape[:lead], math.prod(out)), out)
 
 
-def quantize_params(params, contracted: dict[str, tuple[int, int]], transposed: tuple[str, ...] = ()):
+def quantize_params(params, contracted: dict[str, tuple[int, int]], transposed: tuple[str, ...] = (),
+                    kind: str = "int8"):
     """params with every float weight named in `contracted` (as `pack_params`'s) replaced by
-    its `Int8` quantization, one jitted program per weight (the float weights are not
-    copied), q placed as the weight was (its sharding on the mesh), the small scales
-    replicated; names in `transposed` are [N, K] tables quantized per row."""
+    its `kind` quantization (`QUANTIZERS`: `Int8`, `Int4`), one jitted program per weight
+    (the float weights are not copied), the codes placed as the weight was (its sharding
+    on the mesh), the small scales replicated; names in `transposed` are [N, K] tables
+    quantized per row."""
+    quantizer = QUANTIZERS[kind]
+    is_format = lambda x: isinstance(x, (Packed, *QUANTIZED))  # noqa: E731
+
     def one(path, w):
         names = [k.key for k in path if isinstance(k, jax.tree_util.DictKey) and isinstance(k.key, str)]
-        if isinstance(w, (Packed, Int8)) or not names or names[-1] not in contracted:
+        if is_format(w) or not names or names[-1] not in contracted:
             return w
         axes, ndim = contracted[names[-1]]
-        fn = functools.partial(quantize_int8, contracted=axes, lead=len(w.shape) - ndim,
+        fn = functools.partial(quantizer, contracted=axes, lead=len(w.shape) - ndim,
                                transposed=names[-1] in transposed)
         where = getattr(w, "sharding", None)
         if not isinstance(where, jax.sharding.NamedSharding):
-            return jax.jit(fn)(w)
+            return jax.jit(fn)(w) if isinstance(w, jax.Array) else jax.eval_shape(fn, w)
         everywhere = jax.sharding.NamedSharding(where.mesh, jax.sharding.PartitionSpec())
-        placed = jax.tree.map(lambda a: where if a.dtype == jnp.int8 else everywhere, jax.eval_shape(fn, w))
+        placed = jax.tree.map(lambda a: where if a.shape == w.shape else everywhere, jax.eval_shape(fn, w))
+        if not isinstance(w, jax.Array):  # abstract params (`plan`): the shapes, placed
+            return jax.tree.map(lambda a, s: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=s),
+                                jax.eval_shape(fn, w), placed)
         return jax.jit(fn, out_shardings=placed)(w)
 
-    return jax.tree_util.tree_map_with_path(one, params, is_leaf=lambda x: isinstance(x, (Packed, Int8)))
+    return jax.tree_util.tree_map_with_path(one, params, is_leaf=is_format)
+
+@jax.tree_util.register_pytree_node_class
+@dataclasses.dataclass(frozen=True)
+class Int4:
+    """A weight code * scale + min: `code` uint8 (0..15) in the float weight's layout
+    [*lead, *contracted, *out] (`transposed`: [*lead, N, K], a table multiplied by as its
+    transpose and looked up by rows); `scale`, `low` float32 [*lead, G, N], one per group
+    of GROUP consecutive inputs (of the contracted axes merged, K = their product, G =
+    ceil(K / GROUP); a transposed table's [*lead, N, G]) and output column. `panels`
+    [*lead, P, K, PANEL // 2] uint8, two codes per byte (`pack_int4`), and `aux`
+    [*lead, P, G, 2, PANEL] (scales, minimums), as the few-row kernel reads them; made by
+    `pack_params` where the kernel runs, else None."""
+
+    code: jax.Array
+    scale: jax.Array
+    low: jax.Array
+    out: tuple[int, ...]
+    transposed: bool = False
+    panels: jax.Array | None = None
+    aux: jax.Array | None = None
+
+    def tree_flatten(self):
+        return (self.code, self.scale, self.low, self.panels, self.aux), (self.out, self.transposed)
+
+    @classmethod
+    def tree_unflatten(cls, aux, children):
+        code, scale, low, panels, packed_aux = children
+        return cls(code, scale, low, *aux, panels, packed_aux)
+
+    dtype = jnp.dtype(jnp.float32)
+
+    @property
+    def n(self) -> int:
+        return math.prod(self.out)
+
+    @property
+    def shape(self):
+        s = self.code.shape
+        return (*s[:-2], s[-1], s[-2]) if self.transposed else s
+
+    def astype(self, dtype) -> "Int4":
+        return self
+
+    def reshape(self, k: int, n: int = -1) -> "Int4":
+        """The weight with its contracted axes merged into one of size k (one layer's)."""
+        if self.transposed or self.scale.ndim != 2 or self.code.size != k * self.n or n not in (-1, self.n):
+            raise ValueError(f"int4 weight {self.code.shape} contracts into {self.n}: not [{k}, {n}]")
+        return Int4(self.code.reshape(k, self.n), self.scale, self.low, (self.n,), False, self.panels, self.aux)
+
+    @property
+    def T(self) -> "Int4":
+        if not self.transposed:
+            raise ValueError("only a weight quantized transposed can be multiplied by as its transpose")
+        return self
+
+    def dequantized(self, dtype=jnp.float32) -> jax.Array:
+        """code * scale + min as stored (a table's [*lead, V, D] rows), in `dtype`."""
+        if self.transposed:  # groups along the last axis
+            return _groups_apply(self.code, self.scale, self.low, axis=-1).astype(dtype)
+        lead = self.scale.ndim - 2
+        shape = self.code.shape
+        K = math.prod(shape[lead:len(shape) - len(self.out)])
+        code = self.code.reshape(*shape[:lead], K, self.n)
+        return _groups_apply(code, self.scale, self.low, axis=-2).reshape(shape).astype(dtype)
+
+    def project(self, spec: str, x: jax.Array, setting: Kernels, **kwargs) -> jax.Array:
+        """The int4 kernel where it applies (panels made, float32, few rows, one CPU
+        device), else XLA's einsum over the dequantized weight."""
+        if (self.panels is not None and dispatch.use_matmul(x, self.dtype, setting)
+                and kwargs.get("preferred_element_type", jnp.float32) == jnp.float32):
+            y = dispatch.fewrow_matmul_int4(x.reshape(-1, x.shape[-1]), self.panels, self.aux, self.n)
+            return y.reshape(*x.shape[:-1], *self.out)
+        w = self.dequantized(x.dtype)
+        return jnp.einsum(spec, x, jnp.swapaxes(w, -1, -2) if self.transposed else w, **kwargs)
+
+
+def _groups_apply(code: jax.Array, scale: jax.Array, low: jax.Array, axis: int) -> jax.Array:
+    """code * scale + low in float32, scale and low given per group of GROUP along `axis`
+    (-2: code [..., K, N], scale [..., G, N]; -1: code [..., N, K], scale [..., N, G])."""
+    K = code.shape[axis]
+    pad = -K % GROUP
+    if axis == -2:
+        c = jnp.pad(code, [(0, 0)] * (code.ndim - 2) + [(0, pad), (0, 0)]).astype(jnp.float32)
+        c = c.reshape(*code.shape[:-2], -1, GROUP, code.shape[-1])
+        w = c * scale[..., :, None, :] + low[..., :, None, :]
+        return w.reshape(*code.shape[:-2], -1, code.shape[-1])[..., :K, :]
+    c = jnp.pad(code, [(0, 0)] * (code.ndim - 1) + [(0, pad)]).astype(jnp.float32)
+    c = c.reshape(*code.shape[:-1], -1, GROUP)
+    return (c * scale[..., None] + low[..., None]).reshape(*code.shape[:-1], -1)[..., :K]
+
+
+def _int4_groups(w: jax.Array, axis: int):
+    """(code, scale, low) of w with groups of GROUP along `axis` (-2 or -1), as `_groups_apply` reads them."""
+    K = w.shape[axis]
+    pad = -K % GROUP
+    if axis == -2:
+        g = jnp.moveaxis(w, -2, -1)  # [..., N, K]
+    else:
+        g = w
+    # Pad by repeating a group's first value: the padding never widens a group's range.
+    g = jnp.concatenate([g, jnp.repeat(g[..., -1:], pad, axis=-1)], axis=-1) if pad else g
+    g = g.reshape(*g.shape[:-1], -1, GROUP)
+    low, high = jnp.min(g, axis=-1), jnp.max(g, axis=-1)
+    scale = jnp.where(high > low, (high - low) / 15, 1.0)
+    code = jnp.clip(jnp.round((g - low[..., None]) / scale[..., None]), 0, 15).astype(jnp.uint8)
+    code = code.reshape(*code.shape[:-2], -1)[..., :K]
+    if axis == -2:
+        return jnp.moveaxis(code, -1, -2), jnp.swapaxes(scale, -1, -2), jnp.swapaxes(low, -1, -2)
+    return code, scale, low
+
+
+def quantize_int4(w: jax.Array, contracted: int, lead: int = 0, *, transposed: bool = False) -> Int4:
+    """w [*lead, *contracted, *out] (`transposed`: [*lead, N, K]) -> Int4: per output
+    column and group of GROUP inputs (of the contracted axes merged), min = the group's
+    minimum, scale = (max - min) / 15 (1 for a constant group), code = round((w - min) /
+    scale) in 0..15."""
+    w = jnp.asarray(w, jnp.float32)
+    if transposed:
+        if contracted != 1 or w.ndim != lead + 2:
+            raise ValueError(f"a transposed weight is [*lead, N, K]: got {w.shape} with lead={lead}")
+        code, scale, low = _int4_groups(w, -1)
+        return Int4(code, scale, low, (w.shape[-2],), True)
+    shape = w.shape
+    out = tuple(shape[lead + contracted:])
+    K = math.prod(shape[lead:lead + contracted])
+    code, scale, low = _int4_groups(w.reshape(*shape[:lead], K, math.prod(out)), -2)
+    return Int4(code.reshape(shape), scale, low, out)
+
+
+def pack_int4(w: Int4) -> tuple[jax.Array, jax.Array]:
+    """(panels [*lead, P, K, PANEL // 2] uint8, aux [*lead, P, G, 2, PANEL] float32) of an
+    Int4 weight as the kernel reads them: byte b of a panel row holds column b in its low
+    nibble and column b + PANEL // 2 in its high one; aux holds each group's scales then
+    minimums per column (zeros past N)."""
+    if w.transposed:
+        lead = w.code.ndim - 2
+        code, scale, low = jnp.swapaxes(w.code, -1, -2), jnp.swapaxes(w.scale, -1, -2), jnp.swapaxes(w.low, -1, -2)
+    else:
+        lead = w.scale.ndim - 2
+        K = math.prod(w.code.shape[lead:w.code.ndim - len(w.out)])
+        code, scale, low = w.code.reshape(*w.code.shape[:lead], K, w.n), w.scale, w.low
+    K, N = code.shape[-2:]
+    P = -(-N // PANEL)
+    pad = [(0, 0)] * (lead + 1) + [(0, P * PANEL - N)]
+    c = jnp.moveaxis(jnp.pad(code, pad).reshape(*code.shape[:-1], P, PANEL), -2, -3)  # [*lead, P, K, PANEL]
+    half = PANEL // 2
+    panels = (c[..., :half] | (c[..., half:] << 4)).astype(jnp.uint8)
+    groups = jnp.stack([jnp.pad(scale, pad), jnp.pad(low, pad)], axis=-2)  # [*lead, G, 2, P*PANEL]
+    aux = jnp.moveaxis(groups.reshape(*groups.shape[:-1], P, PANEL), -2, -4)  # [*lead, P, G, 2, PANEL]
+    return panels, aux
+
+
+QUANTIZERS = {"int8": quantize_int8, "int4": quantize_int4}
+QUANTIZED = (Int8, Int4)  # the quantized formats
+
 
 def project(spec: str, x: jax.Array, w, setting: Kernels, dtype=None, **kwargs) -> jax.Array:
     """x @ W as `jnp.einsum(spec, x, w, **kwargs)`, `spec` contracting x's last axis with
@@ -265,7 +433,7 @@ def pack(w: jax.Array, contracted: int, lead: int = 0, *, transposed: bool = Fal
 def stored(w) -> jax.Array:
     """The array as stored: a format's plain array (a tied table's [V, D] rows for the
     embedding lookup), a quantized one dequantized, a plain one itself."""
-    if isinstance(w, Int8):
+    if isinstance(w, QUANTIZED):
         return w.dequantized()
     return w.plain if isinstance(w, Packed) else w
 
@@ -275,6 +443,9 @@ def rows(table, tokens: jax.Array, dtype) -> jax.Array:
     only those rows dequantized)."""
     if isinstance(table, Int8):
         return jnp.take(table.q, tokens, axis=0).astype(dtype) * jnp.take(table.scale, tokens, axis=0)[..., None].astype(dtype)
+    if isinstance(table, Int4):  # a table [V, D] with groups along D
+        return _groups_apply(*(jnp.take(a, tokens, axis=0) for a in (table.code, table.scale, table.low)),
+                             axis=-1).astype(dtype)
     return jnp.take(stored(table), tokens, axis=0).astype(dtype)
 
 
@@ -316,19 +487,23 @@ def pack_params(params, contracted: dict[str, tuple[int, int]], transposed: tupl
     their shapes). Names in `transposed` are [N, K] weights multiplied by as their
     transpose (`pack`). The Packed weights hold the params' own arrays as `plain`: only
     the panels are new (a jitted program returning the arrays too would copy them)."""
-    is_packed = lambda x: isinstance(x, (Packed, Int8))  # noqa: E731
+    is_packed = lambda x: isinstance(x, (Packed, *QUANTIZED))  # noqa: E731
     source = lambda w: w.q if isinstance(w, Int8) else w  # what is packed: an Int8's q  # noqa: E731
 
     def recipe(path, w) -> dict | None:
         names = [k.key for k in path if isinstance(k, jax.tree_util.DictKey) and isinstance(k.key, str)]
-        if isinstance(w, Packed) or (isinstance(w, Int8) and w.panels is not None) or not names \
+        if isinstance(w, Packed) or (isinstance(w, QUANTIZED) and w.panels is not None) or not names \
                 or names[-1] not in contracted:
             return None
         axes, ndim = contracted[names[-1]]
-        return dict(contracted=axes, lead=len(source(w).shape) - ndim, transposed=names[-1] in transposed)
+        shape = w.code.shape if isinstance(w, Int4) else source(w).shape
+        return dict(contracted=axes, lead=len(shape) - ndim, transposed=names[-1] in transposed)
+
+    def made_for(w, r):
+        return pack_int4(w) if isinstance(w, Int4) else pack(source(w), **r).panels
 
     def panels(p):
-        return {jax.tree_util.keystr(path): pack(source(w), **r).panels
+        return {jax.tree_util.keystr(path): made_for(w, r)
                 for path, w in jax.tree_util.tree_leaves_with_path(p, is_leaf=is_packed)
                 if (r := recipe(path, w)) is not None}
 
@@ -348,6 +523,9 @@ def pack_params(params, contracted: dict[str, tuple[int, int]], transposed: tupl
             return w
         if isinstance(w, Int8):
             return dataclasses.replace(w, panels=made[jax.tree_util.keystr(path)])
+        if isinstance(w, Int4):
+            panels, aux = made[jax.tree_util.keystr(path)]
+            return dataclasses.replace(w, panels=panels, aux=aux)
         layout = jax.eval_shape(lambda w: pack(w, **r), jax.ShapeDtypeStruct(w.shape, w.dtype))
         return Packed(w, made[jax.tree_util.keystr(path)], layout.out, layout.transposed)
 

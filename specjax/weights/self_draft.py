@@ -15,10 +15,11 @@ the panels are shared too.
 
 `int8` is the target's int8 copy (`LM.quantized`: symmetric per output channel, read
 by the int8 few-row kernel): a quarter of the float target's bytes per token, with
-logits close to the target's, so nearly every proposal is kept. Unlike layers:N it is new
-memory (a quarter of the float weights). Forms join with '+': `int8+layers:N` is the
-first N layers of the int8 copy. `int4` is refused until int4 weights exist. Command
-lines that sweep several self-drafts take them as a comma-separated list of specs.
+logits close to the target's, so nearly every proposal is kept. `int4` is its int4 copy
+(a scale and minimum per group of 32 inputs): about an eighth of the bytes, further from
+the target. Unlike layers:N they are new memory. Forms join with '+': `int8+layers:N` is
+the first N layers of the int8 copy. Command lines that sweep several self-drafts take
+them as a comma-separated list of specs.
 """
 from __future__ import annotations
 
@@ -29,12 +30,12 @@ import jax
 from flax import nnx
 
 from specjax.config import UsageError
-from specjax.kernels.formats import Int8
+from specjax.kernels.formats import QUANTIZED as FORMATS
 from specjax.model import LM, Transformer, Keys
 
 QUANTIZED = ("int8", "int4")
-BUILT = ("int8",)  # of QUANTIZED
-FORMS = "layers:N (the target's first N layers), int8 (its int8 copy), or both joined by '+' (int8+layers:N)"
+FORMS = ("layers:N (the target's first N layers), int8 or int4 (its quantized copy), or both joined by '+' "
+         "(int8+layers:N)")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -63,9 +64,6 @@ def parse(text: str, name: str = "--self_draft") -> Spec:
                          "`bench --self_draft` compares a comma-separated list")
     layers = quantize = None
     for form in forms:
-        if form in QUANTIZED and form not in BUILT:
-            raise UsageError(f"{name}={text!r}: {form} self-drafts need {form} weights, which are not built yet; "
-                             f"use {FORMS}")
         if form in QUANTIZED:
             if quantize is not None:
                 raise UsageError(f"{name}={text!r}: a quantized form given twice; expected {FORMS}")
@@ -108,8 +106,8 @@ def self_draft(target: LM, spec: Spec | str) -> LM:
     # Packed where decoding packs (the CPU kernel): the draft's projections are then the
     # target's packed weights, not a second packed copy of the first N layers. A quantized
     # form packs its own copy, once.
-    if spec.quantize is not None and any(isinstance(x, Int8) for x in jax.tree.leaves(
-            target.params, is_leaf=lambda x: isinstance(x, Int8))):
+    if spec.quantize is not None and any(isinstance(x, FORMATS) for x in jax.tree.leaves(
+            target.params, is_leaf=lambda x: isinstance(x, FORMATS))):
         check_quantize(spec, spec.quantize)  # the target is quantized already: refused
     source = (target.quantized(spec.quantize) if spec.quantize is not None else target).packed()
     graphdef = nnx.split(nnx.eval_shape(lambda: Transformer(cfg, Keys(0))))[0]
