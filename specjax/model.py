@@ -478,7 +478,7 @@ class LM:
 
     def quantized(self, kind: str) -> LM:
         """This model with its weights quantized (`QUANTIZE`; 'int8': `kernels.Int8`,
-        symmetric per output column; 'int4': `kernels.Int4`, a scale and minimum per output
+        symmetric per output column; 'int4': `kernels.Grouped` of 4 bits, a scale and minimum per output
         column and group of 32 inputs): every projection, the unembedding, and the embedding
         table (per row: a tied table is then the unembedding's quantization too, and the
         lookup dequantizes only the rows it reads). The norms, Transformer-XL's W_r and

@@ -130,26 +130,30 @@ def test_a_gguf_tokenizer_and_its_hf_directory_share_one_vocabulary():
 # ------------------------------------------------------------------ the blocks of the lossless types
 
 
-@pytest.mark.parametrize("name", ["bpe_Q4_0", "bpe_Q4_1", "spm_Q4_0"])
-def test_int4_takes_a_files_q4_blocks_as_stored(name):
-    """`--quantize=int4` on a Q4_0 / Q4_1 file: each Q4 matrix becomes a kernels.Int4 of
-    the file's codes, scales and minimums, whose values are the float load's (= the gguf
-    package's dequantization, bit for bit: the test above) up to one float32 rounding;
-    `LM.quantized('int4')` then leaves those alone (codes unchanged), and the model's
-    logits are transformers' within ATOL and its greedy tokens transformers' generate."""
+@pytest.mark.parametrize("name,kind", [("bpe_Q4_0", "int4"), ("bpe_Q4_1", "int4"), ("spm_Q4_0", "int8"),
+                                       ("bpe_Q8_0", "int8"), ("llama_tp_Q8_0", "int4")])
+def test_quantize_takes_a_files_quantized_blocks_as_stored(name, kind):
+    """`--quantize=int4|int8` on a Q8_0 / Q4_0 / Q4_1 file: each quantized matrix becomes a
+    kernels.Grouped of the file's codes, scales and minimums (4 or 8 bits as stored,
+    whatever the kind), whose values are the float load's (= the gguf package's
+    dequantization, bit for bit: the test below) up to one float32 rounding;
+    `LM.quantized(kind)` then leaves those alone (codes unchanged), and the model's
+    logits are transformers' within ATOL and its greedy tokens transformers' generate
+    where every matrix of the file is quantized (bpe_Q4_0)."""
     ref = reference(name)
     mesh = mesh_for("1x1")
     lm, _ = gguf.load(path(name), mesh, param_dtype="float32")
-    taken = gguf.take_stored(lm, path(name), "int4")
+    taken = gguf.take_stored(lm, path(name), kind)
     f = gguf.open_file(path(name))
-    matrices = [n for n in f.tensors if f.type_name(n) in ("Q4_0", "Q4_1")]
-    is_q = lambda x: isinstance(x, kernels.Int4)  # noqa: E731
+    matrices = [n for n in f.tensors if f.type_name(n) in gguf.LOSSLESS_TYPES]
+    is_q = lambda x: isinstance(x, kernels.Grouped)  # noqa: E731
     pairs = [(a, b) for a, b in zip(jax.tree.leaves(taken.params, is_leaf=is_q), jax.tree.leaves(lm.params))
              if is_q(a)]
     assert len(pairs) == len(matrices) > 0
-    for int4, float_w in pairs:
-        np.testing.assert_allclose(np.asarray(kernels.stored(int4)), np.asarray(float_w), rtol=1e-6, atol=1e-7)
-    quantized = taken.quantized("int4")
+    for grouped, float_w in pairs:
+        assert grouped.bits == (8 if "Q8_0" in name else 4)
+        np.testing.assert_allclose(np.asarray(kernels.stored(grouped)), np.asarray(float_w), rtol=1e-6, atol=1e-7)
+    quantized = taken.quantized(kind)
     for a, b in zip(jax.tree.leaves(taken.params, is_leaf=is_q), jax.tree.leaves(quantized.params, is_leaf=is_q)):
         if is_q(a):
             np.testing.assert_array_equal(np.asarray(a.code), np.asarray(b.code))
@@ -159,7 +163,7 @@ def test_int4_takes_a_files_q4_blocks_as_stored(name):
         result = specjax.generate(quantized, None, [prompt],
                                   SamplingConfig(temperature=0.0, max_new_tokens=16, eos_id=-1))
         assert result.tokens[0] == ref["greedy_ids"][0, len(prompt):].tolist()
-    assert gguf.take_stored(lm, path(name), "int8") is lm  # int8: quantized from the float values
+    assert gguf.take_stored(lm, path(name), None) is lm  # no --quantize: the float values
 
 
 def _raw(file, name):
@@ -323,4 +327,10 @@ def test_smollm2_q4_1_file_gives_transformers_greedy_tokens_and_ids():
     prompts = [p["prompt_ids"] for p in ref["prompts"]]
     assert [tok.encode_prompt(p["text"]) for p in ref["prompts"]] == prompts
     result = specjax.generate(lm, None, prompts, SamplingConfig(temperature=0.0, max_new_tokens=32, eos_id=-1))
+    assert result.tokens == [p["greedy_ids"] for p in ref["prompts"]]
+    # --quantize=int4: every matrix taken as stored (Q4_1 and the Q8_0 table), the same model
+    stored = gguf.take_stored(lm, file, "int4").quantized("int4")
+    leaves = jax.tree.leaves(stored.params, is_leaf=lambda x: isinstance(x, kernels.Grouped))
+    assert all(x.ndim == 1 for x in leaves if not isinstance(x, kernels.Grouped))  # only the norms stay float
+    result = specjax.generate(stored, None, prompts, SamplingConfig(temperature=0.0, max_new_tokens=32, eos_id=-1))
     assert result.tokens == [p["greedy_ids"] for p in ref["prompts"]]

@@ -66,6 +66,15 @@ def test_an_existing_empty_directory_receives_the_export(models, tmp_path):
     assert same(again, new) and [p.name for p in tmp_path.iterdir()] == ["empty"]
 
 
+@pytest.mark.parametrize("kind", ["int8", "int4"])
+def test_a_quantized_model_is_refused_before_anything_is_written(models, tmp_path, kind):
+    """Hugging Face Llama safetensors hold float weights: a quantized model is refused in
+    one line, naming what to export instead, and the directory is not made."""
+    with pytest.raises(UsageError, match="quantized .* weights .* export the float model"):
+        hf.export(models[0].quantized(kind), tmp_path / "out")
+    assert list(tmp_path.iterdir()) == []
+
+
 @pytest.mark.parametrize("where,fragment", [("file", "is a file"), ("under a file", "is a file, not a directory"),
                                             ("empty", "empty path")])
 def test_an_export_path_that_cannot_be_a_directory_is_refused_before_any_work(tmp_path, where, fragment):

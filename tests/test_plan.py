@@ -545,11 +545,11 @@ def test_tpu_padding_and_the_chips_a_config_needs_on_a_smaller_chip():
 
 def test_plan_of_quantized_models_counts_their_bytes(tmp_path):
     """`plan --quantize=int8|int4` compiles the programs of the models as `--quantize`
-    loads them: int8 weights are about a quarter of float32's bytes, int4's codes (one
-    per byte where XLA runs) plus a scale and minimum per 32 about a third; the parameter
-    count is the float model's. (One device: on a mesh the small scales are replicated.)"""
+    loads them: int4's codes (one per byte where XLA runs) plus a scale and minimum per 32
+    are about a third of float32's bytes; the parameter count is the float model's. (One
+    device: on a mesh the small scales are replicated. int8's bytes: test_quantized.)"""
     runs = {}
-    for q in ("none", "int8", "int4"):
+    for q in ("none", "int4"):
         out = tmp_path / f"{q}.json"
         runs[q] = (out, subprocess.Popen(
             [sys.executable, "-m", "specjax.plan", "--config=tiny", "--mesh=1x1", f"--quantize={q}", f"--json={out}"],
@@ -560,7 +560,6 @@ def test_plan_of_quantized_models_counts_their_bytes(tmp_path):
         assert proc.returncode == 0, stderr[-3000:]
         reports[q] = json.loads(out.read_text())
     weights = {q: r["models"]["target"]["weight_bytes_per_device"] for q, r in reports.items()}
-    assert 0.2 < weights["int8"] / weights["none"] < 0.35, weights
     assert 0.25 < weights["int4"] / weights["none"] < 0.45, weights
     assert {r["models"]["target"]["params"] for r in reports.values()} == {load_config("tiny").target.num_params}
     assert reports["int4"]["setup"]["quantize"] == "int4"

@@ -1,5 +1,5 @@
-"""Quantized weights (`kernels.Int8`, `kernels.Int4`): the quantizations against float64
-numpy, the few-row kernel's int8 and int4 variants and XLA's path against float64 numpy
+"""Quantized weights (`kernels.Int8`, `kernels.Grouped`): the quantizations against float64
+numpy, the few-row kernel's int8, int4 and grouped 8-bit (Q8_0) variants and XLA's path against float64 numpy
 references of the dequantized weight, a quantized model through prefill and decode
 against the same model with those weights dequantized in numpy, the kernel's dispatch,
 and greedy SpS == greedy ArS on a quantized target."""
@@ -20,7 +20,7 @@ from specjax.kernels import NONE, Kernels, formats, library
 from conftest import mesh_for
 
 needs_kernel = pytest.mark.skipif(not kernels.available(), reason="kernel not built here (no C++ compiler?)")
-CALLS = {"int8": library.MATMUL_INT8_TARGET, "int4": library.MATMUL_INT4_TARGET}
+CALLS = {"int8": library.MATMUL_INT8_TARGET, "int4": library.MATMUL_INT4_TARGET, "q8": library.MATMUL_GROUPED8_TARGET}
 FLOAT_CALL = library.MATMUL_TARGET
 ON = Kernels()
 KINDS = ("int8", "int4")
@@ -36,8 +36,8 @@ def quantize_reference(w: np.ndarray, axes: tuple[int, ...]) -> tuple[np.ndarray
 
 def dequantized(w) -> np.ndarray:
     """The weight in float64 as stored (a transposed table's [V, D] rows), from its arrays:
-    q * scale (int8), code * scale + min per group of 32 inputs (int4)."""
-    if isinstance(w, formats.Int4):
+    q * scale (int8), code * scale + min per group of 32 inputs (grouped)."""
+    if isinstance(w, formats.Grouped):
         code, scale, low = (np.asarray(a, np.float64) for a in (w.code, w.scale, w.low))
         if w.transposed:  # [.., V, D], groups along D
             g = np.arange(code.shape[-1]) // 32
@@ -104,11 +104,18 @@ def test_int4_quantization_has_a_scale_and_minimum_per_group_of_32_inputs():
 
 
 def quantize(kind, w):
+    if kind == "q8":  # Q8_0's form (what a GGUF file holds): int8 codes, a scale per 32 inputs, min 0
+        K, N = w.shape
+        G = -(-K // 32)
+        rng = np.random.default_rng(K + N)
+        scale = (rng.uniform(0.5, 1.5, (G, N)) / 127 * K ** -0.5).astype(np.float32)
+        code = rng.integers(-128, 128, (K, N)).astype(np.int8)
+        return formats.Grouped(jnp.asarray(code), jnp.asarray(scale), jnp.zeros((G, N), jnp.float32), (N,), bits=8)
     return (kernels.quantize_int8 if kind == "int8" else kernels.quantize_int4)(jnp.asarray(w), 1)
 
 
 @needs_kernel
-@pytest.mark.parametrize("kind", KINDS)
+@pytest.mark.parametrize("kind", KINDS + ("q8",))
 @pytest.mark.parametrize("K,N", [(1, 1), (3, 17), (33, 47), (7, 130), (64, 64), (129, 200), (301, 1000)])
 def test_kernel_and_xla_path_match_float64_of_the_dequantized_weight(kind, K, N):
     """Every T in 1..8, partial panels (N not a multiple of 64), odd K (and, for int4, K
@@ -122,7 +129,8 @@ def test_kernel_and_xla_path_match_float64_of_the_dequantized_weight(kind, K, N)
     if kind == "int8":
         assert packed.panels.dtype == jnp.int8 and packed.panels.shape == (-(-N // 64), K, 64)
     else:
-        assert packed.panels.dtype == jnp.uint8 and packed.panels.shape == (-(-N // 64), K, 32)
+        assert packed.panels.shape == (-(-N // 64), K, 32 if kind == "int4" else 64)
+        assert packed.panels.dtype == (jnp.uint8 if kind == "int4" else jnp.int8)
         assert packed.aux.shape == (-(-N // 64), -(-K // 32), 2, 64)
     deq = dequantized(qw)
     x8 = rng.standard_normal((8, K)).astype(np.float32)
@@ -165,7 +173,7 @@ def test_quantized_model_equals_its_dequantized_float_model(tiny, tied, kind):
     mesh = mesh_for("1x1")
     lm = model.init_lm(cfg, mesh)
     q_lm = lm.quantized(kind)
-    fmt = formats.Int8 if kind == "int8" else formats.Int4
+    fmt = formats.Int8 if kind == "int8" else formats.Grouped
     leaves = jax.tree.leaves(q_lm.params, is_leaf=lambda x: isinstance(x, fmt))
     per_layer = 7 if cfg.ffw == "swiglu" else 6
     assert sum(isinstance(x, fmt) for x in leaves) == cfg.num_layers * per_layer + (1 if tied else 2)
@@ -204,7 +212,7 @@ def test_quantized_model_equals_its_dequantized_float_model(tiny, tied, kind):
     assert np.abs(float_logits - logits["float"]).max() > 1e-4 * scale
 
 
-@pytest.mark.parametrize("kind,draft_kind", [("int8", "int8"), ("int4", "int4"),
+@pytest.mark.parametrize("kind,draft_kind", [pytest.param("int8", "int8", marks=pytest.mark.slow), ("int4", "int4"),
                                              pytest.param("int8", "float", marks=pytest.mark.slow)])
 def test_greedy_sps_equals_greedy_ars_on_a_quantized_target(tiny, kind, draft_kind):
     mesh = mesh_for("1x1")

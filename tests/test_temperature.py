@@ -103,7 +103,8 @@ def test_next_token_probs_at_every_temperature(pair, which):
             np.testing.assert_allclose(probs, 1 / lm.cfg.vocab_size, rtol=1e-6)
 
 
-@pytest.mark.parametrize("mode", ["ars_target", pytest.param("ars_draft", marks=pytest.mark.slow), "sps"])
+@pytest.mark.parametrize("mode", [pytest.param("ars_target", marks=pytest.mark.slow),
+                                  pytest.param("ars_draft", marks=pytest.mark.slow), "sps"])
 def test_loops_at_every_temperature(pair, mode):
     target, draft = pair
     lm, proposer = {"ars_target": (target, None), "ars_draft": (draft, None), "sps": (target, draft)}[mode]

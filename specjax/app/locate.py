@@ -299,7 +299,7 @@ class Weights:
 
     def load(self, mesh, *, need_draft: bool, quantize: Optional[str] = None):
         """(target, draft or None) on `mesh`; with `quantize` ('int8', 'int4'), each quantized
-        on load (`LM.quantized`; a GGUF file's Q4_0/Q4_1 tensors taken as stored for int4):
+        on load (`LM.quantized`; a GGUF file's Q8_0/Q4_0/Q4_1 tensors taken as stored):
         the run samples the quantized models. A self-draft is made of the (quantized)
         target's own arrays."""
         if self.self_draft is not None:
@@ -316,8 +316,8 @@ class Weights:
         if self.init == "imported":
             def one(source, cfg):
                 lm, _ = source.reader.load(source.path, mesh, **source.runtime(cfg))
-                # A file's weights already in the `quantize` format (GGUF Q4_0/Q4_1 for int4)
-                # are taken as stored, not re-quantized from their float values.
+                # With `quantize`, a file's quantized weights (GGUF Q8_0/Q4_0/Q4_1) are taken
+                # as stored, not re-quantized from their float values.
                 keep = getattr(source.reader, "take_stored", None)
                 return keep(lm, source.path, quantize) if keep is not None else lm
             target, draft = self.sources

@@ -15,8 +15,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from specjax.kernels.library import (ATTENTION_TARGET, MATMUL_INT4_TARGET, MATMUL_INT8_TARGET, MATMUL_TARGET,
-                                     NUCLEUS_TARGET, available)
+from specjax.kernels.library import (ATTENTION_TARGET, MATMUL_GROUPED8_TARGET, MATMUL_INT4_TARGET, MATMUL_INT8_TARGET,
+                                     MATMUL_TARGET, NUCLEUS_TARGET, available)
 from specjax.kernels.setting import Kernels
 
 MAX_ROWS = 8
@@ -79,27 +79,30 @@ def _fewrow_matmul_int8_jvp(n, primals, tangents):
 
 
 @functools.partial(jax.custom_jvp, nondiff_argnums=(3,))
-def fewrow_matmul_int4(x: jax.Array, panels: jax.Array, aux: jax.Array, n: int) -> jax.Array:
-    """x [T, K] @ (int4 panels [P, K, PANEL // 2], two codes per byte, dequantized by the
-    groups' scales and minimums aux [P, G, 2, PANEL]), the first `n` columns, float32, by
-    `fewrow_matmul.cc`'s int4 variant (call only where `available()`). Differentiable in x."""
+def fewrow_matmul_grouped(x: jax.Array, panels: jax.Array, aux: jax.Array, n: int) -> jax.Array:
+    """x [T, K] @ (grouped panels, dequantized by the groups' scales and minimums aux
+    [P, G, 2, PANEL]), the first `n` columns, float32, by `fewrow_matmul.cc`'s grouped
+    variants (call only where `available()`): uint8 panels [P, K, PANEL // 2] hold two
+    4-bit codes per byte, int8 panels [P, K, PANEL] one 8-bit code each. Differentiable in x."""
     out = jax.ShapeDtypeStruct((x.shape[0], n), jnp.float32)
-    return jax.ffi.ffi_call(MATMUL_INT4_TARGET, out, vmap_method="sequential")(x, panels, aux)
+    target = MATMUL_INT4_TARGET if panels.dtype == jnp.uint8 else MATMUL_GROUPED8_TARGET
+    return jax.ffi.ffi_call(target, out, vmap_method="sequential")(x, panels, aux)
 
 
-def int4_panel_matrix(panels: jax.Array, aux: jax.Array) -> jax.Array:
-    """The dequantized [P, K, PANEL] panels of int4 `panels` and `aux` (the kernel's weight, by XLA)."""
-    codes = jnp.concatenate([panels & 15, panels >> 4], axis=-1).astype(jnp.float32)  # [P, K, PANEL]
+def grouped_panel_matrix(panels: jax.Array, aux: jax.Array) -> jax.Array:
+    """The dequantized [P, K, PANEL] panels of grouped `panels` and `aux` (the kernel's weight, by XLA)."""
+    codes = (jnp.concatenate([panels & 15, panels >> 4], axis=-1) if panels.dtype == jnp.uint8 else panels)
+    codes = codes.astype(jnp.float32)  # [P, K, PANEL]
     K = codes.shape[-2]
     scale = jnp.repeat(aux[..., 0, :], 32, axis=-2)[..., :K, :]
     low = jnp.repeat(aux[..., 1, :], 32, axis=-2)[..., :K, :]
     return codes * scale + low
 
 
-@fewrow_matmul_int4.defjvp
-def _fewrow_matmul_int4_jvp(n, primals, tangents):
+@fewrow_matmul_grouped.defjvp
+def _fewrow_matmul_grouped_jvp(n, primals, tangents):
     (x, panels, aux), (dx, _, _) = primals, tangents
-    return fewrow_matmul_int4(x, panels, aux, n), panel_dot(dx, int4_panel_matrix(panels, aux), n)
+    return fewrow_matmul_grouped(x, panels, aux, n), panel_dot(dx, grouped_panel_matrix(panels, aux), n)
 
 
 # --------------------------------------------------------------------------- attention

@@ -4,10 +4,11 @@
 // share the one loop (`Tile<T, F>`): float32 panels; int8 panels with a float32 scale per
 // column (w = q * scale, symmetric per output channel), dequantized in registers: a
 // column's sum is over x[t, k] * q[k, n] and is scaled once at the end, so a quarter of
-// the bytes are read; and int4 panels (two 4-bit codes per byte, 32 bytes per panel row)
-// with a float32 scale and minimum per column and group of 32 rows of k (w = code * scale
-// + min, GGUF's Q4_1 and, with min = -8 scale, Q4_0), dequantized in registers as each
-// row streams past: an eighth of the float32 bytes plus the groups' scales.
+// the bytes are read; and grouped panels, with a float32 scale and minimum per column and
+// group of 32 rows of k (w = code * scale + min), dequantized in registers as each row
+// streams past: 4-bit codes, two per byte, 32 bytes per panel row (GGUF's Q4_1 and, with
+// min = -8 scale, Q4_0: an eighth of the float32 bytes plus the groups' scales), or int8
+// codes (GGUF's Q8_0, min 0).
 //
 #include <algorithm>
 #include <atomic>
@@ -32,24 +33,34 @@ constexpr int kVecs = kPanel / kWidth;   // vectors per panel row
 constexpr int64_t kAhead = 2048;         // bytes of a panel prefetched ahead: the hardware prefetchers alone fall behind
 constexpr int64_t kMinSplit = 1 << 16;   // elements of w below which one thread does it all
 
-// The weight formats: what one panel row holds (W elements, kRow bytes) and how many
-// floats of side data (`aux`) each panel has: int8's 64 column scales, int4's scale and
+// The weight formats: what one panel row holds (kElems of W) and how many floats of side
+// data (`aux`) each panel has: int8's 64 column scales; the grouped formats' scale and
 // minimum for each group of kGroup rows and each column, [G, 2, 64].
-constexpr int64_t kGroup = 32;  // int4: rows of k per scale and minimum
+constexpr int64_t kGroup = 32;  // grouped formats: rows of k per scale and minimum
+inline int64_t GroupAux(int64_t K) { return 2 * kPanel * ((K + kGroup - 1) / kGroup); }
 struct F32 {
   using W = float;
   static constexpr int64_t kElems = kPanel;
+  static constexpr bool kGrouped = false;
   static int64_t Aux(int64_t) { return 0; }
 };
 struct I8 {
   using W = int8_t;
   static constexpr int64_t kElems = kPanel;
+  static constexpr bool kGrouped = false;
   static int64_t Aux(int64_t) { return kPanel; }
 };
 struct I4 {
   using W = uint8_t;  // byte b of a row: column b in the low nibble, column b + 32 in the high one
   static constexpr int64_t kElems = kPanel / 2;
-  static int64_t Aux(int64_t K) { return 2 * kPanel * ((K + kGroup - 1) / kGroup); }
+  static constexpr bool kGrouped = true;
+  static int64_t Aux(int64_t K) { return GroupAux(K); }
+};
+struct G8 {
+  using W = int8_t;
+  static constexpr int64_t kElems = kPanel;
+  static constexpr bool kGrouped = true;
+  static int64_t Aux(int64_t K) { return GroupAux(K); }
 };
 
 // A panel row's kWidth weights from p as floats: a float load, or int8 widened in registers
@@ -100,20 +111,24 @@ inline void Tile(const float* x, const typename F::W* panel, const float* aux, i
   constexpr int C = kVecs;
   constexpr int64_t kRow = F::kElems * sizeof(typename F::W);  // bytes per panel row
   Vec acc[T][C] = {};
-  Vec scale[C], low[C];  // int4: the current group's
+  Vec scale[C], low[C];  // grouped formats: the current group's
   for (int64_t k = 0; k < K; ++k) {
     const typename F::W* wk = panel + k * F::kElems;
     const char* ahead = reinterpret_cast<const char*>(wk) + kAhead;
     for (int64_t b = 0; b < kRow; b += 64) __builtin_prefetch(ahead + b);
     Vec w[C];
-    if constexpr (std::is_same_v<F, I4>) {
+    if constexpr (F::kGrouped) {
       if (k % kGroup == 0)
         for (int c = 0; c < C; ++c) {
           const float* g = aux + (k / kGroup) * 2 * kPanel + c * kWidth;
           scale[c] = Load(g);
           low[c] = Load(g + kPanel);
         }
-      for (int c = 0; c < C; ++c) w[c] = Codes(wk, c) * scale[c] + low[c];
+      if constexpr (std::is_same_v<F, I4>) {
+        for (int c = 0; c < C; ++c) w[c] = Codes(wk, c) * scale[c] + low[c];
+      } else {
+        for (int c = 0; c < C; ++c) w[c] = Weights(wk + c * kWidth) * scale[c] + low[c];
+      }
     } else {
       for (int c = 0; c < C; ++c) w[c] = Weights(wk + c * kWidth);
     }
@@ -237,7 +252,28 @@ ffi::Error FewRowMatmulInt4(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::
              x.typed_data(), wp.typed_data(), aux.typed_data(), y->typed_data());
 }
 
+// wp holds int8 codes, 64 per panel row (`G8`); aux as for int4.
+ffi::Error FewRowMatmulGrouped8(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::Buffer<ffi::S8> wp,
+                                ffi::Buffer<ffi::F32> aux, ffi::ResultBuffer<ffi::F32> y) {
+  auto ad = aux.dimensions();
+  auto wd = wp.dimensions();
+  if (wd.size() != 3 || ad.size() != 4 || ad[0] != wd[0] || ad[1] != (wd[1] + kGroup - 1) / kGroup || ad[2] != 2 ||
+      ad[3] != kPanel)
+    return ffi::Error::InvalidArgument("specjax_fewrow_matmul_grouped8: want aux[P, ceil(K/32), 2, 64] for "
+                                       "wp[P, K, 64]");
+  return Run(pool, "specjax_fewrow_matmul_grouped8", kPanels<G8>, kPanel, x.dimensions(), wd, y->dimensions(),
+             x.typed_data(), wp.typed_data(), aux.typed_data(), y->typed_data());
+}
+
 }  // namespace
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(SpecjaxFewRowMatmulGrouped8, FewRowMatmulGrouped8,
+                              ffi::Ffi::Bind()
+                                  .Ctx<ffi::ThreadPool>()
+                                  .Arg<ffi::Buffer<ffi::F32>>()
+                                  .Arg<ffi::Buffer<ffi::S8>>()
+                                  .Arg<ffi::Buffer<ffi::F32>>()
+                                  .Ret<ffi::Buffer<ffi::F32>>());
 
 XLA_FFI_DEFINE_HANDLER_SYMBOL(SpecjaxFewRowMatmulInt4, FewRowMatmulInt4,
                               ffi::Ffi::Bind()

@@ -22,14 +22,16 @@ registers: a quarter of the float32 panels' bytes); elsewhere XLA's dot multipli
 converted to the compute dtype. An embedding table is quantized per row (= per output
 column of its transpose, the tied unembedding); `rows` looks tokens up in it.
 
-`Int4` is w = code * scale + min with 4-bit codes (0..15) and a float32 scale and minimum
-per output column and group of GROUP consecutive inputs (GGUF's Q4_1; Q4_0 is min = -8
-scale): `quantize_int4` picks each group's min and (max - min) / 15. Its codes are kept
-one per byte for XLA's paths (a prefill, meshes: the weight is dequantized into the dot);
-`pack_params` gives it panels of two codes per byte with the groups' scales and minimums
-beside them (`fewrow_matmul.cc`'s int4 format, dequantized in registers as each row
-streams past: an eighth of float32's bytes plus 1/8 for the groups). The kernel and XLA
-compute the same products, w dequantized in float32, summed in their own orders.
+`Grouped` is w = code * scale + min with a float32 scale and minimum per output column and
+group of GROUP consecutive inputs, and codes of `bits` = 4 (0..15: the int4 format,
+GGUF's Q4_1; Q4_0 is min = -8 scale) or 8 (int8 codes, min 0: GGUF's Q8_0).
+`quantize_int4` picks each group's min and (max - min) / 15. The codes are kept one per
+byte for XLA's paths (a prefill, meshes: the weight is dequantized into the dot);
+`pack_params` gives them panels (4 bits: two codes per byte) with the groups' scales and
+minimums beside them (`fewrow_matmul.cc`'s grouped formats, dequantized in registers as
+each row streams past: for int4 an eighth of float32's bytes plus 1/8 for the groups).
+The kernel and XLA compute the same products, w dequantized in float32, summed in their
+own orders.
 """
 from __future__ import annotations
 
@@ -46,7 +48,7 @@ from specjax.kernels import dispatch
 from specjax.kernels.setting import Kernels
 
 PANEL = 64  # columns per packed panel (fewrow_matmul.cc's kPanel)
-GROUP = 32  # int4: consecutive inputs per scale and minimum (fewrow_matmul.cc's kGroup; GGUF's block)
+GROUP = 32  # grouped formats: consecutive inputs per scale and minimum (fewrow_matmul.cc's kGroup; GGUF's block)
 
 log = logging.getLogger(__name__)
 
@@ -221,7 +223,7 @@ def quantize_int8(w: jax.Array, contracted: int, lead: int = 0, *, transposed: b
 def quantize_params(params, contracted: dict[str, tuple[int, int]], transposed: tuple[str, ...] = (),
                     kind: str = "int8"):
     """params with every float weight named in `contracted` (as `pack_params`'s) replaced by
-    its `kind` quantization (`QUANTIZERS`: `Int8`, `Int4`), one jitted program per weight
+    its `kind` quantization (`QUANTIZERS`: `Int8`, 4-bit `Grouped`), one jitted program per weight
     (the float weights are not copied), the codes placed as the weight was (its sharding
     on the mesh), the small scales replicated; names in `transposed` are [N, K] tables
     quantized per row."""
@@ -249,15 +251,16 @@ def quantize_params(params, contracted: dict[str, tuple[int, int]], transposed: 
 
 @jax.tree_util.register_pytree_node_class
 @dataclasses.dataclass(frozen=True)
-class Int4:
-    """A weight code * scale + min: `code` uint8 (0..15) in the float weight's layout
-    [*lead, *contracted, *out] (`transposed`: [*lead, N, K], a table multiplied by as its
-    transpose and looked up by rows); `scale`, `low` float32 [*lead, G, N], one per group
-    of GROUP consecutive inputs (of the contracted axes merged, K = their product, G =
-    ceil(K / GROUP); a transposed table's [*lead, N, G]) and output column. `panels`
-    [*lead, P, K, PANEL // 2] uint8, two codes per byte (`pack_int4`), and `aux`
-    [*lead, P, G, 2, PANEL] (scales, minimums), as the few-row kernel reads them; made by
-    `pack_params` where the kernel runs, else None."""
+class Grouped:
+    """A weight code * scale + min: `code` (uint8 0..15 for `bits` = 4, int8 for 8) in the
+    float weight's layout [*lead, *contracted, *out] (`transposed`: [*lead, N, K], a table
+    multiplied by as its transpose and looked up by rows); `scale`, `low` float32
+    [*lead, G, N], one per group of GROUP consecutive inputs (of the contracted axes
+    merged, K = their product, G = ceil(K / GROUP); a transposed table's [*lead, N, G])
+    and output column. `panels` ([*lead, P, K, PANEL // 2] uint8, two codes per byte, for
+    4 bits; [*lead, P, K, PANEL] int8 for 8) and `aux` [*lead, P, G, 2, PANEL] (scales,
+    minimums), as the few-row kernel reads them (`pack_grouped`); made by `pack_params`
+    where the kernel runs, else None."""
 
     code: jax.Array
     scale: jax.Array
@@ -266,14 +269,16 @@ class Int4:
     transposed: bool = False
     panels: jax.Array | None = None
     aux: jax.Array | None = None
+    bits: int = 4
 
     def tree_flatten(self):
-        return (self.code, self.scale, self.low, self.panels, self.aux), (self.out, self.transposed)
+        return (self.code, self.scale, self.low, self.panels, self.aux), (self.out, self.transposed, self.bits)
 
     @classmethod
     def tree_unflatten(cls, aux, children):
         code, scale, low, panels, packed_aux = children
-        return cls(code, scale, low, *aux, panels, packed_aux)
+        out, transposed, bits = aux
+        return cls(code, scale, low, out, transposed, panels, packed_aux, bits)
 
     dtype = jnp.dtype(jnp.float32)
 
@@ -286,17 +291,17 @@ class Int4:
         s = self.code.shape
         return (*s[:-2], s[-1], s[-2]) if self.transposed else s
 
-    def astype(self, dtype) -> "Int4":
+    def astype(self, dtype) -> "Grouped":
         return self
 
-    def reshape(self, k: int, n: int = -1) -> "Int4":
+    def reshape(self, k: int, n: int = -1) -> "Grouped":
         """The weight with its contracted axes merged into one of size k (one layer's)."""
         if self.transposed or self.scale.ndim != 2 or self.code.size != k * self.n or n not in (-1, self.n):
-            raise ValueError(f"int4 weight {self.code.shape} contracts into {self.n}: not [{k}, {n}]")
-        return Int4(self.code.reshape(k, self.n), self.scale, self.low, (self.n,), False, self.panels, self.aux)
+            raise ValueError(f"grouped weight {self.code.shape} contracts into {self.n}: not [{k}, {n}]")
+        return dataclasses.replace(self, code=self.code.reshape(k, self.n), out=(self.n,))
 
     @property
-    def T(self) -> "Int4":
+    def T(self) -> "Grouped":
         if not self.transposed:
             raise ValueError("only a weight quantized transposed can be multiplied by as its transpose")
         return self
@@ -312,11 +317,11 @@ class Int4:
         return _groups_apply(code, self.scale, self.low, axis=-2).reshape(shape).astype(dtype)
 
     def project(self, spec: str, x: jax.Array, setting: Kernels, **kwargs) -> jax.Array:
-        """The int4 kernel where it applies (panels made, float32, few rows, one CPU
+        """The grouped kernel where it applies (panels made, float32, few rows, one CPU
         device), else XLA's einsum over the dequantized weight."""
         if (self.panels is not None and dispatch.use_matmul(x, self.dtype, setting)
                 and kwargs.get("preferred_element_type", jnp.float32) == jnp.float32):
-            y = dispatch.fewrow_matmul_int4(x.reshape(-1, x.shape[-1]), self.panels, self.aux, self.n)
+            y = dispatch.fewrow_matmul_grouped(x.reshape(-1, x.shape[-1]), self.panels, self.aux, self.n)
             return y.reshape(*x.shape[:-1], *self.out)
         w = self.dequantized(x.dtype)
         return jnp.einsum(spec, x, jnp.swapaxes(w, -1, -2) if self.transposed else w, **kwargs)
@@ -357,8 +362,8 @@ def _int4_groups(w: jax.Array, axis: int):
     return code, scale, low
 
 
-def quantize_int4(w: jax.Array, contracted: int, lead: int = 0, *, transposed: bool = False) -> Int4:
-    """w [*lead, *contracted, *out] (`transposed`: [*lead, N, K]) -> Int4: per output
+def quantize_int4(w: jax.Array, contracted: int, lead: int = 0, *, transposed: bool = False) -> Grouped:
+    """w [*lead, *contracted, *out] (`transposed`: [*lead, N, K]) -> Grouped, 4 bits: per output
     column and group of GROUP inputs (of the contracted axes merged), min = the group's
     minimum, scale = (max - min) / 15 (1 for a constant group), code = round((w - min) /
     scale) in 0..15."""
@@ -367,19 +372,20 @@ def quantize_int4(w: jax.Array, contracted: int, lead: int = 0, *, transposed: b
         if contracted != 1 or w.ndim != lead + 2:
             raise ValueError(f"a transposed weight is [*lead, N, K]: got {w.shape} with lead={lead}")
         code, scale, low = _int4_groups(w, -1)
-        return Int4(code, scale, low, (w.shape[-2],), True)
+        return Grouped(code, scale, low, (w.shape[-2],), True)
     shape = w.shape
     out = tuple(shape[lead + contracted:])
     K = math.prod(shape[lead:lead + contracted])
     code, scale, low = _int4_groups(w.reshape(*shape[:lead], K, math.prod(out)), -2)
-    return Int4(code.reshape(shape), scale, low, out)
+    return Grouped(code.reshape(shape), scale, low, out)
 
 
-def pack_int4(w: Int4) -> tuple[jax.Array, jax.Array]:
-    """(panels [*lead, P, K, PANEL // 2] uint8, aux [*lead, P, G, 2, PANEL] float32) of an
-    Int4 weight as the kernel reads them: byte b of a panel row holds column b in its low
-    nibble and column b + PANEL // 2 in its high one; aux holds each group's scales then
-    minimums per column (zeros past N)."""
+def pack_grouped(w: Grouped) -> tuple[jax.Array, jax.Array]:
+    """(panels, aux [*lead, P, G, 2, PANEL] float32) of a Grouped weight as the kernel reads
+    them: panels [*lead, P, K, PANEL] int8 for 8 bits; for 4, [*lead, P, K, PANEL // 2]
+    uint8 where byte b of a panel row holds column b in its low nibble and column
+    b + PANEL // 2 in its high one; aux holds each group's scales then minimums per column
+    (zeros past N)."""
     if w.transposed:
         lead = w.code.ndim - 2
         code, scale, low = jnp.swapaxes(w.code, -1, -2), jnp.swapaxes(w.scale, -1, -2), jnp.swapaxes(w.low, -1, -2)
@@ -392,14 +398,14 @@ def pack_int4(w: Int4) -> tuple[jax.Array, jax.Array]:
     pad = [(0, 0)] * (lead + 1) + [(0, P * PANEL - N)]
     c = jnp.moveaxis(jnp.pad(code, pad).reshape(*code.shape[:-1], P, PANEL), -2, -3)  # [*lead, P, K, PANEL]
     half = PANEL // 2
-    panels = (c[..., :half] | (c[..., half:] << 4)).astype(jnp.uint8)
+    panels = (c[..., :half] | (c[..., half:] << 4)).astype(jnp.uint8) if w.bits == 4 else c.astype(jnp.int8)
     groups = jnp.stack([jnp.pad(scale, pad), jnp.pad(low, pad)], axis=-2)  # [*lead, G, 2, P*PANEL]
     aux = jnp.moveaxis(groups.reshape(*groups.shape[:-1], P, PANEL), -2, -4)  # [*lead, P, G, 2, PANEL]
     return panels, aux
 
 
 QUANTIZERS = {"int8": quantize_int8, "int4": quantize_int4}
-QUANTIZED = (Int8, Int4)  # the quantized formats
+QUANTIZED = (Int8, Grouped)  # the quantized formats
 
 
 def project(spec: str, x: jax.Array, w, setting: Kernels, dtype=None, **kwargs) -> jax.Array:
@@ -443,7 +449,7 @@ def rows(table, tokens: jax.Array, dtype) -> jax.Array:
     only those rows dequantized)."""
     if isinstance(table, Int8):
         return jnp.take(table.q, tokens, axis=0).astype(dtype) * jnp.take(table.scale, tokens, axis=0)[..., None].astype(dtype)
-    if isinstance(table, Int4):  # a table [V, D] with groups along D
+    if isinstance(table, Grouped):  # a table [V, D] with groups along D
         return _groups_apply(*(jnp.take(a, tokens, axis=0) for a in (table.code, table.scale, table.low)),
                              axis=-1).astype(dtype)
     return jnp.take(stored(table), tokens, axis=0).astype(dtype)
@@ -496,11 +502,11 @@ def pack_params(params, contracted: dict[str, tuple[int, int]], transposed: tupl
                 or names[-1] not in contracted:
             return None
         axes, ndim = contracted[names[-1]]
-        shape = w.code.shape if isinstance(w, Int4) else source(w).shape
+        shape = w.code.shape if isinstance(w, Grouped) else source(w).shape
         return dict(contracted=axes, lead=len(shape) - ndim, transposed=names[-1] in transposed)
 
     def made_for(w, r):
-        return pack_int4(w) if isinstance(w, Int4) else pack(source(w), **r).panels
+        return pack_grouped(w) if isinstance(w, Grouped) else pack(source(w), **r).panels
 
     def panels(p):
         return {jax.tree_util.keystr(path): made_for(w, r)
@@ -523,7 +529,7 @@ def pack_params(params, contracted: dict[str, tuple[int, int]], transposed: tupl
             return w
         if isinstance(w, Int8):
             return dataclasses.replace(w, panels=made[jax.tree_util.keystr(path)])
-        if isinstance(w, Int4):
+        if isinstance(w, Grouped):
             panels, aux = made[jax.tree_util.keystr(path)]
             return dataclasses.replace(w, panels=panels, aux=aux)
         layout = jax.eval_shape(lambda w: pack(w, **r), jax.ShapeDtypeStruct(w.shape, w.dtype))

@@ -541,42 +541,47 @@ def load_with_stats(path, mesh, *, param_dtype=None, compute_dtype=None, scan_la
 
 
 def take_stored(lm, path, kind: Optional[str]):
-    """`lm` (loaded from the GGUF file `path`) with each weight that the file stores in the
-    format `kind` names taken as stored: with 'int4', every Q4_0 / Q4_1 projection,
-    unembedding and embedding becomes a `kernels.Int4` of the file's own codes, scales and
-    minimums (Q4_0: min = -8 scale), re-blocked into specjax's layout without changing a
-    value; `LM.quantized(kind)` then quantizes only what is left float. On one device with
-    no duplicated kv heads (elsewhere, and for other kinds, `lm` itself: the weights are
-    then quantized from their float values)."""
+    """`lm` (loaded from the GGUF file `path`) with the weights the file holds quantized
+    taken as stored when a quantized `kind` ('int8', 'int4') is asked for: every Q8_0,
+    Q4_0 and Q4_1 projection, unembedding and embedding becomes a `kernels.Grouped` of the
+    file's own codes, scales and minimums (Q4_0: 4-bit codes + 8 with min = -8 scale;
+    Q8_0: 8-bit codes, min 0), re-blocked into specjax's layout without changing a value;
+    `LM.quantized(kind)` then quantizes only what is left float. On one device with no
+    duplicated kv heads and unrolled layers (elsewhere, and with no `kind`, `lm` itself:
+    the weights are then quantized from their float values)."""
     import jax
     from flax import nnx
 
-    from specjax.kernels import Int4
+    from specjax.kernels import Grouped
     from specjax.model import PROJECTIONS
-    if kind != "int4" or lm.cfg.kv_copies != 1 or len(jax.tree.leaves(lm.params)[0].sharding.device_set) != 1:
+    if (kind is None or lm.cfg.kv_copies != 1 or lm.cfg.scan_layers
+            or len(jax.tree.leaves(lm.params)[0].sharding.device_set) != 1):
         return lm
     weights = GGUFWeights(open_file(path), lm.cfg)
     contracted = {**PROJECTIONS, "embed": (1, 2)}
 
-    def one(key: str, name: str, layout: str, float_w) -> Optional[Int4]:
-        if weights.file.type_name(gguf_name(name)) not in ("Q4_0", "Q4_1"):
+    def one(key: str, name: str, layout: str, float_w) -> Optional[Grouped]:
+        if weights.file.type_name(gguf_name(name)) not in LOSSLESS_TYPES:
             return None
         b = weights.tensor(name)  # Blocks [out, in] (q/k rows un-permuted as for floats)
         scale = b.scales.astype(np.float32)
-        low = -8 * scale if b.mins is None else b.mins.astype(np.float32)  # exact: a power of two times scale
-        code = (b.codes + (8 if b.mins is None else 0)).astype(np.uint8)
+        if b.bits == 8:  # Q8_0
+            code, low = b.codes, np.zeros_like(scale)
+        else:  # Q4_1 as it is; Q4_0's codes -8..7 as 0..15 with min = -8 scale (exact: a power of two)
+            code = (b.codes + (8 if b.mins is None else 0)).astype(np.uint8)
+            low = -8 * scale if b.mins is None else b.mins.astype(np.float32)
         shape, where = tuple(float_w.shape), float_w.sharding  # codes where the float weight was
         everywhere = jax.sharding.NamedSharding(where.mesh, jax.sharding.PartitionSpec())
         small = lambda a: jax.device_put(np.ascontiguousarray(a), everywhere)  # noqa: E731
         if layout == "same":  # the embedding table [V, D], groups along D
-            return Int4(jax.device_put(code, where), small(scale), small(low), (shape[0],), True)
+            return Grouped(jax.device_put(code, where), small(scale), small(low), (shape[0],), True, bits=b.bits)
         axes = contracted[key.rsplit("/", 1)[-1]][0]
-        return Int4(jax.device_put(np.ascontiguousarray(hf.from_hf(layout, code, shape)), where), small(scale.T),
-                    small(low.T), tuple(shape[axes:]))
+        return Grouped(jax.device_put(np.ascontiguousarray(hf.from_hf(layout, code, shape)), where), small(scale.T),
+                       small(low.T), tuple(shape[axes:]), bits=b.bits)
 
     def make(where, v):
         key, layer = hf._param_key(where)
-        if key.rsplit("/", 1)[-1] not in contracted or lm.cfg.scan_layers:  # stacked layers: quantized from floats
+        if key.rsplit("/", 1)[-1] not in contracted:
             return v
         name, layout = hf.PARAMS[key]
         made = one(key, name.format(i=layer), layout, v.value)
