@@ -226,3 +226,21 @@ def test_greedy_sps_equals_greedy_ars_on_a_quantized_target(tiny, kind, draft_ki
         ars = api.generate(target, None, prompts, sampling, seed=1)
     assert all(len(t) == 20 for t in ars.tokens)
     assert sps.tokens == ars.tokens
+
+
+@pytest.mark.parametrize("kind", KINDS)
+def test_a_quantized_model_sharded_over_2x4_gives_the_one_device_logits(tiny, kind):
+    """On a mesh the codes sit where the float weights did and a grouped weight's scales
+    and minimums are split with their columns and groups (not replicated: at 70B they would
+    fill a chip); the sharded model's logits are the one-device model's."""
+    tokens = jax.random.randint(jax.random.key(5), (2, 9), 0, tiny.target.vocab_size)
+    logits = {}
+    for name in ("1x1", "2x4"):
+        mesh = mesh_for(name)
+        lm = model.init_lm(tiny.target, mesh).quantized(kind)
+        if name == "2x4" and kind == "int4":
+            wq = lm.params["layers"][0]["attn"]["wq"].value
+            assert wq.scale.sharding.spec == jax.sharding.PartitionSpec(None, "model")  # [G, N]: N split like q's heads
+        with jax.set_mesh(mesh):
+            logits[name] = np.asarray(jax.jit(model.full_forward)(lm.with_kernels(NONE), tokens))
+    np.testing.assert_allclose(logits["2x4"], logits["1x1"], rtol=1e-5, atol=1e-5)

@@ -225,7 +225,9 @@ def quantize_params(params, contracted: dict[str, tuple[int, int]], transposed: 
     """params with every float weight named in `contracted` (as `pack_params`'s) replaced by
     its `kind` quantization (`QUANTIZERS`: `Int8`, 4-bit `Grouped`), one jitted program per weight
     (the float weights are not copied), the codes placed as the weight was (its sharding
-    on the mesh), the small scales replicated; names in `transposed` are [N, K] tables
+    on the mesh); int8's scales (one per column) replicated, a grouped weight's scales and
+    minimums (one per 32 weights: replicated, 70B's would fill a chip) split as their
+    columns and groups are (`_group_spec`); names in `transposed` are [N, K] tables
     quantized per row."""
     quantizer = QUANTIZERS[kind]
     is_format = lambda x: isinstance(x, (Packed, *QUANTIZED))  # noqa: E731
@@ -241,13 +243,43 @@ def quantize_params(params, contracted: dict[str, tuple[int, int]], transposed: 
         if not isinstance(where, jax.sharding.NamedSharding):
             return jax.jit(fn)(w) if isinstance(w, jax.Array) else jax.eval_shape(fn, w)
         everywhere = jax.sharding.NamedSharding(where.mesh, jax.sharding.PartitionSpec())
-        placed = jax.tree.map(lambda a: where if a.shape == w.shape else everywhere, jax.eval_shape(fn, w))
+        shape = jax.eval_shape(fn, w)
+        groups = _group_sharding(where, len(w.shape) - ndim, axes, len(w.shape), names[-1] in transposed,
+                                 shape.scale.shape if isinstance(shape, Grouped) else ())
+
+        def place(a):
+            if a.shape == w.shape:
+                return where
+            return groups if isinstance(shape, Grouped) else everywhere
+        placed = jax.tree.map(place, shape)
         if not isinstance(w, jax.Array):  # abstract params (`plan`): the shapes, placed
             return jax.tree.map(lambda a, s: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=s),
                                 jax.eval_shape(fn, w), placed)
         return jax.jit(fn, out_shardings=placed)(w)
 
     return jax.tree_util.tree_map_with_path(one, params, is_leaf=is_format)
+
+def _group_sharding(where: jax.sharding.NamedSharding, lead: int, contracted: int, ndim: int, transposed: bool,
+                    shape: tuple[int, ...]) -> jax.sharding.NamedSharding:
+    """Where a grouped weight's scales [*lead, G, N] (a transposed table's [*lead, N, G])
+    go, to match its codes' sharding `where` over [*lead, *contracted, *out]: a merged axis
+    is split where its first (major) part is, so each device holds the scales of its own
+    columns and groups; an axis split elsewhere, or whose size the mesh axis does not
+    divide (a few groups), is kept whole."""
+    spec = tuple(where.spec) + (None,) * (ndim - len(where.spec))
+    head = spec[:lead]
+    if transposed:
+        parts = (*head, spec[lead], None)
+    else:
+        inner, outer = spec[lead:lead + contracted], spec[lead + contracted:]
+        merged = lambda axes: axes[0] if all(a is None for a in axes[1:]) else None  # noqa: E731
+        parts = (*head, merged(inner), merged(outer))
+
+    def size(name) -> int:
+        return math.prod(where.mesh.shape[n] for n in ((name,) if isinstance(name, str) else name))
+    parts = tuple(None if a is None or dim % size(a) else a for a, dim in zip(parts, shape))
+    return jax.sharding.NamedSharding(where.mesh, jax.sharding.PartitionSpec(*parts))
+
 
 @jax.tree_util.register_pytree_node_class
 @dataclasses.dataclass(frozen=True)
