@@ -239,30 +239,30 @@ ffi::Error FewRowMatmulInt8(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::
              y->dimensions(), x.typed_data(), wp.typed_data(), scale.typed_data(), y->typed_data());
 }
 
-// wp holds int4 codes, 32 bytes per panel row (`I4`); aux[P, G, 2, 64] each group's
-// scales then minimums (G = ceil(K / 32); columns past N: any value, dropped).
-ffi::Error FewRowMatmulInt4(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::Buffer<ffi::U8> wp,
-                            ffi::Buffer<ffi::F32> aux, ffi::ResultBuffer<ffi::F32> y) {
+// The grouped formats (`I4`: wp[P, K, 32] uint8, two codes per byte; `G8`: wp[P, K, 64]
+// int8): aux[P, G, 2, 64] holds each group's scales then minimums (G = ceil(K / 32);
+// columns past N: any value, dropped).
+template <typename F>
+ffi::Error RunGrouped(ffi::ThreadPool& pool, const char* name, ffi::Buffer<ffi::F32>& x,
+                      ffi::AnyBuffer::Dimensions wd, const void* wp, ffi::Buffer<ffi::F32>& aux,
+                      ffi::ResultBuffer<ffi::F32>& y) {
   auto ad = aux.dimensions();
-  auto wd = wp.dimensions();
   if (wd.size() != 3 || ad.size() != 4 || ad[0] != wd[0] || ad[1] != (wd[1] + kGroup - 1) / kGroup || ad[2] != 2 ||
       ad[3] != kPanel)
-    return ffi::Error::InvalidArgument("specjax_fewrow_matmul_int4: want aux[P, ceil(K/32), 2, 64] for wp[P, K, 32]");
-  return Run(pool, "specjax_fewrow_matmul_int4", kPanels<I4>, kPanel / 2, x.dimensions(), wd, y->dimensions(),
-             x.typed_data(), wp.typed_data(), aux.typed_data(), y->typed_data());
+    return ffi::Error::InvalidArgument(std::string(name) + ": want aux[P, ceil(K/32), 2, 64] for wp[P, K, " +
+                                       std::to_string(F::kElems) + "]");
+  return Run(pool, name, kPanels<F>, F::kElems, x.dimensions(), wd, y->dimensions(), x.typed_data(), wp,
+             aux.typed_data(), y->typed_data());
 }
 
-// wp holds int8 codes, 64 per panel row (`G8`); aux as for int4.
+ffi::Error FewRowMatmulInt4(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::Buffer<ffi::U8> wp,
+                            ffi::Buffer<ffi::F32> aux, ffi::ResultBuffer<ffi::F32> y) {
+  return RunGrouped<I4>(pool, "specjax_fewrow_matmul_int4", x, wp.dimensions(), wp.typed_data(), aux, y);
+}
+
 ffi::Error FewRowMatmulGrouped8(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::Buffer<ffi::S8> wp,
                                 ffi::Buffer<ffi::F32> aux, ffi::ResultBuffer<ffi::F32> y) {
-  auto ad = aux.dimensions();
-  auto wd = wp.dimensions();
-  if (wd.size() != 3 || ad.size() != 4 || ad[0] != wd[0] || ad[1] != (wd[1] + kGroup - 1) / kGroup || ad[2] != 2 ||
-      ad[3] != kPanel)
-    return ffi::Error::InvalidArgument("specjax_fewrow_matmul_grouped8: want aux[P, ceil(K/32), 2, 64] for "
-                                       "wp[P, K, 64]");
-  return Run(pool, "specjax_fewrow_matmul_grouped8", kPanels<G8>, kPanel, x.dimensions(), wd, y->dimensions(),
-             x.typed_data(), wp.typed_data(), aux.typed_data(), y->typed_data());
+  return RunGrouped<G8>(pool, "specjax_fewrow_matmul_grouped8", x, wp.dimensions(), wp.typed_data(), aux, y);
 }
 
 }  // namespace
