@@ -227,7 +227,7 @@ def quantize_params(params, contracted: dict[str, tuple[int, int]], transposed: 
     (the float weights are not copied), the codes placed as the weight was (its sharding
     on the mesh); int8's scales (one per column) replicated, a grouped weight's scales and
     minimums (one per 32 weights: replicated, 70B's would fill a chip) split as their
-    columns and groups are (`_group_spec`); names in `transposed` are [N, K] tables
+    columns and groups are (`_group_sharding`); names in `transposed` are [N, K] tables
     quantized per row."""
     quantizer = QUANTIZERS[kind]
     is_format = lambda x: isinstance(x, (Packed, *QUANTIZED))  # noqa: E731
@@ -253,8 +253,7 @@ def quantize_params(params, contracted: dict[str, tuple[int, int]], transposed: 
             return groups if isinstance(shape, Grouped) else everywhere
         placed = jax.tree.map(place, shape)
         if not isinstance(w, jax.Array):  # abstract params (`plan`): the shapes, placed
-            return jax.tree.map(lambda a, s: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=s),
-                                jax.eval_shape(fn, w), placed)
+            return jax.tree.map(lambda a, s: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=s), shape, placed)
         return jax.jit(fn, out_shardings=placed)(w)
 
     return jax.tree_util.tree_map_with_path(one, params, is_leaf=is_format)
@@ -382,7 +381,7 @@ def _int4_groups(w: jax.Array, axis: int):
         g = jnp.moveaxis(w, -2, -1)  # [..., N, K]
     else:
         g = w
-    # Pad by repeating a group's first value: the padding never widens a group's range.
+    # Pad by repeating the row's last value: the padding never widens the last group's range.
     g = jnp.concatenate([g, jnp.repeat(g[..., -1:], pad, axis=-1)], axis=-1) if pad else g
     g = g.reshape(*g.shape[:-1], -1, GROUP)
     low, high = jnp.min(g, axis=-1), jnp.max(g, axis=-1)
