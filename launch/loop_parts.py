@@ -64,6 +64,7 @@ def define_flags() -> None:
     flags.DEFINE_list("context", ["random"], "What the token buffer holds: random, distinct or repeating.")
     flags.DEFINE_enum("clock", "wall", ["wall", "cpu"], "wall: elapsed time; cpu: this process's CPU time (all its "
                       "threads: on a host shared with other jobs it is inflated far less).")
+    cli.define_quantize_flag()
 
 
 CONTEXTS = ("random", "distinct", "repeating")
@@ -164,11 +165,12 @@ def main(argv):
     weights = Sources(init="random").locate(config, need_draft=need_draft, train_missing=False)
     models = {"target": config.target, **({"draft": config.draft} if need_draft else {})}
     mesh = sharding.make_checked_mesh(config.mesh, models)
-    target, draft = weights.load(mesh, need_draft=need_draft)
+    target, draft = weights.load(mesh, need_draft=need_draft, quantize=cli.quantize())
     w = program_lib.warping_of(config.sampling)
     buffers = {c: token_buffer(c, FLAGS.cache, FLAGS.prompt_len, config.target.vocab_size) for c in FLAGS.context}
     lens = jnp.array([FLAGS.prompt_len], jnp.int32)
-    print(f"{config.name}{f' with the target shape {FLAGS.shape}' if FLAGS.shape else ''}: drafter {drafter}, "
+    print(f"{config.name}{f' with the target shape {FLAGS.shape}' if FLAGS.shape else ''}"
+          f"{f', {FLAGS.quantize} weights' if cli.quantize() else ''}: drafter {drafter}, "
           f"K={K}, prompt {FLAGS.prompt_len}, cache {FLAGS.cache}, {w}")
     runs, subjects = {}, {}
     sampling = dataclasses.replace(config.sampling, drafter=drafter)
