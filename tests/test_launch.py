@@ -11,6 +11,8 @@ import re
 import shlex
 import subprocess
 
+import pytest
+
 REPO = pathlib.Path(__file__).resolve().parent.parent
 
 
@@ -94,15 +96,47 @@ def test_every_run_frees_the_tpu_before_starting_python():
 
 
 def test_each_generation_gets_its_accelerator_and_runtime_and_a_shared_compilation_cache():
-    for generation, accelerator, runtime in (("v4", "v4-32", "tpu-ubuntu2204-base"),
-                                             ("v5e", "v5litepod-16", "v2-alpha-tpuv5-lite"),
-                                             ("v5p", "v5p-32", "v2-alpha-tpuv5"),
-                                             ("v6e", "v6e-16", "v2-alpha-tpuv6e")):
+    for generation, accelerator, runtime, zone in (("v4", "v4-32", "tpu-ubuntu2204-base", "us-central2-b"),
+                                                   ("v5e", "v5litepod-16", "v2-alpha-tpuv5-lite", "us-west4-a"),
+                                                   ("v5p", "v5p-32", "v2-alpha-tpuv5", "us-east5-a"),
+                                                   ("v6e", "v6e-16", "v2-alpha-tpuv6e", "us-east5-a")):
         [create] = dry_run(GENERATION=generation)["create"]
         assert f"--accelerator-type={accelerator}" in create and f"--version={runtime}" in create, create
+        assert f"--zone={zone}" in create, create  # a zone that has the generation
     bad = subprocess.run(["bash", str(REPO / "launch" / "tpu_pod.sh")], cwd=REPO, capture_output=True, text=True,
                          env={**os.environ, "DRY_RUN": "1", "GENERATION": "v3"}, timeout=60)
     assert bad.returncode == 2 and "GENERATION=v3: allowed are v4, v5e, v5p, v6e" in bad.stderr
     # Weights in a bucket: the compilation cache goes there too, one directory every worker reads.
     [ssh] = dry_run(CONFIG="llama3_70b_1b", HF_TARGET="gs://bkt/70b", HF_DRAFT="gs://bkt/1b")["run"]
     assert "JAX_COMPILATION_CACHE_DIR=gs://bkt/specjax_xla_cache" in shlex.split(remote_command(ssh))
+
+
+def test_the_compilation_cache_goes_where_every_worker_reads_it(monkeypatch, tmp_path):
+    """cli.use_compilation_cache: $JAX_COMPILATION_CACHE_DIR wins (tpu_pod.sh sets one in
+    the weights' bucket); a local workdir keeps the per-machine cache; a cloud workdir puts
+    it beside the run (WORKDIR/xla_cache), and without the GCS package that is one line
+    naming what to install, not an ImportError from fsspec."""
+    import importlib.util
+
+    import jax
+    from specjax.app import cli
+    from specjax.config import UsageError, cache_dir
+    before = jax.config.jax_compilation_cache_dir
+    try:
+        monkeypatch.setenv("SPECJAX_CACHE", str(tmp_path))
+        monkeypatch.delenv("JAX_COMPILATION_CACHE_DIR", raising=False)
+        cli.use_compilation_cache(tmp_path / "workdir")
+        assert jax.config.jax_compilation_cache_dir == str(cache_dir() / "xla")
+        jax.config.update("jax_compilation_cache_dir", "/elsewhere")
+        monkeypatch.setenv("JAX_COMPILATION_CACHE_DIR", str(tmp_path / "given"))
+        cli.use_compilation_cache("gs://bkt/run")  # the variable wins: nothing changed here
+        assert jax.config.jax_compilation_cache_dir == "/elsewhere"
+        monkeypatch.delenv("JAX_COMPILATION_CACHE_DIR")
+        if importlib.util.find_spec("gcsfs") is None:
+            with pytest.raises(UsageError, match="gs://bkt/run.*gcsfs"):
+                cli.use_compilation_cache("gs://bkt/run")
+        else:
+            cli.use_compilation_cache("gs://bkt/run/")
+            assert jax.config.jax_compilation_cache_dir == "gs://bkt/run/xla_cache"
+    finally:
+        jax.config.update("jax_compilation_cache_dir", before)
