@@ -21,8 +21,8 @@ from specjax.kernels.library import available, build
 from specjax.kernels.dispatch import MAX_ROWS
 from specjax.kernels.setting import DEFAULT, KERNELS, NONE, Kernels
 from specjax.kernels.formats import (PANEL, QUANTIZED, Grouped, Int8, Packed, pack, pack_params, project, quantize_int4,
-                                     quantize_int8, quantize_params, rows, should_pack, stored)
+                                     quantize_int8, quantize_params, rows, should_pack, stored, is_quantized)
 
 __all__ = ["DEFAULT", "KERNELS", "MAX_ROWS", "NONE", "PANEL", "QUANTIZED", "Grouped", "Int8", "Kernels", "Packed",
            "available", "build", "pack", "pack_params", "project", "quantize_int4", "quantize_int8", "quantize_params",
-           "rows", "should_pack", "stored"]
+           "rows", "should_pack", "stored", "is_quantized"]

@@ -20,6 +20,7 @@ from specjax.kernels.library import (ATTENTION_TARGET, MATMUL_GROUPED8_TARGET, M
 from specjax.kernels.setting import Kernels
 
 MAX_ROWS = 8
+GROUP = 32  # grouped weights: consecutive inputs per scale and minimum (fewrow_matmul.cc's kGroup; GGUF's block)
 
 
 def single_device() -> bool:
@@ -94,8 +95,8 @@ def grouped_panel_matrix(panels: jax.Array, aux: jax.Array) -> jax.Array:
     codes = (jnp.concatenate([panels & 15, panels >> 4], axis=-1) if panels.dtype == jnp.uint8 else panels)
     codes = codes.astype(jnp.float32)  # [P, K, PANEL]
     K = codes.shape[-2]
-    scale = jnp.repeat(aux[..., 0, :], 32, axis=-2)[..., :K, :]
-    low = jnp.repeat(aux[..., 1, :], 32, axis=-2)[..., :K, :]
+    scale = jnp.repeat(aux[..., 0, :], GROUP, axis=-2)[..., :K, :]
+    low = jnp.repeat(aux[..., 1, :], GROUP, axis=-2)[..., :K, :]
     return codes * scale + low
 
 

@@ -48,7 +48,7 @@ from specjax.kernels import dispatch
 from specjax.kernels.setting import Kernels
 
 PANEL = 64  # columns per packed panel (fewrow_matmul.cc's kPanel)
-GROUP = 32  # grouped formats: consecutive inputs per scale and minimum (fewrow_matmul.cc's kGroup; GGUF's block)
+GROUP = dispatch.GROUP  # grouped formats: consecutive inputs per scale and minimum
 
 log = logging.getLogger(__name__)
 
@@ -437,6 +437,11 @@ def pack_grouped(w: Grouped) -> tuple[jax.Array, jax.Array]:
 
 QUANTIZERS = {"int8": quantize_int8, "int4": quantize_int4}
 QUANTIZED = (Int8, Grouped)  # the quantized formats
+
+
+def is_quantized(params) -> bool:
+    """Whether any weight in `params` is in a quantized format."""
+    return any(isinstance(x, QUANTIZED) for x in jax.tree.leaves(params, is_leaf=lambda x: isinstance(x, QUANTIZED)))
 
 
 def project(spec: str, x: jax.Array, w, setting: Kernels, dtype=None, **kwargs) -> jax.Array:

@@ -639,8 +639,8 @@ def export(lm: LM, directory, *, tokenizer_dir=None, bos_id: Optional[int] = Non
     appears whole or not at all (a killed export leaves no half-model under its name;
     the next export clears what it left). gs:// has no rename: there the files are
     written in place."""
-    from specjax.kernels import QUANTIZED
-    if any(isinstance(x, QUANTIZED) for x in jax.tree.leaves(lm.params, is_leaf=lambda x: isinstance(x, QUANTIZED))):
+    from specjax.kernels import is_quantized
+    if is_quantized(lm.params):
         raise UsageError("cannot export a model with quantized (int8/int4) weights as Hugging Face safetensors: "
                          "export the float model it was quantized from")
     lm = kv_heads.undo(lm)  # a model loaded with duplicated kv heads is written with its own

@@ -30,7 +30,7 @@ import jax
 from flax import nnx
 
 from specjax.config import UsageError
-from specjax.kernels.formats import QUANTIZED as FORMATS
+from specjax.kernels.formats import is_quantized
 from specjax.model import LM, Transformer, Keys
 
 QUANTIZED = ("int8", "int4")
@@ -106,8 +106,7 @@ def self_draft(target: LM, spec: Spec | str) -> LM:
     # Packed where decoding packs (the CPU kernel): the draft's projections are then the
     # target's packed weights, not a second packed copy of the first N layers. A quantized
     # form packs its own copy, once.
-    if spec.quantize is not None and any(isinstance(x, FORMATS) for x in jax.tree.leaves(
-            target.params, is_leaf=lambda x: isinstance(x, FORMATS))):
+    if spec.quantize is not None and is_quantized(target.params):
         check_quantize(spec, spec.quantize)  # the target is quantized already: refused
     source = (target.quantized(spec.quantize) if spec.quantize is not None else target).packed()
     graphdef = nnx.split(nnx.eval_shape(lambda: Transformer(cfg, Keys(0))))[0]
