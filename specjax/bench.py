@@ -91,7 +91,8 @@ def main(argv):
         cli.choices("verify", FLAGS.verify, base.verify, VERIFY_RULES),
         cli.unit_interval_list("draft_confidence", FLAGS.draft_confidence, base.draft_confidence),
         [base.num_drafts] if FLAGS.num_drafts is None else cli.int_list("num_drafts", FLAGS.num_drafts))
-    need_draft = any(drafters.kind(v["drafter"]).needs_draft_model for v in variants)
+    need_draft = any(drafters.draft_kind(v["drafter"]) == "model" for v in variants)
+    need_heads = any(drafters.draft_kind(v["drafter"]) == "heads" for v in variants)
     if target is not None and need_draft and draft is None and not specs:
         raise UsageError("--drafter=model|hybrid needs a draft: pass --hf_draft=DIR or --gguf_draft=FILE (a model "
                          "with the target's tokenizer), --self_draft=layers:N, or compare --drafter=ngram (no draft "
@@ -111,7 +112,7 @@ def main(argv):
     store = Datastore.load(FLAGS.datastore) if FLAGS.datastore else None
     if store is not None:
         store.check(config.target.vocab_size, f"--datastore={FLAGS.datastore}")
-    weights = each[0].locate(config, need_draft=need_draft, train_missing=False)
+    weights = each[0].locate(config, need_draft=need_draft, train_missing=False, need_heads=need_heads)
     tokenizer = weights.tokenizer()
     if store is not None:
         store.check_tokenizer(file_sha256(tokenizer.path) if tokenizer else None, f"--datastore={FLAGS.datastore}")
@@ -133,7 +134,7 @@ def main(argv):
               "init": FLAGS.init, "quantize": FLAGS.quantize,
               "prompts": FLAGS.prompts_file or (FLAGS.prompts if tokenizer is not None else "random ids"),
               **timing.bench(target, draft, prompts, base, ks, batch_sizes, repeats, seed, variants=variants,
-                             datastore=store)}
+                             datastore=store, heads=weights.heads(target, mesh) if need_heads else None)}
     sys.stdout.flush()
     if FLAGS.json:
         output.save(FLAGS.json, json.dumps(report, indent=1), "--json")

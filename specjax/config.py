@@ -211,7 +211,9 @@ MAX_NUM_DRAFTS = 16
 MAX_TREE_NODES = 64  # num_drafts * lookahead
 
 VERIFY_RULES = ("block", "tokenwise")
-DRAFTERS = ("model", "ngram", "retrieval", "hybrid")
+DRAFTERS = ("model", "ngram", "retrieval", "hybrid", "medusa")
+# The drafters that draw several independent chains per loop (each chain a fresh draw).
+SEVERAL_CHAINS = ("model", "hybrid", "medusa")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -235,7 +237,8 @@ class SamplingConfig:
     # ids (Llama 3 lists several).
     eos_id: Union[int, tuple[int, ...], None] = None
     verify: str = "block"  # 'block' (Sun et al. 2025: jointly, never worse) | 'tokenwise' (the paper's rule)
-    drafter: str = "model"  # 'model' | 'ngram' (prompt lookup) | 'retrieval' (a datastore) | 'hybrid'
+    # 'model' | 'ngram' (prompt lookup) | 'retrieval' (a datastore) | 'hybrid' | 'medusa' (heads on the target)
+    drafter: str = "model"
     ngram: int = 3  # longest context suffix the lookup drafters match (shorter ones down to 1 as fallback)
     draft_confidence: float = 0.0  # > 0: a row stops drafting after a draft distribution whose top p is below it
     # M draft chains per loop, scored as one tree and verified jointly (multi-draft rejection
@@ -274,10 +277,10 @@ class SamplingConfig:
             raise ConfigError(f"num_drafts={self.num_drafts} x lookahead={self.lookahead} = "
                               f"{self.num_drafts * self.lookahead} tree nodes: at most {MAX_TREE_NODES} (the tree is "
                               "verified node by node, so its compile time grows with it)")
-        if self.num_drafts > 1 and self.drafter not in ("model", "hybrid"):
+        if self.num_drafts > 1 and self.drafter not in SEVERAL_CHAINS:
             raise ConfigError(f"num_drafts={self.num_drafts} with drafter={self.drafter!r}: several drafts are "
-                              "drawn from the draft model, so they need drafter 'model' or 'hybrid' (a lookup "
-                              "proposes one chain)")
+                              f"independent draws, so they need drafter {', '.join(map(repr, SEVERAL_CHAINS))} (a "
+                              "lookup proposes one chain)")
         return self
 
     def check_context(self, context: int) -> "SamplingConfig":
@@ -296,6 +299,26 @@ class SamplingConfig:
         """The token ids that end a row (empty: only max_new_tokens does)."""
         ids = () if self.eos_id is None else self.eos_id if isinstance(self.eos_id, tuple) else (self.eos_id,)
         return tuple(i for i in ids if i >= 0)
+
+
+@dataclasses.dataclass(frozen=True)
+class HeadsConfig:
+    """Draft heads on the target's final hidden state (`specjax.heads`): Medusa's
+    `num_heads` residual SiLU blocks, head m proposing the token m+1 places past the one
+    the target's own unembedding predicts from the same state, through that unembedding."""
+
+    kind: str = "medusa"
+    num_heads: int = 4  # the longest lookahead they can propose
+    init_seed: int = 0
+
+    def __post_init__(self):
+        _plain_numbers(self)
+
+    def validate(self) -> "HeadsConfig":
+        _choice(self, "kind", {"medusa"})
+        _integer(self, "num_heads", 1, 64)
+        _integer(self, "init_seed", 0, SEED_LIMIT - 1)
+        return self
 
 
 @dataclasses.dataclass(frozen=True)
@@ -370,12 +393,21 @@ class Config:
     # The weights come from Hugging Face directories (--hf_target / --hf_draft), not from
     # specjax checkpoints; the config gives the shapes `plan` uses, dtypes, mesh, sampling.
     hf_weights: bool = False
+    # Draft heads over the target (drafter 'medusa'), and the config whose checkpoint holds
+    # them ('' = this config). A config with heads and a teacher trains the heads, with
+    # the teacher as the frozen target (`specjax.train`).
+    heads: Optional[HeadsConfig] = None
+    heads_from: str = ""
 
     def __post_init__(self):
         _plain_numbers(self)
 
     def validate(self) -> "Config":
-        _text(self, "name", "target_from", "draft_from")
+        _text(self, "name", "target_from", "draft_from", "heads_from")
+        if self.heads is not None:
+            if not isinstance(self.heads, HeadsConfig):
+                raise ConfigError(f"Config.heads={self.heads!r}: must be a HeadsConfig or None")
+            self.heads.validate()
         for name, cls in (("target", ModelConfig), ("mesh", MeshConfig), ("sampling", SamplingConfig),
                           ("train", TrainConfig)):
             if not isinstance(getattr(self, name), cls):

@@ -336,6 +336,19 @@ class Transformer(nnx.Module):
             table = jnp.stack([position_table(block.attn.wr.value, size, ct) for block in self.layers])
         return sharding.constrain(table, kv_cache.TABLE_AXES)
 
+    def logits(self, x, kernels: Kernels = DEFAULT_KERNELS) -> jax.Array:
+        """Final hidden states [B, T, D] -> logits [B, T, V] float32: the unembedding
+        (which draft heads over the target share: `specjax.heads`)."""
+        # A tied table is stored [V, D]; packed for decoding, it holds panels of its transpose
+        # (`Packed.T`), as XLA:CPU's dot against its transpose at 2-7 rows ran at a fraction
+        # of the read rate.
+        table = self.embed.value.T if self.cfg.tie_embeddings else self.unembed.value
+        logits = project("BTD,DV->BTV", x, table, kernels, jnp.dtype(self.cfg.compute_dtype),
+                         preferred_element_type=jnp.float32)
+        # Pinned vocab-parallel (Megatron): otherwise a consumer that wants whole rows (the
+        # sampler) can make XLA gather the [D, V] table instead of the small logits.
+        return sharding.constrain(logits, ("batch", None, "vocab"))
+
     def __call__(self, tokens, positions, cache: KVCache, visible=None, kernels: Kernels = DEFAULT_KERNELS,
                  features: bool = False):
         """-> (logits [B,T,V] float32, Fresh): the module docstring's forward. `visible`: a
@@ -385,14 +398,7 @@ class Transformer(nnx.Module):
                 kv.append((k, v))
             k, v = (jnp.stack(a) for a in zip(*kv))
         x = self.final_norm(x)
-        # A tied table is stored [V, D]; packed for decoding, it holds panels of its transpose
-        # (`Packed.T`), as XLA:CPU's dot against its transpose at 2-7 rows ran at a fraction
-        # of the read rate.
-        table = self.embed.value.T if cfg.tie_embeddings else self.unembed.value
-        logits = project("BTD,DV->BTV", x, table, kernels, ct, preferred_element_type=jnp.float32)
-        # Pinned vocab-parallel (Megatron): otherwise a consumer that wants whole rows (the
-        # sampler) can make XLA gather the [D, V] table instead of the small logits.
-        logits = sharding.constrain(logits, ("batch", None, "vocab"))
+        logits = self.logits(x, kernels)
         # A zero term ties the pass's keys/values to its final hidden states, which depend on
         # every layer's read of the cache, so a commit that writes them into the cache is
         # ordered after those reads and done in place. Untied, XLA copied the loop-carried
@@ -400,7 +406,9 @@ class Transformer(nnx.Module):
         # them on XLA:CPU). Per row: no collective; a row whose state is not finite stops.
         tie = 0 * jnp.sum(x, axis=(1, 2)).astype(k.dtype)[None, :, None, None, None]
         k, v = (sharding.constrain(a + tie, kv_cache.FRESH_AXES) for a in (k, v))
-        return logits, Fresh(k, v, x if features else None)
+        # The hidden states stay whole rows (like the residual stream): a consumer that
+        # wanted them split over 'model' would otherwise split the pass's own activations.
+        return logits, Fresh(k, v, sharding.constrain(x, ("batch", None, "embed")) if features else None)
 
 
 def stacked_layers(stacked) -> int:
@@ -440,6 +448,10 @@ class LM:
 
     def __call__(self, tokens, positions, cache: KVCache, visible=None, features: bool = False):
         return nnx.merge(self.graphdef, self.params)(tokens, positions, cache, visible, self.kernels, features)
+
+    def logits(self, hidden: jax.Array) -> jax.Array:
+        """Final hidden states [B, T, D] (Fresh.hidden) -> logits [B, T, V]: the unembedding alone."""
+        return nnx.merge(self.graphdef, self.params).logits(hidden, self.kernels)
 
     def extend(self, tokens, positions, cache: KVCache) -> tuple[jax.Array, KVCache]:
         """A chain pass written into the cache: the forward, then `kv_cache.commit` of its
@@ -545,11 +557,12 @@ def init_lm(cfg: ModelConfig, mesh: jax.sharding.Mesh, seed: int | None = None, 
     return LM(cfg, graphdef, init())
 
 
-def full_forward(lm: LM, tokens: jax.Array) -> jax.Array:
+def full_forward(lm: LM, tokens: jax.Array, features: bool = False):
     """Logits [B, T, V] of whole sequences through the same forward that sampling uses,
     over an empty cache (no slots: every position sees its own keys before it, causally):
-    the training loss and the exact reference distributions both come from here."""
+    the training loss and the exact reference distributions both come from here. With
+    `features`: (logits, final hidden states [B, T, D])."""
     batch, length = tokens.shape
     positions = jnp.broadcast_to(jnp.arange(length, dtype=jnp.int32), (batch, length))
-    logits, _ = lm(tokens, positions, kv_cache.empty(lm.cfg, batch, 0))
-    return logits
+    logits, fresh = lm(tokens, positions, kv_cache.empty(lm.cfg, batch, 0), features=features)
+    return (logits, fresh.hidden) if features else logits

@@ -33,7 +33,7 @@ from absl import flags
 from specjax.analysis import compile as compile_lib, plan_report as report_lib
 from specjax.analysis.roofline import CHIPS, Chip
 from specjax.app import cli, output
-from specjax.config import MeshConfig, UsageError
+from specjax.config import HeadsConfig, MeshConfig, UsageError
 
 FLAGS = flags.FLAGS
 
@@ -52,6 +52,9 @@ def define_flags() -> None:
     cli.define_quantize_flag()
     flags.DEFINE_integer("num_drafts", 1, "Also compile the tree loop with this many draft chains (> 1) and "
                          "report its scoring pass against the chain's.")
+    flags.DEFINE_integer("medusa_heads", 0, "Also compile SpS drafting with this many random Medusa heads on the "
+                         "target (> 0; the config's own heads with --medusa_heads=-1) and report its collectives "
+                         "per loop ('sps_medusa').")
     flags.DEFINE_bool("licm", False, "Keep XLA's while-loop-invariant-code-motion pass (XLA:CPU then hoists "
                       "the f32 copy of the stacked weights out of the layer loop; unrealistic temporaries).")
 
@@ -79,11 +82,23 @@ def main(argv):
     num_drafts = cli.positive("num_drafts", FLAGS.num_drafts)
     if num_drafts > 1 and cfg.draft is None:
         raise UsageError(f"--num_drafts={num_drafts}: --config={FLAGS.config} has no draft model to draw chains from")
+    heads = None
+    if FLAGS.medusa_heads == -1:
+        if cfg.heads is None:
+            raise UsageError(f"--medusa_heads=-1: --config={FLAGS.config} has no heads (give their number instead)")
+        heads = cfg.heads
+    elif FLAGS.medusa_heads:
+        heads = HeadsConfig(num_heads=FLAGS.medusa_heads)
+        try:
+            heads.validate()
+        except UsageError:
+            raise UsageError(f"--medusa_heads={FLAGS.medusa_heads}: must be -1 (the config's heads), 0 (none) or "
+                             "1..64") from None
     output.check_writable(FLAGS.json, "--json")
     configure_xla(data * model, FLAGS.licm)
     jax.config.update("jax_platforms", "cpu")
     chip = dataclasses.replace(CHIPS[FLAGS.chip], collective_latency_s=latency * 1e-6)
-    report = compile_lib.plan(cfg, data, model, batch, prompt_len, cache_len, chip, num_drafts, cli.quantize())
+    report = compile_lib.plan(cfg, data, model, batch, prompt_len, cache_len, chip, num_drafts, cli.quantize(), heads)
     print(report_lib.format_report(report))
     if FLAGS.json:
         output.save(FLAGS.json, json.dumps(report, indent=1, default=str), "--json")

@@ -19,9 +19,10 @@ import jax
 from specjax import kv_cache, kv_heads, sharding
 from specjax.analysis.hlo import HloProgram, summarize
 from specjax.analysis.roofline import Chip, fitted_latency, is_paper_scale, roofline, shard_bytes
-from specjax.config import MeshConfig, UsageError
+from specjax.config import HeadsConfig, MeshConfig, UsageError
 from specjax.decode import program as program_lib
-from specjax.model import abstract_lm, init_program
+from specjax.heads import abstract_heads
+from specjax.model import LM, abstract_lm, init_program
 
 
 def compile_program(target, draft, sampling, batch: int, prompt_len: int, cache_len: int) -> dict:
@@ -90,11 +91,13 @@ def capacity(report: dict, models: dict, data: int, model: int, chip: Chip) -> d
 
 
 def plan(cfg, data: int, model: int, batch: int = 1, prompt_len: int = 128, cache_len: int | None = None,
-         chip: Chip = Chip(), num_drafts: int = 1, quantize: str | None = None) -> dict:
+         chip: Chip = Chip(), num_drafts: int = 1, quantize: str | None = None,
+         heads: HeadsConfig | None = None) -> dict:
     """Compile SpS (when the config has a draft), ArS for the target, and ArS for the
     draft alone on a data x model mesh of the process's (fake CPU) devices; with
     num_drafts > 1 also the tree loop of that many draft chains ('sps_tree'); with
-    `quantize` ('int8', 'int4') the models quantized as `LM.quantized` makes them."""
+    `quantize` ('int8', 'int4') the models quantized as `LM.quantized` makes them; with
+    `heads`, also SpS drafting with those (random) heads on the target ('sps_medusa')."""
     devices = jax.devices()
     if len(devices) < data * model:
         raise UsageError(f"mesh {data}x{model} needs {data * model} devices, this process has {len(devices)}")
@@ -132,6 +135,13 @@ def plan(cfg, data: int, model: int, batch: int = 1, prompt_len: int = 128, cach
                                   "layers": lm.cfg.num_layers,
                                   "pos_encoding": lm.cfg.pos_encoding, "init": compile_init(lm.cfg, mesh)}
     runs = [("ars_target", lms["target"], None, cfg.sampling)]
+    if heads is not None:
+        abstract = abstract_heads(heads, kv_heads.original(cfg.target), mesh)
+        report["heads"] = {"params": abstract.num_params, "num_heads": heads.num_heads,
+                           "weight_bytes_per_device": shard_bytes(abstract.params)}
+        medusa = dataclasses.replace(cfg.sampling, drafter="medusa", num_drafts=1,
+                                     lookahead=min(cfg.sampling.lookahead, heads.num_heads)).validate()
+        runs.insert(0, ("sps_medusa", lms["target"], abstract, medusa))
     if "draft" in lms:
         runs = [("sps", lms["target"], lms["draft"], cfg.sampling)] + runs + [("ars_draft", lms["draft"], None,
                                                                               cfg.sampling)]
@@ -144,13 +154,13 @@ def plan(cfg, data: int, model: int, batch: int = 1, prompt_len: int = 128, cach
         result[per] = result.pop("per_loop")
         # XLA:CPU lays arrays out unpadded; a TPU pads their minor dims (`padded_bytes`): add
         # what that costs the program's weights (arguments) and caches (made inside it).
-        held = ("draft",) if name == "ars_draft" else ("target", "draft") if draft is not None else ("target",)
+        held = ("draft",) if name == "ars_draft" else ("target", "draft") if isinstance(draft, LM) else ("target",)
 
         def padding(which, kind):
             m = report["models"][which]
             return m[f"{kind}_bytes_per_device_padded"] - m[f"{kind}_bytes_per_device"]
         result["memory"]["tpu_padding"] = sum(
-            padding(w, "weight") + (sampling.num_drafts if w == "draft" and draft is not None else 1)
+            padding(w, "weight") + (sampling.num_drafts if w == "draft" else 1)
             * padding(w, "cache") for w in held)
         result["memory"]["total_padded"] = result["memory"]["total"] + result["memory"]["tpu_padding"]
         result["fits"] = result["memory"]["total_padded"] <= chip.hbm_bytes

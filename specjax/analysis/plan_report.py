@@ -41,6 +41,10 @@ def format_report(r: dict) -> str:
                    f"{m['pos_encoding']:>9} {_gib(m['weight_bytes_per_device']):>12} "
                    f"{_gib(m['cache_bytes_per_device']):>12} {_gib(m['position_table_bytes_per_device']):>14}  "
                    f"{m['init']['compile_seconds']:.1f}s, {m['init']['hlo_instructions']}")
+    if "heads" in r:
+        h = r["heads"]
+        out.append(f"medusa   {_count(h['params']):>10} {h['num_heads']:>6} heads (random; sps_medusa drafts with "
+                   f"them) {_gib(h['weight_bytes_per_device']):>12} per device")
     for name, m in r["models"].items():
         if m.get("kv_copies", 1) > 1:
             out.append(f"  {name}: its {m['kv_heads'] // m['kv_copies']} kv heads are stored {m['kv_copies']}x "
@@ -74,7 +78,7 @@ def format_report(r: dict) -> str:
     out += ["", "collectives (counted in compiled HLO; nested loops x trip count; all-reduce bytes = the "
                 "reduced buffer, all-gather bytes = the gathered result; XLA:CPU promotes bf16 all-reduces to f32)"]
     for name, p in r["programs"].items():
-        per = "per SpS loop" if name == "sps" else "per step"
+        per = "per SpS loop" if name.startswith("sps") else "per step"
         out.append(f"  {name} {per}:")
         out += _collective_lines(p.get("collectives_per_loop") or p.get("collectives_per_step"))
         out.append(f"  {name} outside the loop (prefill, set-up):")

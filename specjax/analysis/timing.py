@@ -74,10 +74,11 @@ def time_lookup(mesh, datastore, lookahead: int, ngram: int, context: int, repea
 def variants(base, drafter_names, verify_rules, confidences, num_drafts) -> list[dict]:
     """The SpS variants to compare: every combination of the given drafters, verifiers,
     adaptive-length thresholds and draft counts that means something (a lookup has no
-    draft distribution to be unsure about, and proposes one chain), each validated."""
+    draft distribution to be unsure about, and proposes one chain; heads draw all K at
+    once, so no adaptive length either), each validated."""
     out = [dict(verify=v, drafter=d, draft_confidence=c, num_drafts=m)
            for d in drafter_names for m in num_drafts for v in verify_rules for c in confidences
-           if drafters.kind(d).needs_draft_model or (c == 0 and m == 1)]
+           if drafters.kind(d).needs_draft_model or (c == 0 and (m == 1 or drafters.kind(d).several_chains))]
     if not out:
         raise UsageError(f"--drafter={','.join(drafter_names)}: lookup drafters propose one chain with no draft "
                          "distribution, so --num_drafts > 1 and --draft_confidence > 0 leave nothing to compare")
@@ -160,7 +161,7 @@ def plot(report: dict) -> bytes:
 
 
 def bench(target, draft, prompts, base, ks, batch_sizes, repeats: int, seed: int, log=print,
-          variants=({},), datastore=None) -> dict:
+          variants=({},), datastore=None, heads=None) -> dict:
     """The whole comparison: single-pass costs, ArS, SpS for every variant and K, batch
     scaling. `base` is the SamplingConfig (eos_id -1: every sequence has the same length);
     `variants` are SamplingConfig overrides (verify, drafter, draft_confidence, num_drafts)
@@ -169,7 +170,8 @@ def bench(target, draft, prompts, base, ks, batch_sizes, repeats: int, seed: int
     runs made next to it; the reported ArS is all of them). With M > 1 drafts the model of
     a loop is K draft steps over M rows plus the tree pass over 1 + M*K tokens, each timed
     on its own. `draft` may be a dict {name: LM} of draft models (self-drafts), each
-    compared with every variant that uses a draft model."""
+    compared with every variant that uses a draft model; `heads` serve the variants
+    whose drafter draws from draft heads (medusa)."""
     context = max(len(p) for p in prompts)
     drafts = draft if isinstance(draft, dict) else {"": draft}
     draft = next(iter(drafts.values()))  # the batch-scaling runs' draft
@@ -198,8 +200,11 @@ def bench(target, draft, prompts, base, ks, batch_sizes, repeats: int, seed: int
         samplings = [(name, dataclasses.replace(base, lookahead=k, **variant)) for variant in variants
                      for name in (drafts if drafters.kind(variant.get("drafter", base.drafter)).needs_draft_model
                                   else list(drafts)[:1])]
+        # What each variant drafts with: its draft model, the heads, or nothing (a lookup).
+        uses = lambda name, sampling: heads if drafters.draft_kind(sampling.drafter) == "heads" \
+            else drafts[name]  # noqa: E731
         for name, sampling in samplings:
-            run_prompts(target, drafts[name], prompts[:1], sampling, seed, datastore)
+            run_prompts(target, uses(name, sampling), prompts[:1], sampling, seed, datastore)
         # Prompt by prompt, ArS next to every variant: the machine's drift (on a shared
         # host the same program's speed wanders by a third within minutes) hits both sides
         # of each speedup alike. The ArS runs of every K together are the reported ArS.
@@ -207,7 +212,7 @@ def bench(target, draft, prompts, base, ks, batch_sizes, repeats: int, seed: int
         for i, prompt in enumerate(prompts):
             ars_k += run_prompts(target, None, [prompt], ars_sampling, seed + i)
             for j, (name, sampling) in enumerate(samplings):
-                runs[j] += run_prompts(target, drafts[name], [prompt], sampling, seed + i, datastore)
+                runs[j] += run_prompts(target, uses(name, sampling), [prompt], sampling, seed + i, datastore)
         ars_runs += ars_k
         ars_near = describe(ars_k)["ms_per_token"]
         for (name, sampling), results in zip(samplings, runs):
@@ -217,7 +222,8 @@ def bench(target, draft, prompts, base, ks, batch_sizes, repeats: int, seed: int
             m = sampling.num_drafts
             step, scoring = draft_steps[name], score
             if m > 1:
-                step = time_forward(drafts[name], 1, context, repeats, batch=m)
+                if drafters.kind(sampling.drafter).needs_draft_model:
+                    step = time_forward(drafts[name], 1, context, repeats, batch=m)
                 scoring = time_forward(target, 0, context, repeats, tree=(m, k))
                 report["target_scoring_ms"][f"tree {m}x{k}"] = 1000 * scoring
             steps = k * step if drafters.kind(sampling.drafter).needs_draft_model else 0.0

@@ -17,7 +17,7 @@ from typing import Optional, Sequence
 import jax
 
 from specjax import distributed
-from specjax.config import Config, ModelConfig, UsageError, load_config, user_path
+from specjax.config import Config, HeadsConfig, ModelConfig, UsageError, load_config, user_path
 from specjax.model import init_lm
 from specjax.training import trainer
 from specjax.weights import checkpoint as ckpt_lib
@@ -158,13 +158,19 @@ class Sources:
             draft_checkpoint=self.draft_checkpoint, gguf_target=self.gguf_target, gguf_draft=self.gguf_draft))
         return with_self_draft(config, spec)
 
-    def locate(self, config: Config, *, need_draft: bool, train_missing: bool) -> "Weights":
+    def locate(self, config: Config, *, need_draft: bool, train_missing: bool, need_heads: bool = False) -> "Weights":
         """The weights of `config` (from `configure`), found (the mini pair trained if
-        missing and `train_missing`); no JAX work."""
+        missing and `train_missing`); with `need_heads`, the draft heads' too; no JAX work."""
+        if need_heads and not need_draft:
+            for flag, value in (("--self_draft", self.self_draft), ("--hf_draft", self.hf_draft),
+                                ("--gguf_draft", self.gguf_draft)):
+                if value is not None:
+                    raise UsageError(f"{flag} names a draft model, and --drafter=medusa draws from draft heads "
+                                     "(--draft_checkpoint=DIR): drop one of them")
         return Weights.locate(config, self.init, self.checkpoint, self.draft_checkpoint, need_draft=need_draft,
                               train_missing=train_missing, hf_target=self.hf_target, hf_draft=self.hf_draft,
                               gguf_target=self.gguf_target, gguf_draft=self.gguf_draft,
-                              self_draft=self.self_draft_spec())
+                              self_draft=self.self_draft_spec(), need_heads=need_heads)
 
     def named(self) -> dict:
         """The flags given (for a run's report)."""
@@ -179,18 +185,33 @@ class Weights:
     draft_dir: Optional[pathlib.Path]
     sources: tuple = ()  # 'imported': (target Imported, draft Imported or None)
     self_draft: object = None  # a weights.self_draft.Spec: the draft is made from the target at load time
+    heads_dir: Optional[pathlib.Path] = None  # draft heads' checkpoint (drafter 'medusa'); None: none or random
 
     @classmethod
     def locate(cls, config: Config, init: str, checkpoint: Optional[str], draft_checkpoint: Optional[str],
                *, need_draft: bool, train_missing: bool, hf_target: Optional[str] = None,
                hf_draft: Optional[str] = None, gguf_target: Optional[str] = None,
-               gguf_draft: Optional[str] = None, self_draft=None) -> "Weights":
+               gguf_draft: Optional[str] = None, self_draft=None, need_heads: bool = False) -> "Weights":
         """Find (and for the mini pair, train) the checkpoint directories; no JAX work.
         With `hf_target` or `gguf_target`, `config` comes from `with_hf_models`; with a
-        `self_draft` Spec, from `with_self_draft` (no draft weights are looked for)."""
+        `self_draft` Spec, from `with_self_draft` (no draft weights are looked for).
+        `need_heads`: also the draft heads' checkpoint (drafter 'medusa'):
+        --draft_checkpoint, else `config.heads_from`'s, else this config's when it has heads."""
+        found = cls._locate(config, init, checkpoint, None if need_heads and not need_draft else draft_checkpoint,
+                            need_draft=need_draft, train_missing=train_missing, hf_target=hf_target,
+                            hf_draft=hf_draft, gguf_target=gguf_target, gguf_draft=gguf_draft, self_draft=self_draft)
+        if need_heads:
+            found = dataclasses.replace(found, heads_dir=_heads_dir(config, init, draft_checkpoint))
+        return found
+
+    @classmethod
+    def _locate(cls, config: Config, init: str, checkpoint: Optional[str], draft_checkpoint: Optional[str],
+                *, need_draft: bool, train_missing: bool, hf_target: Optional[str] = None,
+                hf_draft: Optional[str] = None, gguf_target: Optional[str] = None,
+                gguf_draft: Optional[str] = None, self_draft=None) -> "Weights":
         if self_draft is not None:
-            found = cls.locate(config, init, checkpoint, None, need_draft=False, train_missing=train_missing,
-                               hf_target=hf_target, gguf_target=gguf_target)
+            found = cls._locate(config, init, checkpoint, None, need_draft=False, train_missing=train_missing,
+                                hf_target=hf_target, gguf_target=gguf_target)
             return dataclasses.replace(found, self_draft=self_draft)
         target, draft = imported(hf_target, hf_draft, gguf_target, gguf_draft)
         if target is not None:
@@ -297,11 +318,22 @@ class Weights:
             return self.sources[0].reader.read_config(self.sources[0].path).eos_ids
         return ()
 
-    def load(self, mesh, *, need_draft: bool, quantize: Optional[str] = None):
+    def heads(self, target, mesh):
+        """The draft heads for `target` (drafter 'medusa'): from their checkpoint, or
+        random ones (`config.heads`, else the default HeadsConfig) with --init=random."""
+        if self.heads_dir is not None:
+            return ckpt_lib.load_heads(target.cfg, mesh, self.heads_dir, self.config.heads_from or self.config.name)
+        from specjax.heads import init_heads
+        return init_heads(self.config.heads or HeadsConfig(), target.cfg, mesh, random=True)
+
+    def load(self, mesh, *, need_draft: bool | str, quantize: Optional[str] = None):
         """(target, draft or None) on `mesh`; with `quantize` ('int8', 'int4'), each quantized
         on load (`LM.quantized`; a GGUF file's Q8_0/Q4_0/Q4_1 tensors taken as stored):
         the run samples the quantized models. A self-draft is made of the (quantized)
-        target's own arrays."""
+        target's own arrays; with need_draft='heads' the draft is the heads (`heads`)."""
+        if need_draft == "heads":
+            target, _ = self.load(mesh, need_draft=False, quantize=quantize)
+            return target, self.heads(target, mesh)
         if self.self_draft is not None:
             from specjax.weights.self_draft import self_draft
             target, _ = dataclasses.replace(self, self_draft=None)._load(mesh, False, quantize)
@@ -331,6 +363,22 @@ class Weights:
         draft = (ckpt_lib.load_lm(c.draft, mesh, self.draft_dir, config_name=c.draft_from or f"{c.name}.draft")
                  if need_draft else None)
         return target, draft
+
+
+def _heads_dir(config: Config, init: str, given: Optional[str]) -> Optional[pathlib.Path]:
+    """The draft heads' checkpoint directory, checked to exist; None for random heads."""
+    if init == "random":
+        return None
+    name = config.heads_from or (config.name if config.heads is not None else "")
+    if given is None and not name:
+        raise UsageError(f"--drafter=medusa draws from draft heads, and config {config.name!r} names none (no "
+                         "`heads`): pass --draft_checkpoint=DIR (what `python -m specjax.train "
+                         "--config=CONFIG_WITH_HEADS --workdir=DIR` writes; e.g. mini_medusa), or use --init=random")
+    directory = _resolve(given, name)
+    what = "holds no finished checkpoint" if directory.is_dir() else "does not exist"
+    if distributed.everywhere(lambda: _latest_step(directory)) < 0:
+        _missing("--draft_checkpoint", given, name or "CONFIG_WITH_HEADS", directory, what)
+    return directory
 
 
 def _no_weights(config: Config, name: str, directory, need_draft: bool) -> None:

@@ -55,11 +55,11 @@ def check(req: Request) -> None:
     """The checks that need neither files nor devices (`req.config` has its HF models)."""
     config, sampling = req.config, req.sampling
     target, draft = req.sources.imported()
-    if need_draft(req) and target is not None and draft is None and req.sources.self_draft is None:
+    if need_draft(req) == "model" and target is not None and draft is None and req.sources.self_draft is None:
         raise UsageError(f"--mode={'both' if len(req.modes) == 2 else 'sps'} with --drafter={sampling.drafter} needs "
                          "a draft: pass --hf_draft=DIR or --gguf_draft=FILE (a model with the target's tokenizer), "
                          "--self_draft=layers:N, use --drafter=ngram (no draft model), or use --mode=ars")
-    if need_draft(req) and config.draft is None:
+    if need_draft(req) == "model" and config.draft is None:
         raise UsageError(f"--mode={'both' if len(req.modes) == 2 else 'sps'} with --drafter={sampling.drafter} "
                          f"needs a draft model, and config {config.name!r} has none; use --mode=ars, "
                          "--drafter=ngram, or a config with a draft")
@@ -95,12 +95,13 @@ def check_rows(req: Request, raw_prompts) -> None:
         prompts_lib.check(token_prompts, req.config.target.vocab_size, context, req.sampling.max_new_tokens)
 
 
-def need_draft(req: Request) -> bool:
-    return "sps" in req.modes and drafters.kind(req.sampling.drafter).needs_draft_model
+def need_draft(req: Request) -> str | None:
+    """What SpS draws from beside the target: 'model', 'heads' or None (`drafters.draft_kind`)."""
+    return drafters.draft_kind(req.sampling.drafter) if "sps" in req.modes else None
 
 
 def models(req: Request) -> dict:
-    return {"target": req.config.target, **({"draft": req.config.draft} if need_draft(req) else {})}
+    return {"target": req.config.target, **({"draft": req.config.draft} if need_draft(req) == "model" else {})}
 
 
 def read_inputs(req: Request, raw_prompts, weights: Weights) -> Inputs:
@@ -136,7 +137,8 @@ def run(req: Request) -> None:
     cli.use_compilation_cache()
     # Host inputs are read by process 0 and shared: one answer (or one error) everywhere.
     raw_prompts = distributed.agreed(lambda: gather_and_check(req))
-    weights = req.sources.locate(req.config, need_draft=need_draft(req), train_missing=req.train_missing)
+    weights = req.sources.locate(req.config, need_draft=need_draft(req) == "model", train_missing=req.train_missing,
+                                 need_heads=need_draft(req) == "heads")
     inputs = distributed.agreed(lambda: read_inputs(req, raw_prompts, weights))
     mesh = sharding.make_checked_mesh(req.mesh, models(req))  # first device work: all input is valid by now
     target, draft = weights.load(mesh, need_draft=need_draft(req), quantize=req.quantize)

@@ -29,6 +29,7 @@ from specjax.decode.ars import autoregressive_generate
 from specjax.decode.warping import Warp
 from specjax.decode.retrieval_index import Datastore
 from specjax.decode.speculative import Settings, speculative_generate
+from specjax.heads import Heads
 from specjax.kernels import DEFAULT as DEFAULT_KERNELS, Kernels
 from specjax.model import LM
 
@@ -265,14 +266,15 @@ def warping_of(sampling: SamplingConfig, kernels: Kernels = DEFAULT_KERNELS) -> 
     return Warp(float(sampling.temperature), int(sampling.top_k), float(sampling.top_p), kernels)
 
 
-def check_models(target: LM, draft: LM | None) -> None:
+def check_models(target: LM, draft: LM | Heads | None) -> None:
     if not isinstance(target, LM):
         raise UsageError(f"target: expected a specjax LM (specjax.init_lm, specjax.load_lm), got "
                          f"{type(target).__name__}")
-    if draft is None:
+    if draft is None or isinstance(draft, Heads):  # heads are checked against the target by their drafter
         return
     if not isinstance(draft, LM):
-        raise UsageError(f"draft: expected a specjax LM or None (ArS), got {type(draft).__name__}")
+        raise UsageError(f"draft: expected a specjax LM, draft heads (specjax.heads) or None (ArS), got "
+                         f"{type(draft).__name__}")
     if draft.cfg.vocab_size != target.cfg.vocab_size:
         raise UsageError(f"the draft's vocabulary has {draft.cfg.vocab_size} tokens and the target's "
                          f"{target.cfg.vocab_size}: speculative sampling needs one shared vocabulary")
@@ -297,14 +299,17 @@ def build(target: LM, draft: LM | None, prompts, sampling: SamplingConfig, seed:
     check_datastore(datastore, target.cfg.vocab_size)
     seed = check_seed(seed)
     prompts = as_token_lists(prompts, names)
-    kind = drafters.kind(sampling.drafter)
-    used = draft if kind.needs_draft_model else None  # ngram and retrieval ignore a draft given
-    context = context_of(target, used)
+    kind = drafters.draft_kind(sampling.drafter)
+    used = draft if kind else None  # ngram and retrieval ignore a draft given
+    if kind == "model" and isinstance(used, Heads) or kind == "heads" and isinstance(used, LM):
+        raise UsageError(f"drafter={sampling.drafter!r} draws from {'a draft model' if kind == 'model' else 'draft heads'}"
+                         f", and the draft given is {'draft heads' if kind == 'model' else 'a model'}")
+    context = context_of(target, used if isinstance(used, LM) else None)
     check_prompts(prompts, target.cfg.vocab_size, context, sampling.max_new_tokens, names)
     if any(i >= target.cfg.vocab_size for i in sampling.stop_ids):
         raise UsageError(f"eos_id={sampling.eos_id}: outside the vocabulary (a row would never stop on it); "
                          f"allowed are token ids 0..{target.cfg.vocab_size - 1}, or -1 to never stop early")
-    speculative = used is not None or not kind.needs_draft_model
+    speculative = used is not None or kind is None
     lookahead = sampling.lookahead if speculative else 1
     if lookahead >= context:
         raise UsageError(f"lookahead={lookahead}: must be below the model's context of {context} tokens")
@@ -312,8 +317,8 @@ def build(target: LM, draft: LM | None, prompts, sampling: SamplingConfig, seed:
         raise UsageError(f"num_drafts={sampling.num_drafts}: must be at most the vocabulary's "
                          f"{target.cfg.vocab_size} tokens")
     mesh = mesh_of(target)
-    drafter = drafters.make(sampling, target.cfg.vocab_size, draft, datastore, mesh)
     target = target.packed()  # where the CPU kernel runs (the drafter packs its own draft)
+    drafter = drafters.make(sampling, target, draft, datastore, mesh)
     width = bucket(max(len(p) for p in prompts), pad_to)
     size = cache_size(width, sampling.max_new_tokens, lookahead)
     padded = np.zeros((len(prompts), width), np.int32)

@@ -82,9 +82,10 @@ def start(target: LM, drafter: Drafter, prompts: jax.Array, prompt_lens: jax.Arr
           settings: Settings, size: int) -> SpsState:
     """The loop's state after prefilling the target's cache (and the drafter's state) with the prompts."""
     batch = prompts.shape[0]
-    return SpsState(token_buffer(prompts, size), prompt_lens, jnp.zeros((batch,), bool),
-                    prefill(target, prompts, prompt_lens, size),
-                    drafter.init_state(prompts, prompt_lens, size, settings.num_drafts), key,
+    cache, features = prefill(target, prompts, prompt_lens, size, features=True) if drafter.needs_features else \
+        (prefill(target, prompts, prompt_lens, size), None)
+    return SpsState(token_buffer(prompts, size), prompt_lens, jnp.zeros((batch,), bool), cache,
+                    drafter.init_state(prompts, prompt_lens, size, settings.num_drafts, features), key,
                     Stats.zeros(batch, settings.lookahead, len(drafters.SOURCES), settings.num_drafts))
 
 

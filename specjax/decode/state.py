@@ -10,19 +10,21 @@ import jax
 import jax.numpy as jnp
 
 from specjax import kv_cache
-from specjax.kv_cache import KVCache
 from specjax.model import LM
 from specjax.sharding import constrain
 
 
-def prefill(lm: LM, prompts: jax.Array, prompt_lens: jax.Array, size: int) -> KVCache:
+def prefill(lm: LM, prompts: jax.Array, prompt_lens: jax.Array, size: int, features: bool = False):
     """Write every prompt token into a fresh cache. Each row's last prompt token is left
     'pending' (the next step feeds it again and samples from its logits), so ragged rows
-    need no per-row logit gather here; entries past a row's length are masked."""
+    need no per-row logit gather here; entries past a row's length are masked. With
+    `features`: (cache, the final hidden states [B, W, D] at every prompt position)."""
     batch, width = prompts.shape
     positions = jnp.broadcast_to(jnp.arange(width, dtype=jnp.int32), (batch, width))
-    _, cache = lm.extend(prompts, positions, lm.with_position_table(kv_cache.empty(lm.cfg, batch, size)))
-    return cache.with_lengths(prompt_lens - 1)
+    cache = lm.with_position_table(kv_cache.empty(lm.cfg, batch, size))
+    _, fresh = lm(prompts, positions, cache, features=features)
+    cache = kv_cache.commit(cache, fresh, positions[:, 0]).with_lengths(prompt_lens - 1)
+    return (cache, fresh.hidden) if features else cache
 
 
 def token_buffer(prompts: jax.Array, size: int) -> jax.Array:

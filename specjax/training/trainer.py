@@ -58,13 +58,14 @@ import optax
 from flax import nnx
 from tqdm import tqdm
 
-from specjax import distributed, sharding
+from specjax import distributed, kv_heads, sharding
 from specjax.training import data
 from specjax.training.losses import make_loss
 from specjax.weights import checkpoint
 from specjax.config import (Config, ConfigError, TrainConfig, UsageError, cache_dir, is_remote, load_config,
                             user_path)
-from specjax.model import LM, init_lm
+from specjax.heads import Heads, abstract_heads, heads_loss, init_heads
+from specjax.model import LM, abstract_lm, init_lm
 from specjax.weights.tokenizer import Tokenizer
 
 METRICS_FILE = "metrics.jsonl"
@@ -233,20 +234,19 @@ def opt_state_shardings(optimizer, params, mesh):
 # --------------------------------------------------------------------------- compiled steps
 
 
-def make_steps(student: LM, teacher: Optional[LM], optimizer, tc: TrainConfig, mesh, opt_sh):
+def make_steps(student: LM | Heads, teacher: Optional[LM], optimizer, tc: TrainConfig, mesh, opt_sh):
     """(train_step, eval_step), jitted. train_step(params, opt_state, teacher_params,
     batch, hyper) -> (params, opt_state, metrics) with params and optimiser state donated
     and kept on their shardings; `hyper` holds scalars ('step' feeds the logged learning
     rate, 'distill_weight' the loss). eval_step(params, teacher_params, batch) -> {'ce',
-    'kl' (with a teacher)}."""
-    cfg, graphdef = student.cfg, student.graphdef
+    'kl' (with a teacher)}. A `Heads` student trains on its frozen target, the teacher."""
     param_sh = sharding.param_shardings(student.params, mesh)
-    loss_fn = make_loss(tc, teacher is not None)
+    loss_fn = heads_loss(tc) if isinstance(student, Heads) else make_loss(tc, teacher is not None)
     schedule = learning_rate_schedule(tc)
 
     def rebuild(params, teacher_params):
         t = None if teacher is None else LM(teacher.cfg, teacher.graphdef, teacher_params)
-        return LM(cfg, graphdef, params), t
+        return dataclasses.replace(student, params=params), t
 
     def train_step(params, opt_state, teacher_params, batch, hyper):
         def objective(p):
@@ -502,6 +502,9 @@ def export_hf(config: Config, workdir, directory, devices=None) -> pathlib.Path:
     from specjax.weights import gguf, hf
     workdir = user_path(workdir) if workdir else checkpoint.default_dir(config.name)
     mesh = sharding.make_mesh(config.mesh, devices)
+    if config.heads is not None:
+        raise UsageError(f"config {config.name!r} trains draft heads, not a model: there is nothing to export as a "
+                         "Hugging Face directory (the heads load with --drafter=medusa)")
     hf.exportable(config.target)
     lm = checkpoint.load_lm(config.target, mesh, workdir, config_name=config.name)
     tc = config.train
@@ -531,15 +534,24 @@ def train(config: Config, workdir=None, progress: bool = True, devices=None) -> 
     sharding.check_divisible(config.target, mesh, "target")
     optimizer = make_optimizer(tc)
 
+    if config.heads is not None and not (tc.teacher or tc.teacher_hf or tc.teacher_gguf):
+        raise ConfigError(f"config {config.name!r} has draft heads, which train on a frozen target: name it with "
+                          "train.teacher (a config), train.teacher_hf (a Hugging Face directory) or train.teacher_gguf")
+
     with WorkdirLock(workdir), jax.set_mesh(mesh):
         teacher, teacher_tokenizer = _teacher(config, mesh)
+        if config.heads is not None:  # the heads are shaped by the target they read, the teacher
+            config = dataclasses.replace(config, target=kv_heads.original(teacher.cfg))
         corpus = load_corpus(config, teacher_tokenizer, progress and is_main)
         batches = Batches(corpus, tc, mesh)
         log = MetricsLog(workdir / METRICS_FILE, enabled=is_main)
 
         ckpt = checkpoint.Checkpoints(workdir, keep=tc.keep_checkpoints)
         try:
-            graphdef, abstract_params = checkpoint.abstract_params(config.target, mesh)
+            trainee = abstract_heads(config.heads, config.target, mesh) if config.heads is not None else \
+                abstract_lm(config.target, mesh)
+            abstract_params = trainee.params
+            num_params = trainee.num_params
             opt_sh = opt_state_shardings(optimizer, abstract_params, mesh)
             start = ckpt.latest_step() or 0
             window = []  # per-step metrics since the last 'train' record
@@ -553,10 +565,11 @@ def train(config: Config, workdir=None, progress: bool = True, devices=None) -> 
                      + (f" (train settings changed since: {'; '.join(changed)})" if changed else ""))
                 log.write("event", start, event="resume")
             else:
-                params = init_lm(config.target, mesh, seed=config.target.init_seed, duplicate_kv=False).params
+                params = (init_heads(config.heads, config.target, mesh) if config.heads is not None else
+                          init_lm(config.target, mesh, seed=config.target.init_seed, duplicate_kv=False)).params
                 opt_state = jax.jit(optimizer.init, out_shardings=opt_sh)(params)
-                log.write("event", 0, event="start", config=config.name, params=config.target.num_params)
-            student = LM(config.target, graphdef, params)
+                log.write("event", 0, event="start", config=config.name, params=num_params)
+            student = dataclasses.replace(trainee, params=params)
             if corpus.tokenizer_file is not None and is_main:
                 checkpoint.save_tokenizer(workdir, corpus.tokenizer_file)
             if start >= tc.steps:
@@ -570,7 +583,9 @@ def train(config: Config, workdir=None, progress: bool = True, devices=None) -> 
             train_step = train_step.lower(params, opt_state, teacher_params, *batches.abstract()).compile()
             compile_seconds = time.perf_counter() - t0
             val_batches = batches.validation()
-            _say(f"training {config.name}: {config.target.num_params:,} params on mesh "
+            _say(f"training {config.name}: {num_params:,} params"
+                 + (f" ({config.heads.num_heads} {config.heads.kind} heads on the frozen target)"
+                    if config.heads is not None else "") + " on mesh "
                  f"{mesh.shape['data']}x{mesh.shape['model']} (data x model), batch {tc.batch_size} x "
                  f"{tc.seq_len} tokens, steps {start}..{tc.steps}; data: {corpus.description}"
                  + (f"; distilling from {tc.teacher or tc.teacher_hf or tc.teacher_gguf} (w={tc.distill_weight}, "
@@ -603,7 +618,8 @@ def train(config: Config, workdir=None, progress: bool = True, devices=None) -> 
                 # checkpoint, so a run resumed from it writes the next record over the
                 # same steps as an uninterrupted run.
                 # A copy: orbax writes the JSON in the background while the loop appends to `pending`.
-                return checkpoint.model_meta(config.target, config.name, train=dataclasses.asdict(tc),
+                heads = {} if config.heads is None else {"heads": dataclasses.asdict(config.heads)}
+                return checkpoint.model_meta(config.target, config.name, **heads, train=dataclasses.asdict(tc),
                                              tokens_seen=step * tc.batch_size * tc.seq_len,
                                              log_window=[dict(m) for m in window])
 

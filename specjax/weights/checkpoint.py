@@ -37,7 +37,8 @@ import orbax.checkpoint as ocp
 from absl import logging as absl_logging
 
 from specjax import kv_heads, sharding
-from specjax.config import ModelConfig, UsageError, cache_dir, user_path
+from specjax.config import HeadsConfig, ModelConfig, UsageError, cache_dir, user_path
+from specjax.heads import Heads, abstract_heads
 from specjax.model import LM, abstract_lm
 
 FORMAT = 1
@@ -284,6 +285,50 @@ def save_lm(lm: LM, directory, step: int = 0, config_name: str = "") -> None:
         ckpt.wait()
 
 
+def _newest_step(directory, name: str, step: int | None = None) -> tuple[Checkpoints, int]:
+    """(the directory's checkpoints, opened read-only; `step` or its newest one), or a
+    UsageError saying how to make one."""
+    if directory.exists() and not directory.is_dir():
+        raise UsageError(f"{directory} is a file, not a checkpoint directory (the directory that "
+                         f"`python -m specjax.train --config={name} --workdir=DIR` writes)")
+    if not directory.is_dir():
+        raise UsageError(f"no checkpoint directory {directory}: train one with "
+                         f"`python -m specjax.train --config={name}` (or set $SPECJAX_CACHE / "
+                         f"pass the directory that holds it)")
+    ckpt = Checkpoints(directory, read_only=True)
+    steps = ckpt.steps()
+    if not steps:
+        ckpt.close()
+        raise UsageError(f"{directory} holds no finished checkpoint: train one with "
+                         f"`python -m specjax.train --config={name} --workdir={directory}`")
+    if step is not None and step not in steps:
+        ckpt.close()
+        raise UsageError(f"{directory} has no checkpoint for step {step}; it has steps {steps}")
+    return ckpt, steps[-1] if step is None else step
+
+
+def load_heads(target_cfg: ModelConfig, mesh: jax.sharding.Mesh, directory, config_name: str | None = None) -> Heads:
+    """Draft heads (`specjax.heads`) of the newest step in `directory`, restored onto
+    `mesh`, as their checkpoint describes them; it must have been trained on a target of
+    `target_cfg`'s shape."""
+    directory = user_path(directory)
+    name = config_name or directory.name
+    ckpt, step = _newest_step(directory, name)
+    with ckpt:
+        meta = ckpt.meta(step)
+        if not isinstance(meta.get("heads"), dict):
+            raise UsageError(f"{directory} holds a model, not draft heads: pass the directory that "
+                             "`python -m specjax.train --config=CONFIG_WITH_HEADS` (e.g. mini_medusa) writes")
+        try:
+            heads_cfg = HeadsConfig(**meta["heads"]).validate()
+        except (TypeError, UsageError) as e:
+            raise ckpt._damaged(step, e) from None
+        abstract = abstract_heads(heads_cfg, kv_heads.original(target_cfg), mesh)
+        ckpt.check_compatible(step, kv_heads.original(target_cfg), name, abstract.params)
+        params, _ = ckpt.restore(step, abstract.params)
+    return dataclasses.replace(abstract, params=params)
+
+
 def load_lm(model_cfg: ModelConfig, mesh: jax.sharding.Mesh, directory, step: int | None = None,
             config_name: str | None = None) -> LM:
     """The params of `step` (default: the newest) restored directly onto `mesh`; with
@@ -293,25 +338,11 @@ def load_lm(model_cfg: ModelConfig, mesh: jax.sharding.Mesh, directory, step: in
     `config_name` (default: the directory's name) only words the messages."""
     directory = user_path(directory)
     name = config_name or directory.name
-    if directory.exists() and not directory.is_dir():
-        raise UsageError(f"{directory} is a file, not a checkpoint directory (the directory that "
-                         f"`python -m specjax.train --config={name} --workdir=DIR` writes)")
-    if not directory.is_dir():
-        raise UsageError(f"no checkpoint directory {directory}: train one with "
-                         f"`python -m specjax.train --config={name}` (or set $SPECJAX_CACHE / "
-                         f"pass the directory that holds it)")
     saved_cfg = kv_heads.original(model_cfg)  # checkpoints hold the model's own kv heads
     model_cfg = kv_heads.for_mesh(model_cfg, mesh)
     sharding.check_divisible(model_cfg, mesh)
-    with Checkpoints(directory, read_only=True) as ckpt:
-        steps = ckpt.steps()
-        if not steps:
-            raise UsageError(f"{directory} holds no finished checkpoint: train one with "
-                             f"`python -m specjax.train --config={name} --workdir={directory}`")
-        if step is None:
-            step = steps[-1]
-        elif step not in steps:
-            raise UsageError(f"{directory} has no checkpoint for step {step}; it has steps {steps}")
+    ckpt, step = _newest_step(directory, name, step)
+    with ckpt:
         graphdef, abstract = abstract_params(model_cfg, mesh)
         saved = kv_heads.source_params(abstract, model_cfg.kv_copies)
         ckpt.check_compatible(step, saved_cfg, name, saved)

@@ -40,11 +40,13 @@ from specjax.decode.drafters.base import SOURCES, Drafter, Proposal, Verdict, po
 from specjax.decode.drafters.draft_model import ModelDrafter, model_proposal, refeed_window
 from specjax.decode.drafters.hybrid import HybridDrafter
 from specjax.decode.drafters.lookup import NgramDrafter, RetrievalDrafter, ngram_match
+from specjax.decode.drafters.medusa import MedusaDrafter
 
 REGISTRY: dict[str, type[Drafter]] = {cls.name: cls for cls in (ModelDrafter, NgramDrafter, RetrievalDrafter,
-                                                                 HybridDrafter)}
+                                                                 HybridDrafter, MedusaDrafter)}
 
-__all__ = ["REGISTRY", "SOURCES", "Drafter", "HybridDrafter", "ModelDrafter", "NgramDrafter", "Proposal",
+__all__ = ["REGISTRY", "SOURCES", "Drafter", "HybridDrafter", "MedusaDrafter", "ModelDrafter", "NgramDrafter",
+           "Proposal",
            "RetrievalDrafter", "Verdict", "kind", "make", "model_proposal", "ngram_match", "point_mass",
            "refeed_window", "select"]
 
@@ -59,13 +61,21 @@ def using(attribute: str) -> list[str]:
     return [name for name, cls in REGISTRY.items() if getattr(cls, attribute)]
 
 
-def make(sampling: SamplingConfig, vocab: int, draft, datastore, mesh) -> Drafter | None:
-    """THE place a drafter is chosen: the one `sampling.drafter` names, for a run with
-    `draft` (an LM or None) and `datastore` (a `Datastore` or None) on `mesh`; None where
-    the run is plain autoregressive sampling (drafter 'model' without a draft model). A
-    draft model given to a drafter that needs none is not used."""
+def draft_kind(name: str) -> str | None:
+    """What the drafter `name` draws from beside the target: 'model' (a draft LM),
+    'heads' (draft heads on the target) or None (nothing: a lookup)."""
+    cls = kind(name)
+    return "heads" if cls.needs_heads else "model" if cls.needs_draft_model else None
+
+
+def make(sampling: SamplingConfig, target, draft, datastore, mesh) -> Drafter | None:
+    """THE place a drafter is chosen: the one `sampling.drafter` names, for a run of
+    `target` (as the loop runs it) with `draft` (an LM, `Heads` or None) and `datastore`
+    (a `Datastore` or None) on `mesh`; None where the run is plain autoregressive
+    sampling (drafter 'model' without a draft model). A draft given to a drafter that
+    needs none is not used."""
     cls = kind(sampling.drafter)
     if datastore is not None and not cls.uses_datastore:
         raise UsageError(f"a datastore is used only by drafter={' or '.join(map(repr, using('uses_datastore')))} "
                          f"(drafter={sampling.drafter!r})")
-    return cls.make(sampling, vocab, draft if cls.needs_draft_model else None, datastore, mesh)
+    return cls.make(sampling, target, draft if draft_kind(sampling.drafter) else None, datastore, mesh)

@@ -11,7 +11,7 @@ from specjax.config import SamplingConfig
 
 # Proposal.source indexes this: the drafters that propose tokens of their own (hybrid
 # picks one of theirs per row and chain). A new such drafter adds its name here.
-SOURCES = ("model", "ngram", "retrieval")
+SOURCES = ("model", "ngram", "retrieval", "medusa")
 
 
 class Proposal(NamedTuple):
@@ -47,18 +47,22 @@ class Drafter:
     uses_datastore: ClassVar[bool] = False  # accepts a datastore
     needs_datastore: ClassVar[bool] = False  # cannot run without one
     several_chains: ClassVar[bool] = False  # draws M > 1 independent chains per loop
-    needs_features: ClassVar[bool] = False  # `update` reads the target's hidden states (Verdict.features)
+    needs_heads: ClassVar[bool] = False  # draws from draft heads on the target (`specjax.heads`)
+    needs_features: ClassVar[bool] = False  # reads the target's hidden states (init_state, Verdict.features)
 
     @classmethod
-    def make(cls, sampling: SamplingConfig, vocab: int, draft, datastore, mesh) -> "Drafter | None":
-        """This drafter for a run with `draft` (an LM or None) and `datastore` (a
+    def make(cls, sampling: SamplingConfig, target, draft, datastore, mesh) -> "Drafter | None":
+        """This drafter for a run of `target` (the LM as the loop runs it: packed where the
+        kernel runs), with `draft` (an LM, `Heads` or None) and `datastore` (a
         `Datastore` or None), its arrays placed as decoding runs them (a packed draft, the
         index on `mesh`); None where the run is plain autoregressive sampling. UsageError
         naming what is missing."""
         raise NotImplementedError
 
-    def init_state(self, prompts: jax.Array, prompt_lens: jax.Array, size: int, num_drafts: int) -> Any:
-        """The drafter's state after the prompts (a pytree carried by the loop)."""
+    def init_state(self, prompts: jax.Array, prompt_lens: jax.Array, size: int, num_drafts: int,
+                   features: jax.Array | None = None) -> Any:
+        """The drafter's state after the prompts (a pytree carried by the loop); `features`
+        (when `needs_features`): the target's final hidden states over the prompts [B, W, D]."""
         return ()
 
     def propose(self, state, tokens: jax.Array, length: jax.Array, key: jax.Array, lookahead: int,

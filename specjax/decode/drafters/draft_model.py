@@ -124,7 +124,7 @@ class ModelDrafter(Drafter):
     several_chains = True
 
     @classmethod
-    def make(cls, sampling: SamplingConfig, vocab: int, draft: LM | None, datastore, mesh,
+    def make(cls, sampling: SamplingConfig, target: LM, draft: LM | None, datastore, mesh,
              after_lookups: bool = False):
         if draft is None:
             if after_lookups:
@@ -134,7 +134,7 @@ class ModelDrafter(Drafter):
         return cls(draft.packed(), float(sampling.draft_confidence),  # packed where the CPU kernel runs
                    refeed_window(sampling.lookahead, sampling.num_drafts, after_lookups))
 
-    def init_state(self, prompts, prompt_lens, size, num_drafts) -> KVCache:
+    def init_state(self, prompts, prompt_lens, size, num_drafts, features=None) -> KVCache:
         rows = lambda a: jnp.repeat(a, num_drafts, axis=0) if num_drafts > 1 else a  # noqa: E731
         return prefill(self.lm, rows(prompts), rows(prompt_lens), size)
 

@@ -34,14 +34,14 @@ class HybridDrafter(Drafter):
     several_chains = True
 
     @classmethod
-    def make(cls, sampling: SamplingConfig, vocab: int, draft, datastore, mesh):
-        model = ModelDrafter.make(sampling, vocab, draft, None, mesh, after_lookups=True)
-        lookups = (NgramDrafter.make(sampling, vocab, None, None, mesh),)
+    def make(cls, sampling: SamplingConfig, target, draft, datastore, mesh):
+        model = ModelDrafter.make(sampling, target, draft, None, mesh, after_lookups=True)
+        lookups = (NgramDrafter.make(sampling, target, None, None, mesh),)
         if datastore is not None:
-            lookups += (RetrievalDrafter.make(sampling, vocab, None, datastore, mesh),)
+            lookups += (RetrievalDrafter.make(sampling, target, None, datastore, mesh),)
         return cls(model, lookups)
 
-    def init_state(self, prompts, prompt_lens, size, num_drafts):
+    def init_state(self, prompts, prompt_lens, size, num_drafts, features=None):
         return self.model.init_state(prompts, prompt_lens, size, num_drafts)
 
     def propose(self, state, tokens, length, key, lookahead, num_drafts, warping):

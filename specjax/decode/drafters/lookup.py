@@ -81,8 +81,8 @@ class NgramDrafter(Lookup):
     name = "ngram"
 
     @classmethod
-    def make(cls, sampling: SamplingConfig, vocab: int, draft, datastore, mesh):
-        return cls(sampling.ngram, vocab)
+    def make(cls, sampling: SamplingConfig, target, draft, datastore, mesh):
+        return cls(sampling.ngram, target.cfg.vocab_size)
 
     def lookup(self, tokens, length, lookahead, full=False):
         x, matched = ngram_match(tokens, length, self.n, lookahead)
@@ -107,11 +107,11 @@ class RetrievalDrafter(Lookup):
     needs_datastore = True
 
     @classmethod
-    def make(cls, sampling: SamplingConfig, vocab: int, draft, datastore, mesh):
+    def make(cls, sampling: SamplingConfig, target, draft, datastore, mesh):
         if datastore is None:
             raise UsageError(f"drafter={sampling.drafter!r} needs a datastore (--datastore=PATH; build one with "
                              "`python -m specjax.datastore`)")
-        return cls(datastore.on_mesh(mesh), sampling.ngram, vocab)
+        return cls(datastore.on_mesh(mesh), sampling.ngram, target.cfg.vocab_size)
 
     def lookup(self, tokens, length, lookahead, full=False):
         x, size, matched = datastore_lib.lookup(self.index, tokens, length, self.n, lookahead)
