@@ -1,13 +1,16 @@
 """The notebook's windows into the loop: `explain_loop` shows the first SpS loop exactly as
 `generate` runs it; `next_token_probs` (one full forward) agrees with the cached scoring
 pass and with greedy decoding; `plan.compile_program` counts a real model's collectives."""
+import dataclasses
+
 import numpy as np
 import pytest
 
 import specjax
 from specjax import model
 from specjax.analysis import compile as plan
-from specjax.config import SamplingConfig
+from specjax.config import HeadsConfig, SamplingConfig
+from specjax.heads import init_heads
 from conftest import mesh_for
 
 PROMPT = [3, 17, 5, 9]
@@ -21,11 +24,16 @@ def pair(tiny):
     return model.init_lm(tiny.target, mesh), model.init_lm(tiny.draft, mesh)
 
 
+@pytest.mark.parametrize("drafter", ["model", "medusa"])
 @pytest.mark.parametrize("seed", [0, 1, 2, 3])
-def test_explain_loop_is_the_first_loop_of_generate(pair, seed):
+def test_explain_loop_is_the_first_loop_of_generate(pair, seed, drafter):
     target, draft = pair
-    trace = specjax.explain_loop(target, draft, PROMPT, SAMPLING, seed=seed)
-    emitted = specjax.generate(target, draft, [PROMPT], SAMPLING, seed=seed).tokens[0]
+    sampling = SAMPLING
+    if drafter == "medusa":  # random heads on the target: the loop's first proposal is theirs
+        draft = init_heads(HeadsConfig(num_heads=K), target.cfg, mesh_for("2x4"), random=True)
+        sampling = dataclasses.replace(SAMPLING, drafter="medusa")
+    trace = specjax.explain_loop(target, draft, PROMPT, sampling, seed=seed)
+    emitted = specjax.generate(target, draft, [PROMPT], sampling, seed=seed).tokens[0]
     assert emitted[:len(trace.tokens)] == trace.tokens
     V = target.cfg.vocab_size
     assert trace.p.shape == (K, V) and trace.q.shape == (K + 1, V)

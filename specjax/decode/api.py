@@ -127,7 +127,7 @@ def explain_loop(target: LM, draft: LM | None, prompt: Sequence[int], sampling: 
     seed=seed)` emits (when max_new_tokens allows)."""
     prog = program_lib.build(target, draft, [prompt], sampling, seed, pad_to, datastore=datastore)
     if prog.mode != "sps":
-        raise UsageError("explain_loop shows one speculative loop and needs a draft model (got draft=None) or a "
+        raise UsageError("explain_loop shows one speculative loop and needs a draft model or draft heads (got draft=None) or a "
                          "lookup drafter (sampling.drafter='ngram' or 'retrieval')")
     with jax.set_mesh(prog.mesh):
         out = explain_program(*prog.args, **prog.settings)

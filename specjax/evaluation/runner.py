@@ -13,6 +13,7 @@ from tqdm import tqdm
 from specjax import sharding
 from specjax.app import cli
 from specjax.app.locate import Sources
+from specjax.decode import drafters
 from specjax.config import SEED_LIMIT, UsageError
 from specjax.decode.api import generate
 from specjax.decode.metrics import Totals
@@ -171,10 +172,12 @@ def evaluate(config, task: str, *, limit=None, num_samples: int, ks: Sequence[in
     `sources` (checkpoints, Hugging Face directories, GGUF files, a self-draft), as in
     `sample`."""
     config = sources.configure(config)
-    if config.draft is None:
+    kind = drafters.draft_kind(config.sampling.drafter)  # SpS draws from a draft model, heads, or a lookup
+    if kind == "model" and config.draft is None:
         what = "the Hugging Face or GGUF target has" if sources.imported()[0] else f"config {config.name!r} has"
         raise UsageError(f"{what} no draft model, and evaluate compares ArS with SpS: name one with --hf_draft=DIR, "
-                         "--gguf_draft=FILE or --self_draft=layers:N")
+                         "--gguf_draft=FILE or --self_draft=layers:N (or a config whose sampling.drafter needs "
+                         "none: ngram, medusa)")
     lookahead = lookahead or config.sampling.lookahead
     if config.sampling.drafter == "retrieval":
         raise UsageError("config sampling.drafter='retrieval' needs a datastore, which evaluate does not take: use "
@@ -189,7 +192,8 @@ def evaluate(config, task: str, *, limit=None, num_samples: int, ks: Sequence[in
     items = humaneval_items(limit) if task == "humaneval" else xsum_items(xsum_file, limit)
     check_seeds(seed, task, len(items), num_samples)
     budget = max(s.sampling.max_new_tokens for s in settings)
-    context = min(config.target.max_seq_len, config.draft.max_seq_len)
+    models = {"target": config.target, **({"draft": config.draft} if kind == "model" else {})}
+    context = min(m.max_seq_len for m in models.values())
     if budget >= context:
         raise UsageError(f"--max_new_tokens={budget}: must be below the models' context of {context} tokens, "
                          "which also holds the prompt")
@@ -197,7 +201,8 @@ def evaluate(config, task: str, *, limit=None, num_samples: int, ks: Sequence[in
         s.sampling.check_context(context)
 
     cli.use_compilation_cache()
-    weights = sources.locate(config, need_draft=True, train_missing=train_missing)
+    weights = sources.locate(config, need_draft=kind == "model", train_missing=train_missing,
+                             need_heads=kind == "heads")
     tokenizer = weights.tokenizer()
     if tokenizer is None:
         raise UsageError(f"evaluate works on text and {weights.no_tokenizer_reason}")
@@ -212,8 +217,8 @@ def evaluate(config, task: str, *, limit=None, num_samples: int, ks: Sequence[in
     settings = [dataclasses.replace(s, sampling=dataclasses.replace(s.sampling, eos_id=tokenizer.eos_id))
                 for s in settings]
 
-    mesh = sharding.make_checked_mesh(config.mesh, {"target": config.target, "draft": config.draft})
-    target, draft = weights.load(mesh, need_draft=True)
+    mesh = sharding.make_checked_mesh(config.mesh, models)
+    target, draft = weights.load(mesh, need_draft=kind or False)
     result = {"config": config.name, **{k: v for k, v in sources.named().items() if "checkpoint" not in k},
               "task": task,
               "num_samples": num_samples, "lookahead": lookahead,
