@@ -92,7 +92,7 @@ def main(argv):
         cli.unit_interval_list("draft_confidence", FLAGS.draft_confidence, base.draft_confidence),
         [base.num_drafts] if FLAGS.num_drafts is None else cli.int_list("num_drafts", FLAGS.num_drafts))
     need_draft = any(drafters.draft_kind(v["drafter"]) == "model" for v in variants)
-    need_heads = any(drafters.draft_kind(v["drafter"]) == "heads" for v in variants)
+    need_heads = sorted({v["drafter"] for v in variants if drafters.draft_kind(v["drafter"]) == "heads"})
     if target is not None and need_draft and draft is None and not specs:
         raise UsageError("--drafter=model|hybrid needs a draft: pass --hf_draft=DIR or --gguf_draft=FILE (a model "
                          "with the target's tokenizer), --self_draft=layers:N, or compare --drafter=ngram (no draft "
@@ -134,7 +134,7 @@ def main(argv):
               "init": FLAGS.init, "quantize": FLAGS.quantize,
               "prompts": FLAGS.prompts_file or (FLAGS.prompts if tokenizer is not None else "random ids"),
               **timing.bench(target, draft, prompts, base, ks, batch_sizes, repeats, seed, variants=variants,
-                             datastore=store, heads=weights.heads(target, mesh) if need_heads else None)}
+                             datastore=store, heads={kind: weights.heads(target, mesh, kind) for kind in need_heads})}
     sys.stdout.flush()
     if FLAGS.json:
         output.save(FLAGS.json, json.dumps(report, indent=1), "--json")

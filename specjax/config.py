@@ -211,7 +211,7 @@ MAX_NUM_DRAFTS = 16
 MAX_TREE_NODES = 64  # num_drafts * lookahead
 
 VERIFY_RULES = ("block", "tokenwise")
-DRAFTERS = ("model", "ngram", "retrieval", "hybrid", "medusa")
+DRAFTERS = ("model", "ngram", "retrieval", "hybrid", "medusa", "eagle")
 # The drafters that draw several independent chains per loop (each chain a fresh draw).
 SEVERAL_CHAINS = ("model", "hybrid", "medusa")
 
@@ -237,7 +237,8 @@ class SamplingConfig:
     # ids (Llama 3 lists several).
     eos_id: Union[int, tuple[int, ...], None] = None
     verify: str = "block"  # 'block' (Sun et al. 2025: jointly, never worse) | 'tokenwise' (the paper's rule)
-    # 'model' | 'ngram' (prompt lookup) | 'retrieval' (a datastore) | 'hybrid' | 'medusa' (heads on the target)
+    # 'model' | 'ngram' (prompt lookup) | 'retrieval' (a datastore) | 'hybrid' | 'medusa' | 'eagle' (heads on
+    # the target: `specjax.heads`)
     drafter: str = "model"
     ngram: int = 3  # longest context suffix the lookup drafters match (shorter ones down to 1 as fallback)
     draft_confidence: float = 0.0  # > 0: a row stops drafting after a draft distribution whose top p is below it
@@ -303,19 +304,20 @@ class SamplingConfig:
 
 @dataclasses.dataclass(frozen=True)
 class HeadsConfig:
-    """Draft heads on the target's final hidden state (`specjax.heads`): Medusa's
+    """Draft heads on the target's final hidden state (`specjax.heads`): kind 'medusa',
     `num_heads` residual SiLU blocks, head m proposing the token m+1 places past the one
-    the target's own unembedding predicts from the same state, through that unembedding."""
+    the target's own unembedding predicts from the same state, through that unembedding;
+    kind 'eagle', one decoder layer drafting autoregressively in feature space."""
 
-    kind: str = "medusa"
-    num_heads: int = 4  # the longest lookahead they can propose
+    kind: str = "medusa"  # 'medusa' | 'eagle'
+    num_heads: int = 4  # medusa: the longest lookahead they can propose (eagle: unused)
     init_seed: int = 0
 
     def __post_init__(self):
         _plain_numbers(self)
 
     def validate(self) -> "HeadsConfig":
-        _choice(self, "kind", {"medusa"})
+        _choice(self, "kind", {"medusa", "eagle"})
         _integer(self, "num_heads", 1, 64)
         _integer(self, "init_seed", 0, SEED_LIMIT - 1)
         return self

@@ -28,9 +28,11 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
-from specjax import sharding
+from specjax import kv_cache, sharding
 from specjax.config import HeadsConfig, ModelConfig, TrainConfig
-from specjax.model import LM, Keys, full_forward
+from specjax.kernels import DEFAULT as DEFAULT_KERNELS, Kernels
+from specjax.kv_cache import Fresh, KVCache
+from specjax.model import LM, Block, Keys, causal, full_forward
 
 
 class MedusaHeads(nnx.Module):
@@ -55,6 +57,44 @@ class MedusaHeads(nnx.Module):
         return h[..., None, :] + jax.nn.silu(z)
 
 
+def eagle_block_config(cfg: ModelConfig) -> ModelConfig:
+    """The EAGLE layer's block: one layer of the target's block type (its widths, heads,
+    ffw and norm), with rotary positions whatever the target uses."""
+    return dataclasses.replace(cfg, num_layers=1, pos_encoding="rope", scan_layers=False)
+
+
+class EagleHead(nnx.Module):
+    """EAGLE (Li et al. 2024, arXiv 2401.15077): one decoder layer over the target's
+    feature at position j and the embedding of token j+1 (concatenated, projected to D),
+    predicting the target's feature at j+1, whose unembedding (the target's) gives token
+    j+2. Autoregressive in feature space, with its own one-layer KV cache."""
+
+    def __init__(self, hcfg: HeadsConfig, cfg: ModelConfig, keys: Keys, random: bool):
+        D, dt = cfg.d_model, cfg.param_dtype
+        self.w_feature = nnx.Param(((D ** -0.5) * jax.random.normal(keys(), (D, D))).astype(dt), logical=("embed", None))
+        self.w_token = nnx.Param(((D ** -0.5) * jax.random.normal(keys(), (D, D))).astype(dt), logical=("embed", None))
+        self.block = Block(eagle_block_config(cfg), keys)
+        self.compute_dtype = cfg.compute_dtype
+
+    def __call__(self, features, embedded, positions, cache: KVCache, visible=None,
+                 kernels: Kernels = DEFAULT_KERNELS) -> tuple[jax.Array, Fresh]:
+        """features, embedded [B, T, D] (the target's feature at positions[t] and the
+        embedding of the token after it) -> (predicted features [B, T, D] of the next
+        positions, Fresh: this pass's keys and values for the layer's cache, read only)."""
+        ct = jnp.dtype(self.compute_dtype)
+        x = features.astype(ct) @ self.w_feature.value.astype(ct) + embedded.astype(ct) @ self.w_token.value.astype(ct)
+        T = x.shape[1]
+        visible = causal(T) if visible is None else visible
+        limit = jnp.clip(jnp.minimum(cache.lengths, positions[:, 0]), 0, cache.size).astype(jnp.int32)
+        x, k, v = self.block(x, positions, cache.k, cache.v, None, 0, limit, visible, kernels)
+        # As the target's forward: the zero term orders a commit of k, v after the reads.
+        tie = 0 * jnp.sum(x, axis=(1, 2)).astype(k.dtype)[:, None, None, None]
+        return x, Fresh((k + tie)[None], (v + tie)[None])
+
+
+MODULES = {"medusa": MedusaHeads, "eagle": EagleHead}
+
+
 @jax.tree_util.register_pytree_node_class
 @dataclasses.dataclass(frozen=True)
 class Heads:
@@ -65,8 +105,20 @@ class Heads:
     graphdef: Any
     params: Any
 
-    def __call__(self, hidden: jax.Array, count: int | None = None) -> jax.Array:
-        return nnx.merge(self.graphdef, self.params)(hidden, count)
+    def __call__(self, *args, **kwargs):
+        """The module's forward: Medusa's (hidden, count), EAGLE's (features, embedded,
+        positions, cache, visible, kernels)."""
+        return nnx.merge(self.graphdef, self.params)(*args, **kwargs)
+
+    def eagle_step(self, target: LM, features, tokens, positions, cache: KVCache) -> tuple[jax.Array, KVCache]:
+        """EAGLE's pass over T (feature, next token) pairs at `positions`, written into its
+        cache at positions[:, 0]: -> (predicted features [B, T, D], cache)."""
+        predicted, fresh = self(features, target.embed(tokens), positions, cache, None, target.kernels)
+        return predicted, kv_cache.commit(cache, fresh, positions[:, 0])
+
+    def empty_cache(self, batch: int, size: int) -> KVCache:
+        """EAGLE's own one-layer cache (its rows sharded as the target's)."""
+        return kv_cache.empty(eagle_block_config(self.model), batch, size)
 
     def logits(self, target: LM, hidden: jax.Array, count: int | None = None) -> jax.Array:
         """The target's final hidden states [B, ..., D] -> the first `count` heads' logits
@@ -89,7 +141,8 @@ class Heads:
 
 def abstract_heads(hcfg: HeadsConfig, cfg: ModelConfig, mesh: jax.sharding.Mesh | None = None) -> Heads:
     """Shapes (and shardings, given a mesh) of the heads' params, nothing allocated."""
-    graphdef, state = nnx.split(nnx.eval_shape(lambda: MedusaHeads(hcfg, cfg, Keys(hcfg.init_seed), False)))
+    module = MODULES[hcfg.kind]
+    graphdef, state = nnx.split(nnx.eval_shape(lambda: module(hcfg, cfg, Keys(hcfg.init_seed), False)))
     if mesh is not None:
         state = sharding.with_shardings(state, sharding.param_shardings(state, mesh))
     return Heads(hcfg, cfg, graphdef, state)
@@ -99,19 +152,40 @@ def init_heads(hcfg: HeadsConfig, cfg: ModelConfig, mesh: jax.sharding.Mesh, *, 
     """New heads, created sharded: zero blocks (training's start), or random (`random`)."""
     abstract = abstract_heads(hcfg, cfg, mesh)
     shardings = sharding.param_shardings(abstract.params, mesh)
-    init = jax.jit(lambda: nnx.split(MedusaHeads(hcfg, cfg, Keys(hcfg.init_seed), random))[1],
+    module = MODULES[hcfg.kind]
+    init = jax.jit(lambda: nnx.split(module(hcfg, cfg, Keys(hcfg.init_seed), random))[1],
                    out_shardings=shardings)
     return dataclasses.replace(abstract, params=init())
 
 
 def heads_loss(tc: TrainConfig):
-    """loss(heads, target LM, batch [B, T+1], distill weight w) -> (loss, metrics): the
-    mean over heads of w * T^2 * KL(target_T at t+m || head m at t) + (1 - w) * CE on
-    token t+1+m, the target frozen (no gradient reaches it)."""
+    """loss(heads, target LM, batch [B, T+1], distill weight w) -> (loss, metrics), the
+    target frozen (no gradient reaches it). Medusa: the mean over heads of
+    w * T^2 * KL(target_T at t+m || head m at t) + (1 - w) * CE on token t+1+m. EAGLE: the
+    same mix for the token its predicted feature gives, plus the smooth-L1 error of that
+    feature against the target's (EAGLE's regression term)."""
     from specjax.training.losses import cross_entropy, distill_kl
     temp = tc.distill_temperature
 
+    def eagle_loss(heads: Heads, target: LM, batch: jax.Array, w):
+        # Teacher forcing: the target's true feature at j and token j+1 in, its feature at j+1 out.
+        inputs = batch[:, :-1]
+        B, T = inputs.shape
+        target_logits, hidden = jax.lax.stop_gradient(full_forward(target, inputs, features=True))
+        positions = jnp.broadcast_to(jnp.arange(T - 1, dtype=jnp.int32), (B, T - 1))
+        predicted, _ = heads(hidden[:, :-1], target.embed(inputs[:, 1:]), positions, heads.empty_cache(B, 0))
+        logits = target.logits(predicted)  # token j+2
+        ce = cross_entropy(logits, batch[:, 2:])
+        kl = distill_kl(target_logits[:, 1:], logits, temp)
+        error = jnp.abs(predicted.astype(jnp.float32) - hidden[:, 1:].astype(jnp.float32))
+        regression = jnp.mean(jnp.where(error < 1.0, 0.5 * error ** 2, error - 0.5))  # smooth L1, as EAGLE's
+        loss = w * temp ** 2 * kl + (1 - w) * ce + regression
+        return loss, {"ce": ce, "kl": kl if temp == 1.0 else distill_kl(target_logits[:, 1:], logits),
+                      "regression": regression, "loss": loss}
+
     def loss_fn(heads: Heads, target: LM, batch: jax.Array, w):
+        if heads.cfg.kind == "eagle":
+            return eagle_loss(heads, target, batch, w)
         inputs = batch[:, :-1]
         target_logits, hidden = jax.lax.stop_gradient(full_forward(target, inputs, features=True))
         logits = heads.logits(target, hidden)  # [B, T, H, V]

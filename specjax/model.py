@@ -349,14 +349,10 @@ class Transformer(nnx.Module):
         # sampler) can make XLA gather the [D, V] table instead of the small logits.
         return sharding.constrain(logits, ("batch", None, "vocab"))
 
-    def __call__(self, tokens, positions, cache: KVCache, visible=None, kernels: Kernels = DEFAULT_KERNELS,
-                 features: bool = False):
-        """-> (logits [B,T,V] float32, Fresh): the module docstring's forward. `visible`: a
-        [T, T] mask of the pass's own keys each query sees (None: causal); `features`: also
-        return the final hidden states in Fresh.hidden. The cache is only read."""
+    def embed_tokens(self, tokens) -> jax.Array:
+        """Token ids [B, T] -> input embeddings [B, T, D] (which EAGLE's layer shares)."""
         cfg = self.cfg
         ct = jnp.dtype(cfg.compute_dtype)
-        T = tokens.shape[1]
         mesh = jax.sharding.get_abstract_mesh()
         if not mesh.empty and mesh.shape.get("model", 1) > 1:
             # Vocab-parallel lookup as a one-hot contraction: each 'model' shard contributes
@@ -367,6 +363,16 @@ class Transformer(nnx.Module):
             x = rows(self.embed.value, tokens, ct)
         if cfg.input_embedding_scale != 1.0:
             x = x * cfg.input_embedding_scale
+        return x
+
+    def __call__(self, tokens, positions, cache: KVCache, visible=None, kernels: Kernels = DEFAULT_KERNELS,
+                 features: bool = False):
+        """-> (logits [B,T,V] float32, Fresh): the module docstring's forward. `visible`: a
+        [T, T] mask of the pass's own keys each query sees (None: causal); `features`: also
+        return the final hidden states in Fresh.hidden. The cache is only read."""
+        cfg = self.cfg
+        T = tokens.shape[1]
+        x = self.embed_tokens(tokens)
         visible = causal(T) if visible is None else jnp.asarray(visible, bool)
         # The cache part: entries before the pass's first position that the row holds.
         limit = jnp.clip(jnp.minimum(cache.lengths, positions[:, 0]), 0, cache.size).astype(jnp.int32)
@@ -452,6 +458,10 @@ class LM:
     def logits(self, hidden: jax.Array) -> jax.Array:
         """Final hidden states [B, T, D] (Fresh.hidden) -> logits [B, T, V]: the unembedding alone."""
         return nnx.merge(self.graphdef, self.params).logits(hidden, self.kernels)
+
+    def embed(self, tokens: jax.Array) -> jax.Array:
+        """Token ids [B, T] -> input embeddings [B, T, D]: the embedding alone."""
+        return nnx.merge(self.graphdef, self.params).embed_tokens(tokens)
 
     def extend(self, tokens, positions, cache: KVCache) -> tuple[jax.Array, KVCache]:
         """A chain pass written into the cache: the forward, then `kv_cache.commit` of its

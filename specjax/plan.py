@@ -52,9 +52,9 @@ def define_flags() -> None:
     cli.define_quantize_flag()
     flags.DEFINE_integer("num_drafts", 1, "Also compile the tree loop with this many draft chains (> 1) and "
                          "report its scoring pass against the chain's.")
-    flags.DEFINE_integer("medusa_heads", 0, "Also compile SpS drafting with this many random Medusa heads on the "
-                         "target (> 0; the config's own heads with --medusa_heads=-1) and report its collectives "
-                         "per loop ('sps_medusa').")
+    flags.DEFINE_string("heads", None, "Also compile SpS drafting with random draft heads on the target and report "
+                        "their collectives per loop: 'medusa:N' (N Medusa heads; 'medusa': 4), 'eagle' (one EAGLE "
+                        "layer), or 'config' (the config's own heads).")
     flags.DEFINE_bool("licm", False, "Keep XLA's while-loop-invariant-code-motion pass (XLA:CPU then hoists "
                       "the f32 copy of the stacked weights out of the layer loop; unrealistic temporaries).")
 
@@ -73,6 +73,25 @@ def configure_xla(devices: int, licm: bool) -> None:
     os.environ["JAX_PLATFORMS"] = "cpu"  # plan on fake CPU devices even on a TPU host
 
 
+def parse_heads(text, cfg) -> HeadsConfig | None:
+    """--heads: None, 'medusa[:N]', 'eagle' or 'config' -> the HeadsConfig to plan with."""
+    if text is None:
+        return None
+    if text == "config":
+        if cfg.heads is None:
+            raise UsageError(f"--heads=config: --config={cfg.name} has no heads (name them: medusa:N or eagle)")
+        return cfg.heads
+    kind, _, count = text.partition(":")
+    try:
+        if kind == "eagle" and not count:
+            return HeadsConfig(kind="eagle").validate()
+        if kind == "medusa":
+            return HeadsConfig(kind="medusa", num_heads=int(count) if count else 4).validate()
+    except (ValueError, UsageError):
+        pass
+    raise UsageError(f"--heads={text!r}: expected medusa:N (N in 1..64), medusa, eagle or config")
+
+
 def main(argv):
     cfg = cli.config()
     data, model = cli.mesh_size(cli.parse_mesh(FLAGS.mesh, cfg.mesh if cfg.mesh.model != -1 else MeshConfig(1, 8)), 0)
@@ -82,18 +101,7 @@ def main(argv):
     num_drafts = cli.positive("num_drafts", FLAGS.num_drafts)
     if num_drafts > 1 and cfg.draft is None:
         raise UsageError(f"--num_drafts={num_drafts}: --config={FLAGS.config} has no draft model to draw chains from")
-    heads = None
-    if FLAGS.medusa_heads == -1:
-        if cfg.heads is None:
-            raise UsageError(f"--medusa_heads=-1: --config={FLAGS.config} has no heads (give their number instead)")
-        heads = cfg.heads
-    elif FLAGS.medusa_heads:
-        heads = HeadsConfig(num_heads=FLAGS.medusa_heads)
-        try:
-            heads.validate()
-        except UsageError:
-            raise UsageError(f"--medusa_heads={FLAGS.medusa_heads}: must be -1 (the config's heads), 0 (none) or "
-                             "1..64") from None
+    heads = parse_heads(FLAGS.heads, cfg)
     output.check_writable(FLAGS.json, "--json")
     configure_xla(data * model, FLAGS.licm)
     jax.config.update("jax_platforms", "cpu")

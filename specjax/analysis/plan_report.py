@@ -43,8 +43,9 @@ def format_report(r: dict) -> str:
                    f"{m['init']['compile_seconds']:.1f}s, {m['init']['hlo_instructions']}")
     if "heads" in r:
         h = r["heads"]
-        out.append(f"medusa   {_count(h['params']):>10} {h['num_heads']:>6} heads (random; sps_medusa drafts with "
-                   f"them) {_gib(h['weight_bytes_per_device']):>12} per device")
+        what = f"{h['num_heads']} Medusa heads" if h["kind"] == "medusa" else "one EAGLE layer"
+        out.append(f"{h['kind']:<8} {_count(h['params']):>10}  {what} (random; sps_{h['kind']} drafts with them), "
+                   f"{_gib(h['weight_bytes_per_device'])} per device")
     for name, m in r["models"].items():
         if m.get("kv_copies", 1) > 1:
             out.append(f"  {name}: its {m['kv_heads'] // m['kv_copies']} kv heads are stored {m['kv_copies']}x "

@@ -170,8 +170,8 @@ def bench(target, draft, prompts, base, ks, batch_sizes, repeats: int, seed: int
     runs made next to it; the reported ArS is all of them). With M > 1 drafts the model of
     a loop is K draft steps over M rows plus the tree pass over 1 + M*K tokens, each timed
     on its own. `draft` may be a dict {name: LM} of draft models (self-drafts), each
-    compared with every variant that uses a draft model; `heads` serve the variants
-    whose drafter draws from draft heads (medusa)."""
+    compared with every variant that uses a draft model; `heads` {drafter: Heads} serve
+    the variants whose drafter draws from draft heads (medusa, eagle)."""
     context = max(len(p) for p in prompts)
     drafts = draft if isinstance(draft, dict) else {"": draft}
     draft = next(iter(drafts.values()))  # the batch-scaling runs' draft
@@ -201,7 +201,7 @@ def bench(target, draft, prompts, base, ks, batch_sizes, repeats: int, seed: int
                      for name in (drafts if drafters.kind(variant.get("drafter", base.drafter)).needs_draft_model
                                   else list(drafts)[:1])]
         # What each variant drafts with: its draft model, the heads, or nothing (a lookup).
-        uses = lambda name, sampling: heads if drafters.draft_kind(sampling.drafter) == "heads" \
+        uses = lambda name, sampling: heads[sampling.drafter] if drafters.draft_kind(sampling.drafter) == "heads" \
             else drafts[name]  # noqa: E731
         for name, sampling in samplings:
             run_prompts(target, uses(name, sampling), prompts[:1], sampling, seed, datastore)

@@ -158,15 +158,17 @@ class Sources:
             draft_checkpoint=self.draft_checkpoint, gguf_target=self.gguf_target, gguf_draft=self.gguf_draft))
         return with_self_draft(config, spec)
 
-    def locate(self, config: Config, *, need_draft: bool, train_missing: bool, need_heads: bool = False) -> "Weights":
+    def locate(self, config: Config, *, need_draft: bool, train_missing: bool,
+               need_heads: Sequence[str] = ()) -> "Weights":
         """The weights of `config` (from `configure`), found (the mini pair trained if
-        missing and `train_missing`); with `need_heads`, the draft heads' too; no JAX work."""
+        missing and `train_missing`); with `need_heads` (kinds: 'medusa', 'eagle'), the
+        draft heads' of each too; no JAX work."""
         if need_heads and not need_draft:
             for flag, value in (("--self_draft", self.self_draft), ("--hf_draft", self.hf_draft),
                                 ("--gguf_draft", self.gguf_draft)):
                 if value is not None:
-                    raise UsageError(f"{flag} names a draft model, and --drafter=medusa draws from draft heads "
-                                     "(--draft_checkpoint=DIR): drop one of them")
+                    raise UsageError(f"{flag} names a draft model, and --drafter={need_heads[0]} draws from draft "
+                                     "heads (--draft_checkpoint=DIR): drop one of them")
         return Weights.locate(config, self.init, self.checkpoint, self.draft_checkpoint, need_draft=need_draft,
                               train_missing=train_missing, hf_target=self.hf_target, hf_draft=self.hf_draft,
                               gguf_target=self.gguf_target, gguf_draft=self.gguf_draft,
@@ -185,24 +187,26 @@ class Weights:
     draft_dir: Optional[pathlib.Path]
     sources: tuple = ()  # 'imported': (target Imported, draft Imported or None)
     self_draft: object = None  # a weights.self_draft.Spec: the draft is made from the target at load time
-    heads_dir: Optional[pathlib.Path] = None  # draft heads' checkpoint (drafter 'medusa'); None: none or random
+    # Each kind of draft heads' checkpoint (drafters 'medusa', 'eagle'); None: random heads.
+    heads_dirs: dict = dataclasses.field(default_factory=dict)
 
     @classmethod
     def locate(cls, config: Config, init: str, checkpoint: Optional[str], draft_checkpoint: Optional[str],
                *, need_draft: bool, train_missing: bool, hf_target: Optional[str] = None,
                hf_draft: Optional[str] = None, gguf_target: Optional[str] = None,
-               gguf_draft: Optional[str] = None, self_draft=None, need_heads: bool = False) -> "Weights":
+               gguf_draft: Optional[str] = None, self_draft=None, need_heads: Sequence[str] = ()) -> "Weights":
         """Find (and for the mini pair, train) the checkpoint directories; no JAX work.
         With `hf_target` or `gguf_target`, `config` comes from `with_hf_models`; with a
         `self_draft` Spec, from `with_self_draft` (no draft weights are looked for).
-        `need_heads`: also the draft heads' checkpoint (drafter 'medusa'):
-        --draft_checkpoint, else `config.heads_from`'s, else this config's when it has heads."""
+        `need_heads`: also the checkpoint of each of these kinds of draft heads ('medusa',
+        'eagle'): --draft_checkpoint (for one kind without a draft model), else the config
+        of that kind that `config.heads_from` names, else this config's when its heads are of it."""
         found = cls._locate(config, init, checkpoint, None if need_heads and not need_draft else draft_checkpoint,
                             need_draft=need_draft, train_missing=train_missing, hf_target=hf_target,
                             hf_draft=hf_draft, gguf_target=gguf_target, gguf_draft=gguf_draft, self_draft=self_draft)
-        if need_heads:
-            found = dataclasses.replace(found, heads_dir=_heads_dir(config, init, draft_checkpoint))
-        return found
+        given = draft_checkpoint if len(need_heads) == 1 and not need_draft else None
+        return dataclasses.replace(found, heads_dirs={kind: _heads_dir(config, init, given, kind)
+                                                      for kind in need_heads})
 
     @classmethod
     def _locate(cls, config: Config, init: str, checkpoint: Optional[str], draft_checkpoint: Optional[str],
@@ -318,22 +322,27 @@ class Weights:
             return self.sources[0].reader.read_config(self.sources[0].path).eos_ids
         return ()
 
-    def heads(self, target, mesh):
-        """The draft heads for `target` (drafter 'medusa'): from their checkpoint, or
-        random ones (`config.heads`, else the default HeadsConfig) with --init=random."""
-        if self.heads_dir is not None:
-            return ckpt_lib.load_heads(target.cfg, mesh, self.heads_dir, self.config.heads_from or self.config.name)
+    def heads(self, target, mesh, kind: str):
+        """The draft heads of `kind` ('medusa', 'eagle') for `target`: from their checkpoint,
+        or random ones (`config.heads` where of that kind, else the defaults) with --init=random."""
+        directory = self.heads_dirs.get(kind)
+        if directory is not None:
+            heads = ckpt_lib.load_heads(target.cfg, mesh, directory)
+            if heads.cfg.kind != kind:
+                raise UsageError(f"{directory} holds {heads.cfg.kind} heads, and --drafter={kind} needs {kind} heads")
+            return heads
         from specjax.heads import init_heads
-        return init_heads(self.config.heads or HeadsConfig(), target.cfg, mesh, random=True)
+        own = self.config.heads if self.config.heads is not None and self.config.heads.kind == kind else None
+        return init_heads(own or HeadsConfig(kind=kind), target.cfg, mesh, random=True)
 
     def load(self, mesh, *, need_draft: bool | str, quantize: Optional[str] = None):
         """(target, draft or None) on `mesh`; with `quantize` ('int8', 'int4'), each quantized
         on load (`LM.quantized`; a GGUF file's Q8_0/Q4_0/Q4_1 tensors taken as stored):
         the run samples the quantized models. A self-draft is made of the (quantized)
-        target's own arrays; with need_draft='heads' the draft is the heads (`heads`)."""
-        if need_draft == "heads":
+        target's own arrays; with need_draft='medusa' or 'eagle' the draft is those heads."""
+        if need_draft in ("medusa", "eagle"):
             target, _ = self.load(mesh, need_draft=False, quantize=quantize)
-            return target, self.heads(target, mesh)
+            return target, self.heads(target, mesh, need_draft)
         if self.self_draft is not None:
             from specjax.weights.self_draft import self_draft
             target, _ = dataclasses.replace(self, self_draft=None)._load(mesh, False, quantize)
@@ -365,20 +374,29 @@ class Weights:
         return target, draft
 
 
-def _heads_dir(config: Config, init: str, given: Optional[str]) -> Optional[pathlib.Path]:
-    """The draft heads' checkpoint directory, checked to exist; None for random heads."""
+def _heads_dir(config: Config, init: str, given: Optional[str], kind: str) -> Optional[pathlib.Path]:
+    """The checkpoint directory of the `kind` heads, checked to exist; None for random heads."""
     if init == "random":
         return None
-    name = config.heads_from or (config.name if config.heads is not None else "")
+    names = [n for n in config.heads_from.split(",") if n.strip()]
+    name = next((n.strip() for n in names if _heads_kind(n.strip()) == kind), "")
+    if not name and config.heads is not None and config.heads.kind == kind:
+        name = config.name
     if given is None and not name:
-        raise UsageError(f"--drafter=medusa draws from draft heads, and config {config.name!r} names none (no "
-                         "`heads`): pass --draft_checkpoint=DIR (what `python -m specjax.train "
-                         "--config=CONFIG_WITH_HEADS --workdir=DIR` writes; e.g. mini_medusa), or use --init=random")
+        raise UsageError(f"--drafter={kind} draws from {kind} heads, and config {config.name!r} names none (no "
+                         f"`heads` of that kind): pass --draft_checkpoint=DIR (what `python -m specjax.train "
+                         f"--config=CONFIG_WITH_HEADS --workdir=DIR` writes; e.g. mini_{kind}), or use --init=random")
     directory = _resolve(given, name)
     what = "holds no finished checkpoint" if directory.is_dir() else "does not exist"
     if distributed.everywhere(lambda: _latest_step(directory)) < 0:
         _missing("--draft_checkpoint", given, name or "CONFIG_WITH_HEADS", directory, what)
     return directory
+
+
+def _heads_kind(name: str) -> str | None:
+    """The kind of the heads config `name` trains (None: it has none)."""
+    heads = load_config(name).heads
+    return heads.kind if heads is not None else None
 
 
 def _no_weights(config: Config, name: str, directory, need_draft: bool) -> None:

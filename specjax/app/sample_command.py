@@ -96,8 +96,10 @@ def check_rows(req: Request, raw_prompts) -> None:
 
 
 def need_draft(req: Request) -> str | None:
-    """What SpS draws from beside the target: 'model', 'heads' or None (`drafters.draft_kind`)."""
-    return drafters.draft_kind(req.sampling.drafter) if "sps" in req.modes else None
+    """What SpS draws from beside the target: 'model', the kind of heads ('medusa',
+    'eagle') or None (a lookup)."""
+    kind = drafters.draft_kind(req.sampling.drafter) if "sps" in req.modes else None
+    return req.sampling.drafter if kind == "heads" else kind
 
 
 def models(req: Request) -> dict:
@@ -137,8 +139,9 @@ def run(req: Request) -> None:
     cli.use_compilation_cache()
     # Host inputs are read by process 0 and shared: one answer (or one error) everywhere.
     raw_prompts = distributed.agreed(lambda: gather_and_check(req))
+    heads = () if need_draft(req) in ("model", None) else (need_draft(req),)
     weights = req.sources.locate(req.config, need_draft=need_draft(req) == "model", train_missing=req.train_missing,
-                                 need_heads=need_draft(req) == "heads")
+                                 need_heads=heads)
     inputs = distributed.agreed(lambda: read_inputs(req, raw_prompts, weights))
     mesh = sharding.make_checked_mesh(req.mesh, models(req))  # first device work: all input is valid by now
     target, draft = weights.load(mesh, need_draft=need_draft(req), quantize=req.quantize)

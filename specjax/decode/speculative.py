@@ -119,28 +119,30 @@ def speculate(target: LM, drafter: Drafter, s: SpsState, settings: Settings):
                             None if fresh.hidden is None else along(fresh.hidden))
 
 
+def loop(target: LM, drafter: Drafter, s: SpsState, settings: Settings, max_new: jax.Array, eos_id) -> SpsState:
+    """One loop of Algorithm 2 for every row: `speculate`, then emit, stop, roll back and
+    update the drafter."""
+    K = settings.lookahead
+    key, sp = speculate(target, drafter, s, settings)
+    x, num_accepted = sp.x, sp.num_accepted
+    # Emitted: x_1..x_n, then the residual/bonus token at index n.
+    new = jnp.concatenate([x, jnp.zeros_like(x[:, :1])], axis=1)
+    new = jnp.where(jnp.arange(K + 1)[None, :] == num_accepted[:, None], sp.next_token[:, None], new)
+    bad = sp.nonfinite & ~s.done  # such a row emits nothing and stops (NonFiniteLogitsError)
+    active = ~s.done & ~bad
+    count, finished = stop_after(new, jnp.where(active, num_accepted + 1, 0), s.stats.num_new, max_new, eos_id)
+    length = s.length + count
+    # Roll back: the target holds [0, length-1) after this loop; the drafter its own.
+    verdict = Verdict(length, num_accepted, sp.next_token, sp.chain, sp.features)
+    return SpsState(write_rows(s.tokens, s.length, new, count), length, s.done | finished | bad,
+                    sp.target_cache.with_lengths(length - 1), drafter.update(sp.drafter_state, verdict), key,
+                    counted(s.stats, sp, active, count, bad))
+
+
 def speculative_generate(target: LM, drafter: Drafter, prompts: jax.Array, prompt_lens: jax.Array,
                          key: jax.Array, *, settings: Settings, max_new: jax.Array, eos_id: int, size: int):
     """Algorithm 2 as one `lax.while_loop`. Returns (tokens [B, size], length [B], Stats)."""
-    K = settings.lookahead
     state = start(target, drafter, prompts, prompt_lens, key, settings, size)
-
-    def loop(s: SpsState) -> SpsState:
-        key, sp = speculate(target, drafter, s, settings)
-        x, num_accepted = sp.x, sp.num_accepted
-        # Emitted: x_1..x_n, then the residual/bonus token at index n.
-        new = jnp.concatenate([x, jnp.zeros_like(x[:, :1])], axis=1)
-        new = jnp.where(jnp.arange(K + 1)[None, :] == num_accepted[:, None], sp.next_token[:, None], new)
-        bad = sp.nonfinite & ~s.done  # such a row emits nothing and stops (NonFiniteLogitsError)
-        active = ~s.done & ~bad
-        count, finished = stop_after(new, jnp.where(active, num_accepted + 1, 0), s.stats.num_new,
-                                     max_new, eos_id)
-        length = s.length + count
-        # Roll back: the target holds [0, length-1) after this loop; the drafter its own.
-        verdict = Verdict(length, num_accepted, sp.next_token, sp.chain, sp.features)
-        return SpsState(write_rows(s.tokens, s.length, new, count), length, s.done | finished | bad,
-                        sp.target_cache.with_lengths(length - 1), drafter.update(sp.drafter_state, verdict), key,
-                        counted(s.stats, sp, active, count, bad))
-
-    state = jax.lax.while_loop(lambda s: ~jnp.all(s.done), loop, state)
+    state = jax.lax.while_loop(lambda s: ~jnp.all(s.done),
+                               lambda s: loop(target, drafter, s, settings, max_new, eos_id), state)
     return state.tokens, state.length, state.stats

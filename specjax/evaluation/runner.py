@@ -201,8 +201,8 @@ def evaluate(config, task: str, *, limit=None, num_samples: int, ks: Sequence[in
         s.sampling.check_context(context)
 
     cli.use_compilation_cache()
-    weights = sources.locate(config, need_draft=kind == "model", train_missing=train_missing,
-                             need_heads=kind == "heads")
+    heads = (config.sampling.drafter,) if kind == "heads" else ()
+    weights = sources.locate(config, need_draft=kind == "model", train_missing=train_missing, need_heads=heads)
     tokenizer = weights.tokenizer()
     if tokenizer is None:
         raise UsageError(f"evaluate works on text and {weights.no_tokenizer_reason}")
@@ -218,7 +218,7 @@ def evaluate(config, task: str, *, limit=None, num_samples: int, ks: Sequence[in
                 for s in settings]
 
     mesh = sharding.make_checked_mesh(config.mesh, models)
-    target, draft = weights.load(mesh, need_draft=kind or False)
+    target, draft = weights.load(mesh, need_draft=heads[0] if heads else kind == "model")
     result = {"config": config.name, **{k: v for k, v in sources.named().items() if "checkpoint" not in k},
               "task": task,
               "num_samples": num_samples, "lookahead": lookahead,

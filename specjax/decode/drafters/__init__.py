@@ -40,12 +40,13 @@ from specjax.decode.drafters.base import SOURCES, Drafter, Proposal, Verdict, po
 from specjax.decode.drafters.draft_model import ModelDrafter, model_proposal, refeed_window
 from specjax.decode.drafters.hybrid import HybridDrafter
 from specjax.decode.drafters.lookup import NgramDrafter, RetrievalDrafter, ngram_match
+from specjax.decode.drafters.eagle import EagleDrafter
 from specjax.decode.drafters.medusa import MedusaDrafter
 
 REGISTRY: dict[str, type[Drafter]] = {cls.name: cls for cls in (ModelDrafter, NgramDrafter, RetrievalDrafter,
-                                                                 HybridDrafter, MedusaDrafter)}
+                                                                 HybridDrafter, MedusaDrafter, EagleDrafter)}
 
-__all__ = ["REGISTRY", "SOURCES", "Drafter", "HybridDrafter", "MedusaDrafter", "ModelDrafter", "NgramDrafter",
+__all__ = ["REGISTRY", "SOURCES", "Drafter", "EagleDrafter", "HybridDrafter", "MedusaDrafter", "ModelDrafter", "NgramDrafter",
            "Proposal",
            "RetrievalDrafter", "Verdict", "kind", "make", "model_proposal", "ngram_match", "point_mass",
            "refeed_window", "select"]

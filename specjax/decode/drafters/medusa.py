@@ -45,10 +45,10 @@ class MedusaDrafter(Drafter):
 
     @classmethod
     def make(cls, sampling: SamplingConfig, target: LM, draft, datastore, mesh):
-        if not isinstance(draft, Heads):
-            raise UsageError(f"drafter={sampling.drafter!r} needs draft heads (specjax.heads.Heads: a config with "
-                             f"`heads`, trained by `python -m specjax.train`, or init_heads), got "
-                             f"{type(draft).__name__}")
+        if not isinstance(draft, Heads) or draft.cfg.kind != "medusa":
+            got = f"{draft.cfg.kind} heads" if isinstance(draft, Heads) else type(draft).__name__
+            raise UsageError(f"drafter={sampling.drafter!r} needs Medusa heads (specjax.heads.Heads of kind 'medusa': "
+                             f"a config with `heads`, trained by `python -m specjax.train`, or init_heads), got {got}")
         if draft.model.d_model != target.cfg.d_model:
             raise UsageError(f"the heads were made for d_model={draft.model.d_model}, the target has "
                              f"d_model={target.cfg.d_model}")

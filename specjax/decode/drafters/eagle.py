@@ -1,0 +1,120 @@
+"""`eagle`: one decoder layer drafts autoregressively in the target's feature space
+(`specjax.heads.EagleHead`; Li et al. 2024, arXiv 2401.15077).
+
+The layer reads (the target's feature at position j, the embedding of token j+1) and
+predicts the feature at j+1, whose unembedding (the target's) gives token j+2. Each
+loop: a first pass over a window of K+1 pairs built from the TRUE features the previous
+scoring pass returned (`Verdict.features`, the kept path's nodes) and the tokens after
+them; its output at the last true pair predicts the feature at the pending token, which
+gives x_1; then K-1 steps feed the layer's own predicted feature with the token just
+drawn. Each x_j is drawn from its warped softmax, p_j is exactly that distribution, and
+verification is unchanged (exact). One chain (M = 1).
+
+The state: the layer's own KV cache (one layer), the window of true features [B, K+1, D],
+how many of them are real (`count`: the kept tokens + 1) and the position of the first
+(`start`). The cache holds the pairs of true features before `start`; the window pass
+rewrites the rest, so the next loop always starts from the target's features for the
+accepted prefix, never from the layer's own predictions. After the prompts the window is
+the prefill's feature at the second-to-last prompt token (count 1), and the cache the
+pairs before it.
+"""
+from __future__ import annotations
+
+import dataclasses
+from typing import NamedTuple
+
+import jax
+import jax.numpy as jnp
+
+from specjax.config import SamplingConfig, UsageError
+from specjax.decode.drafters.base import SOURCES, Drafter, Proposal, Verdict
+from specjax.decode.warping import sample, warp
+from specjax.heads import Heads
+from specjax.kv_cache import KVCache
+from specjax.model import LM
+
+
+class EagleState(NamedTuple):
+    cache: KVCache  # the layer's own, holding the pairs of true features before `start`
+    window: jax.Array  # [B, K+1, D] true features from `start` on
+    count: jax.Array  # [B] how many window features are real (1..K+1)
+    start: jax.Array  # [B] the position of window[:, 0]
+
+
+def window_at(features: jax.Array, start: jax.Array, width: int) -> jax.Array:
+    """features [B, W, D] at positions start[b] .. start[b] + width - 1 (clipped) -> [B, width, D]."""
+    index = jnp.clip(start[:, None] + jnp.arange(width)[None, :], 0, features.shape[1] - 1)
+    return jnp.take_along_axis(features, index[:, :, None], axis=1)
+
+
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass(frozen=True)
+class EagleDrafter(Drafter):
+    """The module docstring's drafter: `heads` (kind 'eagle') over `target`'s features."""
+
+    heads: Heads
+    target: LM  # the loop's target: its embedding and unembedding, shared
+    lookahead: int = dataclasses.field(metadata=dict(static=True))
+
+    name = "eagle"
+    needs_heads = True
+    needs_features = True
+
+    @classmethod
+    def make(cls, sampling: SamplingConfig, target: LM, draft, datastore, mesh):
+        if not isinstance(draft, Heads) or draft.cfg.kind != "eagle":
+            got = f"{draft.cfg.kind} heads" if isinstance(draft, Heads) else type(draft).__name__
+            raise UsageError(f"drafter={sampling.drafter!r} needs an EAGLE layer (heads of kind 'eagle': a config "
+                             f"with HeadsConfig(kind='eagle'), trained by `python -m specjax.train`), got {got}")
+        if draft.model.d_model != target.cfg.d_model:
+            raise UsageError(f"the EAGLE layer was made for d_model={draft.model.d_model}, the target has "
+                             f"d_model={target.cfg.d_model}")
+        return cls(draft, target, sampling.lookahead)
+
+    def init_state(self, prompts, prompt_lens, size, num_drafts, features=None) -> EagleState:
+        batch, width = prompts.shape
+        positions = jnp.broadcast_to(jnp.arange(width - 1, dtype=jnp.int32), (batch, width - 1))
+        _, cache = self.heads.eagle_step(self.target, features[:, :-1], prompts[:, 1:], positions,
+                                         self.heads.empty_cache(batch, size))
+        start = jnp.maximum(prompt_lens - 2, 0)
+        return EagleState(cache.with_lengths(start), window_at(features, start, self.lookahead + 1),
+                          jnp.ones((batch,), jnp.int32), start)
+
+    def propose(self, state: EagleState, tokens, length, key, lookahead, num_drafts, warping):
+        batch, K = tokens.shape[0], lookahead
+        positions = state.start[:, None] + jnp.arange(K + 1)[None, :]
+        after = jnp.take_along_axis(tokens, jnp.clip(positions + 1, 0, tokens.shape[1] - 1), axis=1)
+        predicted, cache = self.heads.eagle_step(self.target, state.window, after, positions, state.cache)
+        pending = state.start + state.count  # the pending token's position
+        cache = cache.with_lengths(pending)  # the pairs of true features; the rest is rewritten
+        feature = jnp.take_along_axis(predicted, (state.count - 1)[:, None, None], axis=1)  # [B, 1, D] at pending
+        keys = jax.random.split(key, K)
+
+        def draw(feature, j):
+            probs, bad = warp(self.target.logits(feature)[:, 0], warping)
+            x, empty = sample(keys[j], probs)
+            return x, probs, bad | empty
+
+        def step(carry, j):
+            feature, cache = carry
+            x, probs, bad = draw(feature, j)
+            feature, cache = self.heads.eagle_step(self.target, feature, x[:, None], (pending + j)[:, None], cache)
+            return (feature, cache), (x, probs, bad)
+
+        (feature, cache), (xs, ps, bads) = jax.lax.scan(step, (feature, cache), jnp.arange(K - 1))
+        x_last, p_last, bad_last = draw(feature, K - 1)
+        x = jnp.concatenate([xs, x_last[None]], axis=0).T  # [B, K]
+        p = jnp.concatenate([ps, p_last[None]], axis=0).transpose(1, 0, 2)  # [B, K, V]
+        bad = jnp.any(bads, axis=0) | bad_last
+        prop = Proposal(x[:, None], p[:, None], jnp.full((batch, 1), K, jnp.int32),
+                        jnp.full((batch, 1), SOURCES.index(self.name), jnp.int32))
+        return prop, state._replace(cache=cache), bad
+
+    def update(self, state: EagleState, verdict: Verdict) -> EagleState:
+        """The kept path's true features become the next window: the old pending token's
+        (node 0) through the last kept node's; the cache rolls back to before them."""
+        start = jnp.maximum(verdict.length - 2 - verdict.num_accepted, 0)  # the old pending token's position
+        return EagleState(state.cache.with_lengths(start), verdict.features, verdict.num_accepted + 1, start)
+
+    def describe(self) -> dict:
+        return {"drafter": self.name}

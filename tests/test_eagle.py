@@ -1,0 +1,193 @@
+"""The EAGLE drafter (`--drafter=eagle`, `specjax.heads.EagleHead`): one decoder layer
+drafting in the target's feature space.
+
+- Theorem 1 (the enumeration and chi-square test of `theorem1`, N = 100,000 samples per
+  case, one compiled program and one batch each, ALPHA = 0.001) with a random EAGLE layer
+  on the one-layer tiny target: K = 1 and 3, temperature 1 and 0.7 with top-p, a ragged
+  batch; the negative control (p taken before warping) is rejected with N_NEGATIVE samples.
+- Greedy SpS == greedy ArS token for token, on one device and eight.
+- The fused loop: one while loop, no host round trip, no cache copied (the target's or
+  the layer's own), and the layer's K passes add their own collectives only.
+- The state after several loops: the window holds the TARGET's features (a full forward
+  of the row's tokens) from `start`, start + count is the pending token's position, and
+  the layer's cache before `start` equals a teacher-forced pass of the layer over the
+  target's true features. The same check rejects a wrong variant whose next loop starts
+  from the layer's own predicted features (a quality bug, not an exactness one: Theorem 1
+  cannot see it, this test does).
+- Bad input: Medusa heads for the EAGLE drafter and the reverse, several chains.
+"""
+import dataclasses
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+import specjax
+from specjax import model
+from specjax.config import ConfigError, HeadsConfig, SamplingConfig, UsageError
+from specjax.decode import program, speculative
+from specjax.decode.drafters import eagle
+from specjax.heads import init_heads
+from conftest import mesh_for
+from models import RAGGED, cache_copies, fused_loop_collectives, tiny_pairs
+from theorem1 import ALPHA, N, N_NEGATIVE, Case, make_models, run, swapper, undo
+
+EAGLE = HeadsConfig(kind="eagle", init_seed=2)
+
+
+@pytest.fixture(scope="module")
+def models(tiny):
+    target, _ = make_models(tiny)
+    return target, init_heads(EAGLE, target.cfg, mesh_for("1x1"))
+
+
+@pytest.fixture
+def patch(monkeypatch):
+    swap = swapper(monkeypatch)
+    yield swap
+    undo(monkeypatch)
+
+
+CASES = {
+    "ragged_temperature_0.7_top_p_0.8_K3": Case(0.7, 0, 0.8, 3, "ragged", "block", "eagle"),
+    "tokenwise_K1": Case(1.0, 0, 1.0, 1, "pair", "tokenwise", "eagle"),
+    "ragged_K3": Case(1.0, 0, 1.0, 3, "ragged", "tokenwise", "eagle"),
+    # (temperature 0.7 with top-p at K=1 on one prompt: this random layer never proposes
+    # a token in q's small support there, so the case would test nothing; K=3 above does.)
+    "ragged_top_p_0.9_K1": Case(1.0, 0, 0.9, 1, "ragged", "block", "eagle"),
+}
+DEFAULT = {"ragged_temperature_0.7_top_p_0.8_K3", "tokenwise_K1"}  # the rest: `pytest -m slow`
+
+
+@pytest.mark.parametrize("name", [pytest.param(n, marks=[] if n in DEFAULT else [pytest.mark.slow]) for n in CASES])
+def test_samples_follow_the_exact_target_distribution(models, name, patch):
+    patch()
+    pvalue, result = run(models, CASES[name], N)
+    summary = result.summary()
+    print(f"eagle {name}: p = {pvalue:.4f}, acceptance rate {result.acceptance_rate:.3f}")
+    assert pvalue > ALPHA
+    assert set(summary["proposed_by"]) == {"eagle"}
+    assert 0 < result.accepted.sum() < result.proposed
+
+
+def test_negative_control_p_before_warping_is_rejected(models, patch):
+    """Tokens drawn from the warped softmax, p reported as the plain one."""
+    correct = eagle.EagleDrafter.propose
+
+    def unwarped_p(self, state, tokens, length, key, lookahead, num_drafts, warping):
+        prop, new_state, bad = correct(self, state, tokens, length, key, lookahead, num_drafts, warping)
+        return prop._replace(p=unwarped_distributions(self, state, prop.x[:, 0], tokens, lookahead)), new_state, bad
+
+    patch([(eagle.EagleDrafter, "propose", unwarped_p)])
+    pvalue, _ = run(models, CASES["ragged_temperature_0.7_top_p_0.8_K3"], N_NEGATIVE)
+    assert pvalue < ALPHA
+
+
+def unwarped_distributions(drafter, state, x, tokens, K):
+    """softmax of the layer's logits along the chain x (teacher-forced on x itself)."""
+    positions = state.start[:, None] + jnp.arange(K + 1)[None, :]
+    after = jnp.take_along_axis(tokens, jnp.clip(positions + 1, 0, tokens.shape[1] - 1), axis=1)
+    predicted, cache = drafter.heads.eagle_step(drafter.target, state.window, after, positions, state.cache)
+    pending = state.start + state.count
+    cache = cache.with_lengths(pending)
+    feature = jnp.take_along_axis(predicted, (state.count - 1)[:, None, None], axis=1)
+    out = []
+    for j in range(K):
+        out.append(jax.nn.softmax(drafter.target.logits(feature)[:, 0], axis=-1))
+        if j < K - 1:
+            feature, cache = drafter.heads.eagle_step(drafter.target, feature, x[:, j:j + 1], (pending + j)[:, None],
+                                                      cache)
+    return jnp.stack(out, axis=1)[:, None]
+
+
+@pytest.fixture(scope="module")
+def pairs(tiny):
+    return {name: (target, init_heads(EAGLE, target.cfg, mesh_for(name)))
+            for name, (target, _) in tiny_pairs(tiny).items()}
+
+
+@pytest.mark.parametrize("mesh_name", ["1x1", "1x8"])
+def test_greedy_sps_equals_greedy_ars(pairs, mesh_name):
+    target, heads = pairs[mesh_name]
+    greedy = SamplingConfig(temperature=0, lookahead=4, max_new_tokens=64, drafter="eagle")
+    ars = specjax.generate(target, None, RAGGED, dataclasses.replace(greedy, drafter="model"))
+    sps = specjax.generate(target, heads, RAGGED, greedy)
+    assert sps.tokens == ars.tokens
+    assert sps.accepted.sum() > 0 and sps.summary()["proposed_by"].keys() == {"eagle"}
+
+
+def test_one_fused_loop_and_no_cache_copy(pairs):
+    target, heads = pairs["1x8"]
+    K = 4
+    sampling = SamplingConfig(temperature=0.8, top_p=0.9, lookahead=K, max_new_tokens=32, drafter="eagle")
+    built = program.build(target, heads, RAGGED, sampling, seed=0)
+    per_loop = fused_loop_collectives(built)
+    assert not cache_copies(built)
+    # The target's one pass (2 per layer + the embedding), and the layer's K passes (the
+    # window, then K-1 steps), each its block's 2 plus its embedding lookup's 1.
+    total = sum(n for c, n in per_loop.items() if c.kind == "all-reduce")
+    assert total == 2 * target.cfg.num_layers + 1 + K * (2 + 1), per_loop
+
+
+def run_loops(target, heads, prompts, loops):
+    """The loop state after `loops` loops (the loop body `generate` runs), at temperature 1."""
+    drafter = eagle.EagleDrafter(heads, target.packed(), 3)
+    width = max(map(len, prompts))
+    tokens = jnp.asarray([p + [0] * (width - len(p)) for p in prompts])
+    settings = speculative.Settings(3, program.warping_of(SamplingConfig(temperature=1.0)))
+    state = speculative.start(target.packed(), drafter, tokens, jnp.asarray([len(p) for p in prompts]),
+                              jax.random.key(3), settings, 64)
+    step = jax.jit(lambda s: speculative.loop(target.packed(), drafter, s, settings, jnp.int32(40), -1))
+    for _ in range(loops):
+        state = step(state)
+    return state
+
+
+def state_errors(target, heads, state) -> list[str]:
+    """Where the EAGLE state differs from the target's true features / a teacher-forced pass."""
+    st = state.drafter_state
+    out = []
+    for b in range(state.tokens.shape[0]):
+        n = int(state.length[b])
+        row = state.tokens[b:b + 1, :n]
+        _, hidden = model.full_forward(target, row, features=True)
+        start, count = int(st.start[b]), int(st.count[b])
+        if start + count != n - 1 and n > 1:  # a one-token prompt's own feature stands in before it
+            out.append(f"row {b}: start {start} + count {count} != pending {n - 1}")
+        if not np.allclose(st.window[b, :count], hidden[0, start:start + count], atol=1e-4):
+            out.append(f"row {b}: the window is not the target's features")
+        if start == 0:
+            continue  # nothing cached before the window
+        positions = jnp.arange(n - 1)[None]
+        _, fresh = heads(hidden[:, :-1], target.embed(row[:, 1:]), positions, heads.empty_cache(1, 0))
+        cached = st.cache.k[0, b, :, :start]  # [G, start, H]
+        want = jnp.swapaxes(fresh.k[0, 0, :start], 0, 1)
+        if not np.allclose(cached, want, atol=1e-4):
+            out.append(f"row {b}: the layer's cache before {start} is not its pass over the true features")
+    return out
+
+
+def test_each_loop_starts_from_the_targets_features(pairs, monkeypatch):
+    target, heads = pairs["1x1"]
+    prompts = [[5, 9, 2, 7, 1, 30], [4, 11], [8]]
+    for loops in (0, 1, 4):
+        state = run_loops(target, heads, prompts, loops)
+        assert not state_errors(target, heads, state), (loops, state_errors(target, heads, state))
+    # The wrong variant: the window keeps the layer's own predictions (its cache is not
+    # rolled back over them either), only the bookkeeping moves on.
+    stale = lambda self, state, verdict: state._replace(  # noqa: E731
+        start=jnp.maximum(verdict.length - 2 - verdict.num_accepted, 0), count=verdict.num_accepted + 1)
+    monkeypatch.setattr(eagle.EagleDrafter, "update", stale)
+    assert state_errors(target, heads, run_loops(target, heads, prompts, 4))
+
+
+def test_bad_input_names_the_problem(pairs):
+    target, heads = pairs["1x1"]
+    medusa = init_heads(HeadsConfig(num_heads=4), target.cfg, mesh_for("1x1"))
+    with pytest.raises(UsageError, match="drafter='eagle' needs an EAGLE layer .*got medusa heads"):
+        specjax.generate(target, medusa, [[1, 2]], SamplingConfig(lookahead=2, max_new_tokens=4, drafter="eagle"))
+    with pytest.raises(UsageError, match="drafter='medusa' needs Medusa heads .*got eagle heads"):
+        specjax.generate(target, heads, [[1, 2]], SamplingConfig(lookahead=2, max_new_tokens=4, drafter="medusa"))
+    with pytest.raises(ConfigError, match="num_drafts=2 with drafter='eagle'"):
+        SamplingConfig(num_drafts=2, drafter="eagle").validate()
