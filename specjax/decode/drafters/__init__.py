@@ -26,12 +26,14 @@ much to draft looks at the drafter's side only (invariant 9).
   ngram      prompt lookup in the row's own context (`lookup`)
   retrieval  a corpus's most frequent continuation (`lookup`, `datastore`)
   hybrid     per row a full-suffix lookup, else the draft model (`hybrid`)
+  medusa     heads on the target's last hidden state propose all K at once (`medusa`)
+  eagle      one layer drafts autoregressively in the target's feature space (`eagle`)
 
 A new drafter is one more class and one line in REGISTRY: a self-draft (the target's own
-int8/int4 copy, or its first N layers) is `model` over a derived LM; Medusa-style heads
-propose from the target's last hidden state (`needs_features`: `update` receives the
-scoring pass's hidden states, which the next `propose` reads from the state); EAGLE is
-an autoregressive drafter over those features, with its own cache in the state.
+int8/int4 copy, or its first N layers) is `model` over a derived LM; the heads drafters
+(`needs_heads`: the run's draft is a `specjax.heads.Heads`) read the target's hidden
+states (`needs_features`: `init_state` gets the prefill's, `update` the scoring pass's
+along the kept path).
 """
 from __future__ import annotations
 
