@@ -24,14 +24,14 @@ def pair(tiny):
     return model.init_lm(tiny.target, mesh), model.init_lm(tiny.draft, mesh)
 
 
-@pytest.mark.parametrize("drafter", ["model", "medusa"])
+@pytest.mark.parametrize("drafter", ["model", "medusa", "eagle"])
 @pytest.mark.parametrize("seed", [0, 1, 2, 3])
 def test_explain_loop_is_the_first_loop_of_generate(pair, seed, drafter):
     target, draft = pair
     sampling = SAMPLING
-    if drafter == "medusa":  # random heads on the target: the loop's first proposal is theirs
-        draft = init_heads(HeadsConfig(num_heads=K), target.cfg, mesh_for("2x4"), random=True)
-        sampling = dataclasses.replace(SAMPLING, drafter="medusa")
+    if drafter != "model":  # random heads on the target: the loop's first proposal is theirs
+        draft = init_heads(HeadsConfig(kind=drafter, num_heads=K), target.cfg, mesh_for("2x4"), random=True)
+        sampling = dataclasses.replace(SAMPLING, drafter=drafter)
     trace = specjax.explain_loop(target, draft, PROMPT, sampling, seed=seed)
     emitted = specjax.generate(target, draft, [PROMPT], sampling, seed=seed).tokens[0]
     assert emitted[:len(trace.tokens)] == trace.tokens
