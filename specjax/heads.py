@@ -29,7 +29,7 @@ import jax.numpy as jnp
 from flax import nnx
 
 from specjax import kv_cache, sharding
-from specjax.config import HeadsConfig, ModelConfig, TrainConfig
+from specjax.config import HeadsConfig, ModelConfig, TrainConfig, UsageError
 from specjax.kernels import DEFAULT as DEFAULT_KERNELS, Kernels
 from specjax.kv_cache import Fresh, KVCache
 from specjax.model import LM, Block, Keys, causal, full_forward
@@ -137,6 +137,20 @@ class Heads:
     @classmethod
     def tree_unflatten(cls, aux, children):
         return cls(aux[0], aux[1], aux[2], children[0])
+
+
+def checked(draft, target_cfg: ModelConfig, kind: str, drafter: str) -> Heads:
+    """`draft` if it is heads of `kind` made for a target as wide as `target_cfg`, else a
+    UsageError naming what was given (a drafter's `make`)."""
+    what = {"medusa": "Medusa heads (heads of kind 'medusa'", "eagle": "an EAGLE layer (heads of kind 'eagle'"}[kind]
+    if not isinstance(draft, Heads) or draft.cfg.kind != kind:
+        got = f"{draft.cfg.kind} heads" if isinstance(draft, Heads) else type(draft).__name__
+        raise UsageError(f"drafter={drafter!r} needs {what}: a config with `heads`, trained by `python -m "
+                         f"specjax.train`, or specjax.heads.init_heads), got {got}")
+    if draft.model.d_model != target_cfg.d_model:
+        raise UsageError(f"the {kind} heads were made for d_model={draft.model.d_model}, the target has "
+                         f"d_model={target_cfg.d_model}")
+    return draft
 
 
 def abstract_heads(hcfg: HeadsConfig, cfg: ModelConfig, mesh: jax.sharding.Mesh | None = None) -> Heads:

@@ -76,3 +76,13 @@ def pytest_configure(config):
 def tiny():
     from specjax.config import load_config
     return load_config("tiny")
+
+
+@pytest.fixture
+def patch(monkeypatch):
+    """patch([(module, name, value), ...]): swap functions the loop calls while it is traced
+    (`theorem1.swapper`); undone, with compiled programs dropped, after the test."""
+    from theorem1 import swapper, undo
+    swap = swapper(monkeypatch)
+    yield swap
+    undo(monkeypatch)

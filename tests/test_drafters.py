@@ -20,7 +20,7 @@ from specjax.decode import verify
 from specjax.decode.drafters import base, draft_model
 from specjax.decode.retrieval_index import Datastore
 from specjax.decode.warping import Warp, sample, warp
-from theorem1 import ALPHA, N, N_NEGATIVE, PROMPT, PROMPT_LONG, Case, make_models, run, swapper, undo
+from theorem1 import ALPHA, N, N_NEGATIVE, PROMPT, PROMPT_LONG, Case, make_models, run
 
 
 @pytest.fixture(scope="module")
@@ -38,13 +38,6 @@ def datastores(models):
     stream = np.concatenate([np.array(p + t) for p, t in zip(prompts, samples.tokens)])
     return {"samples": Datastore.build(stream, vocab_size=target.cfg.vocab_size, ngram=3, continuation=8,
                                        min_count=1)}
-
-
-@pytest.fixture
-def patch(monkeypatch):
-    swap = swapper(monkeypatch)
-    yield swap
-    undo(monkeypatch)
 
 
 CASES = {

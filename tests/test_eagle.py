@@ -31,7 +31,7 @@ from specjax.decode.drafters import eagle
 from specjax.heads import init_heads
 from conftest import mesh_for
 from models import RAGGED, cache_copies, fused_loop_collectives, tiny_pairs
-from theorem1 import ALPHA, N, N_NEGATIVE, Case, make_models, run, swapper, undo
+from theorem1 import ALPHA, N, N_NEGATIVE, Case, make_models, run
 
 EAGLE = HeadsConfig(kind="eagle", init_seed=2)
 
@@ -40,13 +40,6 @@ EAGLE = HeadsConfig(kind="eagle", init_seed=2)
 def models(tiny):
     target, _ = make_models(tiny)
     return target, init_heads(EAGLE, target.cfg, mesh_for("1x1"))
-
-
-@pytest.fixture
-def patch(monkeypatch):
-    swap = swapper(monkeypatch)
-    yield swap
-    undo(monkeypatch)
 
 
 CASES = {

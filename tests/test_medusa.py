@@ -30,7 +30,7 @@ from specjax.decode.drafters import Verdict, medusa
 from specjax.heads import init_heads
 from conftest import mesh_for
 from models import RAGGED, cache_copies, fused_loop_collectives, tiny_pairs
-from theorem1 import ALPHA, N, N_NEGATIVE, Case, make_models, run, swapper, undo
+from theorem1 import ALPHA, N, N_NEGATIVE, Case, make_models, run
 
 HEADS = HeadsConfig(num_heads=3, init_seed=4)
 
@@ -39,13 +39,6 @@ HEADS = HeadsConfig(num_heads=3, init_seed=4)
 def models(tiny):
     target, _ = make_models(tiny)
     return target, init_heads(HEADS, target.cfg, mesh_for("1x1"), random=True)
-
-
-@pytest.fixture
-def patch(monkeypatch):
-    swap = swapper(monkeypatch)
-    yield swap
-    undo(monkeypatch)
 
 
 CASES = {

@@ -28,7 +28,7 @@ from specjax.decode.warping import sample
 from specjax.weights import self_draft as self_draft_lib
 from conftest import mesh_for
 from models import numpy_params, random_lm
-from theorem1 import ALPHA, N, N_NEGATIVE, Case, run, sharpened, swapper, undo
+from theorem1 import ALPHA, N, N_NEGATIVE, Case, run, sharpened
 
 LAYERS = 3  # target layers: a draft of 1 or 2 leaves layers out on both sides of it
 
@@ -173,10 +173,8 @@ def no_ratio_test(key, x, p, q, length=None):
 
 
 @pytest.fixture
-def use_accept(monkeypatch):
-    swap = swapper(monkeypatch)
-    yield lambda accept: swap([] if accept is None else [(verify, "accept", accept)])
-    undo(monkeypatch)
+def use_accept(patch):
+    return lambda accept: patch([] if accept is None else [(verify, "accept", accept)])
 
 
 CASE = Case(1.0, 0, 1.0, 3, "ragged")

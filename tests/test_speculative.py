@@ -16,7 +16,7 @@ import pytest
 from specjax.decode import verify
 from specjax.decode.warping import sample
 from specjax.decode.verify import accept as correct_accept
-from theorem1 import ALPHA, N, N_NEGATIVE, Case, make_models, run, swapper, undo
+from theorem1 import ALPHA, N, N_NEGATIVE, Case, make_models, run
 
 
 @pytest.fixture(scope="module")
@@ -44,11 +44,9 @@ WRONG = {"no_ratio_test": no_ratio_test, "resample_from_q": resample_from_q, "bo
 
 
 @pytest.fixture
-def use_accept(monkeypatch):
-    """Swap the acceptance rule (see theorem1.swapper)."""
-    swap = swapper(monkeypatch)
-    yield lambda name: swap([] if name is None else [(verify, "accept", WRONG[name])])
-    undo(monkeypatch)
+def use_accept(patch):
+    """Swap the acceptance rule (conftest's `patch`)."""
+    return lambda name: patch([] if name is None else [(verify, "accept", WRONG[name])])
 
 
 CASES = {  # the paper's token-wise rule with the draft model

@@ -12,7 +12,7 @@ import pytest
 
 from specjax.decode import tree
 from test_tree import WRONG_RULES
-from theorem1 import ALPHA, N, N_NEGATIVE, Case, make_models, run, swapper, undo
+from theorem1 import ALPHA, N, N_NEGATIVE, Case, make_models, run
 
 
 @pytest.fixture(scope="module")
@@ -21,10 +21,8 @@ def models(tiny):
 
 
 @pytest.fixture
-def use_rule(monkeypatch):
-    swap = swapper(monkeypatch)
-    yield lambda name: swap([] if name is None else [(tree, "accept", WRONG_RULES[name])])
-    undo(monkeypatch)
+def use_rule(patch):
+    return lambda name: patch([] if name is None else [(tree, "accept", WRONG_RULES[name])])
 
 
 def tree_case(temperature, top_k, top_p, K, kind, M, drafter="model", prompts=""):

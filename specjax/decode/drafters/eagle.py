@@ -26,9 +26,10 @@ from typing import NamedTuple
 import jax
 import jax.numpy as jnp
 
-from specjax.config import SamplingConfig, UsageError
+from specjax.config import SamplingConfig
 from specjax.decode.drafters.base import SOURCES, Drafter, Proposal, Verdict
 from specjax.decode.warping import sample, warp
+from specjax import heads as heads_lib
 from specjax.heads import Heads
 from specjax.kv_cache import KVCache
 from specjax.model import LM
@@ -62,14 +63,7 @@ class EagleDrafter(Drafter):
 
     @classmethod
     def make(cls, sampling: SamplingConfig, target: LM, draft, datastore, mesh):
-        if not isinstance(draft, Heads) or draft.cfg.kind != "eagle":
-            got = f"{draft.cfg.kind} heads" if isinstance(draft, Heads) else type(draft).__name__
-            raise UsageError(f"drafter={sampling.drafter!r} needs an EAGLE layer (heads of kind 'eagle': a config "
-                             f"with HeadsConfig(kind='eagle'), trained by `python -m specjax.train`), got {got}")
-        if draft.model.d_model != target.cfg.d_model:
-            raise UsageError(f"the EAGLE layer was made for d_model={draft.model.d_model}, the target has "
-                             f"d_model={target.cfg.d_model}")
-        return cls(draft, target, sampling.lookahead)
+        return cls(heads_lib.checked(draft, target.cfg, "eagle", sampling.drafter), target, sampling.lookahead)
 
     def init_state(self, prompts, prompt_lens, size, num_drafts, features=None) -> EagleState:
         batch, width = prompts.shape

@@ -26,6 +26,7 @@ import jax.numpy as jnp
 from specjax.config import SamplingConfig, UsageError
 from specjax.decode.drafters.base import SOURCES, Drafter, Proposal, Verdict, point_mass
 from specjax.decode.warping import sample, warp
+from specjax import heads as heads_lib
 from specjax.heads import Heads
 from specjax.model import LM
 
@@ -45,13 +46,7 @@ class MedusaDrafter(Drafter):
 
     @classmethod
     def make(cls, sampling: SamplingConfig, target: LM, draft, datastore, mesh):
-        if not isinstance(draft, Heads) or draft.cfg.kind != "medusa":
-            got = f"{draft.cfg.kind} heads" if isinstance(draft, Heads) else type(draft).__name__
-            raise UsageError(f"drafter={sampling.drafter!r} needs Medusa heads (specjax.heads.Heads of kind 'medusa': "
-                             f"a config with `heads`, trained by `python -m specjax.train`, or init_heads), got {got}")
-        if draft.model.d_model != target.cfg.d_model:
-            raise UsageError(f"the heads were made for d_model={draft.model.d_model}, the target has "
-                             f"d_model={target.cfg.d_model}")
+        draft = heads_lib.checked(draft, target.cfg, "medusa", sampling.drafter)
         if sampling.lookahead > draft.cfg.num_heads:
             raise UsageError(f"lookahead={sampling.lookahead} with drafter={sampling.drafter!r}: the heads propose "
                              f"at most {draft.cfg.num_heads} tokens a loop (num_heads={draft.cfg.num_heads})")
