@@ -48,7 +48,7 @@ def define_flags() -> None:
     flags.DEFINE_integer("repeats", 20, "Repeats for the single-pass timings.")
     flags.DEFINE_string("verify", None, "Comma-separated acceptance rules to compare (block, tokenwise; default: "
                         "the config's).")
-    flags.DEFINE_string("drafter", None, "Comma-separated drafters to compare (model, ngram, retrieval, hybrid; "
+    flags.DEFINE_string("drafter", None, "Comma-separated drafters to compare (model, ngram, retrieval, hybrid, medusa, eagle; "
                         "default: the config's).")
     flags.DEFINE_string("draft_confidence", None, "Comma-separated adaptive-length thresholds in [0, 1) to compare "
                         "(0 = fixed K; default: the config's).")

@@ -280,8 +280,8 @@ class SamplingConfig:
                               "verified node by node, so its compile time grows with it)")
         if self.num_drafts > 1 and self.drafter not in SEVERAL_CHAINS:
             raise ConfigError(f"num_drafts={self.num_drafts} with drafter={self.drafter!r}: several drafts are "
-                              f"independent draws, so they need drafter {', '.join(map(repr, SEVERAL_CHAINS))} (a "
-                              "lookup proposes one chain)")
+                              f"independent draws, so they need drafter {', '.join(map(repr, SEVERAL_CHAINS[:-1]))} "
+                              f"or {SEVERAL_CHAINS[-1]!r} (a lookup proposes one chain)")
         return self
 
     def check_context(self, context: int) -> "SamplingConfig":
