@@ -128,13 +128,17 @@ def main(argv):
     target, draft = weights.load(mesh, need_draft=need_draft, quantize=cli.quantize())
     if specs and need_draft:  # every self-draft made of the one target's arrays
         draft = {spec.text: self_draft.self_draft(target, spec) for spec in specs}
+    heads = {kind: weights.heads(target, mesh, kind) for kind in need_heads}
+    if "medusa" in heads and max(ks) > heads["medusa"].cfg.num_heads:  # before any timing, not at that K
+        raise UsageError(f"--lookahead={','.join(map(str, ks))}: the Medusa heads propose at most "
+                         f"{heads['medusa'].cfg.num_heads} tokens a loop (num_heads={heads['medusa'].cfg.num_heads})")
     report = {"config": config.name, **{k: v for k, v in sources.named().items() if k != "self_draft"},
               **({"self_draft": [s.text for s in specs]} if specs else {}),
               "machine": f"{jax.device_count()}x {jax.devices()[0].device_kind}",
               "init": FLAGS.init, "quantize": FLAGS.quantize,
               "prompts": FLAGS.prompts_file or (FLAGS.prompts if tokenizer is not None else "random ids"),
               **timing.bench(target, draft, prompts, base, ks, batch_sizes, repeats, seed, variants=variants,
-                             datastore=store, heads={kind: weights.heads(target, mesh, kind) for kind in need_heads})}
+                             datastore=store, heads=heads)}
     sys.stdout.flush()
     if FLAGS.json:
         output.save(FLAGS.json, json.dumps(report, indent=1), "--json")

@@ -35,6 +35,20 @@ def test_bench_writes_json_and_png(tmp_path):
     assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
 
 
+def test_bench_compares_draft_heads(tmp_path):
+    """Random Medusa heads (a chain and a tree) and a random EAGLE layer (a chain only)."""
+    out = tmp_path / "bench.json"
+    env = dict(os.environ, XLA_FLAGS="--xla_force_host_platform_device_count=1", JAX_PLATFORMS="cpu")
+    proc = subprocess.run([sys.executable, "-m", "specjax.bench", "--config=tiny", "--init=random", "--lookahead=2",
+                           "--num_prompts=1", "--prompt_len=5", "--max_new_tokens=8", "--repeats=1",
+                           "--drafter=medusa,eagle", "--num_drafts=1,2", f"--json={out}"],
+                          capture_output=True, text=True, env=env, timeout=600)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    rows = json.loads(out.read_text())["sps"]
+    assert [(row["drafter"], row["num_drafts"]) for row in rows] == [("medusa", 1), ("medusa", 2), ("eagle", 1)]
+    assert all(row["tokens_per_loop"] >= 1 for row in rows)
+
+
 @pytest.mark.parametrize("args, fragment", [
     (["--lookahead=0,2"], "--lookahead='0,2'"),
     (["--num_prompts=0"], "--num_prompts=0: must be a positive integer"),
@@ -61,6 +75,8 @@ def test_bench_writes_json_and_png(tmp_path):
     (["--self_draft=int4+int8"], "a quantized form given twice"),
     (["--self_draft=int4", "--quantize=int4"], "--self_draft='int4' with --quantize=int4: the target is int4 already"),
     (["--self_draft=layers:1", "--hf_draft=/tmp"], "--self_draft='layers:1' and --hf_draft both name the draft"),
+    (["--drafter=medusa", "--lookahead=2,5"], "--lookahead=2,5: the Medusa heads propose at most 4 tokens a loop"),
+    (["--drafter=eagle", "--num_drafts=2"], "leave nothing to compare"),
 ])
 def test_bench_rejects_bad_input_before_any_work(args, fragment):
     init = [] if any(a.startswith("--init=") for a in args) else ["--init=random"]
