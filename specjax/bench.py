@@ -81,13 +81,16 @@ def main(argv):
     for spec in specs:
         self_draft.check_quantize(spec, cli.quantize())
     target, draft = sources.imported()
-    config = each[0].configure(cli.config())  # the other items differ only in their self-draft:
+    config = cli.config()
+    names = cli.choices("drafter", FLAGS.drafter, config.sampling.drafter, DRAFTERS)
+    # --draft_checkpoint names the heads where every drafter compared draws from heads.
+    heads_only = all(drafters.draft_kind(name) == "heads" for name in names)
+    config = each[0].configure(config, heads=heads_only)  # the other items differ only in their self-draft:
     for spec in specs[1:]:  # each checked against the target's layers, as configure checks the first
         spec.check(config.target.num_layers)
     base = config.sampling if FLAGS.ngram is None else dataclasses.replace(config.sampling, ngram=FLAGS.ngram)
     variants = timing.variants(  # validated at the largest K measured
-        dataclasses.replace(base, lookahead=max(ks + [base.lookahead])),
-        cli.choices("drafter", FLAGS.drafter, base.drafter, DRAFTERS),
+        dataclasses.replace(base, lookahead=max(ks + [base.lookahead])), names,
         cli.choices("verify", FLAGS.verify, base.verify, VERIFY_RULES),
         cli.unit_interval_list("draft_confidence", FLAGS.draft_confidence, base.draft_confidence),
         [base.num_drafts] if FLAGS.num_drafts is None else cli.int_list("num_drafts", FLAGS.num_drafts))

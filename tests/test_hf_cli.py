@@ -5,6 +5,7 @@ own tokenizer and on a 1x8 mesh; and every bad directory or flag combination is 
 line on stderr with exit code 2, before anything is compiled."""
 from __future__ import annotations
 
+import dataclasses
 import importlib.util
 import json
 import pathlib
@@ -98,6 +99,35 @@ def test_ngram_drafting_needs_no_draft_directory(env, tmp_path):
     out = {r["mode"]: r for r in records(tmp_path / "out.jsonl")}
     assert out["sps"]["tokens"] == out["ars"]["tokens"] == expected
     assert out["sps"]["stats"]["proposed"] > 0  # the lookup did propose
+
+
+@pytest.mark.parametrize("kind", ["medusa", "eagle"])
+def test_draft_heads_on_an_imported_target(env, tmp_path, kind):
+    """Heads saved for the directory's model shape load by --draft_checkpoint next to
+    --hf_target (its draft is the heads, not another directory), and greedy SpS gives
+    transformers' greedy tokens; heads made for another width are refused in one line."""
+    import jax
+    from specjax import sharding
+    from specjax.config import HeadsConfig
+    from specjax.heads import init_heads
+    from specjax.weights import checkpoint, hf
+    cfg = hf.read_config(FIXTURES / "pair_target").model
+    mesh = sharding.make_mesh(devices=jax.devices()[:1])
+    checkpoint.save_heads(init_heads(HeadsConfig(kind=kind, num_heads=3), cfg, mesh, random=True), tmp_path / "heads")
+    prompt, expected = greedy_reference("pair_target")
+    proc = sample(env, f"--hf_target={FIXTURES / 'pair_target'}", "--mode=both", f"--drafter={kind}",
+                  f"--draft_checkpoint={tmp_path / 'heads'}", "--lookahead=3", "--temperature=0",
+                  "--max_new_tokens=16", "--noprint_samples", f"--prompt_tokens={','.join(map(str, prompt))}",
+                  f"--output={tmp_path / 'out.jsonl'}")
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    out = {r["mode"]: r for r in records(tmp_path / "out.jsonl")}
+    assert out["sps"]["tokens"] == out["ars"]["tokens"] == expected
+    wide = dataclasses.replace(cfg, d_model=2 * cfg.d_model)
+    checkpoint.save_heads(init_heads(HeadsConfig(kind=kind), wide, mesh, random=True), tmp_path / "wide")
+    proc = sample(env, f"--hf_target={FIXTURES / 'pair_target'}", f"--drafter={kind}", "--lookahead=3",
+                  "--max_new_tokens=8", f"--draft_checkpoint={tmp_path / 'wide'}",
+                  f"--prompt_tokens={','.join(map(str, prompt))}")
+    assert_one_line(proc, 2, ["d_model=", "(checkpoint) vs"], program="sample")
 
 
 def test_eos_id_minus_1_never_stops_where_the_directory_has_an_eos(env, tmp_path):

@@ -147,15 +147,18 @@ class Sources:
         return self_draft_spec(self.self_draft, hf_draft=self.hf_draft, gguf_draft=self.gguf_draft,
                                draft_checkpoint=self.draft_checkpoint)
 
-    def configure(self, config: Config) -> Config:
+    def configure(self, config: Config, heads: bool = False) -> Config:
         """`config` with the imported models (read from their own config files) and the
         self-draft in place of its draft; conflicting flags fail here, before any weights
         are looked for. Every process reads the imported files itself (each loads its own
-        slices), so every process checks them, and all stop if one cannot."""
+        slices), so every process checks them, and all stop if one cannot. With `heads`
+        (the drafter draws from draft heads), --draft_checkpoint names the heads, which
+        go with an imported target too."""
         spec = self.self_draft_spec()
         config = distributed.everywhere(lambda: with_hf_models(
             config, self.hf_target, self.hf_draft, init=self.init, checkpoint=self.checkpoint,
-            draft_checkpoint=self.draft_checkpoint, gguf_target=self.gguf_target, gguf_draft=self.gguf_draft))
+            draft_checkpoint=None if heads else self.draft_checkpoint, gguf_target=self.gguf_target,
+            gguf_draft=self.gguf_draft))
         return with_self_draft(config, spec)
 
     def locate(self, config: Config, *, need_draft: bool, train_missing: bool,

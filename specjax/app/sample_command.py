@@ -134,7 +134,7 @@ def gather_and_check(req: Request):
 
 def run(req: Request) -> None:
     distributed.maybe_initialize()
-    req = dataclasses.replace(req, config=req.sources.configure(req.config))
+    req = dataclasses.replace(req, config=req.sources.configure(req.config, heads=need_draft(req) not in ("model", None)))
     check(req)
     cli.use_compilation_cache()
     # Host inputs are read by process 0 and shared: one answer (or one error) everywhere.

@@ -171,8 +171,8 @@ def evaluate(config, task: str, *, limit=None, num_samples: int, ks: Sequence[in
     and still scores what finished (result['interrupted']). The weights come from
     `sources` (checkpoints, Hugging Face directories, GGUF files, a self-draft), as in
     `sample`."""
-    config = sources.configure(config)
     kind = drafters.draft_kind(config.sampling.drafter)  # SpS draws from a draft model, heads, or a lookup
+    config = sources.configure(config, heads=kind == "heads")
     if kind == "model" and config.draft is None:
         what = "the Hugging Face or GGUF target has" if sources.imported()[0] else f"config {config.name!r} has"
         raise UsageError(f"{what} no draft model, and evaluate compares ArS with SpS: name one with --hf_draft=DIR, "

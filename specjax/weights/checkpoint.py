@@ -307,6 +307,15 @@ def _newest_step(directory, name: str, step: int | None = None) -> tuple[Checkpo
     return ckpt, steps[-1] if step is None else step
 
 
+def save_heads(heads: Heads, directory, step: int = 0, config_name: str = "") -> None:
+    """Write draft heads as step `step` (no optimizer state), as training writes them:
+    `load_heads` and `--draft_checkpoint` read them back."""
+    with Checkpoints(directory, async_save=False) as ckpt:
+        ckpt.save(step, heads.params, model_meta(kv_heads.original(heads.model), config_name,
+                                                 heads=dataclasses.asdict(heads.cfg)))
+        ckpt.wait()
+
+
 def load_heads(target_cfg: ModelConfig, mesh: jax.sharding.Mesh, directory, config_name: str | None = None) -> Heads:
     """Draft heads (`specjax.heads`) of the newest step in `directory`, restored onto
     `mesh`, as their checkpoint describes them; it must have been trained on a target of
