@@ -52,9 +52,9 @@ def define_flags() -> None:
     cli.define_quantize_flag()
     flags.DEFINE_integer("num_drafts", 1, "Also compile the tree loop with this many draft chains (> 1) and "
                          "report its scoring pass against the chain's.")
-    flags.DEFINE_string("heads", None, "Also compile SpS drafting with random draft heads on the target and report "
-                        "their collectives per loop: 'medusa:N' (N Medusa heads; 'medusa': 4), 'eagle' (one EAGLE "
-                        "layer), or 'config' (the config's own heads).")
+    flags.DEFINE_string("drafter", None, "Also compile SpS drafting with random draft heads on the target and report "
+                        "their collectives per loop: 'medusa' (the config's Medusa heads, else 4), 'medusa:N' (N "
+                        "heads) or 'eagle' (one EAGLE layer). Default: the config's draft model only.")
     flags.DEFINE_bool("licm", False, "Keep XLA's while-loop-invariant-code-motion pass (XLA:CPU then hoists "
                       "the f32 copy of the stacked weights out of the layer loop; unrealistic temporaries).")
 
@@ -74,22 +74,22 @@ def configure_xla(devices: int, licm: bool) -> None:
 
 
 def parse_heads(text, cfg) -> HeadsConfig | None:
-    """--heads: None, 'medusa[:N]', 'eagle' or 'config' -> the HeadsConfig to plan with."""
+    """--drafter: None, 'medusa[:N]' or 'eagle' -> the HeadsConfig to plan with (the
+    config's own where it has heads of that kind and no N is given)."""
     if text is None:
         return None
-    if text == "config":
-        if cfg.heads is None:
-            raise UsageError(f"--heads=config: --config={cfg.name} has no heads (name them: medusa:N or eagle)")
-        return cfg.heads
     kind, _, count = text.partition(":")
     try:
+        if kind in ("medusa", "eagle") and not count and cfg.heads is not None and cfg.heads.kind == kind:
+            return cfg.heads
         if kind == "eagle" and not count:
             return HeadsConfig(kind="eagle").validate()
         if kind == "medusa":
             return HeadsConfig(kind="medusa", num_heads=int(count) if count else 4).validate()
     except (ValueError, UsageError):
         pass
-    raise UsageError(f"--heads={text!r}: expected medusa:N (N in 1..64), medusa, eagle or config")
+    raise UsageError(f"--drafter={text!r}: expected medusa, medusa:N (N in 1..64) or eagle (the config's draft "
+                     "model is always planned)")
 
 
 def main(argv):
@@ -101,7 +101,7 @@ def main(argv):
     num_drafts = cli.positive("num_drafts", FLAGS.num_drafts)
     if num_drafts > 1 and cfg.draft is None:
         raise UsageError(f"--num_drafts={num_drafts}: --config={FLAGS.config} has no draft model to draw chains from")
-    heads = parse_heads(FLAGS.heads, cfg)
+    heads = parse_heads(FLAGS.drafter, cfg)
     output.check_writable(FLAGS.json, "--json")
     configure_xla(data * model, FLAGS.licm)
     jax.config.update("jax_platforms", "cpu")

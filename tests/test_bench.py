@@ -35,6 +35,7 @@ def test_bench_writes_json_and_png(tmp_path):
     assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
 
 
+@pytest.mark.slow
 def test_bench_compares_draft_heads(tmp_path):
     """Random Medusa heads (a chain and a tree) and a random EAGLE layer (a chain only)."""
     out = tmp_path / "bench.json"

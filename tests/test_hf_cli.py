@@ -101,7 +101,7 @@ def test_ngram_drafting_needs_no_draft_directory(env, tmp_path):
     assert out["sps"]["stats"]["proposed"] > 0  # the lookup did propose
 
 
-@pytest.mark.parametrize("kind", ["medusa", "eagle"])
+@pytest.mark.parametrize("kind", [pytest.param("medusa", marks=pytest.mark.slow), "eagle"])
 def test_draft_heads_on_an_imported_target(env, tmp_path, kind):
     """Heads saved for the directory's model shape load by --draft_checkpoint next to
     --hf_target (its draft is the heads, not another directory), and greedy SpS gives

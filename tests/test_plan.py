@@ -316,8 +316,8 @@ def test_plan_duplicates_kv_heads_on_a_wider_model_axis_and_sizes_another_chip(t
     (["--mesh=1x"], "--mesh='1x': expected DATAxMODEL"),
     (["--batch=0"], "--batch=0: must be a positive integer"),
     (["--num_drafts=0"], "--num_drafts=0: must be a positive integer"),
-    (["--heads=medusa:0"], "--heads='medusa:0': expected medusa:N (N in 1..64), medusa, eagle or config"),
-    (["--heads=config"], "--heads=config: --config=tiny has no heads"),
+    (["--drafter=medusa:0"], "--drafter='medusa:0': expected medusa, medusa:N (N in 1..64) or eagle"),
+    (["--drafter=ngram"], "--drafter='ngram': expected medusa"),
 ])
 def test_plan_rejects_bad_flags_before_compiling(args, fragment):
     proc = subprocess.run([sys.executable, "-m", "specjax.plan", "--config=tiny", *args], cwd=REPO,
@@ -567,13 +567,14 @@ def test_plan_of_quantized_models_counts_their_bytes(tmp_path):
     assert reports["int4"]["setup"]["quantize"] == "int4"
 
 
-@pytest.mark.parametrize("heads, program, extra", [("medusa:3", "sps_medusa", 1), ("eagle", "sps_eagle", 4 * 3)])
+@pytest.mark.parametrize("heads, program, extra", [pytest.param("medusa:3", "sps_medusa", 1, marks=pytest.mark.slow),
+                                                   ("eagle", "sps_eagle", 4 * 3)])
 def test_plan_compiles_the_loop_with_draft_heads_and_counts_their_all_reduces(tmp_path, heads, program, extra):
     """tiny on 1x8, K=4: Medusa's heads add one all-reduce to the target's pass (2 per layer
     + the embedding); the EAGLE layer's K passes add 3 each (its block's 2 and the
     embedding of the token it reads)."""
     out = tmp_path / "plan.json"
-    proc = subprocess.run([sys.executable, "-m", "specjax.plan", "--config=tiny", "--mesh=1x8", f"--heads={heads}",
+    proc = subprocess.run([sys.executable, "-m", "specjax.plan", "--config=tiny", "--mesh=1x8", f"--drafter={heads}",
                            f"--json={out}"], cwd=REPO, capture_output=True, text=True, timeout=600)
     assert proc.returncode == 0, proc.stderr[-3000:]
     report = json.loads(out.read_text())

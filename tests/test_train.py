@@ -403,6 +403,7 @@ def test_heads_learn_the_frozen_targets_later_tokens(heads_reference, reference)
     assert meta["model"] == dataclasses.asdict(load_config("tiny").target)
 
 
+@pytest.mark.slow  # the trainer's resume path is the model's, tested by default above
 def test_heads_resume_exactly_after_kill_9(env, reference, heads_reference, tmp_path):
     kind, heads_reference = heads_reference
     if kind != "medusa":
