@@ -32,7 +32,7 @@ from specjax import kv_cache, sharding
 from specjax.config import HeadsConfig, ModelConfig, TrainConfig, UsageError
 from specjax.kernels import DEFAULT as DEFAULT_KERNELS, Kernels
 from specjax.kv_cache import Fresh, KVCache
-from specjax.model import LM, Block, Keys, causal, full_forward
+from specjax.model import LM, Block, Keys, cache_limit, causal, full_forward, ordered_after
 
 
 class MedusaHeads(nnx.Module):
@@ -85,11 +85,8 @@ class EagleHead(nnx.Module):
         x = features.astype(ct) @ self.w_feature.value.astype(ct) + embedded.astype(ct) @ self.w_token.value.astype(ct)
         T = x.shape[1]
         visible = causal(T) if visible is None else visible
-        limit = jnp.clip(jnp.minimum(cache.lengths, positions[:, 0]), 0, cache.size).astype(jnp.int32)
-        x, k, v = self.block(x, positions, cache.k, cache.v, None, 0, limit, visible, kernels)
-        # As the target's forward: the zero term orders a commit of k, v after the reads.
-        tie = 0 * jnp.sum(x, axis=(1, 2)).astype(k.dtype)[:, None, None, None]
-        return x, Fresh((k + tie)[None], (v + tie)[None])
+        x, k, v = self.block(x, positions, cache.k, cache.v, None, 0, cache_limit(cache, positions), visible, kernels)
+        return x, Fresh(*ordered_after(k[None], v[None], x))
 
 
 MODULES = {"medusa": MedusaHeads, "eagle": EagleHead}
@@ -163,7 +160,8 @@ def abstract_heads(hcfg: HeadsConfig, cfg: ModelConfig, mesh: jax.sharding.Mesh 
 
 
 def init_heads(hcfg: HeadsConfig, cfg: ModelConfig, mesh: jax.sharding.Mesh, *, random: bool = False) -> Heads:
-    """New heads, created sharded: zero blocks (training's start), or random (`random`)."""
+    """New heads, created sharded: Medusa's zero blocks (training's start) or random ones
+    (`random`); an EAGLE layer is random either way (a zero layer would pass no feature on)."""
     abstract = abstract_heads(hcfg, cfg, mesh)
     shardings = sharding.param_shardings(abstract.params, mesh)
     module = MODULES[hcfg.kind]

@@ -375,7 +375,7 @@ class Transformer(nnx.Module):
         x = self.embed_tokens(tokens)
         visible = causal(T) if visible is None else jnp.asarray(visible, bool)
         # The cache part: entries before the pass's first position that the row holds.
-        limit = jnp.clip(jnp.minimum(cache.lengths, positions[:, 0]), 0, cache.size).astype(jnp.int32)
+        limit = cache_limit(cache, positions)
         table = cache.position_table
         if table is None:  # no table carried (prefill, training): computed here, for the pass's distances too
             table = self.position_table(max(cache.size, T))
@@ -405,16 +405,26 @@ class Transformer(nnx.Module):
             k, v = (jnp.stack(a) for a in zip(*kv))
         x = self.final_norm(x)
         logits = self.logits(x, kernels)
-        # A zero term ties the pass's keys/values to its final hidden states, which depend on
-        # every layer's read of the cache, so a commit that writes them into the cache is
-        # ordered after those reads and done in place. Untied, XLA copied the loop-carried
-        # cache every step to keep the reads safe (an optimization barrier did not order
-        # them on XLA:CPU). Per row: no collective; a row whose state is not finite stops.
-        tie = 0 * jnp.sum(x, axis=(1, 2)).astype(k.dtype)[None, :, None, None, None]
-        k, v = (sharding.constrain(a + tie, kv_cache.FRESH_AXES) for a in (k, v))
+        k, v = ordered_after(k, v, x)
         # The hidden states stay whole rows (like the residual stream): a consumer that
         # wanted them split over 'model' would otherwise split the pass's own activations.
         return logits, Fresh(k, v, sharding.constrain(x, ("batch", None, "embed")) if features else None)
+
+
+def cache_limit(cache: KVCache, positions: jax.Array) -> jax.Array:
+    """[B] the cache entries a pass at `positions` reads: those before its first position
+    that the row holds."""
+    return jnp.clip(jnp.minimum(cache.lengths, positions[:, 0]), 0, cache.size).astype(jnp.int32)
+
+
+def ordered_after(k: jax.Array, v: jax.Array, x: jax.Array) -> tuple[jax.Array, jax.Array]:
+    """A pass's keys/values [L, B, T, G, H] tied by a zero term to its final hidden states
+    x [B, T, D], which depend on every layer's read of the cache, so a commit that writes
+    them into the cache is ordered after those reads and done in place. Untied, XLA copied
+    the loop-carried cache every step to keep the reads safe (an optimization barrier did
+    not order them on XLA:CPU). Per row: no collective; a row whose state is not finite stops."""
+    tie = 0 * jnp.sum(x, axis=(1, 2)).astype(k.dtype)[None, :, None, None, None]
+    return tuple(sharding.constrain(a + tie, kv_cache.FRESH_AXES) for a in (k, v))
 
 
 def stacked_layers(stacked) -> int:
