@@ -21,7 +21,7 @@ from specjax.decode import program
 from specjax.decode.retrieval_index import Datastore
 from specjax.model import init_lm
 from specjax.sharding import make_mesh
-from specjax.training import trainer
+from specjax.training.corpus import load_corpus
 
 flags.DEFINE_string("config", "tiny", "Config whose target and draft are compiled.")
 flags.DEFINE_list("trees", ["1x4", "2x4", "4x4", "8x4"], "Trees as MxK (1xK: a chain).")
@@ -54,7 +54,7 @@ def main(argv):
                           "compile_s": round(compile_seconds(target, draft, drafter="ngram", ngram=n), 2)}),
               flush=True)
     if FLAGS.datastore_ngrams:
-        tokens = trainer.load_corpus(config).train
+        tokens = load_corpus(config).train
         for n in map(int, FLAGS.datastore_ngrams):
             start = time.perf_counter()
             store = Datastore.build(tokens, vocab_size=config.target.vocab_size, ngram=n)

@@ -23,7 +23,8 @@ from specjax.app import cli, output
 from specjax.app.locate import Weights, train_command
 from specjax.config import MAX_NGRAM, UsageError, load_config, user_path
 from specjax.decode.retrieval_index import Datastore, file_sha256
-from specjax.training import data, trainer
+from specjax.training import data
+from specjax.training.corpus import load_corpus
 from specjax.weights import checkpoint as ckpt_lib
 
 FLAGS = flags.FLAGS
@@ -78,7 +79,7 @@ def main(argv):
         if tokenizer is None:
             raise UsageError(f"{weights.no_tokenizer_reason}: the datastore must use the target's tokenizer")
     start = time.perf_counter()
-    corpus = trainer.load_corpus(source, teacher_tokenizer=tokenizer)
+    corpus = load_corpus(source, teacher_tokenizer=tokenizer)
     tokens = np.concatenate([corpus.train, corpus.val]) if FLAGS.include_validation else corpus.train
     read_seconds = time.perf_counter() - start
     store = Datastore.build(tokens, vocab_size=config.target.vocab_size, ngram=FLAGS.ngram,

@@ -21,6 +21,7 @@ from specjax import distributed
 from specjax.app import cli
 from specjax.config import UsageError
 from specjax.training import trainer
+from specjax.training.export import export_hf
 
 FLAGS = flags.FLAGS
 
@@ -64,7 +65,7 @@ def main(argv):
     if result.stopped_by:
         sys.exit({"SIGTERM": 143, "SIGINT": 130}[result.stopped_by])
     if FLAGS.export_hf is not None:
-        print(f"exported to {trainer.export_hf(config, result.workdir, FLAGS.export_hf)}")
+        print(f"exported to {export_hf(config, result.workdir, FLAGS.export_hf)}")
 
 
 if __name__ == "__main__":

@@ -6,11 +6,8 @@ Exact resume needs no data-loader or RNG state: batch `s` is a pure function of
 (train.seed, s) (`data.get_batch`) and the model has no dropout, so restoring
 (step, params, optimizer state) replays an uninterrupted run bit for bit.
 
-Data: configs with `tokenizer_vocab > 0` train a SentencePiece model on `train.corpus`
-(default: the standard library's sources) and tokenise the corpus once into a cached
-array. Configs without a tokenizer (`tiny`, vocab 32) train on `synthetic_tokens`: a
-fixed random Markov chain over the vocabulary, cheap to make and far from uniform, so
-losses fall quickly and the tests have something to learn.
+Data: `corpus` (the token streams and their batches on the mesh); the workdir (its lock,
+the metrics log, stop requests): `workdir`; export to Hugging Face: `export`.
 
 Distillation (Chen et al.'s draft is a small model trained on the target's data;
 distilling it from the target raises acceptance): `train.teacher` names a config whose
@@ -31,8 +28,6 @@ records of an uninterrupted one. metrics.jsonl records: {'kind': 'train', 'step'
 (distilling), 'grad_norm', 'lr', 'tokens_per_s'}, {'kind': 'val', 'step', 'val_loss',
 'val_kl'}, {'kind': 'event', 'step', 'event': start | resume | stopped | done}.
 
-One run per workdir: `WorkdirLock` refuses a second writer.
-
 Several processes: each builds only its own rows of every batch
 (`jax.make_array_from_process_local_data`), only process 0 locks the workdir and writes
 metrics and the tokenizer copy, orbax coordinates the checkpoint writes, and JAX's
@@ -41,167 +36,27 @@ preemption sync point makes all processes stop at the same step.
 from __future__ import annotations
 
 import dataclasses
-import fcntl
-import json
 import math
-import os
 import pathlib
 import signal
-import tempfile
 import time
 from typing import Any, Optional
 
 import jax
-import jax.numpy as jnp
 import numpy as np
 import optax
 from flax import nnx
 from tqdm import tqdm
 
-from specjax import distributed, kv_heads, sharding
-from specjax.training import data
+from specjax import kv_heads, sharding
+from specjax.training.corpus import Batches, load_corpus
 from specjax.training.losses import make_loss
+from specjax.training.workdir import METRICS_FILE, MetricsLog, StopRequest, WorkdirLock
 from specjax.weights import checkpoint
-from specjax.config import (Config, ConfigError, TrainConfig, UsageError, cache_dir, is_remote, load_config,
-                            user_path)
+from specjax.config import Config, ConfigError, TrainConfig, load_config, user_path
 from specjax.heads import Heads, abstract_heads, heads_loss, init_heads
 from specjax.model import LM, abstract_lm, init_lm
 from specjax.weights.tokenizer import Tokenizer
-
-METRICS_FILE = "metrics.jsonl"
-SYNTHETIC_TOKENS = 1 << 20
-
-
-# --------------------------------------------------------------------------- data
-
-
-def synthetic_tokens(vocab_size: int, num_tokens: int = SYNTHETIC_TOKENS, seed: int = 0) -> np.ndarray:
-    """A token stream for configs without a tokenizer: 1024 chains of a first-order
-    Markov process whose transition rows are Dirichlet(0.1) draws (a few likely
-    successors per token, entropy well below log V), concatenated. Fixed by (vocab, seed),
-    so a teacher and its student see the same language."""
-    rng = np.random.default_rng([seed, vocab_size])
-    transitions = rng.dirichlet(np.full(vocab_size, 0.1), size=vocab_size)
-    cumulative = np.cumsum(transitions, axis=1)
-    chains, length = 1024, -(-num_tokens // 1024)
-    out = np.empty((chains, length), np.int32)
-    out[:, 0] = rng.integers(0, vocab_size, chains)
-    uniforms = rng.random((length, chains))
-    for t in range(1, length):
-        rows = cumulative[out[:, t - 1]]
-        out[:, t] = np.minimum((rows < uniforms[t][:, None]).sum(axis=1), vocab_size - 1)
-    return out.reshape(-1)[:num_tokens]
-
-
-@dataclasses.dataclass
-class Corpus:
-    train: np.ndarray
-    val: np.ndarray
-    tokenizer_file: Optional[pathlib.Path]  # None: synthetic data
-    description: str
-
-
-def load_corpus(config: Config, teacher_tokenizer=None, progress: bool = True) -> Corpus:
-    """Token streams for `config` (see the module docstring). With a teacher, the
-    teacher's own tokenizer is used: draft and target must share one."""
-    tc = config.train
-    vocab = config.target.vocab_size
-    if not config.tokenizer_vocab:
-        tokens = synthetic_tokens(vocab)
-        train, val = data.split_train_val(tokens, tc.val_fraction)
-        return Corpus(train, val, None, f"synthetic Markov chain, {len(tokens):,} tokens, vocab {vocab}")
-    try:
-        files = data.resolve_corpus(tc.corpus)
-    except ValueError as e:
-        raise UsageError(f"train.corpus: {e}") from e
-    store = cache_dir() / "data"
-    if teacher_tokenizer is not None:
-        tokenizer = teacher_tokenizer
-    else:
-        tokenizer = data.build_or_load_tokenizer(files, store, config.tokenizer_vocab)
-    if tokenizer.vocab_size != vocab:
-        raise ConfigError(f"tokenizer {tokenizer.path} has {tokenizer.vocab_size} pieces but "
-                          f"target.vocab_size={vocab}")
-    tokens = data.build_token_cache(files, tokenizer, store, progress)
-    train, val = data.split_train_val(tokens, tc.val_fraction)
-    # A Hugging Face teacher's tokenizer stays in its directory (an export copies it from there).
-    own = isinstance(tokenizer, Tokenizer)
-    return Corpus(train, val, pathlib.Path(tokenizer.path) if own else None,
-                  f"{tc.corpus}: {len(files):,} files, {len(tokens):,} tokens, tokenizer {tokenizer.path.name}")
-
-
-def _row_block(batch_sharding, global_shape) -> tuple[int, int]:
-    """(block index, number of blocks) of the batch rows this process feeds: the rows
-    its devices hold under `batch_sharding` (all rows when 'data' does not split them)."""
-    index_map = batch_sharding.addressable_devices_indices_map(global_shape)
-    starts = [idx[0].start or 0 for idx in index_map.values()]
-    stops = [global_shape[0] if idx[0].stop is None else idx[0].stop for idx in index_map.values()]
-    lo, hi = min(starts), max(stops)
-    per = hi - lo
-    if global_shape[0] % per or lo % per:
-        raise ConfigError(f"batch of {global_shape[0]} rows cannot be split evenly over processes "
-                          f"(this process holds rows {lo}..{hi})")
-    return lo // per, global_shape[0] // per
-
-
-def check_stream_lengths(train_tokens: int, val_tokens: int, tc: TrainConfig) -> None:
-    """Both streams must hold one window of seq_len + 1 tokens; the advice names the
-    val_fraction that would fix a short one (smaller for train, larger for validation)."""
-    need, total = tc.seq_len + 1, train_tokens + val_tokens
-    if train_tokens >= need and val_tokens >= need:
-        return
-    name, have = ("train", train_tokens) if train_tokens < need else ("validation", val_tokens)
-    problem = (f"the {name} stream has {have:,} tokens (train.val_fraction={tc.val_fraction} of {total:,}), "
-               f"fewer than train.seq_len + 1 = {need}")
-    if total < 2 * need + 2:
-        raise UsageError(f"{problem}; the corpus is too small for a train and a validation window of {need} "
-                         f"tokens each: use a bigger corpus or train.seq_len at most {max(1, total // 2 - 3)}")
-    digits = 1e4  # the advice is rounded towards the safe side
-    if name == "train":
-        fix = f"lower train.val_fraction to at most {math.floor((total - need - 1) / total * digits) / digits:g}"
-    else:
-        fix = f"raise train.val_fraction to at least {math.ceil((need + 1) / total * digits) / digits:g}"
-    raise UsageError(f"{problem}: {fix}, lower train.seq_len, or use a bigger corpus")
-
-
-class Batches:
-    """Global batches as sharded device arrays, built from this process's rows only."""
-
-    def __init__(self, corpus: Corpus, tc: TrainConfig, mesh):
-        self.corpus, self.tc = corpus, tc
-        self.shape = (tc.batch_size, tc.seq_len + 1)
-        self.sharding = sharding.named(mesh, ("batch", None), self.shape)
-        self.replicated = sharding.replicated(mesh)
-        self.block, self.blocks = _row_block(self.sharding, self.shape)
-        check_stream_lengths(len(corpus.train), len(corpus.val), tc)
-
-    def _device(self, local: np.ndarray) -> jax.Array:
-        return jax.make_array_from_process_local_data(self.sharding, local, self.shape)
-
-    def train(self, step: int) -> jax.Array:
-        tc = self.tc
-        return self._device(data.get_batch(self.corpus.train, step, tc.batch_size, tc.seq_len, tc.seed,
-                                           process_index=self.block, process_count=self.blocks))
-
-    def validation(self) -> list[jax.Array]:
-        tc = self.tc
-        return [self._device(b) for b in data.eval_batches(
-            self.corpus.val, tc.batch_size, tc.seq_len, tc.eval_batches,
-            process_index=self.block, process_count=self.blocks)]
-
-    def _hyper_host(self, step: int) -> dict[str, np.ndarray]:
-        return {"step": np.int32(step), "distill_weight": np.float32(self.tc.distill_weight)}
-
-    def hyper(self, step: int) -> dict[str, jax.Array]:
-        """The train step's scalar inputs, replicated."""
-        return {k: jax.make_array_from_process_local_data(self.replicated, v, ())
-                for k, v in self._hyper_host(step).items()}
-
-    def abstract(self) -> tuple[jax.ShapeDtypeStruct, dict]:
-        """(batch, hyper) as the compiled train step sees them."""
-        return (jax.ShapeDtypeStruct(self.shape, jnp.int32, sharding=self.sharding),
-                {k: jax.ShapeDtypeStruct((), v.dtype, sharding=self.replicated)
-                 for k, v in self._hyper_host(0).items()})
 
 
 # --------------------------------------------------------------------------- optimiser
@@ -267,181 +122,6 @@ def make_steps(student: LM | Heads, teacher: Optional[LM], optimizer, tc: TrainC
     return train_jit, jax.jit(eval_step)
 
 
-# --------------------------------------------------------------------------- metrics
-
-
-class MetricsLog:
-    """Append-only JSONL; one record a line with 'kind' ('train', 'val', 'event') and
-    'step'. A resumed run appends records for steps that an interrupted run may already
-    have logged: `read_metrics` keeps the last record per (kind, step)."""
-
-    def __init__(self, path: pathlib.Path, enabled: bool = True):
-        self.path, self.enabled = path, enabled
-
-    def write(self, kind: str, step: int, **values) -> None:
-        if not self.enabled:
-            return
-        record = {"kind": kind, "step": int(step), "time": round(time.time(), 3)}
-        record.update({k: (float(v) if isinstance(v, (np.floating, np.ndarray, jax.Array)) else v)
-                       for k, v in values.items()})
-        line = json.dumps(record) + "\n"
-        if is_remote(self.path):  # cloud objects cannot be appended to: rewrite (metrics files are small)
-            self.path.write_text((self.path.read_text() if self.path.exists() else "") + line)
-            return
-        with open(self.path, "a") as f:
-            f.write(line)
-
-
-def read_metrics(workdir, kind: str = "train") -> dict[int, dict]:
-    """{step: last record of `kind` for that step} from a workdir's metrics.jsonl."""
-    out: dict[int, dict] = {}
-    path = user_path(workdir) / METRICS_FILE
-    if not path.exists():
-        return out
-    for line in path.read_text().splitlines():
-        try:
-            record = json.loads(line)
-        except json.JSONDecodeError:  # a line cut short by kill -9
-            continue
-        if record.get("kind") == kind:
-            out[record["step"]] = record
-    return dict(sorted(out.items()))
-
-
-# --------------------------------------------------------------------------- stop requests
-
-
-class StopRequest:
-    """SIGTERM (preemption) or Ctrl-C asks the loop to checkpoint and stop after the
-    current step; a second Ctrl-C aborts at once. With several processes, JAX's
-    preemption sync point makes every process stop at the same step."""
-
-    def __init__(self):
-        self.signum: Optional[int] = None
-        self._previous = {}
-
-    def __enter__(self):
-        if jax.process_count() == 1:
-            for signum in (signal.SIGTERM, signal.SIGINT):
-                self._previous[signum] = signal.signal(signum, self._handle)
-        return self
-
-    def _handle(self, signum, frame):
-        if self.signum == signal.SIGINT and signum == signal.SIGINT:
-            raise KeyboardInterrupt
-        self.signum = signum
-        tqdm.write(f"received {signal.Signals(signum).name}: saving a checkpoint after this step, then stopping"
-                   + (" (Ctrl-C again aborts)" if signum == signal.SIGINT else ""))
-
-    def __call__(self, step: int) -> bool:
-        if jax.process_count() > 1:
-            from jax.experimental import multihost_utils
-            if multihost_utils.reached_preemption_sync_point(step):
-                self.signum = signal.SIGTERM
-        return self.signum is not None
-
-    def __exit__(self, *exc):
-        for signum, handler in self._previous.items():
-            signal.signal(signum, handler)
-
-
-# --------------------------------------------------------------------------- the workdir
-
-LOCK_FILE = "train.lock"
-
-
-class WorkdirLock:
-    """The one writer of a workdir: an exclusive `flock` on WORKDIR/train.lock, held for
-    the whole run. A second `train` on the same directory would interleave its
-    checkpoints and metrics with the first's (and orbax's start-up clean-up would delete
-    the first run's half-written step), so it is refused. The kernel drops the lock when
-    its process dies, so a kill -9 never leaves it stuck; the file itself (holding the
-    last holder's pid) stays and means nothing.
-
-    Several processes of one run: process 0 alone creates, checks and locks the workdir
-    (a shared filesystem would make the run's own processes lock each other out), and
-    every process learns whether that worked, so all of them stop together."""
-
-    def __init__(self, workdir: pathlib.Path):
-        self.workdir = workdir
-        self.fd: Optional[int] = None
-
-    def __enter__(self) -> "WorkdirLock":
-        error = None
-        if jax.process_index() == 0:
-            try:
-                self._acquire()
-            except UsageError as e:
-                error = e
-        if jax.process_count() > 1:
-            from jax.experimental import multihost_utils
-            failed = multihost_utils.broadcast_one_to_all(np.int32(error is not None))
-            if failed and error is None:
-                raise UsageError(f"process 0 could not take the workdir {self.workdir} (its message says why)")
-        if error is not None:
-            raise error
-        return self
-
-    def _acquire(self) -> None:
-        workdir = self.workdir
-        if is_remote(workdir):  # no flock on gs://: one writer there is the user's to ensure
-            workdir.mkdir(parents=True, exist_ok=True)
-            return
-        if workdir.exists() and not workdir.is_dir():
-            raise UsageError(f"workdir {workdir} is a file, not a directory: pass a directory (it is created if "
-                             f"missing)")
-        try:
-            workdir.mkdir(parents=True, exist_ok=True)
-            fd = os.open(workdir / LOCK_FILE, os.O_RDWR | os.O_CREAT, 0o644)
-        except OSError as e:
-            raise UsageError(f"cannot write to workdir {workdir} ({e.strerror}): pass a writable workdir") from None
-        try:
-            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-        except BlockingIOError:
-            holder = os.pread(fd, 32, 0).decode(errors="replace").strip()
-            os.close(fd)
-            raise UsageError(f"another training run{f' (pid {holder})' if holder.isdigit() else ''} is writing "
-                             f"to workdir {workdir}: wait for it to finish, stop it, or pass another workdir") from None
-        os.ftruncate(fd, 0)
-        os.pwrite(fd, f"{os.getpid()}\n".encode(), 0)
-        self.fd = fd
-        try:
-            _check_writable(workdir)
-        except UsageError:
-            self.__exit__()
-            raise
-
-    def __exit__(self, *exc) -> None:
-        if self.fd is not None:
-            os.close(self.fd)  # releases the flock
-            self.fd = None
-
-
-def _check_writable(workdir: pathlib.Path) -> None:
-    """Everything a run may change must be writable before it starts: the metrics file
-    (appended to) and every directory below the workdir (old steps are deleted past
-    keep_checkpoints, half-written ones cleaned up). A probe file is created and removed
-    rather than trusting permission bits, which root ignores and a read-only mount or
-    an immutable flag overrides."""
-    metrics = workdir / METRICS_FILE
-    try:
-        if metrics.exists():
-            open(metrics, "a").close()
-    except OSError as e:
-        raise UsageError(f"cannot append to {metrics} ({e.strerror}): make it writable or pass another "
-                         f"workdir") from None
-    for here, dirs, _ in os.walk(workdir):
-        for name in dirs:
-            path = pathlib.Path(here, name)
-            try:
-                with tempfile.TemporaryFile(dir=path):
-                    pass
-            except OSError as e:
-                raise UsageError(f"{path} is read-only ({e.strerror}): training in workdir {workdir} may delete "
-                                 f"or update it (steps older than the newest keep_checkpoints are deleted); make it "
-                                 f"writable, or pass another workdir") from None
-
-
 # --------------------------------------------------------------------------- the loop
 
 
@@ -493,30 +173,6 @@ def _teacher(config: Config, mesh) -> tuple[Optional[LM], Any]:
         raise ConfigError(f"{name} has vocab_size={teacher_cfg.vocab_size}, the student "
                           f"{config.target.vocab_size}: distillation needs one vocabulary")
     return load()
-
-
-def export_hf(config: Config, workdir, directory, devices=None) -> pathlib.Path:
-    """Write the newest checkpoint in `workdir` as a Hugging Face Llama directory, with
-    the teacher's tokenizer and generation ids when it was distilled from a Hugging Face
-    directory or a GGUF file (whose tokenizer is written as tokenizer.json)."""
-    from specjax.weights import gguf, hf
-    workdir = user_path(workdir) if workdir else checkpoint.default_dir(config.name)
-    mesh = sharding.make_mesh(config.mesh, devices)
-    if config.heads is not None:
-        raise UsageError(f"config {config.name!r} trains draft heads, not a model: there is nothing to export as a "
-                         "Hugging Face directory (the heads load with --drafter=medusa)")
-    hf.exportable(config.target)
-    lm = checkpoint.load_lm(config.target, mesh, workdir, config_name=config.name)
-    tc = config.train
-    info = hf.read_config(tc.teacher_hf) if tc.teacher_hf else gguf.read_config(tc.teacher_gguf) \
-        if tc.teacher_gguf else None
-    with jax.set_mesh(mesh):
-        out = hf.export(lm, directory, tokenizer_dir=tc.teacher_hf or None, bos_id=info.bos_id if info else None,
-                        eos_ids=info.eos_ids if info else ())
-    if tc.teacher_gguf and distributed.is_main():
-        gguf.write_tokenizer(tc.teacher_gguf, out)
-    return out
-
 
 def _train_differences(saved: dict, tc: TrainConfig) -> list[str]:
     now = dataclasses.asdict(tc)
