@@ -6,7 +6,7 @@
 Every process runs the same `specjax.generate` on the global mesh (with
 SPECJAX_COORDINATOR etc. set, see specjax/distributed.py, each feeds only its own batch
 rows) and process 0 writes the JSON. Same config, seed and prompts give the same tokens
-on one process or several; tests/test_multiprocess.py checks exactly that, and that
+on one process or several; tests/cli/test_multiprocess.py checks exactly that, and that
 the compiled programs are the ones `plan.compile_program` compiles (HLO fingerprints)
 and that prompts of other lengths in the same bucket reuse them. With
 --sleep_before_compile the last process starts each mode late: process 0's timed runs

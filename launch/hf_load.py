@@ -13,7 +13,7 @@ seconds, the bytes each process read from the weight files and its peak RSS, the
 tensors' total size, and with --logits_of=IDS the logits of those token ids (a sharded
 multi-process load must compute the same ones). --reads=auto,remote loads twice, the
 second time reading the local files through the ranged requests a gs:// path gets
-(keys bytes_read_remote, ...). tests/test_multiprocess.py and
+(keys bytes_read_remote, ...). tests/cli/test_multiprocess.py and
 benchmarks/hf_import.md use it.
 
 Writing: seeded random bf16 tensors of the config's model, one tensor in memory at a

@@ -179,6 +179,7 @@ def test_trainer_refuses_a_workdir_of_another_config(tiny, tmp_path):
     """Training into a directory that holds another model's checkpoint stops before
     writing anything (no new step, no deletion)."""
     from specjax.training import trainer
+    from specjax.training.workdir import LOCK_FILE
 
     lm = random_lm(tiny.draft, mesh_for("1x1"))
     checkpoint.save_lm(lm, tmp_path / "w", step=5, config_name="tiny_draft")
@@ -188,7 +189,7 @@ def test_trainer_refuses_a_workdir_of_another_config(tiny, tmp_path):
                                          r"d_ff=32 \(checkpoint\) vs 64 \(config\)"):
         trainer.train(config, tmp_path / "w", progress=False, devices=jax.devices()[:1])
     after = tree_digest(tmp_path / "w")
-    assert after.pop(trainer.LOCK_FILE)  # the run's lock (its pid), nothing of the checkpoints
+    assert after.pop(LOCK_FILE)  # the run's lock (its pid), nothing of the checkpoints
     assert after == before
 
 

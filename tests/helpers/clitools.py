@@ -6,7 +6,7 @@ import os
 import pathlib
 import sys
 
-ROOT = pathlib.Path(__file__).resolve().parent.parent
+ROOT = pathlib.Path(__file__).resolve().parents[2]
 
 
 def assert_one_line(proc, code: int, fragments, program: str | None = None) -> str:

@@ -10,7 +10,7 @@ import sys
 import pytest
 from absl import flags
 
-REPO = pathlib.Path(__file__).resolve().parent.parent
+REPO = pathlib.Path(__file__).resolve().parents[2]
 MAINS = ["specjax.sample", "specjax.train", "specjax.evaluate", "specjax.bench", "specjax.plan"]
 
 

@@ -1,4 +1,4 @@
-"""Training on `tiny` (vocab 32, synthetic Markov data, see `trainer.synthetic_tokens`):
+"""Training on `tiny` (vocab 32, synthetic Markov data, see `corpus.synthetic_tokens`):
 the loss falls, a run killed with SIGKILL or stopped with SIGTERM and restarted with the
 same command continues exactly like an uninterrupted one (parameters and every
 metrics.jsonl record, resuming at steps that are not multiples of log_every), a second
@@ -26,7 +26,7 @@ import jax
 import numpy as np
 import pytest
 
-from specjax.training import trainer
+from specjax.training.workdir import read_metrics
 from specjax.weights import checkpoint
 from specjax.config import load_config
 import clitools
@@ -87,11 +87,11 @@ def wait_for(proc, condition, what):
 
 
 def last_train_step(workdir) -> int:
-    return max(trainer.read_metrics(workdir), default=0)
+    return max(read_metrics(workdir), default=0)
 
 
 def events(workdir) -> list[dict]:
-    return list(trainer.read_metrics(workdir, "event").values())
+    return list(read_metrics(workdir, "event").values())
 
 
 def assert_same_metrics(workdir, reference):
@@ -100,7 +100,7 @@ def assert_same_metrics(workdir, reference):
     compiled program on the same data gives bit-identical losses; tolerance 1e-6 relative.
     Timing fields differ by nature and are not compared."""
     for kind, fields in (("train", ("loss", "ce", "grad_norm", "lr")), ("val", ("val_loss",))):
-        got, ref = trainer.read_metrics(workdir, kind), trainer.read_metrics(reference, kind)
+        got, ref = read_metrics(workdir, kind), read_metrics(reference, kind)
         assert list(got) == list(ref), (kind, list(got), list(ref))
         for field in fields:
             np.testing.assert_allclose([got[s][field] for s in got], [ref[s][field] for s in ref], rtol=1e-6,
@@ -127,13 +127,13 @@ def test_loss_falls_within_a_few_dozen_steps(reference):
     """Start: ~ln 32 = 3.47 nats (uniform). The chain's entropy rate is 1.63 nats; 60
     steps must take the training loss down by at least 1 nat and the validation loss
     below 2.4 nats."""
-    losses = {s: r["loss"] for s, r in trainer.read_metrics(reference).items()}
+    losses = {s: r["loss"] for s, r in read_metrics(reference).items()}
     assert sorted(losses) == list(range(LOG_EVERY, STEPS + 1, LOG_EVERY))
     first = losses[LOG_EVERY]  # the mean of steps 1..3
     last = np.mean([losses[STEPS - LOG_EVERY], losses[STEPS]])
     assert first > 3.3, first
     assert last < first - 1.0, (first, last)
-    val = trainer.read_metrics(reference, "val")
+    val = read_metrics(reference, "val")
     assert sorted(val) == [30, 60]
     assert val[60]["val_loss"] < 2.4 < math.log(32), val
     with checkpoint.Checkpoints(reference, read_only=True) as ckpt:
@@ -244,7 +244,7 @@ def damage(workdir, kind):
 
 
 SWIGLU = "--config.target.ffw=swiglu"  # exportable as Llama
-HF = pathlib.Path(__file__).resolve().parent / "fixtures" / "hf"
+HF = pathlib.Path(__file__).resolve().parents[1] / "fixtures" / "hf"
 
 
 # (id, extra arguments, fragments of the one-line message); {files} is the `bad_files`
@@ -362,7 +362,7 @@ def test_distillation_reaches_the_teacher_faster_than_lm_training(env, reference
         workdir = tmp_path / f"w{weight}"
         run_to_end(env, workdir, *student, f"--config.train.distill_weight={weight}")
         assert [e["event"] for e in events(workdir)] == ["start", "done"]
-        kl[weight] = trainer.read_metrics(workdir, "val")[30]["val_kl"]
+        kl[weight] = read_metrics(workdir, "val")[30]["val_kl"]
     assert kl[1.0] < 0.7 * kl[0.0], kl
 
 
@@ -393,7 +393,7 @@ def test_heads_learn_the_frozen_targets_later_tokens(heads_reference, reference)
     must take it down by a quarter (observed: 1.84 -> 1.12 nats). The EAGLE layer (random
     at first) sees the token in between: its KL must fall to a quarter (observed: 2.31 -> 0.14)."""
     kind, heads_reference = heads_reference
-    records = trainer.read_metrics(heads_reference)
+    records = read_metrics(heads_reference)
     first, last = records[LOG_EVERY]["kl"], records[HEADS_STEPS]["kl"]
     assert last < (0.75 if kind == "medusa" else 0.25) * first, (first, last)
     assert [e["event"] for e in events(heads_reference)] == ["start", "done"]
@@ -421,7 +421,7 @@ def test_heads_resume_exactly_after_kill_9(env, reference, heads_reference, tmp_
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert [e["event"] for e in events(workdir)] == ["start", "resume", "done"]
     for kind, field in (("train", "kl"), ("train", "loss"), ("val", "val_loss")):
-        got, ref = trainer.read_metrics(workdir, kind), trainer.read_metrics(heads_reference, kind)
+        got, ref = read_metrics(workdir, kind), read_metrics(heads_reference, kind)
         assert list(got) == list(ref)
         np.testing.assert_allclose([got[s][field] for s in got], [ref[s][field] for s in ref], rtol=1e-6)
     mesh = jax.make_mesh((1, 1), ("data", "model"), devices=jax.devices()[:1],

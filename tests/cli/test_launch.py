@@ -13,7 +13,7 @@ import subprocess
 
 import pytest
 
-REPO = pathlib.Path(__file__).resolve().parent.parent
+REPO = pathlib.Path(__file__).resolve().parents[2]
 
 
 def dry_run(**env) -> dict[str, list[list[str]]]:

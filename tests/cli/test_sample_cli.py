@@ -22,7 +22,7 @@ import numpy as np
 import pytest
 from clitools import TEXT_CONFIG, assert_one_line, cli_env, interruptible, run_many
 
-ROOT = pathlib.Path(__file__).resolve().parent.parent
+ROOT = pathlib.Path(__file__).resolve().parents[2]
 TINY = ["--config=tiny", "--init=random"]
 # Two prompts x two samples in batches of two: two batches, one compiled program per mode.
 GREEDY = ["--temperature=0", "--prompt_tokens=1,2,3", "--prompt_tokens=4,5,6,7,8", "--num_samples=2",

@@ -19,7 +19,7 @@ from clitools import TEXT_CONFIG, assert_one_line, cli_env, interruptible, run_m
 
 from specjax.evaluation import metrics, stats, tasks
 
-ROOT = pathlib.Path(__file__).resolve().parent.parent
+ROOT = pathlib.Path(__file__).resolve().parents[2]
 
 
 # ------------------------------------------------------------------ HumanEval

@@ -19,7 +19,7 @@ from safetensors.numpy import load_file, save_file
 
 from clitools import assert_one_line, cli_env, run_many
 
-ROOT = pathlib.Path(__file__).resolve().parent.parent
+ROOT = pathlib.Path(__file__).resolve().parents[2]
 FIXTURES = ROOT / "tests" / "fixtures" / "hf"
 
 
@@ -215,7 +215,7 @@ def bad(tmp_path_factory):
     a, b = sorted(vocab)[100], sorted(vocab)[101]
     vocab[a], vocab[b] = vocab[b], vocab[a]
     (d / "tokenizer.json").write_text(json.dumps(tok))
-    # One wrong-typed or misplaced thing each (tests/test_hf_config.py has every key).
+    # One wrong-typed or misplaced thing each (tests/weights/test_hf_config.py has every key).
     copy_model("pair_target", base / "tie_string", tie_word_embeddings="false")
     copy_model("pair_target", base / "max_len_float", max_position_embeddings=40.9)
     copy_model("pair_target", base / "theta_text", rope_parameters={"rope_type": "default", "rope_theta": "abc"})

@@ -37,9 +37,9 @@ from specjax.weights.tokenizer import HFTokenizer
 from conftest import mesh_for
 from models import assert_tokenizer_cases, logits_of
 from test_speculative import use_accept  # noqa: F401 (a fixture)
-from theorem1 import ALPHA, N, N_NEGATIVE, chi_square_pvalue, exact_joint
+from theorem1 import ALPHA, N, N_NEGATIVE, chi_square_pvalue, exact_joint, optimised
 
-FIXTURES = pathlib.Path(__file__).resolve().parent / "fixtures" / "hf"
+FIXTURES = pathlib.Path(__file__).resolve().parents[1] / "fixtures" / "hf"
 ROOT = FIXTURES.parent.parent.parent
 MODELS = ["llama_gqa", "llama_mha_tied", "llama3_scaled", "mistral", "pair_target", "pair_draft", "llama_tp"]
 # transformers' float32 logits reach |10|; specjax sums in another order (measured max
@@ -313,7 +313,8 @@ def theorem_1(pair, n):
     # The paper's token-wise rule: the rule the control swaps out (block verification,
     # the default, has its own tests in test_drafters.py).
     sampling = SamplingConfig(temperature=1.0, lookahead=3, max_new_tokens=3, verify="tokenwise")
-    result = specjax.generate(target, draft, [PROMPT] * n, sampling, seed=0, pad_to=8)
+    with optimised():
+        result = specjax.generate(target, draft, [PROMPT] * n, sampling, seed=0, pad_to=8)
     return chi_square_pvalue(np.array(result.tokens), exact_joint(target, PROMPT, Warp(1.0, 0, 1.0))), result
 
 
@@ -341,14 +342,16 @@ def test_negative_control_imported_pair_without_the_ratio_test_is_rejected(pair,
 
 def test_draft_distilled_from_an_imported_target_exports_and_imports(tmp_path):
     from specjax.training import trainer
+    from specjax.training.export import export_hf
+    from specjax.training.workdir import read_metrics
     config = load_config("tiny", ["target.ffw=swiglu", f"train.teacher_hf={FIXTURES / 'pair_target'}",
                                   "train.steps=6", "train.seq_len=32", "train.batch_size=8", "train.warmup_steps=1",
                                   "train.eval_every=6", "train.eval_batches=1", "train.save_every=6",
                                   "train.log_every=1", "mesh.model=1"])
     result = trainer.train(config, tmp_path / "work", progress=False, devices=jax.devices()[:1])
-    metrics = trainer.read_metrics(tmp_path / "work")
+    metrics = read_metrics(tmp_path / "work")
     assert result.step == 6 and all("kl" in m for m in metrics.values())  # the teacher's KL is in the loss
-    trainer.export_hf(config, tmp_path / "work", tmp_path / "hf", devices=jax.devices()[:1])
+    export_hf(config, tmp_path / "work", tmp_path / "hf", devices=jax.devices()[:1])
     draft, _ = hf.load(tmp_path / "hf", mesh_for("1x1"))
     trained = checkpoint.load_lm(config.target, mesh_for("1x1"), tmp_path / "work")
     ids = np.array([[0, 3, 17, 5, 9]])
@@ -360,6 +363,7 @@ def test_text_corpus_is_tokenised_by_the_imported_teachers_tokenizer(tmp_path, m
     """train.teacher_hf with a text corpus: the token stream is the teacher tokenizer's
     (document text, then its EOS), and the student trains on it."""
     from specjax.training import trainer
+    from specjax.training.corpus import load_corpus
     monkeypatch.setenv("SPECJAX_CACHE", str(tmp_path / "cache"))
     corpus = tmp_path / "corpus.py"
     corpus.write_text((pathlib.Path(os.__file__).parent / "textwrap.py").read_text())
@@ -367,7 +371,7 @@ def test_text_corpus_is_tokenised_by_the_imported_teachers_tokenizer(tmp_path, m
                                   f"train.teacher_hf={FIXTURES / 'llama_gqa'}", f"train.corpus={corpus}",
                                   "train.steps=2", "train.seq_len=32", "train.batch_size=8", "train.warmup_steps=1",
                                   "train.eval_every=2", "train.eval_batches=1", "mesh.model=1"])
-    data = trainer.load_corpus(config, HFTokenizer(FIXTURES / "llama_gqa"))
+    data = load_corpus(config, HFTokenizer(FIXTURES / "llama_gqa"))
     tok = HFTokenizer(FIXTURES / "llama_gqa")
     expected = tok.encode(corpus.read_text()) + [tok.eos_id]
     assert np.concatenate([data.train, data.val]).tolist() == expected

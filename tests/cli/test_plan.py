@@ -33,7 +33,7 @@ from specjax.config import load_config
 from conftest import mesh_for
 from models import numpy_params, random_lm
 
-REPO = pathlib.Path(__file__).resolve().parent.parent
+REPO = pathlib.Path(__file__).resolve().parents[2]
 GiB = 1024 ** 3
 K = 4  # chinchilla_70b's lookahead (the paper's Table 1 setting)
 TARGET_LAYERS, DRAFT_LAYERS = 80, 8

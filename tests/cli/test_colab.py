@@ -10,7 +10,7 @@ from nbclient import NotebookClient
 
 import specjax
 
-NOTEBOOK = pathlib.Path(__file__).resolve().parent.parent / "colabs" / "specjax_cpu_mesh.ipynb"
+NOTEBOOK = pathlib.Path(__file__).resolve().parents[2] / "colabs" / "specjax_cpu_mesh.ipynb"
 CELL_TIMEOUT_S = 240
 
 

@@ -20,7 +20,7 @@ from specjax.config import UsageError, load_config
 from specjax.weights import hf
 from conftest import mesh_for
 
-ROOT = pathlib.Path(__file__).resolve().parent.parent
+ROOT = pathlib.Path(__file__).resolve().parents[2]
 SHARDED = 20_000  # max_shard_bytes that splits tiny's swiglu target into several files
 
 

@@ -11,7 +11,8 @@ import pytest
 import sentencepiece as spm
 
 from specjax.config import TrainConfig, UsageError
-from specjax.training import data, trainer
+from specjax.training import data
+from specjax.training.corpus import Batches, Corpus
 from specjax.weights.tokenizer import Tokenizer, TokenizerError, train_tokenizer
 from conftest import mesh_for
 
@@ -250,7 +251,7 @@ def test_short_stream_advice_goes_the_right_way_and_works(total, val_fraction):
     def batches(val_fraction):
         tc = TrainConfig(seq_len=256, batch_size=2, val_fraction=val_fraction)
         train, val = data.split_train_val(np.zeros(total, np.int32), val_fraction)
-        return trainer.Batches(trainer.Corpus(train, val, None, "zeros"), tc, mesh_for("1x1")), len(train), len(val)
+        return Batches(Corpus(train, val, None, "zeros"), tc, mesh_for("1x1")), len(train), len(val)
 
     with pytest.raises(UsageError) as err:
         batches(val_fraction)
@@ -265,9 +266,9 @@ def test_short_stream_advice_goes_the_right_way_and_works(total, val_fraction):
 
 def test_stream_too_small_for_any_split_says_so():
     tc = TrainConfig(seq_len=256, batch_size=2, val_fraction=0.5)
-    corpus = trainer.Corpus(np.zeros(200, np.int32), np.zeros(200, np.int32), None, "zeros")
+    corpus = Corpus(np.zeros(200, np.int32), np.zeros(200, np.int32), None, "zeros")
     with pytest.raises(UsageError, match=r"too small for a train and a validation window of 257.*seq_len at most 197"):
-        trainer.Batches(corpus, tc, mesh_for("1x1"))
+        Batches(corpus, tc, mesh_for("1x1"))
 
 
 @pytest.fixture(scope="module")

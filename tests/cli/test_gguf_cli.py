@@ -16,7 +16,7 @@ import pytest
 import gguf as gguf_package
 from clitools import assert_one_line, cli_env, run_many
 
-ROOT = pathlib.Path(__file__).resolve().parent.parent
+ROOT = pathlib.Path(__file__).resolve().parents[2]
 FIXTURES = ROOT / "tests" / "fixtures" / "gguf"
 HF_FIXTURES = ROOT / "tests" / "fixtures" / "hf"
 

@@ -17,7 +17,7 @@ import pytest
 from specjax.config import UsageError
 from specjax.weights import hf, hf_files
 
-FIXTURES = pathlib.Path(__file__).resolve().parent / "fixtures" / "hf"
+FIXTURES = pathlib.Path(__file__).resolve().parents[1] / "fixtures" / "hf"
 DELETE = object()  # an edit that removes the key (or, for a whole file, the file)
 
 

@@ -18,7 +18,7 @@ import sys
 import numpy as np
 import pytest
 
-REPO = pathlib.Path(__file__).resolve().parent.parent
+REPO = pathlib.Path(__file__).resolve().parents[2]
 DRIVER = REPO / "launch" / "greedy_tokens.py"
 TIMEOUT = 600
 
@@ -189,7 +189,7 @@ def test_two_processes_train_like_one(tmp_path):
     process 0 writes metrics.jsonl, orbax writes the checkpoint from both) logs the
     per-step losses of one process with 8 devices. Fails if the processes fed the same
     rows twice, or skipped rows: each half-batch has its own loss."""
-    from specjax.training import trainer
+    from specjax.training.workdir import read_metrics
     steps = 6
     common = ["-m", "specjax.train", "--config=tiny", "--noprogress", f"--config.train.steps={steps}",
               "--config.train.seq_len=32", "--config.train.batch_size=8", "--config.train.warmup_steps=2",
@@ -213,8 +213,8 @@ def test_two_processes_train_like_one(tmp_path):
             multi.kill()  # multiprocess.sh's EXIT trap ends its python processes
     assert single.returncode == 0, single.stderr[-3000:]
     assert multi.returncode == 0, multi_out[-3000:]
-    one = trainer.read_metrics(tmp_path / "single")
-    two = trainer.read_metrics(tmp_path / "multi")
+    one = read_metrics(tmp_path / "single")
+    two = read_metrics(tmp_path / "multi")
     assert sorted(one) == sorted(two) == list(range(1, steps + 1))
     losses_one = np.array([one[s]["loss"] for s in one])
     losses_two = np.array([two[s]["loss"] for s in two])
@@ -223,7 +223,7 @@ def test_two_processes_train_like_one(tmp_path):
     # few steps differ in the last bit (measured: |rel diff| <= 1e-7).
     np.testing.assert_allclose(losses_two, losses_one, rtol=1e-5, atol=0)
     # The end-of-run validation (the evaluation batches are split between processes too).
-    val_one, val_two = (trainer.read_metrics(tmp_path / w, "val") for w in ("single", "multi"))
+    val_one, val_two = (read_metrics(tmp_path / w, "val") for w in ("single", "multi"))
     assert list(val_one) == list(val_two) == [steps]
     np.testing.assert_allclose(val_two[steps]["val_loss"], val_one[steps]["val_loss"], rtol=1e-5, atol=0)
     # Both runs left the final checkpoint.
