@@ -94,7 +94,7 @@ def test_greedy_sps_equals_greedy_ars_with_a_good_draft(pairs):
     assert sps.tokens_per_loop == pytest.approx(4.0, abs=0.1)
 
 
-BF16_TOKENS, BF16_AGREE = 64, 4
+BF16_TOKENS, BF16_ACCEPTANCE = 64, 0.9
 
 
 @pytest.mark.slow  # ~1 minute per encoding: bf16 compiles slowly on CPU
@@ -103,10 +103,14 @@ def test_bf16_greedy_sps_and_ars_agree_on_the_first_tokens(pos_encoding):
     """Greedy SpS == ArS token for token is a float32 check (the tests above). In bf16
     the K+1-token scoring pass and the 1-token step round their matmuls differently, so
     a near-tie can flip an argmax and the two sequences part after a while: numerics,
-    not a bug. Asserted: every row agrees on its first BF16_AGREE tokens; the agreement
-    over BF16_TOKENS tokens is printed, not asserted. mini_target's shape (random weights,
-    a 4096-token vocabulary: near-ties happen) on a 1x8 mesh, drafting with itself so
-    that every loop scores K+1 tokens and its acceptance measures the numerics alone."""
+    not a bug. mini_target's shape (random weights, a 4096-token vocabulary: near-ties
+    happen) on a 1x8 mesh, drafting with itself so that every loop scores K+1 tokens and
+    its acceptance measures the numerics alone. Asserted: every row's first token agrees
+    (both come from the same prefill), and the draft == target acceptance is at least
+    BF16_ACCEPTANCE (the scoring pass and the 1-token step disagree on at most 1 drafted
+    token in 10; a wrong position or mask in the bf16 scoring pass disagrees on most).
+    Where the rows part is printed, not asserted: it depends on the CPU (an Intel Xeon
+    with AVX-512 BF16 parts one row 3 tokens in, where a Zen 5 kept 4 and more)."""
     cfg = dataclasses.replace(load_config("mini_target").target, param_dtype="bfloat16", compute_dtype="bfloat16",
                               pos_encoding=pos_encoding)
     lm = model.init_lm(cfg, mesh_for("1x8"))
@@ -118,7 +122,8 @@ def test_bf16_greedy_sps_and_ars_agree_on_the_first_tokens(pos_encoding):
           f"({sum(common) / (len(common) * BF16_TOKENS):.1%} of tokens before the first difference), "
           f"draft == target acceptance {sps.acceptance_rate:.3f}")
     assert all(len(t) == BF16_TOKENS for t in ars + sps.tokens)
-    assert min(common) >= BF16_AGREE
+    assert all(a[0] == b[0] for a, b in zip(ars, sps.tokens))
+    assert sps.acceptance_rate >= BF16_ACCEPTANCE
 
 
 # (mesh, sampling): one chain and a tree of three, on one device (the CPU kernels) and
