@@ -28,6 +28,7 @@ from specjax.weights.tokenizer import Tokenizer
 
 SYNTHETIC_TOKENS = 1 << 20
 
+
 def synthetic_tokens(vocab_size: int, num_tokens: int = SYNTHETIC_TOKENS, seed: int = 0) -> np.ndarray:
     """A token stream for configs without a tokenizer: 1024 chains of a first-order
     Markov process whose transition rows are Dirichlet(0.1) draws (a few likely
