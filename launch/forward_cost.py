@@ -3,7 +3,7 @@
     python launch/forward_cost.py --config=mini_target --tokens=1,2,5 --cache=64,512,1024
 
 Each measurement is N forwards inside one jitted `fori_loop` with the cache donated, as
-in the sampling loops (in-place cache writes), at batch 1 with the cache one third full,
+in the sampling loops (in-place cache writes), at batch 1 (`--batch`) with the cache one third full,
 compiled as `generate` compiles (program.compile_lowered); medians over repeats. T=1 is an
 ArS step or a draft step; T=K+1 is SpS's scoring pass. `--kernels=off,on` compiles each
 program without and with specjax's CPU kernels (the model's static `Kernels` setting)
@@ -28,6 +28,7 @@ from specjax.kernels import Kernels, dispatch
 flags.DEFINE_string("config", "mini_target", "Config whose target model is measured.")
 flags.DEFINE_string("tokens", "1,2,5", "Tokens per forward (T).")
 flags.DEFINE_string("cache", "64,512,1024", "Cache slots (S).")
+flags.DEFINE_integer("batch", 1, "Rows per forward (B): the kernels gate on queries per row, not B x T.")
 flags.DEFINE_integer("steps", 16, "Forwards per timed loop.")
 flags.DEFINE_integer("repeats", 10, "Timed loops per setting (median).")
 flags.DEFINE_list("kernels", ["default"], "Kernel settings to compare: on, off, default ($SPECJAX_KERNELS at start), "
@@ -42,7 +43,7 @@ FLAGS = flags.FLAGS
 def loop(lm, cache, tokens: int, steps: int):
     def body(_, c):
         pos = c.lengths[:, None] + jnp.arange(tokens)[None]
-        logits, c = lm.extend(jnp.zeros((1, tokens), jnp.int32), pos, c)
+        logits, c = lm.extend(jnp.zeros((c.lengths.shape[0], tokens), jnp.int32), pos, c)
         # Advance one slot; the logits feed the carry so the forward cannot be dropped.
         return c.with_lengths(c.lengths + 1 + (logits[0, 0, 0] > 1e30).astype(jnp.int32))
     return jax.lax.fori_loop(0, steps, body, cache)
@@ -72,8 +73,8 @@ def read_bandwidth(megabytes: int, repeats: int = 10) -> dict[str, float]:
     return rates
 
 
-def forward_times(lm, ts, sizes, settings, steps: int, repeats: int, clock: str = "wall", quantize=("none",)
-                  ) -> dict[tuple[int, str, int], float]:
+def forward_times(lm, ts, sizes, settings, steps: int, repeats: int, clock: str = "wall", quantize=("none",),
+                  batch: int = 1) -> dict[tuple[int, str, int], float]:
     """Median ms per forward of `lm` for every (cache size, kernel setting, T), and each of
     `quantize` ('none' or a `model.QUANTIZE` kind: the label is then 'setting/kind'): `steps`
     forwards per timed loop (`loop`), `repeats` loops, every program interleaved with the
@@ -86,8 +87,8 @@ def forward_times(lm, ts, sizes, settings, steps: int, repeats: int, clock: str 
     labels = {(s if kind == "none" else f"{s}/{kind}"): (s, w) for kind, w in weights.items() for s in settings}
     for size in sizes:
         # A relative-position model's table is made at prefill, so outside the timed loop.
-        fresh = lambda: lm.with_position_table(kv_cache.init_cache(cfg, 1, size)).with_lengths(  # noqa: E731
-            jnp.array([size // 3], jnp.int32))
+        fresh = lambda: lm.with_position_table(kv_cache.init_cache(cfg, batch, size)).with_lengths(  # noqa: E731
+            jnp.full((batch,), size // 3, jnp.int32))
         progs, subject = {}, {}
         for setting, (name, weights_lm) in labels.items():
             # Packed where the matmul kernel runs, as decoding has it; the setting is the
@@ -131,12 +132,13 @@ def main(argv):
         print("memory read bandwidth " + ", ".join(f"{v:.1f} GB/s ({k})" for k, v in rates.items())
               + f" -> 1-token roofline {weight_bytes / gbps / 1e6:.2f} ms"
               " (weights read once at the best rate, cache ignored)")
-    print(f"{FLAGS.clock} ms per forward (median of {FLAGS.repeats})")
+    print(f"{FLAGS.clock} ms per forward of batch {FLAGS.batch} (median of {FLAGS.repeats})")
     rows = [s if q == "none" else f"{s}/{q}" for q in FLAGS.quantize for s in FLAGS.kernels]
     label = len(rows) > 1
     wide = max(8, *(len(k) for k in rows))
     print("cache S  " + (f"{'kernels':<{wide}} " if label else "") + "  ".join(f"T={t:<6}" for t in ts) + "  T_max/T_1")
-    med = forward_times(lm, ts, sizes, FLAGS.kernels, FLAGS.steps, FLAGS.repeats, FLAGS.clock, FLAGS.quantize)
+    med = forward_times(lm, ts, sizes, FLAGS.kernels, FLAGS.steps, FLAGS.repeats, FLAGS.clock, FLAGS.quantize,
+                        FLAGS.batch)
     for size in sizes:
         for setting in rows:
             row = [med[size, setting, t] for t in ts]

@@ -78,8 +78,14 @@ void Attend(const Shapes& d, const float* q, const float* kc, const float* vc, c
   // own[t * T + i]: the i-th own key query t sees; count[t] of them. A query that sees
   // nothing at all sees everything, with equal logits (`uniform`).
   const int64_t cached = std::clamp<int64_t>(limit, 0, d.S);
-  std::vector<int64_t> own(T * T), count(T, 0);
-  std::vector<bool> uniform(T);
+  // Scratch kept per thread: a large batch calls this once per (row, kv head), and
+  // allocating it per call cost more than the attention of a short row.
+  thread_local std::vector<int64_t> own, count;
+  thread_local std::vector<char> uniform;
+  thread_local std::vector<float> p, acc, total;
+  own.assign(T * T, 0);
+  count.assign(T, 0);
+  uniform.assign(T, 0);
   bool any_uniform = false;
   for (int64_t t = 0; t < T; ++t) {
     for (int64_t u = 0; u < T; ++u)
@@ -95,7 +101,9 @@ void Attend(const Shapes& d, const float* q, const float* kc, const float* vc, c
   // sees nothing, which spans every slot).
   const int64_t span = any_uniform ? d.S : cached;
   const int64_t stride = (span + T + kWidth - 1) / kWidth * kWidth;
-  std::vector<float> p(rows * stride, -INFINITY), acc(rows * H, 0.f), total(rows);
+  p.assign(rows * stride, -INFINITY);
+  acc.assign(rows * H, 0.f);
+  total.assign(rows, 0.f);
   const float* keys = kc + (b * d.G + kh) * d.S * H;
   const float* values = vc + (b * d.G + kh) * d.S * H;
   auto new_row = [&](const float* base, int64_t u) { return base + ((b * T + u) * d.G + kh) * H; };

@@ -3,7 +3,8 @@
 Decided at trace time from static facts only: the `Kernels` setting the program was traced
 with, the backend (CPU), the devices (one: multi-device meshes, fake CPU devices included,
 keep XLA's SPMD-partitioned ops), dtypes (float32) and the number of rows (at most
-MAX_ROWS: a decode step or a scoring pass), and whether the library could be built.
+MAX_ROWS: a decode step or a scoring pass; for attention, queries per batch row, as its
+work is split over (row, kv head) pairs), and whether the library could be built.
 Every kernel has the plain jnp computation as its fallback and as its gradient.
 """
 from __future__ import annotations
@@ -110,9 +111,10 @@ def _fewrow_matmul_grouped_jvp(n, primals, tangents):
 
 
 def use_attention(q: jax.Array, k_all: jax.Array, setting: Kernels) -> bool:
-    """q [B, T, N, H] against caches [L, B, G, S, H]: float32, B*T <= MAX_ROWS."""
+    """q [B, T, N, H] against caches [L, B, G, S, H]: float32, T <= MAX_ROWS queries per row,
+    any batch (for batch 16 XLA:CPU's batched dots were ~3x slower: benchmarks/kernels.md)."""
     B, T = q.shape[:2]
-    return (q.dtype == k_all.dtype == jnp.float32 and 1 <= B * T <= MAX_ROWS and single_device()
+    return (q.dtype == k_all.dtype == jnp.float32 and B >= 1 and 1 <= T <= MAX_ROWS and single_device()
             and runs(setting.attention))
 
 

@@ -6,6 +6,8 @@
 // bisection's 32 masked sums as a loop of small ops, which inside the decode loops costs
 // tens of microseconds a row; here each row's sums run over data in L1.
 #include <algorithm>
+#include <atomic>
+#include <memory>
 #include <cstdint>
 #include <cstring>
 
@@ -62,12 +64,41 @@ void Row(const float* p, float* out, int64_t V, float top_p) {
   }
 }
 
-ffi::Error Nucleus(ffi::Buffer<ffi::F32> probs, ffi::ResultBuffer<ffi::F32> out, float top_p) {
+// Rows are split over XLA's thread pool in chunks: a large batch (or a scoring pass's
+// K + 1 rows per batch row) has many independent rows.
+struct Job {
+  const float* probs;
+  float* out;
+  int64_t V, rows, chunk;
+  float top_p;
+  std::atomic<int64_t> next{0}, done{0};
+
+  void Work() {
+    const int64_t items = (rows + chunk - 1) / chunk;
+    for (int64_t i; (i = next.fetch_add(1, std::memory_order_relaxed)) < items;) {
+      for (int64_t r = i * chunk; r < std::min(rows, (i + 1) * chunk); ++r) Row(probs + r * V, out + r * V, V, top_p);
+      done.fetch_add(1, std::memory_order_release);
+    }
+  }
+};
+
+ffi::Error Nucleus(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> probs, ffi::ResultBuffer<ffi::F32> out, float top_p) {
   const auto d = probs.dimensions();
   if (d.size() < 1 || d.back() < 1)
     return ffi::Error::InvalidArgument("specjax_nucleus: want probabilities [..., V] with V >= 1");
-  const int64_t V = d.back(), rows = probs.element_count() / V;
-  for (int64_t r = 0; r < rows; ++r) Row(probs.typed_data() + r * V, out->typed_data() + r * V, V, top_p);
+  auto job = std::make_shared<Job>();
+  job->probs = probs.typed_data();
+  job->out = out->typed_data();
+  job->V = d.back();
+  job->rows = probs.element_count() / job->V;
+  job->top_p = top_p;
+  const int64_t threads = std::max<int64_t>(1, pool.num_threads());
+  job->chunk = std::max<int64_t>(1, job->rows / (4 * threads));  // a few chunks a thread: uneven rows balance
+  const int64_t items = (job->rows + job->chunk - 1) / job->chunk;
+  const int64_t helpers = std::min<int64_t>(items, threads) - 1;
+  for (int64_t i = 0; i < helpers; ++i) pool.Schedule([job] { job->Work(); });
+  job->Work();
+  WaitFor(job->done, items);
   return ffi::Error::Success();
 }
 
@@ -75,6 +106,7 @@ ffi::Error Nucleus(ffi::Buffer<ffi::F32> probs, ffi::ResultBuffer<ffi::F32> out,
 
 XLA_FFI_DEFINE_HANDLER_SYMBOL(SpecjaxNucleus, Nucleus,
                               ffi::Ffi::Bind()
+                                  .Ctx<ffi::ThreadPool>()
                                   .Arg<ffi::Buffer<ffi::F32>>()
                                   .Ret<ffi::Buffer<ffi::F32>>()
                                   .Attr<float>("top_p"));

@@ -254,7 +254,8 @@ def ancestors(T):
 
 @needs_kernel
 @pytest.mark.parametrize("B,T,N,G,H,S", [(1, 1, 8, 8, 64, 512), (1, 5, 8, 8, 64, 64), (2, 4, 8, 4, 8, 40),
-                                         (8, 1, 8, 8, 16, 33), (1, 8, 4, 1, 20, 17), (2, 3, 6, 2, 3, 5)])
+                                         (8, 1, 8, 8, 16, 33), (1, 8, 4, 1, 20, 17), (2, 3, 6, 2, 3, 5),
+                                         (16, 3, 4, 1, 8, 9)])  # a batch of many short rows
 @pytest.mark.parametrize("mask", ["causal", "tree", "one query sees nothing"])
 def test_cached_attention_matches_the_reference(B, T, N, G, H, S, mask):
     L = 3
@@ -263,7 +264,7 @@ def test_cached_attention_matches_the_reference(B, T, N, G, H, S, mask):
     k_all, v_all = (jax.random.normal(k, (L, B, G, S, H)) for k in keys[1:3])
     k, v = (jax.random.normal(k, (B, T, G, H)) for k in keys[3:5])
     # Ragged rows: mid-cache, the whole cache, an empty cache, and more.
-    limit = jnp.asarray(np.array([S // 3, S, 0, 1, 5, S - 2, 2, 3])[:B].clip(0, S), jnp.int32)
+    limit = jnp.asarray(np.resize([S // 3, S, 0, 1, 5, S - 2, 2, 3], B).clip(0, S), jnp.int32)
     visible = {"causal": np.tril(np.ones((T, T), bool)), "tree": ancestors(T),
                "one query sees nothing": np.tril(np.ones((T, T), bool))}[mask]
     if mask == "one query sees nothing":  # with an empty cache (row 0): uniform weights, as the jnp softmax gives
@@ -279,6 +280,23 @@ def test_cached_attention_matches_the_reference(B, T, N, G, H, S, mask):
         # Op by op: jitted, XLA:CPU's fused softmax gives NaN for a row whose every logit is
         # masked (which the model never asks for: a query always sees its own key).
         close(got, np.asarray(attention_reference(*args, visible)))
+
+
+def test_attention_dispatch_counts_queries_per_row_not_rows():
+    """The attention kernel's work is per (row, kv head), so a large batch of short rows
+    (a batched decode step, a Theorem-1 batch) takes it; many queries per row (a long
+    prefill) take XLA's dots."""
+    setting = Kernels.parse("attention")
+
+    def uses(B, T, devices="1x1"):
+        q, k_all = jnp.ones((B, T, 4, 8)), jnp.ones((2, B, 2, 16, 8))
+        with jax.set_mesh(mesh_for(devices)):
+            return dispatch.use_attention(q, k_all, setting)
+
+    assert uses(1, 1) == uses(64, 1) == uses(64, kernels.MAX_ROWS) == kernels.available()
+    assert not uses(1, kernels.MAX_ROWS + 1)
+    assert not uses(64, 1, "1x8")
+    assert not dispatch.use_attention(jnp.ones((64, 1, 4, 8)), jnp.ones((2, 64, 2, 16, 8)), NONE)
 
 
 @needs_kernel
