@@ -26,35 +26,26 @@ from absl import flags
 from specjax import sharding
 from specjax.analysis import timing
 from specjax.app import cli, output, prompts as prompts_lib
-from specjax.config import DRAFTERS, VERIFY_RULES, UsageError
+from specjax.config import UsageError
 from specjax.decode import drafters
 from specjax.decode.retrieval_index import Datastore, file_sha256
 from specjax.weights import self_draft
 
 FLAGS = flags.FLAGS
+SWEPT = ("lookahead", "verify", "drafter", "draft_confidence", "num_drafts")  # comma lists: one Figure-1 line each
 
 
 def define_flags() -> None:
     cli.define_config_flag("mini")
-    flags.DEFINE_string("lookahead", "1,2,3,4,5,6,8", "Comma-separated K values.")
     flags.DEFINE_string("batch_sizes", "1", "Comma-separated batch sizes (SpS at the config's K vs ArS).")
     flags.DEFINE_integer("num_prompts", 8, "Prompts (HumanEval with a tokenizer, random ids without).")
     flags.DEFINE_integer("prompt_len", 64, "Random-id prompt length when there is no tokenizer.")
-    flags.DEFINE_integer("max_new_tokens", 128, "Tokens per sequence (Figure 1 uses 128).")
+    cli.define_sampling_flags(sweep=SWEPT, defaults={"lookahead": "1,2,3,4,5,6,8", "max_new_tokens": 128})
     cli.define_weight_flags(self_draft_list=True)
     flags.DEFINE_string("json", None, "Write the results here.")
     flags.DEFINE_string("plot", None, "Write the Figure-1 panels (PNG) here.")
     flags.DEFINE_integer("seed", 0, "Sampling seed.")
     flags.DEFINE_integer("repeats", 20, "Repeats for the single-pass timings.")
-    flags.DEFINE_string("verify", None, "Comma-separated acceptance rules to compare (block, tokenwise; default: "
-                        "the config's).")
-    flags.DEFINE_string("drafter", None, "Comma-separated drafters to compare (model, ngram, retrieval, hybrid, medusa, eagle; "
-                        "default: the config's).")
-    flags.DEFINE_string("draft_confidence", None, "Comma-separated adaptive-length thresholds in [0, 1) to compare "
-                        "(0 = fixed K; default: the config's).")
-    flags.DEFINE_string("num_drafts", None, "Comma-separated draft chains per loop to compare (1 = one chain; "
-                        "more are verified as a tree; default: the config's).")
-    flags.DEFINE_integer("ngram", None, "Longest suffix the lookup drafters match (default: the config's).")
     flags.DEFINE_string("datastore", None, "Datastore for the retrieval and hybrid drafters.")
     flags.DEFINE_enum("prompts", "humaneval", ["humaneval", "rewrite"], "With a tokenizer: HumanEval prompts, or "
                       "'rewrite' (held-out standard-library functions, each followed by its own def line: a "
@@ -82,18 +73,17 @@ def main(argv):
         self_draft.check_quantize(spec, cli.quantize())
     target, draft = sources.imported()
     config = cli.config()
-    names = cli.choices("drafter", FLAGS.drafter, config.sampling.drafter, DRAFTERS)
+    names = cli.swept("drafter", config.sampling.drafter)
     # --draft_checkpoint names the heads where every drafter compared draws from heads.
     heads_only = all(drafters.draft_kind(name) == "heads" for name in names)
     config = each[0].configure(config, heads=heads_only)  # the other items differ only in their self-draft:
     for spec in specs[1:]:  # each checked against the target's layers, as configure checks the first
         spec.check(config.target.num_layers)
-    base = config.sampling if FLAGS.ngram is None else dataclasses.replace(config.sampling, ngram=FLAGS.ngram)
+    base = cli.sampling(config.sampling)  # the single-valued ones: ngram, temperature, top_k, top_p
     variants = timing.variants(  # validated at the largest K measured
         dataclasses.replace(base, lookahead=max(ks + [base.lookahead])), names,
-        cli.choices("verify", FLAGS.verify, base.verify, VERIFY_RULES),
-        cli.unit_interval_list("draft_confidence", FLAGS.draft_confidence, base.draft_confidence),
-        [base.num_drafts] if FLAGS.num_drafts is None else cli.int_list("num_drafts", FLAGS.num_drafts))
+        cli.swept("verify", base.verify), cli.swept("draft_confidence", base.draft_confidence),
+        cli.swept("num_drafts", base.num_drafts))
     need_draft = any(drafters.draft_kind(v["drafter"]) == "model" for v in variants)
     need_heads = sorted({v["drafter"] for v in variants if drafters.draft_kind(v["drafter"]) == "heads"})
     if target is not None and need_draft and draft is None and not specs:

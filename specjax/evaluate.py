@@ -14,6 +14,7 @@ sample and still scores and writes what finished (exit 130).
 """
 from __future__ import annotations
 
+import dataclasses
 import json
 import sys
 
@@ -37,8 +38,10 @@ def define_flags() -> None:
     flags.DEFINE_float("timeout", 5.0, "Seconds per HumanEval program under --execute.")
     flags.DEFINE_string("xsum_file", None, "Local JSONL of {\"document\", \"summary\"} (XSum format); "
                         "default: the built-in standard-library docstring set.")
-    flags.DEFINE_integer("lookahead", None, "K (default: the config's).")
-    flags.DEFINE_integer("max_new_tokens", None, "Override the task's new-token budget (quick runs).")
+    # The task fixes the paper's decoding (temperature, top-p, budget); how SpS drafts and
+    # verifies is the config's, and these flags override it.
+    cli.define_sampling_flags(("lookahead", "verify", "drafter", "ngram", "draft_confidence", "num_drafts"))
+    cli.define_sampling_flags(("max_new_tokens",), unset="the task's; lower it for quick runs")
     flags.DEFINE_integer("seed", 0, "Sample j of item i uses seed + 1000 * i + j in both modes "
                          "(the last of them must stay below 2**63).")
     flags.DEFINE_string("output", None, "Write the table, per-item scores and every sample to this JSON file.")
@@ -49,6 +52,8 @@ def define_flags() -> None:
 
 def main(argv):
     config, task = cli.config(), FLAGS.task
+    config = dataclasses.replace(config, sampling=dataclasses.replace(
+        cli.sampling(config.sampling), max_new_tokens=config.sampling.max_new_tokens))  # the task's budget, below
     if FLAGS.execute and task != "humaneval":
         raise UsageError("--execute only applies to --task=humaneval (xsum is scored with ROUGE, nothing runs)")
     if FLAGS.xsum_file and task != "xsum":

@@ -18,16 +18,11 @@ finished batch, so an interrupted run leaves only complete lines.
 """
 from __future__ import annotations
 
-import dataclasses
-
 from absl import flags
 
 from specjax.app import cli, locate, sample_command
-from specjax.config import DRAFTERS, VERIFY_RULES
 
 FLAGS = flags.FLAGS
-SAMPLING_FLAGS = ("lookahead", "temperature", "top_k", "top_p", "max_new_tokens", "verify", "drafter", "ngram",
-                  "draft_confidence", "num_drafts")
 
 
 def define_flags() -> None:
@@ -35,21 +30,7 @@ def define_flags() -> None:
     flags.DEFINE_enum("mode", "both", ["sps", "ars", "both"],
                       "sps: speculative sampling with the config's draft; ars: the target alone; "
                       "both: each batch with both, printed side by side.")
-    flags.DEFINE_integer("lookahead", None, "K, draft tokens per loop (default: the config's).")
-    flags.DEFINE_float("temperature", None, "0 = greedy (default: the config's).")
-    flags.DEFINE_integer("top_k", None, "Keep the k most likely tokens; 0 = off (default: the config's).")
-    flags.DEFINE_float("top_p", None, "Nucleus sampling mass in (0, 1]; 1 = off (default: the config's).")
-    flags.DEFINE_integer("max_new_tokens", None, "Tokens to generate per sample (default: the config's).")
-    flags.DEFINE_enum("verify", None, list(VERIFY_RULES), "SpS acceptance rule: block (block verification, "
-                      "never worse) or tokenwise (the paper's); default: the config's.")
-    flags.DEFINE_enum("drafter", None, list(DRAFTERS), "Who proposes: the draft model, ngram (prompt lookup in "
-                      "the row's own context), retrieval (--datastore), or hybrid (ngram, else the datastore, else "
-                      "the model); default: the config's.")
-    flags.DEFINE_integer("ngram", None, "Longest context suffix the lookup drafters match (default: the config's).")
-    flags.DEFINE_float("draft_confidence", None, "In [0, 1): a row stops drafting after a draft distribution whose "
-                       "top probability is below this (--lookahead is the most); 0 = fixed K.")
-    flags.DEFINE_integer("num_drafts", None, "M draft chains per loop, scored as one tree and verified jointly "
-                         "(exact multi-draft rejection sampling); 1 = one chain (default: the config's).")
+    cli.define_sampling_flags()
     flags.DEFINE_string("datastore", None, "Datastore for --drafter=retrieval|hybrid (python -m specjax.datastore).")
     flags.DEFINE_integer("num_samples", 1, "Samples per prompt.")
     flags.DEFINE_integer("batch_size", 1, "Rows per generate call (prompts x num_samples rows are split into "
@@ -72,8 +53,7 @@ def define_flags() -> None:
 
 def main(argv):
     config = cli.config()
-    overrides = {k: getattr(FLAGS, k) for k in SAMPLING_FLAGS if getattr(FLAGS, k) is not None}
-    sampling = dataclasses.replace(config.sampling, **overrides).validate()
+    sampling = cli.sampling(config.sampling).validate()
     sample_command.run(sample_command.Request(
         config, ["ars", "sps"] if FLAGS.mode == "both" else [FLAGS.mode], sampling,
         dict(texts=FLAGS.prompt, prompts_file=FLAGS.prompts_file, token_lists=FLAGS.prompt_tokens,

@@ -17,6 +17,7 @@ in one process do not clash.
 """
 from __future__ import annotations
 
+import dataclasses
 import math
 import os
 import re
@@ -25,10 +26,12 @@ from typing import Callable, Optional
 
 from absl import app, flags, logging
 
-from specjax.config import Config, MeshConfig, UsageError, cache_dir, load_config
+from specjax.config import (DRAFTERS, VERIFY_RULES, Config, MeshConfig, SamplingConfig, UsageError, cache_dir,
+                            load_config)
 
 FLAGS = flags.FLAGS
 _OVERRIDES: list[str] = []
+_SWEPT: set[str] = set()  # the sampling flags this command defined as lists
 
 
 class RunError(RuntimeError):
@@ -68,6 +71,72 @@ def define_weight_flags(*, init: bool = True, self_draft_list: bool = False) -> 
            "--hf_draft, --gguf_draft or --draft_checkpoint).")
     flags.DEFINE_string("self_draft", None, ("Comma-separated self-drafts to compare, e.g. layers:1,layers:2; each "
                                              + one) if self_draft_list else one)
+
+
+# --------------------------------------------------------------------------- sampling flags
+
+# Aliases of SamplingConfig's fields (`--lookahead=3` is `--config.sampling.lookahead=3`),
+# defined here once for every command that samples: the field's type and help. A command
+# that compares settings (bench) takes a comma-separated list in the fields it sweeps,
+# each item one value as elsewhere; no command gives a flag of this group another meaning.
+SAMPLING_FLAGS = {
+    "lookahead": (int, "K, draft tokens per loop"),
+    "temperature": (float, "0 = greedy"),
+    "top_k": (int, "keep the k most likely tokens; 0 = off"),
+    "top_p": (float, "nucleus sampling mass in (0, 1]; 1 = off"),
+    "max_new_tokens": (int, "tokens to generate per sequence"),
+    "verify": (VERIFY_RULES, "SpS acceptance rule: block (block verification, never worse) or tokenwise (the "
+               "paper's); several chains are verified as a tree"),
+    "drafter": (DRAFTERS, "who proposes: model (the draft model), ngram (prompt lookup in the row's own context), "
+                "retrieval (--datastore), hybrid (ngram, else the datastore, else the model), medusa or eagle "
+                "(draft heads on the target's features)"),
+    "ngram": (int, "longest context suffix the lookup drafters match"),
+    "draft_confidence": (float, "in [0, 1): a row stops drafting after a draft distribution whose top "
+                         "probability is below this (--lookahead is the most); 0 = fixed K"),
+    "num_drafts": (int, "M draft chains per loop, scored as one tree and verified jointly (exact multi-draft "
+                   "rejection sampling); 1 = one chain"),
+}
+
+
+def define_sampling_flags(names=tuple(SAMPLING_FLAGS), sweep=(), defaults=None, unset="the config's") -> None:
+    """The flags `names` of SAMPLING_FLAGS; those in `sweep` take a comma-separated list of
+    values to compare. `defaults`: a command's own defaults; a flag without one keeps the
+    `unset` value (the config's field, or e.g. evaluate's task's budget)."""
+    defaults = defaults or {}
+    _SWEPT.update(sweep)
+    for name in names:
+        kind, text = SAMPLING_FLAGS[name]
+        default = defaults.get(name)
+        text += f" (default: {unset})." if default is None else "."  # absl prints a default given
+        if name in sweep:
+            flags.DEFINE_string(name, None if default is None else str(default),
+                                f"Comma-separated values to compare, each: {text}")
+            continue
+        text = text[0].upper() + text[1:]
+        if kind is int:
+            flags.DEFINE_integer(name, default, text)
+        elif kind is float:
+            flags.DEFINE_float(name, default, text)
+        else:
+            flags.DEFINE_enum(name, default, list(kind), text)
+
+
+def sampling(base: SamplingConfig) -> SamplingConfig:
+    """`base` with the single-valued sampling flags that were given (not validated)."""
+    given = {name: FLAGS[name].value for name in SAMPLING_FLAGS
+             if name in FLAGS and name not in _SWEPT and FLAGS[name].value is not None}
+    return dataclasses.replace(base, **given)
+
+
+def swept(name: str, default) -> list:
+    """The values a swept sampling flag compares ([default] when not given)."""
+    text = FLAGS[name].value
+    kind = SAMPLING_FLAGS[name][0]
+    if kind is int:
+        return [default] if text is None else int_list(name, text)
+    if kind is float:
+        return unit_interval_list(name, text, default)
+    return choices(name, text, default, kind)
 
 
 def sources():

@@ -6,13 +6,14 @@ import subprocess
 import sys
 
 import pytest
+from clitools import xla_flags
 
 ROOT = pathlib.Path(__file__).resolve().parents[2]
 
 
 def test_bench_writes_json_and_png(tmp_path):
     out, png = tmp_path / "bench.json", tmp_path / "fig1.png"
-    env = dict(os.environ, XLA_FLAGS="--xla_force_host_platform_device_count=1", JAX_PLATFORMS="cpu")
+    env = dict(os.environ, XLA_FLAGS=xla_flags(1), JAX_PLATFORMS="cpu")
     proc = subprocess.run([sys.executable, "-m", "specjax.bench", "--config=tiny", "--init=random",
                            "--lookahead=2", "--batch_sizes=1,2", "--num_prompts=2", "--prompt_len=5",
                            "--max_new_tokens=12", "--repeats=2", "--verify=tokenwise,block", "--drafter=model,ngram",
@@ -39,7 +40,7 @@ def test_bench_writes_json_and_png(tmp_path):
 def test_bench_compares_draft_heads(tmp_path):
     """Random Medusa heads (a chain and a tree) and a random EAGLE layer (a chain only)."""
     out = tmp_path / "bench.json"
-    env = dict(os.environ, XLA_FLAGS="--xla_force_host_platform_device_count=1", JAX_PLATFORMS="cpu")
+    env = dict(os.environ, XLA_FLAGS=xla_flags(1), JAX_PLATFORMS="cpu")
     proc = subprocess.run([sys.executable, "-m", "specjax.bench", "--config=tiny", "--init=random", "--lookahead=2",
                            "--num_prompts=1", "--prompt_len=5", "--max_new_tokens=8", "--repeats=1",
                            "--drafter=medusa,eagle", "--num_drafts=1,2", f"--json={out}"],

@@ -169,11 +169,13 @@ def test_xsum_end_to_end_writes_the_table_and_json(text_pair):
         ("def add(a, b):\n    return a + b", "Add two numbers."),
         ("def neg(x):\n    return -x", "Negate a number."),
         ("def first(xs):\n    return xs[0]", "The first item.")]))
+    # --verify is an alias of config.sampling.verify, as in sample and bench.
     proc = run_evaluate(env, *args, "--task=xsum", f"--xsum_file={docs}", "--limit=1", "--max_new_tokens=12",
-                        f"--output={out}")
+                        "--verify=block", f"--output={out}")
     assert proc.returncode == 0, proc.stderr
     result = json.loads(out.read_text())
     assert [s["name"] for s in result["settings"]] == ["nucleus p=0.8", "greedy"]
+    assert [s["sampling"]["verify"] for s in result["settings"]] == ["block", "block"]
     for s in result["settings"]:
         assert s["metric"] == "ROUGE-2" and [r["id"] for r in s["samples"]] == ["docs.jsonl:2"]
         assert all(1 <= s["modes"][m]["tokens"] <= 12 for m in ("ars", "sps"))  # 12, or fewer after an EOS
@@ -293,6 +295,9 @@ BAD = [
       "--config.target.max_seq_len=8", "--config.draft.max_seq_len=8"], ["ngram=12", "context of 8 tokens"]),
     (["--task=xsum", "--config.sampling.drafter=retrieval"], ["drafter='retrieval' needs a datastore"]),
     (["--task=xsum", "--config.sampling.num_drafts=32"], ["num_drafts=32", "[1, 16]"]),
+    (["--task=xsum", "--num_drafts=32"], ["num_drafts=32", "[1, 16]"]),  # the flag is the field's alias
+    (["--task=xsum", "--drafter=retrieval"], ["drafter='retrieval' needs a datastore"]),
+    (["--task=xsum", "--verify=tree"], ["--verify", "block", "tokenwise"]),
 ]
 
 

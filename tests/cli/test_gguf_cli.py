@@ -14,7 +14,7 @@ import numpy as np
 import pytest
 
 import gguf as gguf_package
-from clitools import assert_one_line, cli_env, run_many
+from clitools import assert_one_line, cli_env, run_many, xla_flags
 
 ROOT = pathlib.Path(__file__).resolve().parents[2]
 FIXTURES = ROOT / "tests" / "fixtures" / "gguf"
@@ -61,7 +61,7 @@ def test_sharded_over_a_1x8_mesh(env, tmp_path):
     proc = run(env, "sample", f"--gguf_target={FIXTURES / 'llama_tp_Q8_0.gguf'}", "--mode=ars", "--temperature=0",
                "--mesh=1x8", "--max_new_tokens=16", f"--prompt_tokens={','.join(map(str, prompt))}",
                "--noprint_samples", f"--output={tmp_path / 'out.jsonl'}",
-               XLA_FLAGS="--xla_force_host_platform_device_count=8")
+               XLA_FLAGS=xla_flags(8))
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert records(tmp_path / "out.jsonl")[0]["tokens"] == expected
 

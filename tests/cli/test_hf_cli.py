@@ -17,7 +17,7 @@ import numpy as np
 import pytest
 from safetensors.numpy import load_file, save_file
 
-from clitools import assert_one_line, cli_env, run_many
+from clitools import assert_one_line, cli_env, run_many, xla_flags
 
 ROOT = pathlib.Path(__file__).resolve().parents[2]
 FIXTURES = ROOT / "tests" / "fixtures" / "hf"
@@ -71,7 +71,7 @@ def test_sharded_over_a_1x8_mesh(env, tmp_path):
     prompt, expected = greedy_reference("llama_tp")
     proc = sample(env, f"--hf_target={FIXTURES / 'llama_tp'}", "--mode=ars", "--temperature=0", "--mesh=1x8",
                   "--max_new_tokens=16", f"--prompt_tokens={','.join(map(str, prompt))}", "--noprint_samples",
-                  f"--output={tmp_path / 'out.jsonl'}", XLA_FLAGS="--xla_force_host_platform_device_count=8")
+                  f"--output={tmp_path / 'out.jsonl'}", XLA_FLAGS=xla_flags(8))
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert records(tmp_path / "out.jsonl")[0]["tokens"] == expected
 
@@ -334,7 +334,7 @@ def bad_runs(env, bad):
     cases = [(["--prompt_tokens=0,5,6", "--max_new_tokens=16", *[a.format(bad=bad) for a in args]], {})
              for _, args, _ in BAD_INPUTS]
     return dict(zip((c[0] for c in BAD_INPUTS), run_many(
-        "specjax.sample", cases, env={**env, "XLA_FLAGS": "--xla_force_host_platform_device_count=8"}, cwd=ROOT)))
+        "specjax.sample", cases, env={**env, "XLA_FLAGS": xla_flags(8)}, cwd=ROOT)))
 
 
 @pytest.mark.parametrize("case", BAD_INPUTS, ids=[c[0] for c in BAD_INPUTS])

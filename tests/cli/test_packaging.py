@@ -2,8 +2,10 @@
 non-editable install that runs from anywhere with the configs inside it."""
 import concurrent.futures
 import importlib
+import json
 import os
 import pathlib
+import re
 import subprocess
 import sys
 
@@ -26,6 +28,49 @@ def test_entry_points_import_side_by_side_and_define_flags_only_when_run():
     with concurrent.futures.ThreadPoolExecutor(len(MAINS)) as pool:
         for module, proc in zip(MAINS, pool.map(helpfull, MAINS)):
             assert "--config" in proc.stdout and "Traceback" not in proc.stderr, (module, proc.stderr[-2000:])
+
+
+SWEEP = "Comma-separated values to compare, each: "
+DUMP = """
+import json, sys
+from absl import flags
+from specjax.app.cli import SAMPLING_FLAGS
+module = __import__(sys.argv[1], fromlist=["define_flags"])
+module.define_flags()
+print(json.dumps({n: [flags.FLAGS[n].flag_type(), flags.FLAGS[n].help] for n in SAMPLING_FLAGS if n in flags.FLAGS}))
+"""
+
+
+def test_sampling_flags_have_one_name_type_and_meaning_in_every_command():
+    """--lookahead, --drafter, ... are defined once (`cli.define_sampling_flags`): where two
+    commands take one, it has the same type and help; bench's sweeps are comma lists whose
+    items mean what the single value means elsewhere."""
+    commands = ["specjax.sample", "specjax.bench", "specjax.evaluate"]
+
+    def dump(module):
+        proc = subprocess.run([sys.executable, "-c", DUMP, module], cwd=REPO, capture_output=True, text=True,
+                              timeout=120)
+        assert proc.returncode == 0, proc.stderr[-2000:]
+        return json.loads(proc.stdout)
+
+    with concurrent.futures.ThreadPoolExecutor(len(commands)) as pool:
+        defined = dict(zip(commands, pool.map(dump, commands)))
+    # The help without absl's "<choices>: " prefix and the default's note.
+    core = lambda text: re.sub(r"^<[^>]*>: |( \(default: [^)]*\))?\.$", "", text)  # noqa: E731
+    assert {"lookahead", "drafter", "verify", "num_drafts", "draft_confidence", "max_new_tokens"} <= set(
+        defined["specjax.bench"]) & set(defined["specjax.evaluate"])
+    for name, (kind, text) in defined["specjax.sample"].items():  # sample takes every one, single-valued
+        for module, flags_ in defined.items():
+            if name not in flags_:
+                continue
+            other_kind, other = flags_[name]
+            if other.startswith(SWEEP):
+                assert other_kind == "string", (module, name)
+                other = other[len(SWEEP):]
+                other = other[0].upper() + other[1:]
+            else:
+                assert other_kind == kind, (module, name, other_kind, kind)
+            assert core(other) == core(text), (module, name, other, text)
 
 
 @pytest.mark.slow  # a fresh virtual environment downloads jax and friends (~1-2 min)

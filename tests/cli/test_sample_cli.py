@@ -20,7 +20,7 @@ import time
 import jax
 import numpy as np
 import pytest
-from clitools import TEXT_CONFIG, assert_one_line, cli_env, interruptible, run_many
+from clitools import TEXT_CONFIG, assert_one_line, cli_env, interruptible, run_many, xla_flags
 
 ROOT = pathlib.Path(__file__).resolve().parents[2]
 TINY = ["--config=tiny", "--init=random"]
@@ -421,7 +421,7 @@ def test_the_headline_config_runs_shrunk_on_an_8_device_mesh(env, tmp_path):
         for k, v in fields.items()]
     proc = sample(env, "--config=chinchilla_70b", "--init=random", "--prompt_tokens=1,2,3", "--max_new_tokens=8",
                   "--mesh=1x8", *shrink, "--noprint_samples", f"--output={tmp_path / 'out.jsonl'}",
-                  XLA_FLAGS="--xla_force_host_platform_device_count=8")
+                  XLA_FLAGS=xla_flags(8))
     assert proc.returncode == 0, proc.stderr[-3000:]
     records = read_jsonl(tmp_path / "out.jsonl")
     assert [r["mode"] for r in records] == ["ars", "sps"] and all(len(r["tokens"]) == 8 for r in records)

@@ -131,22 +131,33 @@ def run_loops(target, heads, prompts, loops):
     width = max(map(len, prompts))
     tokens = jnp.asarray([p + [0] * (width - len(p)) for p in prompts])
     settings = speculative.Settings(3, program.warping_of(SamplingConfig(temperature=1.0)))
-    state = speculative.start(target.packed(), drafter, tokens, jnp.asarray([len(p) for p in prompts]),
-                              jax.random.key(3), settings, 64)
-    step = jax.jit(lambda s: speculative.loop(target.packed(), drafter, s, settings, jnp.int32(40), -1))
+    state = START(target.packed(), drafter, tokens, jnp.asarray([len(p) for p in prompts]), jax.random.key(3),
+                  settings, 64)
     for _ in range(loops):
-        state = step(state)
+        state = LOOP(target.packed(), drafter, state, settings, jnp.int32(40), -1)
     return state
+
+
+# Compiled once for every call of run_loops (the models are arguments, the settings static).
+START = jax.jit(speculative.start, static_argnames=("settings", "size"))
+LOOP = jax.jit(speculative.loop, static_argnames=("settings", "eos_id"))
 
 
 def state_errors(target, heads, state) -> list[str]:
     """Where the EAGLE state differs from the target's true features / a teacher-forced pass."""
     st = state.drafter_state
     out = []
-    for b in range(state.tokens.shape[0]):
+    # Both references over every row at full width, one compiled pass each: the target and
+    # the layer are causal, so a row's positions before its length see only its own tokens.
+    tokens = state.tokens
+    _, hidden_all = jax.jit(lambda lm, t: model.full_forward(lm, t, features=True))(target, tokens)
+    B, W = tokens.shape
+    positions = jnp.broadcast_to(jnp.arange(W - 1), (B, W - 1))
+    _, fresh_all = jax.jit(lambda h, lm, t: h(hidden_all[:, :-1], lm.embed(t[:, 1:]), positions, h.empty_cache(B, 0)))(
+        heads, target, tokens)
+    for b in range(B):
         n = int(state.length[b])
-        row = state.tokens[b:b + 1, :n]
-        _, hidden = model.full_forward(target, row, features=True)
+        hidden = hidden_all[b:b + 1, :n]
         start, count = int(st.start[b]), int(st.count[b])
         if start + count != n - 1 and n > 1:  # a one-token prompt's own feature stands in before it
             out.append(f"row {b}: start {start} + count {count} != pending {n - 1}")
@@ -154,16 +165,14 @@ def state_errors(target, heads, state) -> list[str]:
             out.append(f"row {b}: the window is not the target's features")
         if start == 0:
             continue  # nothing cached before the window
-        positions = jnp.arange(n - 1)[None]
-        _, fresh = heads(hidden[:, :-1], target.embed(row[:, 1:]), positions, heads.empty_cache(1, 0))
         cached = st.cache.k[0, b, :, :start]  # [G, start, H]
-        want = jnp.swapaxes(fresh.k[0, 0, :start], 0, 1)
+        want = jnp.swapaxes(fresh_all.k[0, b, :start], 0, 1)
         if not np.allclose(cached, want, atol=1e-4):
             out.append(f"row {b}: the layer's cache before {start} is not its pass over the true features")
     return out
 
 
-def test_each_loop_starts_from_the_targets_features(pairs, monkeypatch):
+def test_each_loop_starts_from_the_targets_features(pairs, patch):
     target, heads = pairs["1x1"]
     prompts = [[5, 9, 2, 7, 1, 30], [4, 11], [8]]
     for loops in (0, 4):
@@ -173,7 +182,7 @@ def test_each_loop_starts_from_the_targets_features(pairs, monkeypatch):
     # rolled back over them either), only the bookkeeping moves on.
     stale = lambda self, state, verdict: state._replace(  # noqa: E731
         start=jnp.maximum(verdict.length - 2 - verdict.num_accepted, 0), count=verdict.num_accepted + 1)
-    monkeypatch.setattr(eagle.EagleDrafter, "update", stale)
+    patch([(eagle.EagleDrafter, "update", stale)])  # drops the compiled loop: the swap is traced in
     assert state_errors(target, heads, run_loops(target, heads, prompts, 4))
 
 

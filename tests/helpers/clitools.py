@@ -23,15 +23,19 @@ def assert_one_line(proc, code: int, fragments, program: str | None = None) -> s
     return lines[0]
 
 
+def xla_flags(devices: int = 1) -> str:
+    """XLA_FLAGS of a CLI run on `devices` CPU devices. LLVM optimisation level 0 halves
+    the compiles that dominate these runs (the programs are tiny); the runs they compare
+    with compile with the same flags."""
+    return f"--xla_force_host_platform_device_count={devices} --xla_backend_optimization_level=0"
+
+
 def cli_env(base: pathlib.Path, devices: int = 1) -> dict:
     """The environment of a CLI run: `devices` CPU devices (1 compiles fastest), a
     compilation cache in `base` shared by the runs of one file (the same programs are
     compiled once), an empty specjax cache (no default checkpoint exists), this checkout
     first on the path, and a pinned terminal width (xdist workers have none)."""
-    # LLVM optimisation level 0 halves the compiles that dominate these runs (the programs
-    # are tiny); the runs they compare with compile with the same flags.
-    flags = f"--xla_force_host_platform_device_count={devices} --xla_backend_optimization_level=0"
-    return {**os.environ, "XLA_FLAGS": flags, "JAX_PLATFORMS": "cpu",
+    return {**os.environ, "XLA_FLAGS": xla_flags(devices), "JAX_PLATFORMS": "cpu",
             "JAX_COMPILATION_CACHE_DIR": str(base / "jax_cache"), "JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS": "0",
             "JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES": "0", "SPECJAX_CACHE": str(base / "empty_cache"),
             "PYTHONPATH": str(ROOT), "COLUMNS": "160"}
