@@ -25,10 +25,9 @@ from absl import flags
 
 from specjax import sharding
 from specjax.analysis import timing
-from specjax.app import cli, output, prompts as prompts_lib
+from specjax.app import cli, locate, output, prompts as prompts_lib
 from specjax.config import UsageError
 from specjax.decode import drafters
-from specjax.decode.retrieval_index import Datastore, file_sha256
 from specjax.weights import self_draft
 
 FLAGS = flags.FLAGS
@@ -92,23 +91,12 @@ def main(argv):
                          "model)")
     if need_draft and config.draft is None:
         raise UsageError(f"--config={FLAGS.config}: has no draft model, which --drafter=model|hybrid needs")
-    needs_store = [v["drafter"] for v in variants if drafters.kind(v["drafter"]).needs_datastore]
-    if needs_store and FLAGS.datastore is None:
-        raise UsageError(f"--drafter={needs_store[0]} needs --datastore=PATH (build one with "
-                         "`python -m specjax.datastore`)")
-    if FLAGS.datastore is not None and not any(drafters.kind(v["drafter"]).uses_datastore for v in variants):
-        raise UsageError(f"--datastore is used only by --drafter="
-                         f"{' or '.join(sorted(drafters.using('uses_datastore'), reverse=True))} (got "
-                         f"--drafter={','.join(sorted({v['drafter'] for v in variants}))})")
+    locate.check_datastore_flag(FLAGS.datastore, sorted({v["drafter"] for v in variants}))
     models = {"target": config.target, **({"draft": config.draft} if need_draft else {})}
     dataclasses.replace(base, lookahead=max(ks)).check_context(min(m.max_seq_len for m in models.values()))
-    store = Datastore.load(FLAGS.datastore) if FLAGS.datastore else None
-    if store is not None:
-        store.check(config.target.vocab_size, f"--datastore={FLAGS.datastore}")
     weights = each[0].locate(config, need_draft=need_draft, train_missing=False, need_heads=need_heads)
     tokenizer = weights.tokenizer()
-    if store is not None:
-        store.check_tokenizer(file_sha256(tokenizer.path) if tokenizer else None, f"--datastore={FLAGS.datastore}")
+    store = locate.load_datastore(FLAGS.datastore, config.target.vocab_size, tokenizer)
     if raw_prompts is not None:
         prompts = [p.tokens for p in prompts_lib.encode(raw_prompts, tokenizer, weights.no_tokenizer_reason)]
     else:

@@ -464,3 +464,30 @@ def train(names: Sequence[str]) -> None:
             from specjax.app.cli import Stopped
             raise Stopped(f"specjax: training {name!r} stopped at step {result.step} of {config.train.steps} "
                           f"({result.stopped_by}); run the same command again to resume", result.stopped_by)
+
+
+# --------------------------------------------------------------------------- the datastore
+
+
+def check_datastore_flag(path: Optional[str], drafter_names: Sequence[str]) -> None:
+    """--datastore given where a drafter of the run (sample: one; bench: those compared)
+    needs it, and only where one uses it: before any file is read."""
+    from specjax.decode import drafters
+    needs = [name for name in drafter_names if drafters.kind(name).needs_datastore]
+    if needs and path is None:
+        raise UsageError(f"--drafter={needs[0]} needs --datastore=PATH (build one with `python -m specjax.datastore`)")
+    if path is not None and not any(drafters.kind(name).uses_datastore for name in drafter_names):
+        raise UsageError(f"--datastore is used only by --drafter={' or '.join(drafters.using('uses_datastore'))} "
+                         f"(got --drafter={','.join(drafter_names)})")
+
+
+def load_datastore(path: Optional[str], vocab_size: int, tokenizer: Optional[Tokenizer]):
+    """The `Datastore` at `path` (None: none), checked against the target's vocabulary and
+    the tokenizer the prompts are encoded with."""
+    if path is None:
+        return None
+    from specjax.decode.retrieval_index import Datastore, file_sha256
+    store = Datastore.load(path)
+    store.check(vocab_size, name=f"--datastore={path}")
+    store.check_tokenizer(file_sha256(tokenizer.path) if tokenizer else None, f"--datastore={path}")
+    return store

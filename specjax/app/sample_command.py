@@ -8,13 +8,13 @@ import itertools
 from typing import Optional, Sequence
 
 from specjax import distributed, sharding
-from specjax.app import cli, prompts as prompts_lib
+from specjax.app import cli, locate, prompts as prompts_lib
 from specjax.app.locate import Sources, Weights
 from specjax.app.output import JsonlWriter, check_writable
 from specjax.app.report import Report
 from specjax.config import SEED_LIMIT, Config, MeshConfig, SamplingConfig, UsageError
 from specjax.decode import api, drafters
-from specjax.decode.retrieval_index import Datastore, file_sha256
+from specjax.decode.retrieval_index import Datastore
 from specjax.weights import self_draft
 
 MAX_ROWS = 1_000_000  # prompts x samples: beyond this the row list alone is a memory problem
@@ -63,13 +63,7 @@ def check(req: Request) -> None:
         raise UsageError(f"--mode={'both' if len(req.modes) == 2 else 'sps'} with --drafter={sampling.drafter} "
                          f"needs a draft model, and config {config.name!r} has none; use --mode=ars, "
                          "--drafter=ngram, or a config with a draft")
-    kind = drafters.kind(sampling.drafter)
-    if kind.needs_datastore and req.datastore is None:
-        raise UsageError(f"--drafter={sampling.drafter} needs --datastore=PATH (build one with "
-                         "`python -m specjax.datastore`)")
-    if req.datastore is not None and not kind.uses_datastore:
-        raise UsageError(f"--datastore is used only by --drafter={' or '.join(drafters.using('uses_datastore'))} "
-                         f"(got --drafter={sampling.drafter})")
+    locate.check_datastore_flag(req.datastore, [sampling.drafter])
     self_draft.check_quantize(req.sources.self_draft_spec(), req.quantize)
     if req.sources.init == "random" and (req.sources.checkpoint or req.sources.draft_checkpoint):
         raise UsageError("--checkpoint/--draft_checkpoint have no effect with --init=random: drop one of them")
@@ -115,11 +109,8 @@ def read_inputs(req: Request, raw_prompts, weights: Weights) -> Inputs:
     sampling, stop = req.sampling, weights.stop_ids(tokenizer)
     if sampling.eos_id is None:  # the model's own stop ids; an explicit -1 never stops early
         sampling = dataclasses.replace(sampling, eos_id=(stop[0] if len(stop) == 1 else stop) if stop else -1)
-    store = None
-    if req.datastore is not None and "sps" in req.modes:
-        store = Datastore.load(req.datastore)
-        store.check(req.config.target.vocab_size, name=f"--datastore={req.datastore}")
-        store.check_tokenizer(file_sha256(tokenizer.path) if tokenizer else None, f"--datastore={req.datastore}")
+    store = locate.load_datastore(req.datastore if "sps" in req.modes else None, req.config.target.vocab_size,
+                                  tokenizer)
     rows = len(prompts) * req.num_samples
     batch_size = min(req.batch_size, rows)  # a bigger batch would only compute padding rows
     return Inputs(prompts, sampling, batch_size, -(-rows // batch_size), store)

@@ -64,6 +64,7 @@ def test_bench_compares_draft_heads(tmp_path):
     (["--drafter=ngram", "--num_drafts=2"], "leave nothing to compare"),
     (["--drafter=model", "--datastore=/nonexistent.npz"], "--datastore is used only by --drafter=retrieval or hybrid"),
     (["--drafter=model,ngram", "--datastore=/nonexistent.npz"], "(got --drafter=model,ngram)"),
+    (["--drafter=retrieval", "--datastore=/nonexistent.npz"], "no such file"),  # sample's checks (locate)
     (["--drafter=ngram", "--ngram=1000"], "ngram=1000: must be an integer in [1, 16]"),
     (["--drafter=ngram", "--ngram=12", "--lookahead=2", "--config.target.max_seq_len=8",
       "--config.draft.max_seq_len=8"], "ngram=12: must be at most the model's context of 8 tokens"),
