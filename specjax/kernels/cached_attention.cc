@@ -67,6 +67,28 @@ inline float Dot(const float* a, const float* b, int64_t H) {
   return s;
 }
 
+// q . key_j for the four keys at `keys` (rows of H): q's chunks loaded once for the four,
+// and the four lane sums reduced together (`Sum4`); each equals Dot(q, key_j, H) exactly.
+inline void Dot4(const float* q, const float* keys, int64_t H, float* out) {
+  const float *k0 = keys, *k1 = keys + H, *k2 = keys + 2 * H, *k3 = keys + 3 * H;
+  Vec a{}, b{}, c{}, d{};
+  int64_t h = 0;
+  for (; h + kWidth <= H; h += kWidth) {
+    const Vec x = Load(q + h);
+    a += x * Load(k0 + h);
+    b += x * Load(k1 + h);
+    c += x * Load(k2 + h);
+    d += x * Load(k3 + h);
+  }
+  Sum4(a, b, c, d, out);
+  for (; h < H; ++h) {
+    out[0] += q[h] * k0[h];
+    out[1] += q[h] * k1[h];
+    out[2] += q[h] * k2[h];
+    out[3] += q[h] * k3[h];
+  }
+}
+
 struct Shapes {
   int64_t B, T, N, G, S, H, R;
 };
@@ -115,7 +137,15 @@ void Attend(const Shapes& d, const float* q, const float* kc, const float* vc, c
       std::fill(pr, pr + span + T, 0.f);
     } else {
       const float* qr = query(row);
-      for (int64_t s = 0; s < cached; ++s) pr[s] = Dot(qr, keys + s * H, H) * scale;
+      int64_t s = 0;
+      if (H >= kWidth) {  // four keys at a time (below one vector of H, Dot is scalar anyway)
+        float d[4];
+        for (; s + 4 <= cached; s += 4) {
+          Dot4(qr, keys + s * H, H, d);
+          for (int j = 0; j < 4; ++j) pr[s + j] = d[j] * scale;
+        }
+      }
+      for (; s < cached; ++s) pr[s] = Dot(qr, keys + s * H, H) * scale;
       for (int64_t i = 0; i < count[t]; ++i) pr[span + i] = Dot(qr, new_row(kn, own[t * T + i]), H) * scale;
     }
     float m = -INFINITY;

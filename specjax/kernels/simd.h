@@ -60,6 +60,39 @@ inline float Sum(Vec v) {
 #endif
 }
 
+// The lane sums of four vectors, each summed in exactly Sum's order (so a dot product is
+// the same float whether its key was scored alone or in a group of four), with the
+// levels of the tree shared between the four: a third of Sum's shuffles and adds each.
+inline void Sum4(Vec a, Vec b, Vec c, Vec d, float* out) {
+#if defined(__has_builtin) && __has_builtin(__builtin_shufflevector)
+#if defined(__AVX512F__)
+  const Vec ab = __builtin_shufflevector(a, b, 0, 1, 2, 3, 4, 5, 6, 7, 16, 17, 18, 19, 20, 21, 22, 23) +
+                 __builtin_shufflevector(a, b, 8, 9, 10, 11, 12, 13, 14, 15, 24, 25, 26, 27, 28, 29, 30, 31);
+  const Vec cd = __builtin_shufflevector(c, d, 0, 1, 2, 3, 4, 5, 6, 7, 16, 17, 18, 19, 20, 21, 22, 23) +
+                 __builtin_shufflevector(c, d, 8, 9, 10, 11, 12, 13, 14, 15, 24, 25, 26, 27, 28, 29, 30, 31);
+  // Lanes 4i..4i+3: vector i's four quarter sums, as Sum's `q`.
+  const Vec q = __builtin_shufflevector(ab, cd, 0, 1, 2, 3, 8, 9, 10, 11, 16, 17, 18, 19, 24, 25, 26, 27) +
+                __builtin_shufflevector(ab, cd, 4, 5, 6, 7, 12, 13, 14, 15, 20, 21, 22, 23, 28, 29, 30, 31);
+  const Vec y = q + __builtin_shufflevector(q, q, 2, 3, 0, 1, 6, 7, 4, 5, 10, 11, 8, 9, 14, 15, 12, 13);
+  for (int i = 0; i < 4; ++i) out[i] = y[4 * i] + y[4 * i + 1];  // (q0 + q2) + (q1 + q3)
+#else
+  const Vec ab = __builtin_shufflevector(a, b, 0, 1, 2, 3, 8, 9, 10, 11) +
+                 __builtin_shufflevector(a, b, 4, 5, 6, 7, 12, 13, 14, 15);
+  const Vec cd = __builtin_shufflevector(c, d, 0, 1, 2, 3, 8, 9, 10, 11) +
+                 __builtin_shufflevector(c, d, 4, 5, 6, 7, 12, 13, 14, 15);
+  // Lanes 2i, 2i+1: vector i's (q0 + q2, q1 + q3).
+  const Vec y = __builtin_shufflevector(ab, cd, 0, 1, 4, 5, 8, 9, 12, 13) +
+                __builtin_shufflevector(ab, cd, 2, 3, 6, 7, 10, 11, 14, 15);
+  for (int i = 0; i < 4; ++i) out[i] = y[2 * i] + y[2 * i + 1];
+#endif
+#else
+  out[0] = Sum(a);
+  out[1] = Sum(b);
+  out[2] = Sum(c);
+  out[3] = Sum(d);
+#endif
+}
+
 // Waits until `done` reaches `total` (the pieces other threads have taken): spins, as
 // they are short, then yields, so that on a busy machine a preempted helper can get its
 // core back.
