@@ -52,8 +52,8 @@ def define_flags() -> None:
 
 def main(argv):
     config, task = cli.config(), FLAGS.task
-    config = dataclasses.replace(config, sampling=dataclasses.replace(
-        cli.sampling(config.sampling), max_new_tokens=config.sampling.max_new_tokens))  # the task's budget, below
+    # --max_new_tokens overrides the task's budget, not the config's (runner.evaluate).
+    config = dataclasses.replace(config, sampling=cli.sampling(config.sampling, skip=("max_new_tokens",)))
     if FLAGS.execute and task != "humaneval":
         raise UsageError("--execute only applies to --task=humaneval (xsum is scored with ROUGE, nothing runs)")
     if FLAGS.xsum_file and task != "xsum":

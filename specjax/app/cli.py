@@ -121,10 +121,11 @@ def define_sampling_flags(names=tuple(SAMPLING_FLAGS), sweep=(), defaults=None, 
             flags.DEFINE_enum(name, default, list(kind), text)
 
 
-def sampling(base: SamplingConfig) -> SamplingConfig:
-    """`base` with the single-valued sampling flags that were given (not validated)."""
+def sampling(base: SamplingConfig, skip=()) -> SamplingConfig:
+    """`base` with the single-valued sampling flags that were given, but those in `skip`
+    (which the command applies itself); not validated."""
     given = {name: FLAGS[name].value for name in SAMPLING_FLAGS
-             if name in FLAGS and name not in _SWEPT and FLAGS[name].value is not None}
+             if name in FLAGS and name not in _SWEPT and name not in skip and FLAGS[name].value is not None}
     return dataclasses.replace(base, **given)
 
 
