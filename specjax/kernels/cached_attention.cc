@@ -15,11 +15,9 @@
 // over a cache that holds the chain's earlier keys. Work is split over (batch row, kv
 // head) pairs, each of which reads its keys and values once for all T x R queries.
 #include <algorithm>
-#include <atomic>
 #include <cmath>
 #include <cstdint>
 #include <cstring>
-#include <memory>
 #include <vector>
 
 #include "simd.h"
@@ -180,24 +178,6 @@ void Attend(const Shapes& d, const float* q, const float* kc, const float* vc, c
   }
 }
 
-struct Job {
-  Shapes d;
-  const float *q, *kc, *vc, *kn, *vn;
-  const bool* visible;
-  const int32_t* limits;
-  float scale;
-  float* out;
-  std::atomic<int64_t> next{0}, done{0};
-
-  void Work() {
-    const int64_t items = d.B * d.G;
-    for (int64_t i; (i = next.fetch_add(1, std::memory_order_relaxed)) < items;) {
-      Attend(d, q, kc, vc, kn, vn, visible, limits[i / d.G], scale, out, i / d.G, i % d.G);
-      done.fetch_add(1, std::memory_order_release);
-    }
-  }
-};
-
 ffi::Error CachedAttention(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> q, ffi::Buffer<ffi::F32> k_all,
                            ffi::Buffer<ffi::F32> v_all, ffi::Buffer<ffi::S32> layer, ffi::Buffer<ffi::F32> k_new,
                            ffi::Buffer<ffi::F32> v_new, ffi::Buffer<ffi::PRED> visible, ffi::Buffer<ffi::S32> limit,
@@ -214,23 +194,16 @@ ffi::Error CachedAttention(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> q, ffi::B
         "limit[B]");
   const int64_t L = cd[0], l = layer.typed_data()[0];
   if (l < 0 || l >= L) return ffi::Error::InvalidArgument("specjax_cached_attention: layer out of range");
-  auto job = std::make_shared<Job>();
-  job->d = {qd[0], qd[1], qd[2], cd[2], cd[3], qd[3], qd[2] / cd[2]};
+  const Shapes d = {qd[0], qd[1], qd[2], cd[2], cd[3], qd[3], qd[2] / cd[2]};
   const int64_t layer_size = cd[1] * cd[2] * cd[3] * cd[4];
-  job->q = q.typed_data();
-  job->kc = k_all.typed_data() + l * layer_size;
-  job->vc = v_all.typed_data() + l * layer_size;
-  job->kn = k_new.typed_data();
-  job->vn = v_new.typed_data();
-  job->visible = visible.typed_data();
-  job->limits = limit.typed_data();
-  job->scale = scale;
-  job->out = out->typed_data();
-  const int64_t items = job->d.B * job->d.G;
-  const int64_t helpers = std::min<int64_t>(items, std::max<int64_t>(1, pool.num_threads())) - 1;
-  for (int64_t i = 0; i < helpers; ++i) pool.Schedule([job] { job->Work(); });
-  job->Work();
-  WaitFor(job->done, items);
+  const float *qs = q.typed_data(), *kc = k_all.typed_data() + l * layer_size;
+  const float *vc = v_all.typed_data() + l * layer_size, *kn = k_new.typed_data(), *vn = v_new.typed_data();
+  const bool* vis = visible.typed_data();
+  const int32_t* limits = limit.typed_data();
+  float* res = out->typed_data();
+  const int64_t items = d.B * d.G;  // (batch row, kv head) pairs
+  ParallelFor(pool, items, std::min<int64_t>(items, std::max<int64_t>(1, pool.num_threads())) - 1,
+              [=](int64_t i) { Attend(d, qs, kc, vc, kn, vn, vis, limits[i / d.G], scale, res, i / d.G, i % d.G); });
   return ffi::Error::Success();
 }
 

@@ -11,10 +11,8 @@
 // codes (GGUF's Q8_0, min 0).
 //
 #include <algorithm>
-#include <atomic>
 #include <cstdint>
 #include <cstring>
-#include <memory>
 #include <string>
 #include <type_traits>
 
@@ -166,26 +164,6 @@ template <typename F>
 constexpr PanelFn kPanels[kMaxRows + 1] = {nullptr,         Panels<1, F>, Panels<2, F>, Panels<3, F>, Panels<4, F>,
                                            Panels<5, F>, Panels<6, F>, Panels<7, F>, Panels<8, F>};
 
-// One matmul's panel ranges, taken by whichever thread comes first: the calling thread
-// never waits for a task that has not started, so a busy pool cannot stall it.
-struct Job {
-  PanelFn fn;
-  const float* x;
-  const void* wp;
-  const float* scale;
-  float* y;
-  int64_t K, N, P, per;  // panels per range
-  int ranges;
-  std::atomic<int> next{0}, done{0};
-
-  void Work() {
-    for (int r; (r = next.fetch_add(1, std::memory_order_relaxed)) < ranges;) {
-      fn(x, wp, scale, y, K, N, r * per, std::min(P, (r + 1) * per));
-      done.fetch_add(1, std::memory_order_release);
-    }
-  }
-};
-
 // The checks and the split between threads that the formats share (a panel row holds
 // `row` elements); scale is null for float32.
 ffi::Error Run(ffi::ThreadPool& pool, const char* name, PanelFn const* fns, int64_t row, ffi::AnyBuffer::Dimensions xd,
@@ -206,20 +184,10 @@ ffi::Error Run(ffi::ThreadPool& pool, const char* name, PanelFn const* fns, int6
     fns[T](xs, ws, scale, ys, K, N, 0, P);
     return ffi::Error::Success();
   }
-  auto job = std::make_shared<Job>();
-  job->fn = fns[T];
-  job->x = xs;
-  job->wp = ws;
-  job->scale = scale;
-  job->y = ys;
-  job->K = K;
-  job->N = N;
-  job->P = P;
-  job->per = (P + threads - 1) / threads;
-  job->ranges = static_cast<int>((P + job->per - 1) / job->per);
-  for (int i = 1; i < job->ranges; ++i) pool.Schedule([job] { job->Work(); });
-  job->Work();
-  WaitFor(job->done, job->ranges);
+  // The panels in `threads` ranges, each taken by whichever thread comes first.
+  const int64_t per = (P + threads - 1) / threads, ranges = (P + per - 1) / per;
+  const PanelFn fn = fns[T];
+  ParallelFor(pool, ranges, ranges - 1, [=](int64_t r) { fn(xs, ws, scale, ys, K, N, r * per, std::min(P, (r + 1) * per)); });
   return ffi::Error::Success();
 }
 

@@ -6,8 +6,6 @@
 // bisection's 32 masked sums as a loop of small ops, which inside the decode loops costs
 // tens of microseconds a row; here each row's sums run over data in L1.
 #include <algorithm>
-#include <atomic>
-#include <memory>
 #include <cstdint>
 #include <cstring>
 
@@ -64,41 +62,20 @@ void Row(const float* p, float* out, int64_t V, float top_p) {
   }
 }
 
-// Rows are split over XLA's thread pool in chunks: a large batch (or a scoring pass's
-// K + 1 rows per batch row) has many independent rows.
-struct Job {
-  const float* probs;
-  float* out;
-  int64_t V, rows, chunk;
-  float top_p;
-  std::atomic<int64_t> next{0}, done{0};
-
-  void Work() {
-    const int64_t items = (rows + chunk - 1) / chunk;
-    for (int64_t i; (i = next.fetch_add(1, std::memory_order_relaxed)) < items;) {
-      for (int64_t r = i * chunk; r < std::min(rows, (i + 1) * chunk); ++r) Row(probs + r * V, out + r * V, V, top_p);
-      done.fetch_add(1, std::memory_order_release);
-    }
-  }
-};
-
 ffi::Error Nucleus(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> probs, ffi::ResultBuffer<ffi::F32> out, float top_p) {
   const auto d = probs.dimensions();
   if (d.size() < 1 || d.back() < 1)
     return ffi::Error::InvalidArgument("specjax_nucleus: want probabilities [..., V] with V >= 1");
-  auto job = std::make_shared<Job>();
-  job->probs = probs.typed_data();
-  job->out = out->typed_data();
-  job->V = d.back();
-  job->rows = probs.element_count() / job->V;
-  job->top_p = top_p;
+  const int64_t V = d.back(), rows = probs.element_count() / V;
+  const float* in = probs.typed_data();
+  float* res = out->typed_data();
+  // Rows split over XLA's thread pool in chunks (a large batch, or a scoring pass's K + 1
+  // rows per batch row), a few chunks a thread so that uneven rows balance.
   const int64_t threads = std::max<int64_t>(1, pool.num_threads());
-  job->chunk = std::max<int64_t>(1, job->rows / (4 * threads));  // a few chunks a thread: uneven rows balance
-  const int64_t items = (job->rows + job->chunk - 1) / job->chunk;
-  const int64_t helpers = std::min<int64_t>(items, threads) - 1;
-  for (int64_t i = 0; i < helpers; ++i) pool.Schedule([job] { job->Work(); });
-  job->Work();
-  WaitFor(job->done, items);
+  const int64_t chunk = std::max<int64_t>(1, rows / (4 * threads)), items = (rows + chunk - 1) / chunk;
+  ParallelFor(pool, items, std::min<int64_t>(items, threads) - 1, [=](int64_t i) {
+    for (int64_t r = i * chunk; r < std::min(rows, (i + 1) * chunk); ++r) Row(in + r * V, res + r * V, V, top_p);
+  });
   return ffi::Error::Success();
 }
 

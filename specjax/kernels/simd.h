@@ -6,7 +6,9 @@
 #include <atomic>
 #include <cstdint>
 #include <cstring>
+#include <memory>
 #include <thread>
+#include <utility>
 
 #if defined(__x86_64__)
 #include <immintrin.h>
@@ -107,6 +109,31 @@ inline void WaitFor(const std::atomic<Int>& done, Int total) {
       std::this_thread::yield();
     }
   }
+}
+
+// Calls fn(i) for every i in [0, items) on the calling thread and up to `helpers` of the
+// pool's threads, each item taken by whichever thread comes first: the calling thread
+// never waits for a task that has not started, so a busy pool cannot stall it. Returns
+// when every item is done; a helper that starts later finds nothing left (the state it
+// shares is kept alive for it).
+template <typename Pool, typename Fn>
+void ParallelFor(Pool& pool, int64_t items, int64_t helpers, Fn fn) {
+  struct State {
+    State(Fn f, int64_t n) : fn(std::move(f)), items(n) {}
+    Fn fn;
+    int64_t items;
+    std::atomic<int64_t> next{0}, done{0};
+    void Work() {
+      for (int64_t i; (i = next.fetch_add(1, std::memory_order_relaxed)) < items;) {
+        fn(i);
+        done.fetch_add(1, std::memory_order_release);
+      }
+    }
+  };
+  auto state = std::make_shared<State>(std::move(fn), items);
+  for (int64_t i = 0; i < helpers; ++i) pool.Schedule([state] { state->Work(); });
+  state->Work();
+  WaitFor(state->done, items);
 }
 
 }  // namespace specjax
