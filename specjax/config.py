@@ -404,6 +404,13 @@ class Config:
     def __post_init__(self):
         _plain_numbers(self)
 
+    def heads_for(self, kind: str) -> HeadsConfig:
+        """The draft heads of `kind` ('medusa', 'eagle') a run without their checkpoint
+        makes: this config's own where they are of that kind (`--config.heads.num_heads=3`
+        sets them on a config without any), else the defaults."""
+        own = self.heads if self.heads is not None and self.heads.kind == kind else None
+        return own or HeadsConfig(kind=kind).validate()
+
     def validate(self) -> "Config":
         _text(self, "name", "target_from", "draft_from", "heads_from")
         if self.heads is not None:
@@ -482,15 +489,17 @@ def _one_line(error: BaseException) -> str:
     return f"{type(error).__name__}: {text[:300]}"
 
 
+def _optional(annotation: Any) -> tuple[Any, bool]:
+    """(the type, whether None is allowed) of a resolved field annotation (`Optional[X]`: X, True)."""
+    if typing.get_origin(annotation) is typing.Union:
+        return [a for a in typing.get_args(annotation) if a is not type(None)][0], True
+    return annotation, False
+
+
 def _coerce(text: str, annotation: Any, where: str) -> Any:
-    if isinstance(annotation, str):
-        annotation = eval(annotation, {**globals(), **typing.__dict__})  # noqa: S307 (our own annotations)
-    origin = typing.get_origin(annotation)
-    if origin is typing.Union:
-        args = [a for a in typing.get_args(annotation) if a is not type(None)]
-        if text.lower() in ("none", "null"):
-            return None
-        annotation = args[0]
+    annotation, optional = _optional(annotation)
+    if optional and text.lower() in ("none", "null"):
+        return None
     try:
         if annotation is bool:
             if text.lower() in ("true", "1", "yes"):
@@ -521,15 +530,17 @@ def apply_override(config: Config, item: str) -> Config:
     parts = key.split(".")
 
     def set_in(obj, parts, where):
-        fields = {f.name: f for f in dataclasses.fields(obj)}
-        if parts[0] not in fields:
+        types = typing.get_type_hints(type(obj))  # the fields' annotations, resolved
+        if parts[0] not in types:
             raise ConfigError(f"unknown config field {where + parts[0]!r}; "
-                              f"{type(obj).__name__} has {sorted(fields)}")
-        field = fields[parts[0]]
+                              f"{type(obj).__name__} has {sorted(f.name for f in dataclasses.fields(obj))}")
         if len(parts) == 1:
-            return dataclasses.replace(obj, **{parts[0]: _coerce(text, field.type, where + parts[0])})
+            return dataclasses.replace(obj, **{parts[0]: _coerce(text, types[parts[0]], where + parts[0])})
         child = getattr(obj, parts[0])
-        if child is None or not dataclasses.is_dataclass(child):
+        group, _ = _optional(types[parts[0]])
+        if child is None and dataclasses.is_dataclass(group):
+            child = group()  # an unset group (a config without heads): its defaults, then this field
+        if not dataclasses.is_dataclass(child):
             raise ConfigError(f"config field {where + parts[0]!r} is {child!r} and has no sub-field {parts[1]!r}")
         return dataclasses.replace(obj, **{parts[0]: set_in(child, parts[1:], where + parts[0] + ".")})
 

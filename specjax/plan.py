@@ -33,7 +33,7 @@ from absl import flags
 from specjax.analysis import compile as compile_lib, plan_report as report_lib
 from specjax.analysis.roofline import CHIPS, Chip
 from specjax.app import cli, output
-from specjax.config import HeadsConfig, MeshConfig, UsageError
+from specjax.config import HeadsConfig, MeshConfig, SamplingConfig, UsageError
 
 FLAGS = flags.FLAGS
 
@@ -50,11 +50,12 @@ def define_flags() -> None:
     flags.DEFINE_float("collective_latency_us", Chip.collective_latency_s * 1e6,
                        "Fixed latency per collective in the TPU roofline (microseconds).")
     cli.define_quantize_flag()
-    flags.DEFINE_integer("num_drafts", 1, "Also compile the tree loop with this many draft chains (> 1) and "
-                         "report its scoring pass against the chain's.")
-    flags.DEFINE_string("drafter", None, "Also compile SpS drafting with random draft heads on the target and report "
-                        "their collectives per loop: 'medusa' (the config's Medusa heads, else 4), 'medusa:N' (N "
-                        "heads) or 'eagle' (one EAGLE layer). Default: the config's draft model only.")
+    # The sampling group of sample/bench/evaluate (the budget is --cache_len here): the
+    # programs compiled sample with them. --drafter=medusa|eagle also compiles drafting by
+    # random draft heads on the target (the config's, else the defaults: size them with
+    # --config.heads.num_heads=N), next to the config's draft model; --num_drafts > 1 also
+    # compiles the tree loop of that many chains next to the chain.
+    cli.define_sampling_flags([name for name in cli.SAMPLING_FLAGS if name != "max_new_tokens"])
     flags.DEFINE_bool("licm", False, "Keep XLA's while-loop-invariant-code-motion pass (XLA:CPU then hoists "
                       "the f32 copy of the stacked weights out of the layer loop; unrealistic temporaries).")
 
@@ -73,23 +74,22 @@ def configure_xla(devices: int, licm: bool) -> None:
     os.environ["JAX_PLATFORMS"] = "cpu"  # plan on fake CPU devices even on a TPU host
 
 
-def parse_heads(text, cfg) -> HeadsConfig | None:
-    """--drafter: None, 'medusa[:N]' or 'eagle' -> the HeadsConfig to plan with (the
-    config's own where it has heads of that kind and no N is given)."""
-    if text is None:
-        return None
-    kind, _, count = text.partition(":")
-    try:
-        if kind in ("medusa", "eagle") and not count and cfg.heads is not None and cfg.heads.kind == kind:
-            return cfg.heads
-        if kind == "eagle" and not count:
-            return HeadsConfig(kind="eagle").validate()
-        if kind == "medusa":
-            return HeadsConfig(kind="medusa", num_heads=int(count) if count else 4).validate()
-    except (ValueError, UsageError):
-        pass
-    raise UsageError(f"--drafter={text!r}: expected medusa, medusa:N (N in 1..64) or eagle (the config's draft "
-                     "model is always planned)")
+PLANNED_DRAFTERS = ("model", "medusa", "eagle")  # the lookup drafters hold no weights to plan
+
+
+def drafting(cfg) -> tuple[SamplingConfig, HeadsConfig | None]:
+    """(the sampling flags over the config's: the draft model's program settings, with
+    num_drafts the tree's M; the draft heads --drafter asks for, or None)."""
+    sampling = cli.sampling(cfg.sampling, skip=("max_new_tokens",))
+    if sampling.drafter not in PLANNED_DRAFTERS:
+        raise UsageError(f"--drafter={sampling.drafter}: plan compiles draft models and draft heads "
+                         f"({', '.join(PLANNED_DRAFTERS)}); a lookup drafter has no weights to size")
+    heads = cfg.heads_for(sampling.drafter) if sampling.drafter != "model" else None
+    sampling.validate()
+    if sampling.num_drafts > 1 and heads is None and cfg.draft is None:
+        raise UsageError(f"--num_drafts={sampling.num_drafts}: --config={FLAGS.config} has no draft model to draw "
+                         "chains from")
+    return dataclasses.replace(sampling, drafter="model"), heads
 
 
 def main(argv):
@@ -98,15 +98,13 @@ def main(argv):
     batch, prompt_len = cli.positive("batch", FLAGS.batch), cli.positive("prompt_len", FLAGS.prompt_len)
     cache_len = cli.positive("cache_len", FLAGS.cache_len)
     latency = cli.finite("collective_latency_us", FLAGS.collective_latency_us, 0.0, 1e6)
-    num_drafts = cli.positive("num_drafts", FLAGS.num_drafts)
-    if num_drafts > 1 and cfg.draft is None:
-        raise UsageError(f"--num_drafts={num_drafts}: --config={FLAGS.config} has no draft model to draw chains from")
-    heads = parse_heads(FLAGS.drafter, cfg)
+    sampling, heads = drafting(cfg)
     output.check_writable(FLAGS.json, "--json")
     configure_xla(data * model, FLAGS.licm)
     jax.config.update("jax_platforms", "cpu")
     chip = dataclasses.replace(CHIPS[FLAGS.chip], collective_latency_s=latency * 1e-6)
-    report = compile_lib.plan(cfg, data, model, batch, prompt_len, cache_len, chip, num_drafts, cli.quantize(), heads)
+    report = compile_lib.plan(dataclasses.replace(cfg, sampling=dataclasses.replace(sampling, num_drafts=1)), data,
+                              model, batch, prompt_len, cache_len, chip, sampling.num_drafts, cli.quantize(), heads)
     print(report_lib.format_report(report))
     if FLAGS.json:
         output.save(FLAGS.json, json.dumps(report, indent=1, default=str), "--json")

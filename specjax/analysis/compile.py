@@ -98,7 +98,7 @@ def plan(cfg, data: int, model: int, batch: int = 1, prompt_len: int = 128, cach
     num_drafts > 1 also the tree loop of that many draft chains ('sps_tree'); with
     `quantize` ('int8', 'int4') the models quantized as `LM.quantized` makes them; with
     `heads`, also SpS drafting with those (random) heads on the target ('sps_medusa' or
-    'sps_eagle')."""
+    'sps_eagle'; Medusa's with num_drafts chains)."""
     devices = jax.devices()
     if len(devices) < data * model:
         raise UsageError(f"mesh {data}x{model} needs {data * model} devices, this process has {len(devices)}")
@@ -141,7 +141,7 @@ def plan(cfg, data: int, model: int, batch: int = 1, prompt_len: int = 128, cach
         report["heads"] = {"kind": heads.kind, "params": abstract.num_params, "num_heads": heads.num_heads,
                            "weight_bytes_per_device": shard_bytes(abstract.params)}
         K = min(cfg.sampling.lookahead, heads.num_heads) if heads.kind == "medusa" else cfg.sampling.lookahead
-        drafting = dataclasses.replace(cfg.sampling, drafter=heads.kind, num_drafts=1, lookahead=K).validate()
+        drafting = dataclasses.replace(cfg.sampling, drafter=heads.kind, num_drafts=num_drafts, lookahead=K).validate()
         runs.insert(0, (f"sps_{heads.kind}", lms["target"], abstract, drafting))
     if "draft" in lms:
         runs = [("sps", lms["target"], lms["draft"], cfg.sampling)] + runs + [("ars_draft", lms["draft"], None,

@@ -17,7 +17,7 @@ from typing import Optional, Sequence
 import jax
 
 from specjax import distributed
-from specjax.config import Config, HeadsConfig, ModelConfig, UsageError, load_config, user_path
+from specjax.config import Config, ModelConfig, UsageError, load_config, user_path
 from specjax.model import init_lm
 from specjax.training import trainer
 from specjax.weights import checkpoint as ckpt_lib
@@ -335,8 +335,7 @@ class Weights:
                 raise UsageError(f"{directory} holds {heads.cfg.kind} heads, and --drafter={kind} needs {kind} heads")
             return heads
         from specjax.heads import init_heads
-        own = self.config.heads if self.config.heads is not None and self.config.heads.kind == kind else None
-        return init_heads(own or HeadsConfig(kind=kind), target.cfg, mesh, random=True)
+        return init_heads(self.config.heads_for(kind), target.cfg, mesh, random=True)
 
     def load(self, mesh, *, need_draft: bool | str, quantize: Optional[str] = None):
         """(target, draft or None) on `mesh`; with `quantize` ('int8', 'int4'), each quantized

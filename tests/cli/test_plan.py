@@ -29,7 +29,7 @@ import pytest
 import specjax
 from specjax import kv_cache, model
 from specjax.analysis import hlo, roofline
-from specjax.config import load_config
+from specjax.config import HeadsConfig, load_config
 from conftest import mesh_for
 from models import numpy_params, random_lm
 
@@ -315,9 +315,12 @@ def test_plan_duplicates_kv_heads_on_a_wider_model_axis_and_sizes_another_chip(t
     (["--json=/"], "--json='/': cannot write it, it is a directory"),
     (["--mesh=1x"], "--mesh='1x': expected DATAxMODEL"),
     (["--batch=0"], "--batch=0: must be a positive integer"),
-    (["--num_drafts=0"], "--num_drafts=0: must be a positive integer"),
-    (["--drafter=medusa:0"], "--drafter='medusa:0': expected medusa, medusa:N (N in 1..64) or eagle"),
-    (["--drafter=ngram"], "--drafter='ngram': expected medusa"),
+    (["--num_drafts=0"], "num_drafts=0: must be"),
+    (["--drafter=medusa:3"], "--drafter"),  # the sampling group's names, as in sample (count: --config.heads)
+    (["--drafter=ngram"], "--drafter=ngram: plan compiles draft models and draft heads (model, medusa, eagle)"),
+    (["--drafter=medusa", "--config.heads.num_heads=0"], "num_heads=0"),
+    (["--drafter=eagle", "--num_drafts=2"], "num_drafts=2 with drafter='eagle'"),
+    (["--lookahead=0"], "lookahead=0"),
 ])
 def test_plan_rejects_bad_flags_before_compiling(args, fragment):
     proc = subprocess.run([sys.executable, "-m", "specjax.plan", "--config=tiny", *args], cwd=REPO,
@@ -567,17 +570,20 @@ def test_plan_of_quantized_models_counts_their_bytes(tmp_path):
     assert reports["int4"]["setup"]["quantize"] == "int4"
 
 
-@pytest.mark.parametrize("heads, program, extra", [pytest.param("medusa:3", "sps_medusa", 1, marks=pytest.mark.slow),
-                                                   ("eagle", "sps_eagle", 4 * 3)])
+@pytest.mark.parametrize("heads, program, extra", [
+    pytest.param("medusa --config.heads.num_heads=3", "sps_medusa", 1, marks=pytest.mark.slow),
+    ("eagle", "sps_eagle", 4 * 3)])
 def test_plan_compiles_the_loop_with_draft_heads_and_counts_their_all_reduces(tmp_path, heads, program, extra):
     """tiny on 1x8, K=4: Medusa's heads add one all-reduce to the target's pass (2 per layer
     + the embedding); the EAGLE layer's K passes add 3 each (its block's 2 and the
     embedding of the token it reads)."""
     out = tmp_path / "plan.json"
-    proc = subprocess.run([sys.executable, "-m", "specjax.plan", "--config=tiny", "--mesh=1x8", f"--drafter={heads}",
-                           f"--json={out}"], cwd=REPO, capture_output=True, text=True, timeout=600)
+    proc = subprocess.run([sys.executable, "-m", "specjax.plan", "--config=tiny", "--mesh=1x8",
+                           *f"--drafter={heads}".split(), f"--json={out}"],
+                          cwd=REPO, capture_output=True, text=True, timeout=600)
     assert proc.returncode == 0, proc.stderr[-3000:]
     report = json.loads(out.read_text())
     _, total = _all_reduces(report["programs"][program]["collectives_per_loop"])
     assert total == 2 * load_config("tiny").target.num_layers + 1 + extra
-    assert report["heads"]["kind"] == heads.split(":")[0] and program in proc.stdout
+    assert report["heads"]["kind"] == heads.split()[0] and program in proc.stdout
+    assert report["heads"]["num_heads"] == (3 if "num_heads=3" in heads else HeadsConfig().num_heads)

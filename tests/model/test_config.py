@@ -8,7 +8,7 @@ import pytest
 
 import specjax
 from specjax import model
-from specjax.config import ConfigError, SamplingConfig, TrainConfig, UsageError, load_config
+from specjax.config import ConfigError, HeadsConfig, SamplingConfig, TrainConfig, UsageError, load_config
 from conftest import mesh_for
 
 # (override, fragment of the message): each would have trained wrongly or crashed later.
@@ -70,3 +70,21 @@ def test_eos_id_must_be_in_the_vocabulary(tiny):
     with pytest.raises(UsageError, match=r"eos_id=32"):
         specjax.generate(target, None, [[1, 2]], SamplingConfig(eos_id=32, max_new_tokens=4))
     assert specjax.generate(target, None, [[1, 2]], SamplingConfig(eos_id=np.int64(31), max_new_tokens=4)).tokens
+
+
+def test_a_field_of_an_unset_group_sets_that_group_from_its_defaults():
+    """tiny has no draft heads: --config.heads.num_heads=3 makes Medusa's defaults with 3
+    heads (what sample --drafter=medusa --init=random and plan --drafter=medusa then use);
+    a group that is set keeps its other fields; typed and validated like any field."""
+    cfg = load_config("tiny", ["heads.num_heads=3"])
+    assert cfg.heads == HeadsConfig(kind="medusa", num_heads=3)
+    assert cfg.heads_for("medusa") is cfg.heads and cfg.heads_for("eagle") == HeadsConfig(kind="eagle")
+    assert load_config("tiny").heads_for("medusa") == HeadsConfig()
+    eagle = load_config("tiny", ["heads.kind=eagle", "heads.init_seed=5"]).heads
+    assert (eagle.kind, eagle.init_seed, eagle.num_heads) == ("eagle", 5, HeadsConfig().num_heads)
+    assert load_config("tiny", ["heads=none"]).heads is None
+    for override, fragment in [("heads.num_heads=0", "num_heads=0"), ("heads.num_heads=x", "not a valid int"),
+                               ("heads.colour=red", "unknown config field 'heads.colour'"),
+                               ("name.x=1", "config field 'name' is 'tiny' and has no sub-field 'x'")]:
+        with pytest.raises(ConfigError, match=re.escape(fragment)):
+            load_config("tiny", [override])
