@@ -111,8 +111,9 @@ class LoopTrace:
 
 
 @functools.partial(jax.jit, static_argnames=program_lib.SPS_STATICS)
-def explain_program(target, drafter, prompts, prompt_lens, seed, max_new, *, settings, eos_id, size):
+def explain_program(target, drafter, prompts, prompt_lens, warp_values, seed, max_new, *, settings, eos_id, size):
     del max_new, eos_id  # one loop: no stopping rule
+    settings = settings.bind(warp_values)
     state = speculative.start(target, drafter, prompts, prompt_lens, program_lib.seed_key(seed), settings, size)
     _, sp = speculative.speculate(target, drafter, state, settings)
     return sp.x, sp.p, sp.length, sp.q, sp.num_accepted, sp.next_token
@@ -138,8 +139,8 @@ def explain_loop(target: LM, draft: LM | None, prompt: Sequence[int], sampling: 
 
 
 @functools.partial(jax.jit, static_argnames=("warping",))
-def probs_program(lm, tokens, *, warping):
-    return warp(model.full_forward(lm, tokens), warping)  # (probs, bad)
+def probs_program(lm, tokens, warp_values, *, warping):
+    return warp(model.full_forward(lm, tokens), warping.bind(warp_values))  # (probs, bad)
 
 
 def next_token_probs(lm: LM, sequences: Sequence[Sequence[int]],
@@ -158,8 +159,10 @@ def next_token_probs(lm: LM, sequences: Sequence[Sequence[int]],
     tokens = np.asarray(sequences, np.int32)
     mesh = program_lib.mesh_of(lm)
     tokens = distributed.put(tokens, sharding.named(mesh, ("batch", None), tokens.shape))
+    warping = program_lib.warping_of(sampling, lm.kernels)
+    values = distributed.put(warping.values(), sharding.replicated(mesh))
     with jax.set_mesh(mesh):
-        out = probs_program(lm, tokens, warping=program_lib.warping_of(sampling, lm.kernels))
+        out = probs_program(lm, tokens, values, warping=warping.static())
     probs, bad = distributed.fetch(out)
     if bad.any():
         where = [tuple(int(i) for i in ix) for ix in np.argwhere(bad)[:5]]

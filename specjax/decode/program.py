@@ -70,16 +70,17 @@ SPS_STATICS = ("settings", "eos_id", "size")
 
 
 @functools.partial(jax.jit, static_argnames=SPS_STATICS)
-def sps_program(target, drafter, prompts, prompt_lens, seed, max_new, *, settings, eos_id, size):
+def sps_program(target, drafter, prompts, prompt_lens, warp_values, seed, max_new, *, settings, eos_id, size):
     """`drafter` (a pytree: a draft model's params, a datastore's index) carries its own
-    static settings; `settings` are the loop's."""
-    return speculative_generate(target, drafter, prompts, prompt_lens, seed_key(seed), settings=settings,
-                                max_new=max_new[0], eos_id=eos_id, size=size)
+    static settings; `settings` are the loop's, their warping `Warp.static()`, whose
+    temperature and top-p come traced in `warp_values` (`Warp.values()`)."""
+    return speculative_generate(target, drafter, prompts, prompt_lens, seed_key(seed),
+                                settings=settings.bind(warp_values), max_new=max_new[0], eos_id=eos_id, size=size)
 
 
 @functools.partial(jax.jit, static_argnames=("warping", "eos_id", "size"))
-def ars_program(target, prompts, prompt_lens, seed, max_new, *, warping, eos_id, size):
-    return autoregressive_generate(target, prompts, prompt_lens, seed_key(seed), warping=warping,
+def ars_program(target, prompts, prompt_lens, warp_values, seed, max_new, *, warping, eos_id, size):
+    return autoregressive_generate(target, prompts, prompt_lens, seed_key(seed), warping=warping.bind(warp_values),
                                    max_new=max_new[0], eos_id=eos_id, size=size)
 
 
@@ -331,11 +332,13 @@ def build(target: LM, draft: LM | None, prompts, sampling: SamplingConfig, seed:
         padded[i, :len(prompt)] = prompt
     lens = np.array([len(p) for p in prompts], np.int32)
     words = np.array([seed & 0xFFFFFFFF, seed >> 32], np.uint32)
+    warping = warping_of(sampling, target.kernels)
     args = (distributed.put(padded, sharding.named(mesh, ("batch", None), padded.shape)),
             distributed.put(lens, sharding.named(mesh, ("batch",), lens.shape)),
+            distributed.put(warping.values(), sharding.replicated(mesh)),
             distributed.put(words, sharding.replicated(mesh)),
             distributed.put(np.array([sampling.max_new_tokens], np.int32), sharding.replicated(mesh)))
-    warping = warping_of(sampling, target.kernels)
+    warping = warping.static()  # the program's key: one compiled loop for every temperature > 0 and top-p < 1
     statics = dict(eos_id=-1 if sampling.eos_id is None else sampling.eos_id, size=size)  # None: no stop ids here
     if drafter is not None:
         settings = Settings(lookahead, warping, sampling.verify, sampling.num_drafts)

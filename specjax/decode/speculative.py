@@ -38,12 +38,17 @@ from specjax.model import LM
 
 
 class Settings(NamedTuple):
-    """The loop's static settings (SamplingConfig's): each distinct value compiles its own loop."""
+    """The loop's static settings (SamplingConfig's): each distinct value compiles its own loop (the
+    warping as `Warp.static()`: its temperature and top-p values are traced, `bind`)."""
 
     lookahead: int  # K: proposed tokens per chain and loop at most
     warping: Warp
     verify: str = "block"  # the rule for one chain: 'block' | 'tokenwise' (several: the tree rule)
     num_drafts: int = 1  # M: draft chains per loop, verified jointly as a tree when > 1
+
+    def bind(self, warp_values: jax.Array) -> "Settings":
+        """Inside a program keyed on `warping.static()`: its traced temperature and top-p."""
+        return self._replace(warping=self.warping.bind(warp_values))
 
 
 @jax.tree_util.register_dataclass

@@ -12,22 +12,50 @@ finite positive mass, and the loops stop such rows and report them at the host b
 """
 from __future__ import annotations
 
+import numbers
 from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 
 from specjax.kernels import DEFAULT as DEFAULT_KERNELS, Kernels, dispatch
 from specjax.sharding import constrain
 
 
 class Warp(NamedTuple):
-    """Static (hashable) sampling settings: each distinct value compiles its own loop."""
+    """Sampling settings. As given (Python numbers) they are hashable; a compiled loop is
+    keyed on `static()`, which keeps only what changes the program (greedy or not, top-k,
+    whether top-p cuts, the kernels), and gets temperature and top-p as traced values
+    (`values()`, `bind`): one compiled program serves every temperature > 0 and top-p < 1."""
 
-    temperature: float = 1.0
+    temperature: float | jax.Array | None = 1.0  # None: traced, given by `bind`
     top_k: int = 0
-    top_p: float = 1.0
+    top_p: float | jax.Array | None = 1.0  # None: traced, given by `bind`
     kernels: Kernels = DEFAULT_KERNELS  # whether the nucleus cut may run as its CPU kernel
+
+    @property
+    def greedy(self) -> bool:
+        """Temperature 0 (a static choice: the argmax replaces the softmax)."""
+        return isinstance(self.temperature, numbers.Real) and self.temperature == 0
+
+    @property
+    def cuts(self) -> bool:
+        """Whether top-p cuts (a static choice: top_p = 1 skips the nucleus search)."""
+        return not isinstance(self.top_p, numbers.Real) or self.top_p < 1.0
+
+    def static(self) -> "Warp":
+        """The program's key: temperature and top-p as None (traced) where they are values."""
+        return self._replace(temperature=0.0 if self.greedy else None, top_p=None if self.cuts else 1.0)
+
+    def values(self) -> np.ndarray:
+        """[temperature, top_p] as float32, the traced operand of a program keyed on `static()`."""
+        return np.array([self.temperature, self.top_p], np.float32)
+
+    def bind(self, values: jax.Array) -> "Warp":
+        """A `static()` Warp with its traced temperature and top-p taken from `values`."""
+        return self._replace(temperature=values[0] if self.temperature is None else self.temperature,
+                             top_p=values[1] if self.top_p is None else self.top_p)
 
 
 def warp(logits: jax.Array, w: Warp) -> tuple[jax.Array, jax.Array]:
@@ -43,7 +71,7 @@ def warp(logits: jax.Array, w: Warp) -> tuple[jax.Array, jax.Array]:
     logits = constrain(logits.astype(jnp.float32), ("batch",) + (None,) * (logits.ndim - 1))
     bad = ~jnp.all(jnp.isfinite(logits), axis=-1)
     vocab = logits.shape[-1]
-    if w.temperature == 0:
+    if w.greedy:
         return jax.nn.one_hot(jnp.argmax(logits, axis=-1), vocab, dtype=jnp.float32), bad
     gap = logits - jnp.max(logits, axis=-1, keepdims=True)  # <= 0, exactly 0 at the top
     # gap / T as 0 at the top whatever T is: XLA turns the division into a multiply by 1/T,
@@ -56,7 +84,7 @@ def warp(logits: jax.Array, w: Warp) -> tuple[jax.Array, jax.Array]:
         scaled = jnp.where(logits < kth, -jnp.inf, scaled)
     weights = jnp.exp(scaled)  # in [0, 1], with 1 at the top: the sum is in [1, V]
     probs = weights / jnp.sum(weights, axis=-1, keepdims=True)
-    if w.top_p < 1.0:
+    if w.cuts:
         probs = nucleus(probs, w.top_p, w.kernels)
     return probs, bad | ~jnp.all(jnp.isfinite(probs), axis=-1)
 

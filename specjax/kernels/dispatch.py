@@ -144,9 +144,11 @@ def use_nucleus(probs: jax.Array, setting: Kernels) -> bool:
     return probs.dtype == jnp.float32 and single_device() and runs(setting.nucleus)
 
 
-def nucleus(probs: jax.Array, top_p: float) -> jax.Array:
-    """`sampling.nucleus(probs, top_p)` by `nucleus.cc` (call only where `use_nucleus`):
+def nucleus(probs: jax.Array, top_p) -> jax.Array:
+    """`warping.nucleus(probs, top_p)` by `nucleus.cc` (call only where `use_nucleus`):
     the same rule; its masked sums add in another order than XLA's, so a row whose mass
-    at the threshold is within float32 rounding of top_p may be cut one value apart."""
+    at the threshold is within float32 rounding of top_p may be cut one value apart.
+    top_p: a float or a (traced) array that broadcasts to the rows, probs.shape[:-1]."""
     call = jax.ffi.ffi_call(NUCLEUS_TARGET, jax.ShapeDtypeStruct(probs.shape, jnp.float32), vmap_method="sequential")
-    return call(probs, top_p=np.float32(top_p))
+    rows = jnp.broadcast_to(jnp.asarray(top_p, jnp.float32), probs.shape[:-1])
+    return call(probs, rows)

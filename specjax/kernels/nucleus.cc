@@ -62,19 +62,25 @@ void Row(const float* p, float* out, int64_t V, float top_p) {
   }
 }
 
-ffi::Error Nucleus(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> probs, ffi::ResultBuffer<ffi::F32> out, float top_p) {
+// top_p is an operand, one value per row (not an attribute): a traced setting, so that one
+// compiled program serves every top_p.
+ffi::Error Nucleus(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> probs, ffi::Buffer<ffi::F32> mass,
+                   ffi::ResultBuffer<ffi::F32> out) {
   const auto d = probs.dimensions();
   if (d.size() < 1 || d.back() < 1)
     return ffi::Error::InvalidArgument("specjax_nucleus: want probabilities [..., V] with V >= 1");
   const int64_t V = d.back(), rows = probs.element_count() / V;
+  if (mass.element_count() != rows)
+    return ffi::Error::InvalidArgument("specjax_nucleus: want one top_p per row of probabilities");
   const float* in = probs.typed_data();
+  const float* top_p = mass.typed_data();
   float* res = out->typed_data();
   // Rows split over XLA's thread pool in chunks (a large batch, or a scoring pass's K + 1
   // rows per batch row), a few chunks a thread so that uneven rows balance.
   const int64_t threads = std::max<int64_t>(1, pool.num_threads());
   const int64_t chunk = std::max<int64_t>(1, rows / (4 * threads)), items = (rows + chunk - 1) / chunk;
   ParallelFor(pool, items, std::min<int64_t>(items, threads) - 1, [=](int64_t i) {
-    for (int64_t r = i * chunk; r < std::min(rows, (i + 1) * chunk); ++r) Row(in + r * V, res + r * V, V, top_p);
+    for (int64_t r = i * chunk; r < std::min(rows, (i + 1) * chunk); ++r) Row(in + r * V, res + r * V, V, top_p[r]);
   });
   return ffi::Error::Success();
 }
@@ -85,5 +91,5 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(SpecjaxNucleus, Nucleus,
                               ffi::Ffi::Bind()
                                   .Ctx<ffi::ThreadPool>()
                                   .Arg<ffi::Buffer<ffi::F32>>()
-                                  .Ret<ffi::Buffer<ffi::F32>>()
-                                  .Attr<float>("top_p"));
+                                  .Arg<ffi::Buffer<ffi::F32>>()
+                                  .Ret<ffi::Buffer<ffi::F32>>());

@@ -17,6 +17,7 @@ import pytest
 import specjax
 from specjax import model
 from specjax.config import SamplingConfig
+from specjax.decode import program
 from specjax.decode.warping import Warp, sample, warp
 from conftest import mesh_for
 
@@ -109,6 +110,7 @@ def test_loops_at_every_temperature(pair, mode):
     target, draft = pair
     lm, proposer = {"ars_target": (target, None), "ars_draft": (draft, None), "sps": (target, draft)}[mode]
     base = SamplingConfig(temperature=0, lookahead=3, max_new_tokens=12)
+    compiled = len(program._COMPILED)
     greedy = specjax.generate(lm, proposer, PROMPTS, base).tokens
     assert any(t != 0 for row in greedy for t in row)
     for temperature in TEMPERATURES:
@@ -119,6 +121,8 @@ def test_loops_at_every_temperature(pair, mode):
             assert result.tokens == greedy, temperature
         if mode == "sps" and math.isinf(temperature):
             assert result.acceptance_rate == 1.0  # p == q == uniform: every draft token passes
+    # Temperature is traced: one program for greedy, one for every T > 0.
+    assert len(program._COMPILED) - compiled <= 2
 
 
 def test_next_token_probs_refuses_nan_logits(pair):

@@ -166,17 +166,22 @@ def run(models, case: Case, n: int = N, seed: int = 0, datastores=None):
 
 def swapper(monkeypatch):
     """swap([(module, name, value), ...]): replace functions the loop calls while it is
-    traced; compiled programs are dropped before and after so a swap is traced in and
-    never leaks into another test."""
+    traced; compiled programs are dropped before a swap (so it is traced in) and after the
+    test (`undo`: so it never leaks into another). swap() with nothing to replace keeps
+    them: the correct cases of a file share their compiled programs (a program is keyed on
+    its shapes and static settings; temperature and top-p are traced)."""
     def swap(patches=()):
         for module, name, value in patches:
             monkeypatch.setattr(module, name, value)
-        program._COMPILED.clear()
-        jax.clear_caches()
+            monkeypatch.swapped = True
+        if patches:
+            program._COMPILED.clear()
+            jax.clear_caches()
     return swap
 
 
 def undo(monkeypatch):
     monkeypatch.undo()
-    program._COMPILED.clear()
-    jax.clear_caches()
+    if getattr(monkeypatch, "swapped", False):
+        program._COMPILED.clear()
+        jax.clear_caches()

@@ -471,6 +471,27 @@ def test_nucleus_kernel_matches_the_sorted_rule_and_the_jnp_bisection():
     assert checked > 250  # of 310 rows: nearly all are far from a boundary
 
 
+@needs_kernel
+def test_nucleus_takes_top_p_traced_and_one_per_row():
+    """top_p is an operand (a loop compiled once serves every top_p): a traced array of one
+    value per row, in the kernel and in the jnp bisection, each row cut at its own top_p."""
+    rng = np.random.default_rng(1)
+    logits = rng.normal(size=(2, 3, 300)) * 2.0
+    p32 = jnp.asarray(np.exp(logits) / np.exp(logits).sum(-1, keepdims=True), jnp.float32)
+    kernel = jax.jit(lambda p, t: dispatch.nucleus(p, t))
+    bisection = jax.jit(lambda p, t: warping.nucleus(p, t, NONE))
+    for top in ([[0.05, 0.5, 0.95], [0.3, 0.999, 0.7]], [[0.9] * 3] * 2):
+        top = jnp.asarray(top, jnp.float32)
+        with jax.set_mesh(mesh_for("1x1")):
+            got, jnp_got = np.asarray(kernel(p32, top)), np.asarray(bisection(p32, top[..., None]))
+        for b, r in np.ndindex(2, 3):
+            want, margin = nucleus_reference(np.asarray(p32)[b, r], float(top[b, r]))
+            assert margin > 1e-5
+            np.testing.assert_allclose(got[b, r], want, rtol=2e-6, atol=1e-7)
+            np.testing.assert_allclose(jnp_got[b, r], want, rtol=2e-6, atol=1e-7)
+    assert kernel._cache_size() == 1 and bisection._cache_size() == 1
+
+
 def test_nucleus_dispatch():
     p = jnp.full((2, 3, 64), 1 / 64)
     hlo = lambda setting=ON: jax.jit(lambda p: warping.warp(p, warping.Warp(1.0, 0, 0.9, setting))[0]).lower(

@@ -65,7 +65,7 @@ def model_proposal(draft: LM, cache: KVCache, tokens: jax.Array, length: jax.Arr
     going = jnp.ones((batch,), bool) if active is None else active
     skippable = confidence > 0 or active is not None
     first = None
-    if distinct_first and warping.temperature == 0:
+    if distinct_first and warping.greedy:
         _, ranked = jax.lax.top_k(logits, distinct_first)  # [B, M], most likely first
         first = jnp.take_along_axis(ranked, (jnp.arange(batch) % distinct_first)[:, None], axis=1)[:, 0]
 
@@ -82,7 +82,7 @@ def model_proposal(draft: LM, cache: KVCache, tokens: jax.Array, length: jax.Arr
         # the draft's plain softmax (still only the draft's side). The token at a
         # low-confidence position is still proposed: p_j is paid for, and the target
         # scores the position anyway.
-        sure = jnp.max(probs if warping.temperature > 0 else jax.nn.softmax(logits, axis=-1), axis=-1)
+        sure = jnp.max(probs if not warping.greedy else jax.nn.softmax(logits, axis=-1), axis=-1)
         return x, probs, going & (sure >= confidence), bad_j
 
     def step(carry, j):

@@ -62,7 +62,7 @@ class MedusaDrafter(Drafter):
         probs, bad = warp(logits, warping)
         probs = jnp.broadcast_to(probs[:, None], (batch, M) + probs.shape[1:])  # [B, M, K, V]
         x, empty = sample(key, probs)  # [B, M, K]: every chain and position an independent draw
-        if M > 1 and warping.temperature == 0:
+        if M > 1 and warping.greedy:
             _, ranked = jax.lax.top_k(logits[:, 0], M)  # [B, M], head 1's most likely first
             x = x.at[:, :, 0].set(ranked)
             probs = probs.at[:, :, 0].set(point_mass(ranked, probs.shape[-1]))
