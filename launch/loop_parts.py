@@ -167,6 +167,7 @@ def main(argv):
     mesh = sharding.make_checked_mesh(config.mesh, models)
     target, draft = weights.load(mesh, need_draft=need_draft, quantize=cli.quantize())
     w = program_lib.warping_of(config.sampling)
+    values = jnp.asarray(w.values())
     buffers = {c: token_buffer(c, FLAGS.cache, FLAGS.prompt_len, config.target.vocab_size) for c in FLAGS.context}
     lens = jnp.array([FLAGS.prompt_len], jnp.int32)
     print(f"{config.name}{f' with the target shape {FLAGS.shape}' if FLAGS.shape else ''}"
@@ -178,13 +179,15 @@ def main(argv):
         # As decoding runs them: the setting is the models' and the warp's static data (each
         # setting its own programs), the weights packed where the matmul kernel runs.
         subject = target.with_kernels(kernels).packed()
-        d = drafters.make(sampling, config.target.vocab_size, None if draft is None else draft.with_kernels(kernels),
-                          None, mesh)
+        d = drafters.make(sampling, subject, None if draft is None else draft.with_kernels(kernels), None, mesh)
         subjects[setting] = (subject, d)
-        warping = w._replace(kernels=kernels)
-        for name, body in parts(K, warping, config.sampling.verify, drafter).items():
-            def program(t, d, buffer, n, body=body, warping=warping):
-                state = sps.start(t, d, buffer[:, :FLAGS.prompt_len], lens, jax.random.key(0), sps.Settings(K, warping),
+        # As the real loop: the warp's temperature and top-p traced (Warp.static / bind).
+        warping = w._replace(kernels=kernels).static()
+        for name in parts(K, warping, config.sampling.verify, drafter):
+            def program(t, d, buffer, n, values, name=name, warping=warping):
+                bound = warping.bind(values)
+                body = parts(K, bound, config.sampling.verify, drafter)[name]
+                state = sps.start(t, d, buffer[:, :FLAGS.prompt_len], lens, jax.random.key(0), sps.Settings(K, bound),
                                   FLAGS.cache)
                 state = dataclasses.replace(state, tokens=buffer)
                 return jax.lax.fori_loop(0, n, lambda i, st: body(t, d, st), state).length
@@ -192,7 +195,7 @@ def main(argv):
             with jax.set_mesh(mesh):
                 example = next(iter(buffers.values()))
                 runs[name, setting] = program_lib.compile_lowered(  # the trip count an argument: one compile
-                    jax.jit(program).lower(*subjects[setting], example, jnp.int32(5)))
+                    jax.jit(program).lower(*subjects[setting], example, jnp.int32(5), values))
     keys = [(name, setting, c) for (name, setting) in runs for c in FLAGS.context]
     now = time.perf_counter if FLAGS.clock == "wall" else time.process_time
     times = {key: [] for key in keys}
@@ -201,9 +204,9 @@ def main(argv):
             for name, setting, c in keys:  # interleaved: machine noise hits every part alike
                 run, args = runs[name, setting], (*subjects[setting], buffers[c])
                 start = now()
-                run(*args, jnp.int32(65)).block_until_ready()
+                run(*args, jnp.int32(65), values).block_until_ready()
                 middle = now()
-                run(*args, jnp.int32(5)).block_until_ready()
+                run(*args, jnp.int32(5), values).block_until_ready()
                 times[name, setting, c].append(((middle - start) - (now() - middle)) / 60 * 1e3)
     for (name, setting, c), t in times.items():
         label = (f" [{setting}]" if len(FLAGS.kernels) > 1 else "") + (f" [{c}]" if len(FLAGS.context) > 1 else "")

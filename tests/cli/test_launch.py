@@ -10,8 +10,11 @@ import pathlib
 import re
 import shlex
 import subprocess
+import sys
 
 import pytest
+
+from clitools import xla_flags
 
 REPO = pathlib.Path(__file__).resolve().parents[2]
 
@@ -140,3 +143,16 @@ def test_the_compilation_cache_goes_where_every_worker_reads_it(monkeypatch, tmp
             assert jax.config.jax_compilation_cache_dir == "gs://bkt/run/xla_cache"
     finally:
         jax.config.update("jax_compilation_cache_dir", before)
+
+
+@pytest.mark.parametrize("drafter, parts", [("model", ["speculate", "model_proposal", "target pass (5 tokens)"]),
+                                            ("ngram", ["speculate", "ngram lookup", "target pass (1 token)"])])
+def test_loop_parts_times_each_part_of_a_loop(drafter, parts):
+    """launch/loop_parts.py on tiny, as the loop runs (the drafter made by `drafters.make`,
+    temperature and top-p traced): every part compiles, runs and is printed with its time."""
+    proc = subprocess.run([sys.executable, "launch/loop_parts.py", "--config=tiny", f"--drafter={drafter}",
+                           "--repeats=1", "--cache=256", "--prompt_len=8"], cwd=REPO, capture_output=True,
+                          text=True, timeout=600, env={**os.environ, "XLA_FLAGS": xla_flags(1)})
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    for part in parts:
+        assert re.search(re.escape(part) + r".* [0-9.]+ wall ms per iteration", proc.stdout), proc.stdout
