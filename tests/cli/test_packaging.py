@@ -43,9 +43,9 @@ print(json.dumps({n: [flags.FLAGS[n].flag_type(), flags.FLAGS[n].help] for n in 
 
 def test_sampling_flags_have_one_name_type_and_meaning_in_every_command():
     """--lookahead, --drafter, ... are defined once (`cli.define_sampling_flags`): where two
-    commands take one, it has the same type and help; bench's sweeps are comma lists whose
+    commands (sample, bench, evaluate, plan) take one, it has the same type and help; bench's sweeps are comma lists whose
     items mean what the single value means elsewhere."""
-    commands = ["specjax.sample", "specjax.bench", "specjax.evaluate"]
+    commands = ["specjax.sample", "specjax.bench", "specjax.evaluate", "specjax.plan"]
 
     def dump(module):
         proc = subprocess.run([sys.executable, "-c", DUMP, module], cwd=REPO, capture_output=True, text=True,
@@ -59,6 +59,7 @@ def test_sampling_flags_have_one_name_type_and_meaning_in_every_command():
     core = lambda text: re.sub(r"^<[^>]*>: |( \(default: [^)]*\))?\.$", "", text)  # noqa: E731
     assert {"lookahead", "drafter", "verify", "num_drafts", "draft_confidence", "max_new_tokens"} <= set(
         defined["specjax.bench"]) & set(defined["specjax.evaluate"])
+    assert {"lookahead", "drafter", "num_drafts", "temperature"} <= set(defined["specjax.plan"])
     for name, (kind, text) in defined["specjax.sample"].items():  # sample takes every one, single-valued
         for module, flags_ in defined.items():
             if name not in flags_:
