@@ -74,8 +74,9 @@ def warp(logits: jax.Array, w: Warp) -> tuple[jax.Array, jax.Array]:
     if w.greedy:
         return jax.nn.one_hot(jnp.argmax(logits, axis=-1), vocab, dtype=jnp.float32), bad
     gap = logits - jnp.max(logits, axis=-1, keepdims=True)  # <= 0, exactly 0 at the top
-    # gap / T as 0 at the top whatever T is: XLA turns the division into a multiply by 1/T,
-    # which is inf for T below ~3e-39, and 0 * inf is NaN.
+    # gap / T as 0 at the top whatever T is: with T a constant XLA turns the division into a
+    # multiply by 1/T, which is inf for T below ~3e-39, and 0 * inf is NaN; with T traced (the
+    # loops) a subnormal T may be read as 0 by the CPU, and 0 / 0 is NaN.
     scaled = jnp.where(gap == 0, 0.0, gap / w.temperature)
     if 0 < w.top_k < vocab:
         # On the logits, not the scaled values: the same tokens for any finite T (dividing
