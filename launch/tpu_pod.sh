@@ -114,8 +114,11 @@ step_create() {
 }
 
 step_install() {
-  local tarball
-  tarball=$(mktemp -t specjax.XXXXXX).tar.gz
+  local tmp tarball
+  # The archive in a directory of its own: `mktemp` makes the file it names, and a
+  # suffix added to that name would leave the empty file behind.
+  tmp=$(mktemp -d -t specjax.XXXXXX)
+  tarball=$tmp/specjax.tar.gz
   # HEAD plus uncommitted changes to tracked files (`git stash create` commits them
   # without touching the working tree or the stash list; it prints nothing when clean).
   local rev
@@ -128,7 +131,7 @@ cd ~/$REMOTE_DIR; command -v uv >/dev/null || curl -LsSf https://astral.sh/uv/in
 export PATH=\$HOME/.local/bin:\$PATH; uv venv --python $PYTHON_VERSION .venv; \
 uv pip install --python .venv/bin/python '.[gcs]' 'jax[tpu]$JAX_SPEC' -f https://storage.googleapis.com/jax-releases/libtpu_releases.html; \
 .venv/bin/python -c 'import sys, importlib.metadata as m, jax, gcsfs, specjax; print(\"specjax on jax\", jax.__version__, \"libtpu\", m.version(\"libtpu\"), \"python\", sys.version.split()[0])'"
-  rm -f "$tarball"
+  rm -rf "$tmp"
 }
 
 # Free the TPU on a worker: end every process holding its device files (v4: /dev/accel*,

@@ -11,6 +11,7 @@ import re
 import shlex
 import subprocess
 import sys
+import tempfile
 
 import pytest
 
@@ -20,11 +21,15 @@ REPO = pathlib.Path(__file__).resolve().parents[2]
 
 
 def dry_run(**env) -> dict[str, list[list[str]]]:
-    """{step: [argv of each gcloud command]} as DRY_RUN=1 prints them."""
-    proc = subprocess.run(["bash", str(REPO / "launch" / "tpu_pod.sh")], cwd=REPO, stdout=subprocess.PIPE,
-                          stderr=subprocess.STDOUT, text=True,  # one stream: step headers stay in order
-                          env={**os.environ, "DRY_RUN": "1", "PROJECT": "demo", **env}, timeout=120)
-    assert proc.returncode == 0, proc.stdout
+    """{step: [argv of each gcloud command]} as DRY_RUN=1 prints them; the run leaves
+    nothing in the temporary directory."""
+    with tempfile.TemporaryDirectory() as tmp:
+        proc = subprocess.run(["bash", str(REPO / "launch" / "tpu_pod.sh")], cwd=REPO, stdout=subprocess.PIPE,
+                              stderr=subprocess.STDOUT, text=True,  # one stream: step headers stay in order
+                              env={**os.environ, "DRY_RUN": "1", "PROJECT": "demo", "TMPDIR": tmp, **env},
+                              timeout=120)
+        assert proc.returncode == 0, proc.stdout
+        assert not os.listdir(tmp), os.listdir(tmp)
     steps, step = {}, None
     for line in proc.stdout.splitlines():
         if line.startswith("== "):
