@@ -18,7 +18,11 @@ f32 copy of every layer lives at once (benchmarks/paper_scale.md). A TPU feeds b
 MXU and converts nothing, so the numbers without the pass are the realistic ones.
 `--licm` keeps XLA's default passes to show the difference. plan also passes
 `--xla_backend_optimization_level=0`: it never runs the code, and LLVM's optimisation is
-most of the compile time while buffer assignment (hence memory_analysis) comes before it.
+most of the compile time while buffer assignment (hence memory_analysis) comes before it;
+and `--xla_cpu_use_fusion_emitters=false`: XLA:CPU's MLIR fusion emitters cost the same at
+every optimisation level, so at level 0 they are most of what is left (chinchilla_70b's
+plan in 0.6x the time and 0.4x the peak memory, the same collectives and memory within a
+kilobyte: benchmarks/paper_scale.md).
 """
 from __future__ import annotations
 
@@ -70,6 +74,8 @@ def configure_xla(devices: int, licm: bool) -> None:
         flags_.append("--xla_disable_hlo_passes=while-loop-invariant-code-motion")
     if not any(f.startswith("--xla_backend_optimization_level") for f in flags_):
         flags_.append("--xla_backend_optimization_level=0")  # plan never runs the code: skip LLVM optimisation
+    if not any(f.startswith("--xla_cpu_use_fusion_emitters") for f in flags_):
+        flags_.append("--xla_cpu_use_fusion_emitters=false")  # nor the MLIR fusion pipeline
     os.environ["XLA_FLAGS"] = " ".join(flags_)
     os.environ["JAX_PLATFORMS"] = "cpu"  # plan on fake CPU devices even on a TPU host
 

@@ -4,12 +4,16 @@ import json
 import os
 import pathlib
 
-# LLVM optimisation level 0: compiling, not running, is what most tests spend their time
-# on (the programs are tiny), and level 0 compiles them in about two thirds of the time.
-# The Theorem-1 runs, 100,000 rows each, compile their programs at the default level
-# (`theorem1.optimised`); the CLI runs set the same level (`clitools.cli_env`).
+# Compiling, not running, is what most tests spend their time on (the programs are tiny).
+# LLVM optimisation level 0 compiles them in about two thirds of the time; XLA:CPU's older
+# elemental emitters instead of its MLIR fusion emitters (whose pipeline runs at every
+# level) halve what is left, on one core instead of two, and the code runs as fast at
+# these sizes (benchmarks/kernels.md, "Suite time"). The Theorem-1 runs, 100,000 rows
+# each, compile their programs at the default level (`theorem1.optimised`); the CLI runs
+# set the same flags (`clitools.cli_env`).
+TEST_XLA_FLAGS = "--xla_backend_optimization_level=0 --xla_cpu_use_fusion_emitters=false"
 os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "")
-                           + " --xla_force_host_platform_device_count=8 --xla_backend_optimization_level=0").strip()
+                           + " --xla_force_host_platform_device_count=8 " + TEST_XLA_FLAGS).strip()
 # No untimed warm-up run before each compiled program's first batch (see
 # specjax.decode.program.WARM_UP): no test reads a first batch's timing except those that
 # test the warm-up, which turn it back on. The CLI runs of the tests inherit it.

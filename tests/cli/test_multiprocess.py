@@ -18,6 +18,8 @@ import sys
 import numpy as np
 import pytest
 
+from conftest import TEST_XLA_FLAGS
+
 REPO = pathlib.Path(__file__).resolve().parents[2]
 DRIVER = REPO / "launch" / "greedy_tokens.py"
 TIMEOUT = 600
@@ -25,9 +27,9 @@ TIMEOUT = 600
 
 def _env(**extra):
     env = {k: v for k, v in os.environ.items() if not k.startswith("SPECJAX_") and k != "XLA_FLAGS"}
-    # LLVM optimisation level 0 halves the compile time of the tiny programs; both sides
-    # of the comparison compile with the same flags.
-    env.update(JAX_PLATFORMS="cpu", XLA_FLAGS="--xla_backend_optimization_level=0", **extra)
+    # The suite's compile-time flags (the programs are tiny); both sides of the comparison
+    # compile with the same flags.
+    env.update(JAX_PLATFORMS="cpu", XLA_FLAGS=TEST_XLA_FLAGS, **extra)
     return env
 
 

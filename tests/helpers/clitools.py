@@ -24,10 +24,11 @@ def assert_one_line(proc, code: int, fragments, program: str | None = None) -> s
 
 
 def xla_flags(devices: int = 1) -> str:
-    """XLA_FLAGS of a CLI run on `devices` CPU devices. LLVM optimisation level 0 halves
-    the compiles that dominate these runs (the programs are tiny); the runs they compare
-    with compile with the same flags."""
-    return f"--xla_force_host_platform_device_count={devices} --xla_backend_optimization_level=0"
+    """XLA_FLAGS of a CLI run on `devices` CPU devices: the suite's compile-time flags
+    (conftest.TEST_XLA_FLAGS; the programs are tiny, compiling dominates these runs); the
+    runs they compare with compile with the same flags."""
+    from conftest import TEST_XLA_FLAGS
+    return f"--xla_force_host_platform_device_count={devices} {TEST_XLA_FLAGS}"
 
 
 def cli_env(base: pathlib.Path, devices: int = 1) -> dict:
