@@ -50,11 +50,21 @@ def compile_program(target, draft, sampling, batch: int, prompt_len: int, cache_
     per_loop, outside = HloProgram(text).loop_and_outside()
     total = mem.argument_size_in_bytes + mem.output_size_in_bytes + mem.temp_size_in_bytes - mem.alias_size_in_bytes
     return {"program": prog.fn.__name__, "fingerprint": program_lib.fingerprint(compiled),
-            "statics": {k: (v._asdict() if hasattr(v, "_asdict") else v) for k, v in prog.statics},
+            "statics": {k: as_json(v) for k, v in prog.statics},
             "lower_seconds": lower_s, "compile_seconds": compile_s,
             "memory": {"arguments": mem.argument_size_in_bytes, "outputs": mem.output_size_in_bytes,
                        "temporaries": mem.temp_size_in_bytes, "aliased": mem.alias_size_in_bytes, "total": total},
             "per_loop": summarize(per_loop), "outside_loop": summarize(outside)}
+
+
+def as_json(value):
+    """A compiled program's static setting as JSON: named tuples (the settings, their warp)
+    as objects at every depth, and a value the program takes as an operand (a warp's
+    temperature and top-p, None in the key) as "traced"."""
+    if hasattr(value, "_asdict"):
+        return {k: "traced" if v is None and k in ("temperature", "top_p") else as_json(v)
+                for k, v in value._asdict().items()}
+    return value
 
 
 def compile_init(cfg, mesh) -> dict:

@@ -87,6 +87,9 @@ def test_compile_program_counts_megatron_all_reduces_of_a_real_model(pair):
     report = plan.compile_program(target, draft, SAMPLING, batch=1, prompt_len=40,
                                   cache_len=128)
     assert report["statics"]["size"] == 128
+    # The key as JSON at every depth; temperature and top-p are operands, not part of it.
+    assert report["statics"]["settings"]["lookahead"] == K
+    assert report["statics"]["settings"]["warping"]["temperature"] == "traced"
     messages = report["per_loop"]["all-reduce"]["messages"]
     activations = {m["shape"]: m["count"] for m in messages}
     assert {m["group"] for m in messages} == {4}  # every all-reduce spans the 'model' axis of the 2x4 mesh
