@@ -236,7 +236,10 @@ def read_only(path):
 def damage(workdir, kind):
     params = workdir / "60" / "params"
     if kind == "truncated":
-        for f in (params / "ocdbt.process_0" / "d").iterdir():
+        # Every data file: orbax may also have merged the process's tree into params/d.
+        data = [f for f in params.rglob("*") if f.is_file() and f.parent.name == "d"]
+        assert data, sorted(params.rglob("*"))
+        for f in data:
             f.write_bytes(f.read_bytes()[:7])
     else:  # garbage manifests
         for f in params.rglob("manifest.ocdbt"):
