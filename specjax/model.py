@@ -573,8 +573,14 @@ def init_lm(cfg: ModelConfig, mesh: jax.sharding.Mesh, seed: int | None = None, 
     each is duplicated (`kv_heads`) unless duplicate_kv=False (training)."""
     cfg = kv_heads.for_mesh(cfg, mesh) if duplicate_kv else kv_heads.original(cfg)
     sharding.check_divisible(cfg, mesh)
-    graphdef, init = init_program(cfg, mesh, seed)
+    graphdef, init = _kept_init_program(cfg, mesh, cfg.init_seed if seed is None else seed)
     return LM(cfg, graphdef, init())
+
+
+# A notebook, the tests and a bench sweep build the same random models again and again;
+# each `init_program` is a fresh jit, traced and compiled anew (a second or two even for
+# tiny). Keeping the last few per (config, mesh, seed) makes a repeat cost only the run.
+_kept_init_program = functools.lru_cache(maxsize=16)(init_program)
 
 
 def full_forward(lm: LM, tokens: jax.Array, features: bool = False):
