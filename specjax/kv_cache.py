@@ -6,7 +6,8 @@ attention dots contract over (with [.., S, K, ..] XLA:CPU transposed a copy of e
 layer's keys and values on every step; benchmarks/micro.md).
 A forward reads the cache and returns its own T keys and values (`Fresh`); `commit`
 writes them in, all T of a chain at consecutive positions or a tree's kept path, in
-place (the cache is loop-carried; one scatter per pass). `lengths` says how many entries
+place (the cache is loop-carried; one scatter per pass; a prefill's block, one
+dynamic-update-slice). `lengths` says how many entries
 of each row are valid. Rolling back rejected draft tokens is just setting `lengths` (the
 stale entries beyond it are masked, and overwritten later).
 
@@ -97,17 +98,29 @@ class Fresh(NamedTuple):
     hidden: jax.Array | None = None
 
 
-def commit(cache: KVCache, fresh: Fresh, start: jax.Array, nodes: jax.Array | None = None) -> KVCache:
+def commit(cache: KVCache, fresh: Fresh, start: jax.Array | int, nodes: jax.Array | None = None) -> KVCache:
     """Write a pass's entries into every layer at consecutive positions start[b]..: all T
     of them in order (`nodes` None: a chain, a prefill), or the pass's nodes `nodes` [B, P]
     (a tree's kept path: the pending token, then one chain's nodes). One scatter per
     buffer, in place; writes past the cache's end are dropped. `lengths` becomes start + P:
-    the caller's rollback sets the accepted length."""
+    the caller's rollback sets the accepted length. `start` the Python int 0 (a prefill:
+    every row from slot 0) writes the block with one dynamic-update-slice instead of a
+    scatter of L x B x T rows (which XLA:CPU expands into a loop over the rows)."""
     k, v = fresh.k, fresh.v
     if nodes is not None:
         index = nodes[None, :, :, None, None]
         k, v = (jnp.take_along_axis(a, index, axis=2) for a in (k, v))  # [L, B, P, G, H]
     num_layers, batch, width = k.shape[:3]
+    if isinstance(start, int):
+        if start != 0 or width > cache.size:
+            raise ValueError(f"a dense commit writes slots 0..{width - 1} of a {cache.size}-slot cache (start=0)")
+
+        def put(buf, new):  # buf[l, b, :, j] = new[l, b, j]
+            block = jnp.swapaxes(new, 2, 3).astype(buf.dtype)  # [L, B, G, T, H], the cache's layout
+            return sharding.constrain(jax.lax.dynamic_update_slice(buf, block, (0,) * buf.ndim), CACHE_AXES)
+
+        lengths = jnp.full((batch,), width, jnp.int32)
+        return KVCache(put(cache.k, k), put(cache.v, v), lengths, cache.position_table)
     layers = jnp.arange(num_layers)[:, None, None]
     rows = jnp.arange(batch)[None, :, None]
     positions = (start[:, None] + jnp.arange(width)[None, :])[None]

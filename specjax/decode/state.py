@@ -23,7 +23,7 @@ def prefill(lm: LM, prompts: jax.Array, prompt_lens: jax.Array, size: int, featu
     positions = jnp.broadcast_to(jnp.arange(width, dtype=jnp.int32), (batch, width))
     cache = lm.with_position_table(kv_cache.empty(lm.cfg, batch, size))
     _, fresh = lm(prompts, positions, cache, features=features)
-    cache = kv_cache.commit(cache, fresh, positions[:, 0]).with_lengths(prompt_lens - 1)
+    cache = kv_cache.commit(cache, fresh, 0).with_lengths(prompt_lens - 1)  # every row from slot 0
     return (cache, fresh.hidden) if features else cache
 
 
