@@ -9,6 +9,7 @@ import pytest
 from nbclient import NotebookClient
 
 import specjax
+from clitools import kernels_only_cache
 
 NOTEBOOK = pathlib.Path(__file__).resolve().parents[2] / "colabs" / "specjax_cpu_mesh.ipynb"
 CELL_TIMEOUT_S = 240
@@ -29,7 +30,7 @@ def text_of(cell) -> str:
 @pytest.mark.slow  # ~3 minutes: every cell, trained checkpoints included
 def test_notebook_runs_under_small_settings(tmp_path, monkeypatch):
     monkeypatch.setenv("SPECJAX_COLAB_SMALL", "1")
-    monkeypatch.setenv("SPECJAX_CACHE", str(tmp_path / "cache"))  # no checkpoints of this machine
+    monkeypatch.setenv("SPECJAX_CACHE", str(kernels_only_cache(tmp_path / "cache")))  # no checkpoints of this machine
     monkeypatch.delenv("MPLBACKEND", raising=False)  # the kernel's inline backend returns PNGs
     nb = nbformat.read(NOTEBOOK, as_version=4)
     NotebookClient(nb, timeout=CELL_TIMEOUT_S, kernel_name="python3",

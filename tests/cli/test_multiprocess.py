@@ -18,6 +18,7 @@ import sys
 import numpy as np
 import pytest
 
+from clitools import kernels_only_cache
 from conftest import TEST_XLA_FLAGS
 
 REPO = pathlib.Path(__file__).resolve().parents[2]
@@ -95,7 +96,8 @@ def _start(tmp_path, cwds, *args, port):
     procs = []
     for i, cwd in enumerate(cwds):
         env = _env(SPECJAX_COORDINATOR=f"127.0.0.1:{port}", SPECJAX_NUM_PROCESSES=str(len(cwds)),
-                   SPECJAX_PROCESS_ID=str(i), PYTHONPATH=str(REPO), SPECJAX_CACHE=str(tmp_path / "cache"))
+                   SPECJAX_PROCESS_ID=str(i), PYTHONPATH=str(REPO),
+                   SPECJAX_CACHE=str(kernels_only_cache(tmp_path / "cache")))
         env["XLA_FLAGS"] += " --xla_force_host_platform_device_count=2"
         procs.append(subprocess.Popen([sys.executable, "-m", "specjax.sample", *args], cwd=cwd, env=env,
                                       stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True))
@@ -198,7 +200,7 @@ def test_two_processes_train_like_one(tmp_path):
               "--config.train.log_every=1", f"--config.train.save_every={steps}",
               "--config.train.eval_every=1000", "--config.train.eval_batches=1",
               "--config.mesh.data=2", "--config.mesh.model=4"]
-    cache = dict(SPECJAX_CACHE=str(tmp_path / "cache"))
+    cache = dict(SPECJAX_CACHE=str(kernels_only_cache(tmp_path / "cache")))
     multi = subprocess.Popen(
         ["bash", str(REPO / "launch" / "multiprocess.sh"), *common, f"--workdir={tmp_path / 'multi'}"],
         cwd=REPO, env=_env(NUM_PROCESSES="2", LOCAL_DEVICES="4", LOG_DIR=str(tmp_path / "logs"),

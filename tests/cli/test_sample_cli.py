@@ -20,7 +20,7 @@ import time
 import jax
 import numpy as np
 import pytest
-from clitools import TEXT_CONFIG, assert_one_line, cli_env, interruptible, run_many, xla_flags
+from clitools import TEXT_CONFIG, assert_one_line, cli_env, interruptible, kernels_only_cache, run_many, xla_flags
 
 ROOT = pathlib.Path(__file__).resolve().parents[2]
 TINY = ["--config=tiny", "--init=random"]
@@ -267,7 +267,7 @@ def test_ctrl_c_while_the_mini_pair_trains_on_first_use_saves_and_exits_130(env,
     """The embedded default with no checkpoints trains mini_target first; Ctrl-C during
     that training stops it at a step boundary with its state saved: one message saying how
     to resume, exit code 130, no traceback, and a checkpoint directory to resume from."""
-    cache = tmp_path / "cache"
+    cache = kernels_only_cache(tmp_path / "cache")
     proc = subprocess.Popen(interruptible("specjax.sample", "--mode=ars", "--humaneval=1", "--noprint_samples"),
                             cwd=ROOT, env={**env, "SPECJAX_CACHE": str(cache)}, stdout=subprocess.DEVNULL,
                             stderr=subprocess.PIPE, text=True)

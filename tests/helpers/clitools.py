@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import os
 import pathlib
+import shutil
 import sys
 
 ROOT = pathlib.Path(__file__).resolve().parents[2]
@@ -34,12 +35,30 @@ def xla_flags(devices: int = 1) -> str:
 def cli_env(base: pathlib.Path, devices: int = 1) -> dict:
     """The environment of a CLI run: `devices` CPU devices (1 compiles fastest), a
     compilation cache in `base` shared by the runs of one file (the same programs are
-    compiled once), an empty specjax cache (no default checkpoint exists), this checkout
-    first on the path, and a pinned terminal width (xdist workers have none)."""
+    compiled once), a specjax cache with no checkpoint (no default checkpoint exists) but
+    the CPU kernels (`kernels_only_cache`), this checkout first on the path, and a pinned
+    terminal width (xdist workers have none)."""
     return {**os.environ, "XLA_FLAGS": xla_flags(devices), "JAX_PLATFORMS": "cpu",
             "JAX_COMPILATION_CACHE_DIR": str(base / "jax_cache"), "JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS": "0",
-            "JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES": "0", "SPECJAX_CACHE": str(base / "empty_cache"),
-            "PYTHONPATH": str(ROOT), "COLUMNS": "160"}
+            "JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES": "0",
+            "SPECJAX_CACHE": str(kernels_only_cache(base / "empty_cache")), "PYTHONPATH": str(ROOT), "COLUMNS": "160"}
+
+
+def kernels_only_cache(path: pathlib.Path) -> pathlib.Path:
+    """`path` made a specjax cache that holds nothing but this machine's compiled CPU
+    kernels, copied from the test process's own cache (built there once): a run given a
+    fresh cache would compile them again, some 15 s of g++ per run. No checkpoints, no
+    datasets. Without a compiler, just the empty directory (the runs fall back as the
+    library does)."""
+    from specjax.kernels import library
+    path.mkdir(parents=True, exist_ok=True)
+    try:
+        built = library.build()
+    except Exception:  # noqa: BLE001 -- no kernels here either: nothing to copy
+        return path
+    (path / "kernels" / built.parent.name).mkdir(parents=True, exist_ok=True)
+    shutil.copy2(built, path / "kernels" / built.parent.name / built.name)
+    return path
 
 # tiny with a 512-token vocabulary, for runs that need a tokenizer (saved next to it).
 TEXT_CONFIG = '''

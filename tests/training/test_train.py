@@ -30,7 +30,7 @@ from specjax.training.workdir import read_metrics
 from specjax.weights import checkpoint
 from specjax.config import load_config
 import clitools
-from clitools import TEXT_CONFIG, run_many
+from clitools import TEXT_CONFIG, kernels_only_cache, run_many
 
 STEPS = 60
 LOG_EVERY = 3  # checkpoints every 10 steps: resumes land between two records
@@ -43,7 +43,7 @@ TIMEOUT = 240
 
 @pytest.fixture(scope="module")
 def env(tmp_path_factory):
-    cache = tmp_path_factory.mktemp("specjax_cache")
+    cache = kernels_only_cache(tmp_path_factory.mktemp("specjax_cache"))
     flags = os.environ.get("XLA_FLAGS", "")
     if "xla_force_host_platform_device_count" not in flags:
         flags += " --xla_force_host_platform_device_count=8"
