@@ -115,18 +115,16 @@ def commit(cache: KVCache, fresh: Fresh, start: jax.Array | int, nodes: jax.Arra
         if start != 0 or width > cache.size:
             raise ValueError(f"a dense commit writes slots 0..{width - 1} of a {cache.size}-slot cache (start=0)")
 
-        def put(buf, new):  # buf[l, b, :, j] = new[l, b, j]
-            block = jnp.swapaxes(new, 2, 3).astype(buf.dtype)  # [L, B, G, T, H], the cache's layout
-            return sharding.constrain(jax.lax.dynamic_update_slice(buf, block, (0,) * buf.ndim), CACHE_AXES)
+        def put(buf, new):  # buf[l, b, :, j] = new[l, b, j]; [L, B, T, G, H] -> the cache's [L, B, G, T, H]
+            return jax.lax.dynamic_update_slice(buf, jnp.swapaxes(new, 2, 3).astype(buf.dtype), (0,) * buf.ndim)
+    else:
+        layers = jnp.arange(num_layers)[:, None, None]
+        rows = jnp.arange(batch)[None, :, None]
+        positions = (start[:, None] + jnp.arange(width)[None, :])[None]
 
-        lengths = jnp.full((batch,), width, jnp.int32)
-        return KVCache(put(cache.k, k), put(cache.v, v), lengths, cache.position_table)
-    layers = jnp.arange(num_layers)[:, None, None]
-    rows = jnp.arange(batch)[None, :, None]
-    positions = (start[:, None] + jnp.arange(width)[None, :])[None]
+        def put(buf, new):  # buf[l, b, :, start[b] + j] = new[l, b, j]
+            return buf.at[layers, rows, :, positions].set(new.astype(buf.dtype), mode="drop")
 
-    def put(buf, new):  # buf[l, b, :, start[b] + j] = new[l, b, j]
-        return sharding.constrain(buf.at[layers, rows, :, positions].set(new.astype(buf.dtype), mode="drop"),
-                                  CACHE_AXES)
-
-    return KVCache(put(cache.k, k), put(cache.v, v), (start + width).astype(jnp.int32), cache.position_table)
+    lengths = jnp.broadcast_to(start + width, (batch,)).astype(jnp.int32)
+    return KVCache(sharding.constrain(put(cache.k, k), CACHE_AXES), sharding.constrain(put(cache.v, v), CACHE_AXES),
+                   lengths, cache.position_table)
