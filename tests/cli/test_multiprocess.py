@@ -93,11 +93,10 @@ def test_the_timed_run_starts_when_every_process_has_compiled(greedy_runs):
 
 def _start(tmp_path, cwds, *args, port):
     """`python -m specjax.sample ARGS` as process i of len(cwds), each in its own working directory."""
-    procs = []
+    procs, cache = [], kernels_only_cache(tmp_path / "cache")
     for i, cwd in enumerate(cwds):
         env = _env(SPECJAX_COORDINATOR=f"127.0.0.1:{port}", SPECJAX_NUM_PROCESSES=str(len(cwds)),
-                   SPECJAX_PROCESS_ID=str(i), PYTHONPATH=str(REPO),
-                   SPECJAX_CACHE=str(kernels_only_cache(tmp_path / "cache")))
+                   SPECJAX_PROCESS_ID=str(i), PYTHONPATH=str(REPO), SPECJAX_CACHE=str(cache))
         env["XLA_FLAGS"] += " --xla_force_host_platform_device_count=2"
         procs.append(subprocess.Popen([sys.executable, "-m", "specjax.sample", *args], cwd=cwd, env=env,
                                       stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True))
