@@ -65,25 +65,72 @@ inline float Dot(const float* a, const float* b, int64_t H) {
   return s;
 }
 
-// q . key_j for the four keys at `keys` (rows of H): q's chunks loaded once for the four,
-// and the four lane sums reduced together (`Sum4`); each equals Dot(q, key_j, H) exactly.
-inline void Dot4(const float* q, const float* keys, int64_t H, float* out) {
-  const float *k0 = keys, *k1 = keys + H, *k2 = keys + 2 * H, *k3 = keys + 3 * H;
-  Vec a{}, b{}, c{}, d{};
+// q_i . key_j for Q queries and the four keys at `keys` (rows of H), out[i * 4 + j]: each
+// chunk of a key loaded once for the Q queries, each query's once for the four keys, and
+// each query's four lane sums reduced together (`Sum4`); each equals Dot(q_i, key_j, H)
+// exactly (the same products summed in the same order).
+template <int Q>
+inline void Dot4(const float* const* q, const float* keys, int64_t H, float* out) {
+  Vec acc[Q][4] = {};
   int64_t h = 0;
-  for (; h + kWidth <= H; h += kWidth) {
-    const Vec x = Load(q + h);
-    a += x * Load(k0 + h);
-    b += x * Load(k1 + h);
-    c += x * Load(k2 + h);
-    d += x * Load(k3 + h);
+  for (; h + kWidth <= H; h += kWidth)
+    for (int j = 0; j < 4; ++j) {
+      const Vec k = Load(keys + j * H + h);
+      for (int i = 0; i < Q; ++i) acc[i][j] += Load(q[i] + h) * k;
+    }
+  for (int i = 0; i < Q; ++i) {
+    Sum4(acc[i][0], acc[i][1], acc[i][2], acc[i][3], out + 4 * i);
+    for (int64_t r = h; r < H; ++r)
+      for (int j = 0; j < 4; ++j) out[4 * i + j] += q[i][r] * keys[j * H + r];
   }
-  Sum4(a, b, c, d, out);
-  for (; h < H; ++h) {
-    out[0] += q[h] * k0[h];
-    out[1] += q[h] * k1[h];
-    out[2] += q[h] * k2[h];
-    out[3] += q[h] * k3[h];
+}
+
+// acc[r, h] += sum over s < span of p[r * stride + s] * values[s, h], for the n <= kBlockRows
+// rows of a block, adding the values in order of s (as a loop over s, then rows, would).
+// Each chunk of Vecs vectors of h keeps its n x Vecs accumulators in registers across all
+// span value rows (that loop loaded and stored each query's accumulator once per value
+// row, which bound it at T > 1).
+constexpr int kBlockRows = 4;
+constexpr int kChunk = kWidth == 16 ? 4 : 2;  // vectors of h per chunk: n x kChunk sums fit the registers
+
+template <int Rows, int Vecs>
+inline void ValueChunk(const float* p, int64_t stride, const float* values, int64_t span, int64_t H, float* acc) {
+  Vec a[Rows][Vecs];
+  for (int r = 0; r < Rows; ++r)
+    for (int j = 0; j < Vecs; ++j) a[r][j] = Load(acc + r * H + j * kWidth);
+  for (int64_t s = 0; s < span; ++s) {
+    Vec v[Vecs];
+    for (int j = 0; j < Vecs; ++j) v[j] = Load(values + s * H + j * kWidth);
+    for (int r = 0; r < Rows; ++r) {
+      const Vec w = Splat(p[r * stride + s]);
+      for (int j = 0; j < Vecs; ++j) a[r][j] += w * v[j];
+    }
+  }
+  for (int r = 0; r < Rows; ++r)
+    for (int j = 0; j < Vecs; ++j) Store(acc + r * H + j * kWidth, a[r][j]);
+}
+
+template <int Rows>
+void ValueRows(const float* p, int64_t stride, const float* values, int64_t span, int64_t H, float* acc) {
+  int64_t h = 0;
+  for (; h + kChunk * kWidth <= H; h += kChunk * kWidth)
+    ValueChunk<Rows, kChunk>(p, stride, values + h, span, H, acc + h);
+  for (; h + kWidth <= H; h += kWidth) ValueChunk<Rows, 1>(p, stride, values + h, span, H, acc + h);
+  if (h == H) return;
+  for (int64_t s = 0; s < span; ++s)
+    for (int r = 0; r < Rows; ++r) {
+      const float w = p[r * stride + s];
+      for (int64_t i = h; i < H; ++i) acc[r * H + i] += w * values[s * H + i];
+    }
+}
+
+inline void ValueSums(const float* p, int64_t stride, const float* values, int64_t span, int64_t H, float* acc,
+                      int n) {
+  switch (n) {
+    case 4: return ValueRows<4>(p, stride, values, span, H, acc);
+    case 3: return ValueRows<3>(p, stride, values, span, H, acc);
+    case 2: return ValueRows<2>(p, stride, values, span, H, acc);
+    default: return ValueRows<1>(p, stride, values, span, H, acc);
   }
 }
 
@@ -128,6 +175,27 @@ void Attend(const Shapes& d, const float* q, const float* kc, const float* vc, c
   const float* values = vc + (b * d.G + kh) * d.S * H;
   auto new_row = [&](const float* base, int64_t u) { return base + ((b * T + u) * d.G + kh) * H; };
   auto query = [&](int64_t row) { return q + ((b * T + row / d.R) * d.N + kh * d.R + row % d.R) * H; };
+  // Scores against the cached keys, two queries at a time (uniform rows score nothing).
+  thread_local std::vector<int64_t> scored;
+  scored.clear();
+  for (int64_t row = 0; row < rows; ++row)
+    if (!uniform[row / d.R]) scored.push_back(row);
+  for (size_t i = 0; i < scored.size(); i += 2) {
+    const int n = scored.size() - i >= 2 ? 2 : 1;
+    const float* qs[2] = {query(scored[i]), query(scored[i + n - 1])};
+    float* pr[2] = {p.data() + scored[i] * stride, p.data() + scored[i + n - 1] * stride};
+    int64_t s = 0;
+    if (H >= kWidth) {  // four keys at a time (below one vector of H, Dot is scalar anyway)
+      float dots[8];
+      for (; s + 4 <= cached; s += 4) {
+        if (n == 2) Dot4<2>(qs, keys + s * H, H, dots); else Dot4<1>(qs, keys + s * H, H, dots);
+        for (int r = 0; r < n; ++r)
+          for (int j = 0; j < 4; ++j) pr[r][s + j] = dots[4 * r + j] * scale;
+      }
+    }
+    for (int r = 0; r < n; ++r)
+      for (int64_t k = s; k < cached; ++k) pr[r][k] = Dot(qs[r], keys + k * H, H) * scale;
+  }
   for (int64_t row = 0; row < rows; ++row) {
     const int64_t t = row / d.R;
     float* pr = p.data() + row * stride;
@@ -135,19 +203,17 @@ void Attend(const Shapes& d, const float* q, const float* kc, const float* vc, c
       std::fill(pr, pr + span + T, 0.f);
     } else {
       const float* qr = query(row);
-      int64_t s = 0;
-      if (H >= kWidth) {  // four keys at a time (below one vector of H, Dot is scalar anyway)
-        float d[4];
-        for (; s + 4 <= cached; s += 4) {
-          Dot4(qr, keys + s * H, H, d);
-          for (int j = 0; j < 4; ++j) pr[s + j] = d[j] * scale;
-        }
-      }
-      for (; s < cached; ++s) pr[s] = Dot(qr, keys + s * H, H) * scale;
       for (int64_t i = 0; i < count[t]; ++i) pr[span + i] = Dot(qr, new_row(kn, own[t * T + i]), H) * scale;
     }
-    float m = -INFINITY;
-    for (int64_t s = 0; s < stride; ++s) m = std::max(m, pr[s]);
+    // The largest logit, a vector of lanes at a time (one scalar max after another was a
+    // chain of dependent instructions, a sixth of the kernel at T=8); the padding is -inf.
+    Vec top = Splat(-INFINITY);
+    for (int64_t s = 0; s < stride; s += kWidth) {
+      const Vec x = Load(pr + s);
+      top = top < x ? x : top;
+    }
+    float m = top[0];
+    for (int i = 1; i < kWidth; ++i) m = std::max(m, top[i]);
     Vec sum{};
     for (int64_t s = 0; s < stride; s += kWidth) {
       const Vec e = Exp(Load(pr + s) - m);
@@ -156,14 +222,9 @@ void Attend(const Shapes& d, const float* q, const float* kc, const float* vc, c
     }
     total[row] = Sum(sum);
   }
-  for (int64_t s = 0; s < span; ++s) {  // every cached value row once, for all queries
-    const float* vs = values + s * H;
-    for (int64_t row = 0; row < rows; ++row) {
-      const float w = p[row * stride + s];
-      float* a = acc.data() + row * H;
-      for (int64_t h = 0; h < H; ++h) a[h] += w * vs[h];
-    }
-  }
+  for (int64_t row = 0; row < rows; row += kBlockRows)  // every cached value row once per block of queries
+    ValueSums(p.data() + row * stride, stride, values, span, H, acc.data() + row * H,
+              static_cast<int>(std::min<int64_t>(kBlockRows, rows - row)));
   for (int64_t row = 0; row < rows; ++row) {
     const int64_t t = row / d.R;
     float* a = acc.data() + row * H;
