@@ -107,10 +107,12 @@ class Heads:
         positions, cache, visible, kernels)."""
         return nnx.merge(self.graphdef, self.params)(*args, **kwargs)
 
-    def eagle_step(self, target: LM, features, tokens, positions, cache: KVCache) -> tuple[jax.Array, KVCache]:
+    def eagle_step(self, target: LM, features, tokens, positions, cache: KVCache,
+                   table=None) -> tuple[jax.Array, KVCache]:
         """EAGLE's pass over T (feature, next token) pairs at `positions`, written into its
-        cache at positions[:, 0]: -> (predicted features [B, T, D], cache)."""
-        predicted, fresh = self(features, target.embed(tokens), positions, cache, None, target.kernels)
+        cache at positions[:, 0]: -> (predicted features [B, T, D], cache). The tokens are
+        embedded from `table` (`model.whole_table(target)`) where given."""
+        predicted, fresh = self(features, target.embed(tokens, table), positions, cache, None, target.kernels)
         return predicted, kv_cache.commit(cache, fresh, positions[:, 0])
 
     def empty_cache(self, batch: int, size: int) -> KVCache:

@@ -349,12 +349,15 @@ class Transformer(nnx.Module):
         # sampler) can make XLA gather the [D, V] table instead of the small logits.
         return sharding.constrain(logits, ("batch", None, "vocab"))
 
-    def embed_tokens(self, tokens) -> jax.Array:
-        """Token ids [B, T] -> input embeddings [B, T, D] (which EAGLE's layer shares)."""
+    def embed_tokens(self, tokens, table=None) -> jax.Array:
+        """Token ids [B, T] -> input embeddings [B, T, D] (which EAGLE's layer shares); with
+        `table` (`whole_table`'s copy of this table) a local gather from it."""
         cfg = self.cfg
         ct = jnp.dtype(cfg.compute_dtype)
         mesh = jax.sharding.get_abstract_mesh()
-        if not mesh.empty and mesh.shape.get("model", 1) > 1:
+        if table is not None:
+            x = rows(table, tokens, ct)
+        elif not mesh.empty and mesh.shape.get("model", 1) > 1:
             # Vocab-parallel lookup as a one-hot contraction: each 'model' shard contributes
             # its rows and one all-reduce sums them (Megatron), never gathering the table.
             one_hot = jax.nn.one_hot(tokens, cfg.vocab_size, dtype=ct)
@@ -469,9 +472,10 @@ class LM:
         """Final hidden states [B, T, D] (Fresh.hidden) -> logits [B, T, V]: the unembedding alone."""
         return nnx.merge(self.graphdef, self.params).logits(hidden, self.kernels)
 
-    def embed(self, tokens: jax.Array) -> jax.Array:
-        """Token ids [B, T] -> input embeddings [B, T, D]: the embedding alone."""
-        return nnx.merge(self.graphdef, self.params).embed_tokens(tokens)
+    def embed(self, tokens: jax.Array, table=None) -> jax.Array:
+        """Token ids [B, T] -> input embeddings [B, T, D]: the embedding alone (read from
+        `table`, `whole_table(self)`, where given)."""
+        return nnx.merge(self.graphdef, self.params).embed_tokens(tokens, table)
 
     def extend(self, tokens, positions, cache: KVCache) -> tuple[jax.Array, KVCache]:
         """A chain pass written into the cache: the forward, then `kv_cache.commit` of its
@@ -538,6 +542,27 @@ class LM:
         packed = dataclasses.replace(self, params=pack_params(self.params, projections, tied))  # subclasses stay
         _remember(self, packed)
         return packed
+
+
+def whole_table(lm: LM):
+    """`lm`'s embedding table whole on every device of its mesh; None where its lookup needs
+    no collective (one device, no 'model' split). For a loop that embeds tokens it drew
+    itself (EAGLE, K times a loop): a gather from this copy is local, where the
+    vocab-parallel lookup all-reduces [B, T, D] each time; it costs the table's V x D
+    bytes per chip, less its own shard. Made once per LM (abstract for abstract params)."""
+    if "_whole_table" in lm.__dict__:
+        return lm.__dict__["_whole_table"]
+    table = lm.params["embed"].value
+    where = getattr(jax.tree.leaves(table)[0], "sharding", None)
+    copy = None
+    if isinstance(where, jax.sharding.NamedSharding) and where.mesh.shape.get("model", 1) > 1:
+        everywhere = jax.sharding.NamedSharding(where.mesh, jax.sharding.PartitionSpec())
+        if isinstance(jax.tree.leaves(table)[0], jax.Array):
+            copy = jax.jit(lambda t: t, out_shardings=everywhere)(table)
+        else:  # `plan`'s abstract params
+            copy = jax.tree.map(lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=everywhere), table)
+    object.__setattr__(lm, "_whole_table", copy)
+    return copy
 
 
 def _remember(lm: LM, packed: LM) -> None:

@@ -120,9 +120,24 @@ def test_one_fused_loop_and_no_cache_copy(pairs):
     per_loop = fused_loop_collectives(built)
     assert not cache_copies(built)
     # The target's one pass (2 per layer + the embedding), and the layer's K passes (the
-    # window, then K-1 steps), each its block's 2 plus its embedding lookup's 1.
+    # window, then K-1 steps), each its block's 2: the tokens it reads are embedded from the
+    # drafter's whole copy of the table, with no collective.
     total = sum(n for c, n in per_loop.items() if c.kind == "all-reduce")
-    assert total == 2 * target.cfg.num_layers + 1 + K * (2 + 1), per_loop
+    assert total == 2 * target.cfg.num_layers + 1 + K * 2, per_loop
+
+
+def test_whole_table_embeds_as_the_vocab_parallel_lookup(pairs):
+    """The drafter's copy of the table (1x8: whole on every device, made once per LM; one
+    device: none) gives the embeddings the vocab-parallel lookup gives."""
+    target = pairs["1x8"][0]
+    table = model.whole_table(target)
+    assert table.sharding.is_fully_replicated and model.whole_table(target) is table
+    assert model.whole_table(pairs["1x1"][0]) is None
+    tokens = (jnp.arange(24, dtype=jnp.int32).reshape(2, 12) * 37) % target.cfg.vocab_size
+    with jax.set_mesh(target.params["embed"].value.sharding.mesh):
+        lookup = jax.jit(target.embed)(tokens)
+        gathered = jax.jit(lambda t: target.embed(t, table))(tokens)
+    np.testing.assert_array_equal(np.asarray(gathered), np.asarray(lookup))
 
 
 def run_loops(target, heads, prompts, loops):

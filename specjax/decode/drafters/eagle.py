@@ -21,7 +21,7 @@ pairs before it.
 from __future__ import annotations
 
 import dataclasses
-from typing import NamedTuple
+from typing import Any, NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -32,7 +32,7 @@ from specjax.decode.warping import sample, warp
 from specjax import heads as heads_lib
 from specjax.heads import Heads
 from specjax.kv_cache import KVCache
-from specjax.model import LM
+from specjax.model import LM, whole_table
 
 
 class EagleState(NamedTuple):
@@ -56,6 +56,11 @@ class EagleDrafter(Drafter):
     heads: Heads
     target: LM  # the loop's target: its embedding and unembedding, shared
     lookahead: int = dataclasses.field(metadata=dict(static=True))
+    # On a 'model'-split mesh, the target's embedding whole on every device
+    # (`model.whole_table`): the token each step drew is embedded by a local gather, so a
+    # step's only collectives are the layer's own 2 all-reduces (the vocab-parallel
+    # lookup was a third), for V x D more bytes per chip. None on one device.
+    table: Any = None
 
     name = "eagle"
     needs_heads = True
@@ -63,13 +68,14 @@ class EagleDrafter(Drafter):
 
     @classmethod
     def make(cls, sampling: SamplingConfig, target: LM, draft, datastore, mesh):
-        return cls(heads_lib.checked(draft, target.cfg, "eagle", sampling.drafter), target, sampling.lookahead)
+        return cls(heads_lib.checked(draft, target.cfg, "eagle", sampling.drafter), target, sampling.lookahead,
+                   whole_table(target))
 
     def init_state(self, prompts, prompt_lens, size, num_drafts, features=None) -> EagleState:
         batch, width = prompts.shape
         positions = jnp.broadcast_to(jnp.arange(width - 1, dtype=jnp.int32), (batch, width - 1))
         _, cache = self.heads.eagle_step(self.target, features[:, :-1], prompts[:, 1:], positions,
-                                         self.heads.empty_cache(batch, size))
+                                         self.heads.empty_cache(batch, size), self.table)
         start = jnp.maximum(prompt_lens - 2, 0)
         return EagleState(cache.with_lengths(start), window_at(features, start, self.lookahead + 1),
                           jnp.ones((batch,), jnp.int32), start)
@@ -78,7 +84,8 @@ class EagleDrafter(Drafter):
         batch, K = tokens.shape[0], lookahead
         positions = state.start[:, None] + jnp.arange(K + 1)[None, :]
         after = jnp.take_along_axis(tokens, jnp.clip(positions + 1, 0, tokens.shape[1] - 1), axis=1)
-        predicted, cache = self.heads.eagle_step(self.target, state.window, after, positions, state.cache)
+        predicted, cache = self.heads.eagle_step(self.target, state.window, after, positions, state.cache,
+                                                 self.table)
         pending = state.start + state.count  # the pending token's position
         cache = cache.with_lengths(pending)  # the pairs of true features; the rest is rewritten
         feature = jnp.take_along_axis(predicted, (state.count - 1)[:, None, None], axis=1)  # [B, 1, D] at pending
@@ -92,7 +99,8 @@ class EagleDrafter(Drafter):
         def step(carry, j):
             feature, cache = carry
             x, probs, bad = draw(feature, j)
-            feature, cache = self.heads.eagle_step(self.target, feature, x[:, None], (pending + j)[:, None], cache)
+            feature, cache = self.heads.eagle_step(self.target, feature, x[:, None], (pending + j)[:, None], cache,
+                                                   self.table)
             return (feature, cache), (x, probs, bad)
 
         (feature, cache), (xs, ps, bads) = jax.lax.scan(step, (feature, cache), jnp.arange(K - 1))
