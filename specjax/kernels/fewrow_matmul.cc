@@ -5,16 +5,17 @@
 // column (w = q * scale, symmetric per output channel), dequantized in registers: a
 // column's sum is over x[t, k] * q[k, n] and is scaled once at the end, so a quarter of
 // the bytes are read; and grouped panels, with a float32 scale and minimum per column and
-// group of 32 rows of k (w = code * scale + min), dequantized in registers as each row
-// streams past: 4-bit codes, two per byte, 32 bytes per panel row (GGUF's Q4_1 and, with
-// min = -8 scale, Q4_0: an eighth of the float32 bytes plus the groups' scales), or int8
-// codes (GGUF's Q8_0, min 0).
+// group of 32 rows of k (w = code * scale + min), whose codes are multiplied as they are
+// and each group's scale and minimum applied once at its end: 4-bit codes, two per byte,
+// 32 bytes per panel row (GGUF's Q4_1 and, with min = -8 scale, Q4_0: an eighth of the
+// float32 bytes plus the groups' scales), or int8 codes (GGUF's Q8_0, min 0).
 //
 #include <algorithm>
 #include <cstdint>
 #include <cstring>
 #include <string>
 #include <type_traits>
+#include <vector>
 
 #include "simd.h"
 #include "xla/ffi/api/ffi.h"
@@ -104,36 +105,46 @@ inline Vec Codes(const uint8_t* row, int c) {
 // less than sweeping the panel again per half (measured on AVX-512, and on AVX2 code on
 // the same host: T=5 with quarter-width tiles 3.8 ms per 84 MB of matrices, with the full
 // tile 1.6).
+//
+// A grouped format sums x times the raw codes over each group of kGroup rows and applies
+// the group's scale and minimum once at its end: sum_k x_k (code_k s + m) = s sum_k x_k
+// code_k + m sum_k x_k, with sum_k x_k (`xsum`, [T, G]) computed once per call for every
+// panel. Dequantizing each weight as it streamed past cost one more vector instruction per
+// kWidth weights, and at T = 1 the grouped kernels are bound by their instructions (a
+// load, a widening, a mask or shift and a conversion per kWidth codes), not by memory.
 template <int T, typename F>
-inline void Tile(const float* x, const typename F::W* panel, const float* aux, int64_t K, float* out, int64_t ldo) {
+inline void Tile(const float* x, const typename F::W* panel, const float* aux, const float* xsum, int64_t K,
+                 float* out, int64_t ldo) {
   constexpr int C = kVecs;
   constexpr int64_t kRow = F::kElems * sizeof(typename F::W);  // bytes per panel row
   Vec acc[T][C] = {};
-  Vec scale[C], low[C];  // grouped formats: the current group's
-  for (int64_t k = 0; k < K; ++k) {
+  auto row = [&](int64_t k, Vec (&sums)[T][C]) {
     const typename F::W* wk = panel + k * F::kElems;
     const char* ahead = reinterpret_cast<const char*>(wk) + kAhead;
     for (int64_t b = 0; b < kRow; b += 64) __builtin_prefetch(ahead + b);
     Vec w[C];
-    if constexpr (F::kGrouped) {
-      if (k % kGroup == 0)
-        for (int c = 0; c < C; ++c) {
-          const float* g = aux + (k / kGroup) * 2 * kPanel + c * kWidth;
-          scale[c] = Load(g);
-          low[c] = Load(g + kPanel);
-        }
-      if constexpr (std::is_same_v<F, I4>) {
-        for (int c = 0; c < C; ++c) w[c] = Codes(wk, c) * scale[c] + low[c];
-      } else {
-        for (int c = 0; c < C; ++c) w[c] = Weights(wk + c * kWidth) * scale[c] + low[c];
-      }
-    } else {
-      for (int c = 0; c < C; ++c) w[c] = Weights(wk + c * kWidth);
+    for (int c = 0; c < C; ++c) {
+      if constexpr (std::is_same_v<F, I4>) w[c] = Codes(wk, c);
+      else w[c] = Weights(wk + c * kWidth);
     }
     for (int t = 0; t < T; ++t) {
       const Vec b = Splat(x[t * K + k]);
-      for (int c = 0; c < C; ++c) acc[t][c] += w[c] * b;
+      for (int c = 0; c < C; ++c) sums[t][c] += w[c] * b;
     }
+  };
+  if constexpr (F::kGrouped) {
+    const int64_t G = (K + kGroup - 1) / kGroup;
+    for (int64_t g = 0; g < G; ++g) {
+      Vec part[T][C] = {};
+      for (int64_t k = g * kGroup; k < std::min(K, (g + 1) * kGroup); ++k) row(k, part);
+      const float* a = aux + g * 2 * kPanel;
+      for (int c = 0; c < C; ++c) {
+        const Vec scale = Load(a + c * kWidth), low = Load(a + kPanel + c * kWidth);
+        for (int t = 0; t < T; ++t) acc[t][c] += part[t][c] * scale + Splat(xsum[t * G + g]) * low;
+      }
+    }
+  } else {
+    for (int64_t k = 0; k < K; ++k) row(k, acc);
   }
   if constexpr (std::is_same_v<F, I8>)
     for (int c = 0; c < C; ++c) {
@@ -146,20 +157,21 @@ inline void Tile(const float* x, const typename F::W* panel, const float* aux, i
 
 // y[:, 64p0 : 64p1] (clipped to N) for panels p0..p1-1; aux: each panel's F::Aux(K) floats.
 template <int T, typename F>
-void Panels(const float* x, const void* wv, const float* aux, float* y, int64_t K, int64_t N, int64_t p0,
-            int64_t p1) {
+void Panels(const float* x, const void* wv, const float* aux, const float* xsum, float* y, int64_t K, int64_t N,
+            int64_t p0, int64_t p1) {
   const typename F::W* wp = static_cast<const typename F::W*>(wv);
   float last[T * kPanel];  // a panel that runs past N is computed here, then clipped
   for (int64_t p = p0; p < p1; ++p) {
     const bool full = (p + 1) * kPanel <= N;
     float* out = full ? y + p * kPanel : last;
-    Tile<T, F>(x, wp + p * K * F::kElems, aux ? aux + p * F::Aux(K) : nullptr, K, out, full ? N : kPanel);
+    Tile<T, F>(x, wp + p * K * F::kElems, aux ? aux + p * F::Aux(K) : nullptr, xsum, K, out, full ? N : kPanel);
     if (!full)
       for (int t = 0; t < T; ++t) std::memcpy(y + t * N + p * kPanel, last + t * kPanel, (N - p * kPanel) * sizeof(float));
   }
 }
 
-using PanelFn = void (*)(const float*, const void*, const float*, float*, int64_t, int64_t, int64_t, int64_t);
+using PanelFn = void (*)(const float*, const void*, const float*, const float*, float*, int64_t, int64_t, int64_t,
+                         int64_t);
 template <typename F>
 constexpr PanelFn kPanels[kMaxRows + 1] = {nullptr,         Panels<1, F>, Panels<2, F>, Panels<3, F>, Panels<4, F>,
                                            Panels<5, F>, Panels<6, F>, Panels<7, F>, Panels<8, F>};
@@ -168,7 +180,7 @@ constexpr PanelFn kPanels[kMaxRows + 1] = {nullptr,         Panels<1, F>, Panels
 // `row` elements); scale is null for float32.
 ffi::Error Run(ffi::ThreadPool& pool, const char* name, PanelFn const* fns, int64_t row, ffi::AnyBuffer::Dimensions xd,
                ffi::AnyBuffer::Dimensions wd, ffi::AnyBuffer::Dimensions yd, const float* xs, const void* ws,
-               const float* scale, float* ys) {
+               const float* scale, float* ys, bool grouped = false) {
   if (xd.size() != 2 || wd.size() != 3 || yd.size() != 2 || xd[0] < 1 || xd[0] > kMaxRows || xd[1] != wd[1] ||
       wd[2] != row || yd[0] != xd[0] || yd[1] > wd[0] * kPanel || yd[1] <= (wd[0] - 1) * kPanel)
     return ffi::Error::InvalidArgument(std::string(name) + ": want x[T<=8, K], wp[P, K, " + std::to_string(row) +
@@ -178,16 +190,25 @@ ffi::Error Run(ffi::ThreadPool& pool, const char* name, PanelFn const* fns, int6
     std::fill(ys, ys + T * N, 0.f);
     return ffi::Error::Success();
   }
+  // Grouped formats: each row's sum over each group of kGroup inputs, in order (a row's
+  // sums, like its outputs, do not depend on the rows beside it).
+  const int64_t G = (K + kGroup - 1) / kGroup;
+  thread_local std::vector<float> sums;
+  sums.assign(grouped ? T * G : 0, 0.f);
+  for (int64_t t = 0; grouped && t < T; ++t)
+    for (int64_t k = 0; k < K; ++k) sums[t * G + k / kGroup] += xs[t * K + k];
+  const float* xsum = grouped ? sums.data() : nullptr;
   // Small matrices: a second thread costs more to wake than it saves.
   const int64_t threads = K * N >= kMinSplit ? std::max<int64_t>(1, std::min<int64_t>(pool.num_threads(), P)) : 1;
   if (threads == 1) {
-    fns[T](xs, ws, scale, ys, K, N, 0, P);
+    fns[T](xs, ws, scale, xsum, ys, K, N, 0, P);
     return ffi::Error::Success();
   }
   // The panels in `threads` ranges, each taken by whichever thread comes first.
   const int64_t per = (P + threads - 1) / threads, ranges = (P + per - 1) / per;
   const PanelFn fn = fns[T];
-  ParallelFor(pool, ranges, ranges - 1, [=](int64_t r) { fn(xs, ws, scale, ys, K, N, r * per, std::min(P, (r + 1) * per)); });
+  ParallelFor(pool, ranges, ranges - 1,
+              [=](int64_t r) { fn(xs, ws, scale, xsum, ys, K, N, r * per, std::min(P, (r + 1) * per)); });
   return ffi::Error::Success();
 }
 
@@ -220,7 +241,7 @@ ffi::Error RunGrouped(ffi::ThreadPool& pool, const char* name, ffi::Buffer<ffi::
     return ffi::Error::InvalidArgument(std::string(name) + ": want aux[P, ceil(K/32), 2, 64] for wp[P, K, " +
                                        std::to_string(F::kElems) + "]");
   return Run(pool, name, kPanels<F>, F::kElems, x.dimensions(), wd, y->dimensions(), x.typed_data(), wp,
-             aux.typed_data(), y->typed_data());
+             aux.typed_data(), y->typed_data(), true);
 }
 
 ffi::Error FewRowMatmulInt4(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::Buffer<ffi::U8> wp,
