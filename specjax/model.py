@@ -556,7 +556,7 @@ def whole_table(lm: LM):
     where = getattr(jax.tree.leaves(table)[0], "sharding", None)
     copy = None
     if isinstance(where, jax.sharding.NamedSharding) and where.mesh.shape.get("model", 1) > 1:
-        everywhere = jax.sharding.NamedSharding(where.mesh, jax.sharding.PartitionSpec())
+        everywhere = sharding.replicated(where.mesh)
         if isinstance(jax.tree.leaves(table)[0], jax.Array):
             copy = jax.jit(lambda t: t, out_shardings=everywhere)(table)
         else:  # `plan`'s abstract params
