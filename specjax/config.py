@@ -312,6 +312,16 @@ class HeadsConfig:
     kind: str = "medusa"  # 'medusa' | 'eagle'
     num_heads: int = 4  # medusa: the longest lookahead they can propose (eagle: unused)
     init_seed: int = 0
+    # eagle: the layer's width (0: the target's d_model). A narrower layer reads the
+    # target's feature and the token's embedding through [D, width] projections, runs a
+    # block of that width (head_dim as the target's, d_ff scaled with it) and projects its
+    # output back to D, the feature the target's unembedding reads.
+    width: int = 0
+    # eagle: the draft vocabulary's size (0: the target's whole vocabulary). The layer's
+    # feature is scored against only the N tokens most frequent in its training corpus
+    # (EAGLE-3's draft vocabulary): a step's unembedding costs N/V of the whole one. Exact
+    # either way: p is the softmax over those N, zero elsewhere.
+    draft_vocab: int = 0
 
     def __post_init__(self):
         _plain_numbers(self)
@@ -320,6 +330,11 @@ class HeadsConfig:
         _choice(self, "kind", {"medusa", "eagle"})
         _integer(self, "num_heads", 1, 64)
         _integer(self, "init_seed", 0, SEED_LIMIT - 1)
+        _integer(self, "width", 0, hint=" (0: the target's d_model)")
+        _integer(self, "draft_vocab", 0, hint=" (0: the target's whole vocabulary)")
+        if self.kind != "eagle" and (self.width or self.draft_vocab):
+            raise ConfigError(f"heads.width={self.width}, heads.draft_vocab={self.draft_vocab}: only EAGLE heads "
+                              f"(heads.kind='eagle') have them, these are {self.kind!r}; leave them 0")
         return self
 
 

@@ -26,13 +26,15 @@ from typing import Any
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 from flax import nnx
 
 from specjax import kv_cache, sharding
 from specjax.config import HeadsConfig, ModelConfig, TrainConfig, UsageError
 from specjax.kernels import DEFAULT as DEFAULT_KERNELS, Kernels
+from specjax.kernels.formats import pack, pack_params, project, should_pack, stored
 from specjax.kv_cache import Fresh, KVCache
-from specjax.model import LM, Block, Keys, cache_limit, causal, full_forward, ordered_after
+from specjax.model import LM, PROJECTIONS, Block, Keys, cache_limit, causal, full_forward, ordered_after
 
 
 class MedusaHeads(nnx.Module):
@@ -57,23 +59,37 @@ class MedusaHeads(nnx.Module):
         return h[..., None, :] + jax.nn.silu(z)
 
 
-def eagle_block_config(cfg: ModelConfig) -> ModelConfig:
+def eagle_block_config(cfg: ModelConfig, hcfg: HeadsConfig | None = None) -> ModelConfig:
     """The EAGLE layer's block: one layer of the target's block type (its widths, heads,
-    ffw and norm), with rotary positions whatever the target uses."""
-    return dataclasses.replace(cfg, num_layers=1, pos_encoding="rope", scan_layers=False)
+    ffw and norm), with rotary positions whatever the target uses. With `hcfg.width` a
+    narrower block: width // head_dim heads (kv heads: as many of the target's as divide
+    them), d_ff scaled by width / d_model."""
+    cfg = dataclasses.replace(cfg, num_layers=1, pos_encoding="rope", scan_layers=False)
+    width = hcfg.width if hcfg is not None else 0
+    if not width or width == cfg.d_model:
+        return cfg
+    heads = width // cfg.head_dim
+    if heads < 1 or width % cfg.head_dim:
+        raise UsageError(f"heads.width={width}: must be a multiple of the target's head_dim={cfg.head_dim}")
+    return dataclasses.replace(cfg, d_model=width, num_heads=heads, num_kv_heads=math.gcd(heads, cfg.num_kv_heads),
+                               d_ff=max(1, cfg.d_ff * width // cfg.d_model), kv_copies=1)
 
 
 class EagleHead(nnx.Module):
     """EAGLE (Li et al. 2024, arXiv 2401.15077): one decoder layer over the target's
-    feature at position j and the embedding of token j+1 (concatenated, projected to D),
-    predicting the target's feature at j+1, whose unembedding (the target's) gives token
-    j+2. Autoregressive in feature space, with its own one-layer KV cache."""
+    feature at position j and the embedding of token j+1 (concatenated, projected to the
+    layer's width), predicting the target's feature at j+1, whose unembedding (the
+    target's) gives token j+2. Autoregressive in feature space, with its own one-layer KV
+    cache. A layer narrower than the target (`HeadsConfig.width`) projects its output
+    back to the target's d_model."""
 
     def __init__(self, hcfg: HeadsConfig, cfg: ModelConfig, keys: Keys, random: bool):
-        D, dt = cfg.d_model, cfg.param_dtype
-        self.w_feature = nnx.Param(((D ** -0.5) * jax.random.normal(keys(), (D, D))).astype(dt), logical=("embed", None))
-        self.w_token = nnx.Param(((D ** -0.5) * jax.random.normal(keys(), (D, D))).astype(dt), logical=("embed", None))
-        self.block = Block(eagle_block_config(cfg), keys)
+        D, W, dt = cfg.d_model, eagle_block_config(cfg, hcfg).d_model, cfg.param_dtype
+        self.w_feature = nnx.Param(((D ** -0.5) * jax.random.normal(keys(), (D, W))).astype(dt), logical=("embed", None))
+        self.w_token = nnx.Param(((D ** -0.5) * jax.random.normal(keys(), (D, W))).astype(dt), logical=("embed", None))
+        self.block = Block(eagle_block_config(cfg, hcfg), keys)
+        self.w_up = (nnx.Param(((W ** -0.5) * jax.random.normal(keys(), (W, D))).astype(dt), logical=(None, "embed"))
+                     if W != D else None)
         self.compute_dtype = cfg.compute_dtype
 
     def __call__(self, features, embedded, positions, cache: KVCache, visible=None,
@@ -82,10 +98,13 @@ class EagleHead(nnx.Module):
         embedding of the token after it) -> (predicted features [B, T, D] of the next
         positions, Fresh: this pass's keys and values for the layer's cache, read only)."""
         ct = jnp.dtype(self.compute_dtype)
-        x = features.astype(ct) @ self.w_feature.value.astype(ct) + embedded.astype(ct) @ self.w_token.value.astype(ct)
+        x = (project("BTD,DW->BTW", features.astype(ct), self.w_feature.value, kernels, ct)
+             + project("BTD,DW->BTW", embedded.astype(ct), self.w_token.value, kernels, ct))
         T = x.shape[1]
         visible = causal(T) if visible is None else visible
         x, k, v = self.block(x, positions, cache.k, cache.v, None, 0, cache_limit(cache, positions), visible, kernels)
+        if self.w_up is not None:
+            x = project("BTW,WD->BTD", x, self.w_up.value, kernels, ct)
         return x, Fresh(*ordered_after(k[None], v[None], x))
 
 
@@ -101,6 +120,9 @@ class Heads:
     model: ModelConfig  # the target they were made for (its d_model; a checkpoint records it)
     graphdef: Any
     params: Any
+    # EAGLE's draft vocabulary (`HeadsConfig.draft_vocab`): the token ids [N] its feature
+    # is scored against, most frequent first; None: the target's whole vocabulary.
+    vocab: Any = None
 
     def __call__(self, *args, **kwargs):
         """The module's forward: Medusa's (hidden, count), EAGLE's (features, embedded,
@@ -117,7 +139,7 @@ class Heads:
 
     def empty_cache(self, batch: int, size: int) -> KVCache:
         """EAGLE's own one-layer cache (its rows sharded as the target's)."""
-        return kv_cache.empty(eagle_block_config(self.model), batch, size)
+        return kv_cache.empty(eagle_block_config(self.model, self.cfg), batch, size)
 
     def logits(self, target: LM, hidden: jax.Array, count: int | None = None) -> jax.Array:
         """The target's final hidden states [B, ..., D] -> the first `count` heads' logits
@@ -126,16 +148,86 @@ class Heads:
         flat = states.reshape(states.shape[0], -1, states.shape[-1])
         return target.logits(flat).reshape(states.shape[:-1] + (-1,))
 
+    def packed(self, target: LM) -> "Heads":
+        """These heads as decoding runs them: EAGLE's projections packed for the CPU
+        few-row kernel where it runs for `target` (`kernels.should_pack`), as `LM.packed`
+        packs the target's; else themselves. Made once per Heads."""
+        made = self.__dict__.get("_packed")
+        if made is not None:
+            return made
+        made = self
+        if self.cfg.kind == "eagle" and should_pack(self.params, (self.model.param_dtype, self.model.compute_dtype),
+                                                     target.kernels):
+            names = {**PROJECTIONS, "w_feature": (1, 2), "w_token": (1, 2), "w_up": (1, 2)}
+            made = dataclasses.replace(self, params=pack_params(self.params, names))
+        object.__setattr__(self, "_packed", made)
+        return made
+
     @property
     def num_params(self) -> int:
         return sum(math.prod(x.shape) for x in jax.tree.leaves(self.params))
 
     def tree_flatten(self):
-        return (self.params,), (self.cfg, self.model, self.graphdef)
+        return (self.params, self.vocab), (self.cfg, self.model, self.graphdef)
 
     @classmethod
     def tree_unflatten(cls, aux, children):
-        return cls(aux[0], aux[1], aux[2], children[0])
+        return cls(aux[0], aux[1], aux[2], children[0], children[1])
+
+
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass(frozen=True)
+class Unembedding:
+    """What EAGLE's predicted feature is scored against: the target's whole unembedding,
+    or its columns for the layer's draft vocabulary (`Heads.vocab`), a [D, N] copy whole on
+    every device (so the draft's logits need no collective) and packed where the CPU
+    kernel runs. `logits` gives the N (or V) logits, `tokens` maps an index among them to
+    a token id, `spread` puts a distribution over them into the whole vocabulary (zero
+    outside the draft vocabulary: the p verification reads)."""
+
+    target: LM
+    ids: Any = None  # [N] int32, or None: the whole vocabulary
+    columns: Any = None  # [D, N]
+
+    def logits(self, hidden: jax.Array) -> jax.Array:
+        if self.ids is None:
+            return self.target.logits(hidden)
+        return project("BTD,DN->BTN", hidden, self.columns, self.target.kernels,
+                       jnp.dtype(self.target.cfg.compute_dtype), preferred_element_type=jnp.float32)
+
+    def tokens(self, index: jax.Array) -> jax.Array:
+        return index if self.ids is None else jnp.take(self.ids, index)
+
+    def spread(self, probs: jax.Array) -> jax.Array:
+        if self.ids is None:
+            return probs
+        whole = jnp.zeros(probs.shape[:-1] + (self.target.cfg.vocab_size,), probs.dtype)
+        return whole.at[..., self.ids].set(probs)
+
+
+def unembedding(heads: Heads, target: LM) -> Unembedding:
+    """`heads`' draft vocabulary's `Unembedding` on `target` (its whole one without)."""
+    if heads.vocab is None:
+        return Unembedding(target)
+    table = target.params["embed"].value if target.cfg.tie_embeddings else target.params["unembed"].value
+    tied = target.cfg.tie_embeddings
+    leaf = jax.tree.leaves(table)[0]
+    where = getattr(leaf, "sharding", None)
+    everywhere = sharding.replicated(where.mesh) if isinstance(where, jax.sharding.NamedSharding) else None
+    if not isinstance(leaf, jax.Array):  # `plan`'s abstract params
+        D, N = target.cfg.d_model, heads.vocab.shape[0]
+        ids = jax.ShapeDtypeStruct((N,), jnp.int32, sharding=everywhere)
+        return Unembedding(target, ids, jax.ShapeDtypeStruct((D, N), leaf.dtype, sharding=everywhere))
+
+    def gather(table, ids):
+        whole = stored(table)
+        return whole[ids].T if tied else whole[:, ids]
+
+    columns = jax.jit(gather, out_shardings=everywhere)(table, heads.vocab)
+    ids = heads.vocab if everywhere is None else jax.device_put(heads.vocab, everywhere)
+    if should_pack([columns], (target.cfg.param_dtype, target.cfg.compute_dtype), target.kernels):
+        columns = pack(columns, 1)
+    return Unembedding(target, ids, columns)
 
 
 def checked(draft, target_cfg: ModelConfig, kind: str, drafter: str) -> Heads:
@@ -152,24 +244,54 @@ def checked(draft, target_cfg: ModelConfig, kind: str, drafter: str) -> Heads:
     return draft
 
 
+def draft_vocabulary(hcfg: HeadsConfig, cfg: ModelConfig, ids=None, mesh: jax.sharding.Mesh | None = None):
+    """The draft vocabulary `hcfg` asks for on a target of `cfg`'s vocabulary, as the
+    [N] int32 array `Heads.vocab` holds (replicated on `mesh`): `ids` (a corpus's most
+    frequent tokens, `most_frequent`), or without them the first N ids (random heads for
+    tests and plans); None for the whole vocabulary."""
+    N, V = hcfg.draft_vocab, cfg.vocab_size
+    if not N:
+        return None
+    if N > V:
+        raise UsageError(f"heads.draft_vocab={N}: the target has only {V} tokens (0 uses them all)")
+    ids = np.arange(N, dtype=np.int32) if ids is None else np.asarray(ids, dtype=np.int64)
+    if ids.shape != (N,) or ids.min() < 0 or ids.max() >= V or len(np.unique(ids)) != N:
+        raise UsageError(f"a draft vocabulary of heads.draft_vocab={N} distinct token ids below {V} was "
+                         f"expected, got {ids.shape[0]} ids in [{ids.min()}, {ids.max()}]")
+    ids = jnp.asarray(ids, jnp.int32)
+    return ids if mesh is None else jax.device_put(ids, sharding.replicated(mesh))
+
+
+def most_frequent(tokens: np.ndarray, count: int, vocab_size: int) -> np.ndarray:
+    """The `count` token ids most frequent in `tokens`, most frequent first (ties: the
+    smaller id first): a draft vocabulary from a training corpus."""
+    counts = np.bincount(np.asarray(tokens).reshape(-1), minlength=vocab_size)
+    return np.argsort(-counts, kind="stable")[:count].astype(np.int32)
+
+
 def abstract_heads(hcfg: HeadsConfig, cfg: ModelConfig, mesh: jax.sharding.Mesh | None = None) -> Heads:
     """Shapes (and shardings, given a mesh) of the heads' params, nothing allocated."""
     module = MODULES[hcfg.kind]
     graphdef, state = nnx.split(nnx.eval_shape(lambda: module(hcfg, cfg, Keys(hcfg.init_seed), False)))
     if mesh is not None:
         state = sharding.with_shardings(state, sharding.param_shardings(state, mesh))
-    return Heads(hcfg, cfg, graphdef, state)
+    vocab = jax.eval_shape(lambda: draft_vocabulary(hcfg, cfg))
+    if vocab is not None and mesh is not None:
+        vocab = jax.ShapeDtypeStruct(vocab.shape, vocab.dtype, sharding=sharding.replicated(mesh))
+    return Heads(hcfg, cfg, graphdef, state, vocab)
 
 
-def init_heads(hcfg: HeadsConfig, cfg: ModelConfig, mesh: jax.sharding.Mesh, *, random: bool = False) -> Heads:
+def init_heads(hcfg: HeadsConfig, cfg: ModelConfig, mesh: jax.sharding.Mesh, *, random: bool = False,
+               vocab=None) -> Heads:
     """New heads, created sharded: Medusa's zero blocks (training's start) or random ones
-    (`random`); an EAGLE layer is random either way (a zero layer would pass no feature on)."""
+    (`random`); an EAGLE layer is random either way (a zero layer would pass no feature on).
+    `vocab`: the draft vocabulary's ids (`draft_vocabulary`; default the first N)."""
     abstract = abstract_heads(hcfg, cfg, mesh)
     shardings = sharding.param_shardings(abstract.params, mesh)
     module = MODULES[hcfg.kind]
     init = jax.jit(lambda: nnx.split(module(hcfg, cfg, Keys(hcfg.init_seed), random))[1],
                    out_shardings=shardings)
-    return dataclasses.replace(abstract, params=init())
+    return dataclasses.replace(abstract, params=init(), vocab=draft_vocabulary(hcfg, cfg, vocab, mesh))
 
 
 def heads_loss(tc: TrainConfig):

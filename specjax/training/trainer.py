@@ -54,7 +54,7 @@ from specjax.training.losses import make_loss
 from specjax.training.workdir import METRICS_FILE, MetricsLog, StopRequest, WorkdirLock
 from specjax.weights import checkpoint
 from specjax.config import Config, ConfigError, TrainConfig, load_config, user_path
-from specjax.heads import Heads, abstract_heads, heads_loss, init_heads
+from specjax.heads import Heads, abstract_heads, draft_vocabulary, heads_loss, init_heads, most_frequent
 from specjax.model import LM, abstract_lm, init_lm
 from specjax.weights.tokenizer import Tokenizer
 
@@ -123,6 +123,13 @@ def make_steps(student: LM | Heads, teacher: Optional[LM], optimizer, tc: TrainC
 
 
 # --------------------------------------------------------------------------- the loop
+
+
+def _describe_heads(hcfg, target) -> str:
+    if hcfg.kind != "eagle":
+        return f"{hcfg.num_heads} {hcfg.kind} heads"
+    return (f"one EAGLE layer of width {hcfg.width or target.d_model}"
+            + (f", draft vocabulary of {hcfg.draft_vocab} tokens" if hcfg.draft_vocab else ""))
 
 
 class TrainingDiverged(FloatingPointError):
@@ -206,6 +213,11 @@ def train(config: Config, workdir=None, progress: bool = True, devices=None) -> 
         try:
             trainee = abstract_heads(config.heads, config.target, mesh) if config.heads is not None else \
                 abstract_lm(config.target, mesh)
+            # A draft vocabulary: the corpus's most frequent tokens (the same corpus, the
+            # same ids on every run and resume); recorded with each checkpoint.
+            vocab = None if config.heads is None or not config.heads.draft_vocab else draft_vocabulary(
+                config.heads, config.target, most_frequent(corpus.train, config.heads.draft_vocab,
+                                                           config.target.vocab_size), mesh)
             abstract_params = trainee.params
             num_params = trainee.num_params
             opt_sh = opt_state_shardings(optimizer, abstract_params, mesh)
@@ -226,6 +238,8 @@ def train(config: Config, workdir=None, progress: bool = True, devices=None) -> 
                 opt_state = jax.jit(optimizer.init, out_shardings=opt_sh)(params)
                 log.write("event", 0, event="start", config=config.name, params=num_params)
             student = dataclasses.replace(trainee, params=params)
+            if vocab is not None:
+                student = dataclasses.replace(student, vocab=vocab)
             if corpus.tokenizer_file is not None and is_main:
                 checkpoint.save_tokenizer(workdir, corpus.tokenizer_file)
             if start >= tc.steps:
@@ -240,7 +254,7 @@ def train(config: Config, workdir=None, progress: bool = True, devices=None) -> 
             compile_seconds = time.perf_counter() - t0
             val_batches = batches.validation()
             _say(f"training {config.name}: {num_params:,} params"
-                 + (f" ({config.heads.num_heads} {config.heads.kind} heads on the frozen target)"
+                 + (f" ({_describe_heads(config.heads, config.target)} on the frozen target)"
                     if config.heads is not None else "") + " on mesh "
                  f"{mesh.shape['data']}x{mesh.shape['model']} (data x model), batch {tc.batch_size} x "
                  f"{tc.seq_len} tokens, steps {start}..{tc.steps}; data: {corpus.description}"
@@ -274,7 +288,7 @@ def train(config: Config, workdir=None, progress: bool = True, devices=None) -> 
                 # checkpoint, so a run resumed from it writes the next record over the
                 # same steps as an uninterrupted run.
                 # A copy: orbax writes the JSON in the background while the loop appends to `pending`.
-                heads = {} if config.heads is None else {"heads": dataclasses.asdict(config.heads)}
+                heads = {} if config.heads is None else checkpoint.heads_meta(config.heads, vocab)
                 return checkpoint.model_meta(config.target, config.name, **heads, train=dataclasses.asdict(tc),
                                              tokens_seen=step * tc.batch_size * tc.seq_len,
                                              log_window=[dict(m) for m in window])

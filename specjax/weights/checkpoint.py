@@ -33,12 +33,13 @@ import sys
 from typing import Any, Mapping
 
 import jax
+import numpy as np
 import orbax.checkpoint as ocp
 from absl import logging as absl_logging
 
 from specjax import kv_heads, sharding
 from specjax.config import HeadsConfig, ModelConfig, UsageError, cache_dir, user_path
-from specjax.heads import Heads, abstract_heads
+from specjax.heads import Heads, abstract_heads, draft_vocabulary
 from specjax.model import LM, abstract_lm
 
 FORMAT = 1
@@ -307,12 +308,19 @@ def _newest_step(directory, name: str, step: int | None = None) -> tuple[Checkpo
     return ckpt, steps[-1] if step is None else step
 
 
+def heads_meta(hcfg: HeadsConfig, vocab) -> dict:
+    """What a heads checkpoint records beside the target's shape: their config and, where
+    they have one, the draft vocabulary's ids (`load_heads` reads both)."""
+    return {"heads": dataclasses.asdict(hcfg),
+            **({} if vocab is None else {"draft_vocab": [int(i) for i in np.asarray(jax.device_get(vocab))]})}
+
+
 def save_heads(heads: Heads, directory, step: int = 0, config_name: str = "") -> None:
     """Write draft heads as step `step` (no optimizer state), as training writes them:
     `load_heads` and `--draft_checkpoint` read them back."""
     with Checkpoints(directory, async_save=False) as ckpt:
         ckpt.save(step, heads.params, model_meta(kv_heads.original(heads.model), config_name,
-                                                 heads=dataclasses.asdict(heads.cfg)))
+                                                 **heads_meta(heads.cfg, heads.vocab)))
         ckpt.wait()
 
 
@@ -334,8 +342,11 @@ def load_heads(target_cfg: ModelConfig, mesh: jax.sharding.Mesh, directory, conf
             raise ckpt._damaged(step, e) from None
         abstract = abstract_heads(heads_cfg, kv_heads.original(target_cfg), mesh)
         ckpt.check_compatible(step, kv_heads.original(target_cfg), name, abstract.params)
+        if heads_cfg.draft_vocab and not isinstance(meta.get("draft_vocab"), list):
+            raise ckpt._damaged(step, ValueError("heads.draft_vocab is set but no draft_vocab ids are recorded"))
+        vocab = draft_vocabulary(heads_cfg, kv_heads.original(target_cfg), meta.get("draft_vocab"), mesh)
         params, _ = ckpt.restore(step, abstract.params)
-    return dataclasses.replace(abstract, params=params)
+    return dataclasses.replace(abstract, params=params, vocab=vocab)
 
 
 def load_lm(model_cfg: ModelConfig, mesh: jax.sharding.Mesh, directory, step: int | None = None,

@@ -25,7 +25,7 @@ import numpy as np
 import pytest
 
 import specjax
-from specjax import model
+from specjax import heads as heads_lib, model
 from specjax.config import ConfigError, HeadsConfig, SamplingConfig, UsageError
 from specjax.decode import program, speculative
 from specjax.decode.drafters import eagle
@@ -65,6 +65,41 @@ def test_samples_follow_the_exact_target_distribution(models, name, patch):
     assert 0 < result.accepted.sum() < result.proposed
 
 
+# A layer narrower than the target (width 16 of 32) with a draft vocabulary of 20 of the
+# 32 tokens, in a scrambled order (an index used as a token id would show).
+NARROW = HeadsConfig(kind="eagle", init_seed=2, width=16, draft_vocab=20)
+NARROW_VOCAB = np.random.default_rng(7).permutation(32)[:20]
+NARROW_CASE = Case(0.7, 0, 0.9, 3, "ragged", "tokenwise", "eagle")
+
+
+@pytest.fixture(scope="module")
+def narrow_models(models):
+    target, _ = models
+    return target, init_heads(NARROW, target.cfg, mesh_for("1x1"), vocab=NARROW_VOCAB)
+
+
+@pytest.mark.slow
+def test_draft_vocabulary_samples_follow_the_exact_target_distribution(narrow_models, patch):
+    """p is the warped softmax over the 20 tokens, zero on the other 12: tokens outside
+    the draft vocabulary come only from the residual."""
+    patch()
+    pvalue, result = run(narrow_models, NARROW_CASE, N)
+    print(f"eagle draft vocabulary: p = {pvalue:.4f}, acceptance rate {result.acceptance_rate:.3f}")
+    assert pvalue > ALPHA
+    assert 0 < result.accepted.sum() < result.proposed
+    drafted = np.asarray(result.tokens)[:, :1]  # the first token: drafted, or the residual's where rejected
+    assert set(np.unique(drafted)) - set(NARROW_VOCAB.tolist()), "no token outside the draft vocabulary came back"
+
+
+@pytest.mark.slow
+def test_negative_control_draft_vocabulary_spread_onto_the_wrong_ids(narrow_models, patch):
+    """x drawn right, p spread onto the first N ids instead of the draft vocabulary's."""
+    patch([(heads_lib.Unembedding, "spread", lambda self, probs: jnp.zeros(
+        probs.shape[:-1] + (self.target.cfg.vocab_size,), probs.dtype).at[..., :probs.shape[-1]].set(probs))])
+    pvalue, _ = run(narrow_models, NARROW_CASE, N_NEGATIVE)
+    assert pvalue < ALPHA
+
+
 @pytest.mark.slow
 def test_negative_control_p_before_warping_is_rejected(models, patch):
     """Tokens drawn from the warped softmax, p reported as the plain one."""
@@ -102,9 +137,12 @@ def pairs(tiny):
             for name, (target, _) in tiny_pairs(tiny).items()}
 
 
-@pytest.mark.parametrize("mesh_name", ["1x1", pytest.param("1x8", marks=pytest.mark.slow)])
-def test_greedy_sps_equals_greedy_ars(pairs, mesh_name):
+@pytest.mark.parametrize("mesh_name,narrow", [("1x1", False), ("1x1", True), pytest.param("1x8", False, marks=pytest.mark.slow),
+                                              ("1x8", True)])
+def test_greedy_sps_equals_greedy_ars(pairs, mesh_name, narrow):
     target, heads = pairs[mesh_name]
+    if narrow:  # a narrower layer and a draft vocabulary (on a mesh: its columns whole on every device)
+        heads = init_heads(NARROW, target.cfg, mesh_for(mesh_name), vocab=NARROW_VOCAB)
     greedy = SamplingConfig(temperature=0, lookahead=4, max_new_tokens=64, drafter="eagle")
     ars = specjax.generate(target, None, RAGGED, dataclasses.replace(greedy, drafter="model"))
     sps = specjax.generate(target, heads, RAGGED, greedy)
@@ -124,6 +162,22 @@ def test_one_fused_loop_and_no_cache_copy(pairs):
     # drafter's whole copy of the table, with no collective.
     total = sum(n for c, n in per_loop.items() if c.kind == "all-reduce")
     assert total == 2 * target.cfg.num_layers + 1 + K * 2, per_loop
+
+
+def test_draft_vocabulary_logits_need_no_collective(pairs):
+    """With a draft vocabulary the layer's feature is scored against a copy of those
+    columns whole on every device: the K draws' logits are not all-gathered (the target's
+    scoring pass's one all-gather stays), and the all-reduces are the same."""
+    target, heads = pairs["1x8"]
+    K = 4
+    sampling = SamplingConfig(temperature=0.8, top_p=0.9, lookahead=K, max_new_tokens=32, drafter="eagle")
+    narrow = init_heads(dataclasses.replace(NARROW, width=0), target.cfg, mesh_for("1x8"), vocab=NARROW_VOCAB)
+    count = {}
+    for name, h in (("whole", heads), ("draft vocabulary", narrow)):
+        per_loop = fused_loop_collectives(program.build(target, h, RAGGED, sampling, seed=0))
+        count[name] = {kind: sum(n for c, n in per_loop.items() if c.kind == kind) for kind in ("all-reduce", "all-gather")}
+    assert count["whole"]["all-gather"] == K + 1 and count["draft vocabulary"]["all-gather"] == 1, count
+    assert count["whole"]["all-reduce"] == count["draft vocabulary"]["all-reduce"], count
 
 
 def test_whole_table_embeds_as_the_vocab_parallel_lookup(pairs):
@@ -210,3 +264,11 @@ def test_bad_input_names_the_problem(pairs):
         specjax.generate(target, heads, [[1, 2]], SamplingConfig(lookahead=2, max_new_tokens=4, drafter="medusa"))
     with pytest.raises(ConfigError, match="num_drafts=2 with drafter='eagle'"):
         SamplingConfig(num_drafts=2, drafter="eagle").validate()
+    with pytest.raises(UsageError, match="heads.width=12: must be a multiple of the target's head_dim=8"):
+        init_heads(HeadsConfig(kind="eagle", width=12), target.cfg, mesh_for("1x1"))
+    with pytest.raises(UsageError, match="heads.draft_vocab=40: the target has only 32 tokens"):
+        init_heads(HeadsConfig(kind="eagle", draft_vocab=40), target.cfg, mesh_for("1x1"))
+    with pytest.raises(UsageError, match="draft vocabulary of heads.draft_vocab=4 distinct token ids below 32"):
+        init_heads(HeadsConfig(kind="eagle", draft_vocab=4), target.cfg, mesh_for("1x1"), vocab=[1, 2, 2, 3])
+    with pytest.raises(ConfigError, match="heads.width=0, heads.draft_vocab=8: only EAGLE heads"):
+        HeadsConfig(kind="medusa", draft_vocab=8).validate()

@@ -9,6 +9,7 @@ Runs go through the real entry point (`python -m specjax.train`) in subprocesses
 2x4 mesh of fake CPU devices (data and tensor parallel at once); they share one
 SPECJAX_CACHE, so later runs reuse the first run's compiled programs.
 """
+import collections
 import contextlib
 import dataclasses
 import json
@@ -26,6 +27,7 @@ import jax
 import numpy as np
 import pytest
 
+from specjax.training import corpus, data
 from specjax.training.workdir import read_metrics
 from specjax.weights import checkpoint
 from specjax.config import load_config
@@ -375,8 +377,10 @@ HEADS = ["--config.train.learning_rate=0.01", f"--config.train.steps={HEADS_STEP
 
 def heads_command(reference, workdir, kind="medusa"):
     overrides = [o for o in OVERRIDES if not o.startswith("--config.train.steps=")]
+    # The EAGLE layer at half the target's width, with a draft vocabulary of half its tokens.
+    eagle = ["--config.heads.width=16", "--config.heads.draft_vocab=16"] if kind == "eagle" else []
     return [sys.executable, "-m", "specjax.train", f"--config=tiny_{kind}", f"--workdir={workdir}", "--noprogress",
-            *overrides, *HEADS, f"--config.train.teacher_checkpoint={reference}"]
+            *overrides, *HEADS, *eagle, f"--config.train.teacher_checkpoint={reference}"]
 
 
 @pytest.fixture(scope="module", params=["medusa", "eagle"])
@@ -404,6 +408,11 @@ def test_heads_learn_the_frozen_targets_later_tokens(heads_reference, reference)
         meta = ckpt.meta(HEADS_STEPS)
     assert meta["heads"]["kind"] == kind
     assert meta["model"] == dataclasses.asdict(load_config("tiny").target)
+    if kind == "eagle":  # the draft vocabulary: the training split's 16 most frequent tokens, most frequent first
+        train, _ = data.split_train_val(corpus.synthetic_tokens(32), load_config("tiny").train.val_fraction)
+        ranked = sorted(collections.Counter(train.tolist()).items(), key=lambda kv: (-kv[1], kv[0]))
+        assert meta["draft_vocab"] == [token for token, _ in ranked[:16]]
+        assert meta["heads"]["width"] == 16
 
 
 @pytest.mark.slow  # the trainer's resume path is the model's, tested by default above

@@ -8,7 +8,11 @@ scoring pass returned (`Verdict.features`, the kept path's nodes) and the tokens
 them; its output at the last true pair predicts the feature at the pending token, which
 gives x_1; then K-1 steps feed the layer's own predicted feature with the token just
 drawn. Each x_j is drawn from its warped softmax, p_j is exactly that distribution, and
-verification is unchanged (exact). One chain (M = 1).
+verification is unchanged (exact). One chain (M = 1). A layer with a draft vocabulary
+(`HeadsConfig.draft_vocab`) scores its feature against those N tokens only (a copy of
+the unembedding's N columns, whole on every device: no collective, N/V of the reads): x_j
+is drawn from the warped softmax over them and p_j is that distribution, zero on the
+other tokens, so verification still yields the target's distribution.
 
 The state: the layer's own KV cache (one layer), the window of true features [B, K+1, D],
 how many of them are real (`count`: the kept tokens + 1) and the position of the first
@@ -61,6 +65,9 @@ class EagleDrafter(Drafter):
     # step's only collectives are the layer's own 2 all-reduces (the vocab-parallel
     # lookup was a third), for V x D more bytes per chip. None on one device.
     table: Any = None
+    # What a predicted feature is scored against: the target's unembedding, or its columns
+    # for the layer's draft vocabulary (`heads.Unembedding`).
+    unembed: Any = None
 
     name = "eagle"
     needs_heads = True
@@ -68,8 +75,8 @@ class EagleDrafter(Drafter):
 
     @classmethod
     def make(cls, sampling: SamplingConfig, target: LM, draft, datastore, mesh):
-        return cls(heads_lib.checked(draft, target.cfg, "eagle", sampling.drafter), target, sampling.lookahead,
-                   whole_table(target))
+        heads = heads_lib.checked(draft, target.cfg, "eagle", sampling.drafter).packed(target)
+        return cls(heads, target, sampling.lookahead, whole_table(target), heads_lib.unembedding(heads, target))
 
     def init_state(self, prompts, prompt_lens, size, num_drafts, features=None) -> EagleState:
         batch, width = prompts.shape
@@ -90,11 +97,14 @@ class EagleDrafter(Drafter):
         cache = cache.with_lengths(pending)  # the pairs of true features; the rest is rewritten
         feature = jnp.take_along_axis(predicted, (state.count - 1)[:, None, None], axis=1)  # [B, 1, D] at pending
         keys = jax.random.split(key, K)
+        unembed = self.unembed if self.unembed is not None else heads_lib.Unembedding(self.target)
 
         def draw(feature, j):
-            probs, bad = warp(self.target.logits(feature)[:, 0], warping)
+            # Over the draft vocabulary where the layer has one: x is drawn from the warped
+            # softmax over its N tokens, and p is that distribution, zero elsewhere.
+            probs, bad = warp(unembed.logits(feature)[:, 0], warping)
             x, empty = sample(keys[j], probs)
-            return x, probs, bad | empty
+            return unembed.tokens(x), unembed.spread(probs), bad | empty
 
         def step(carry, j):
             feature, cache = carry
