@@ -160,6 +160,7 @@ class Heads:
                                                      target.kernels):
             names = {**PROJECTIONS, "w_feature": (1, 2), "w_token": (1, 2), "w_up": (1, 2)}
             made = dataclasses.replace(self, params=pack_params(self.params, names))
+            object.__setattr__(made, "_packed", made)
         object.__setattr__(self, "_packed", made)
         return made
 
