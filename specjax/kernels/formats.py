@@ -227,7 +227,7 @@ def quantize_params(params, contracted: dict[str, tuple[int, int]], transposed: 
     (the float weights are not copied), the codes placed as the weight was (its sharding
     on the mesh); int8's scales (one per column) replicated, a grouped weight's scales and
     minimums (one per 32 weights: replicated, 70B's would fill a chip) split as their
-    columns and groups are (`_group_sharding`); names in `transposed` are [N, K] tables
+    columns and groups are (`group_sharding`); names in `transposed` are [N, K] tables
     quantized per row."""
     quantizer = QUANTIZERS[kind]
     is_format = lambda x: isinstance(x, (Packed, *QUANTIZED))  # noqa: E731
@@ -244,8 +244,8 @@ def quantize_params(params, contracted: dict[str, tuple[int, int]], transposed: 
             return jax.jit(fn)(w) if isinstance(w, jax.Array) else jax.eval_shape(fn, w)
         everywhere = jax.sharding.NamedSharding(where.mesh, jax.sharding.PartitionSpec())
         shape = jax.eval_shape(fn, w)
-        groups = _group_sharding(where, len(w.shape) - ndim, axes, len(w.shape), names[-1] in transposed,
-                                 shape.scale.shape if isinstance(shape, Grouped) else ())
+        groups = group_sharding(where, len(w.shape) - ndim, axes, len(w.shape), names[-1] in transposed,
+                                shape.scale.shape if isinstance(shape, Grouped) else ())
 
         def place(a):
             if a.shape == w.shape:
@@ -258,8 +258,9 @@ def quantize_params(params, contracted: dict[str, tuple[int, int]], transposed: 
 
     return jax.tree_util.tree_map_with_path(one, params, is_leaf=is_format)
 
-def _group_sharding(where: jax.sharding.NamedSharding, lead: int, contracted: int, ndim: int, transposed: bool,
-                    shape: tuple[int, ...]) -> jax.sharding.NamedSharding:
+
+def group_sharding(where: jax.sharding.NamedSharding, lead: int, contracted: int, ndim: int, transposed: bool,
+                   shape: tuple[int, ...]) -> jax.sharding.NamedSharding:
     """Where a grouped weight's scales [*lead, G, N] (a transposed table's [*lead, N, G])
     go, to match its codes' sharding `where` over [*lead, *contracted, *out]: a merged axis
     is split where its first (major) part is, so each device holds the scales of its own

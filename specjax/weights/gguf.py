@@ -557,7 +557,7 @@ def take_stored(lm, path, kind: Optional[str]):
 
     from specjax import kv_heads
     from specjax.kernels import Grouped
-    from specjax.kernels.formats import _group_sharding
+    from specjax.kernels.formats import group_sharding
     from specjax.model import PROJECTIONS
     if kind is None:
         return lm
@@ -595,7 +595,7 @@ def take_stored(lm, path, kind: Optional[str]):
         transposed = layout == "same"
         axes = 1 if transposed else contracted[key.rsplit("/", 1)[-1]][0]
         lead = int(stacked)
-        groups = _group_sharding(where, lead, axes, len(shape), transposed, scale.shape)
+        groups = group_sharding(where, lead, axes, len(shape), transposed, scale.shape)
         put = lambda a, at: jax.device_put(np.ascontiguousarray(a), at)  # noqa: E731
         out = (shape[lead],) if transposed else tuple(shape[lead + axes:])
         return Grouped(put(code, where), put(scale, groups), put(low, groups), out, transposed, bits=bits.pop())
