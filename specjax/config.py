@@ -322,6 +322,12 @@ class HeadsConfig:
     # (EAGLE-3's draft vocabulary): a step's unembedding costs N/V of the whole one. Exact
     # either way: p is the softmax over those N, zero elsewhere.
     draft_vocab: int = 0
+    # eagle: the precision the layer decodes in ('' float, 'int8', 'int4'; training is
+    # float either way): a quantized copy of its projections and draft-vocabulary columns,
+    # made on load. The draft is whatever proposes, so sampling stays exact; a run's own
+    # heads setting (`--config.heads.quantize=...` with heads of this kind) overrides the
+    # checkpoint's.
+    quantize: str = ""
 
     def __post_init__(self):
         _plain_numbers(self)
@@ -332,9 +338,11 @@ class HeadsConfig:
         _integer(self, "init_seed", 0, SEED_LIMIT - 1)
         _integer(self, "width", 0, hint=" (0: the target's d_model)")
         _integer(self, "draft_vocab", 0, hint=" (0: the target's whole vocabulary)")
-        if self.kind != "eagle" and (self.width or self.draft_vocab):
-            raise ConfigError(f"heads.width={self.width}, heads.draft_vocab={self.draft_vocab}: only EAGLE heads "
-                              f"(heads.kind='eagle') have them, these are {self.kind!r}; leave them 0")
+        _choice(self, "quantize", {"", "int8", "int4"})
+        if self.kind != "eagle" and (self.width or self.draft_vocab or self.quantize):
+            raise ConfigError(f"heads.width={self.width}, heads.draft_vocab={self.draft_vocab}, heads.quantize="
+                              f"{self.quantize!r}: only EAGLE heads (heads.kind='eagle') have them, these are "
+                              f"{self.kind!r}; leave them unset")
         return self
 
 

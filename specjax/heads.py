@@ -32,7 +32,7 @@ from flax import nnx
 from specjax import kv_cache, sharding
 from specjax.config import HeadsConfig, ModelConfig, TrainConfig, UsageError
 from specjax.kernels import DEFAULT as DEFAULT_KERNELS, Kernels
-from specjax.kernels.formats import pack, pack_params, project, should_pack, stored
+from specjax.kernels.formats import pack_params, project, quantize_params, should_pack, stored
 from specjax.kv_cache import Fresh, KVCache
 from specjax.model import LM, PROJECTIONS, Block, Keys, cache_limit, causal, full_forward, ordered_after
 
@@ -149,17 +149,18 @@ class Heads:
         return target.logits(flat).reshape(states.shape[:-1] + (-1,))
 
     def packed(self, target: LM) -> "Heads":
-        """These heads as decoding runs them: EAGLE's projections packed for the CPU
-        few-row kernel where it runs for `target` (`kernels.should_pack`), as `LM.packed`
-        packs the target's; else themselves. Made once per Heads."""
+        """These heads as decoding runs them: EAGLE's projections quantized where
+        `cfg.quantize` asks, and packed for the CPU few-row kernel where it runs for
+        `target` (`kernels.should_pack`), as `LM.packed` packs the target's; else
+        themselves. Made once per Heads."""
         made = self.__dict__.get("_packed")
         if made is not None:
             return made
         made = self
-        if self.cfg.kind == "eagle" and should_pack(self.params, (self.model.param_dtype, self.model.compute_dtype),
-                                                     target.kernels):
+        if self.cfg.kind == "eagle":
             names = {**PROJECTIONS, "w_feature": (1, 2), "w_token": (1, 2), "w_up": (1, 2)}
-            made = dataclasses.replace(self, params=pack_params(self.params, names))
+            params = decoding_weights(self.params, names, self.cfg.quantize, self.model, target)
+            made = dataclasses.replace(self, params=params)
             object.__setattr__(made, "_packed", made)
         object.__setattr__(self, "_packed", made)
         return made
@@ -174,6 +175,16 @@ class Heads:
     @classmethod
     def tree_unflatten(cls, aux, children):
         return cls(aux[0], aux[1], aux[2], children[0], children[1])
+
+
+def decoding_weights(params, names: dict, quantize: str, cfg: ModelConfig, target: LM):
+    """`params` as a draft decodes with them: the weights in `names` quantized to
+    `quantize` (if any), then packed for the CPU kernel where it runs for `target`."""
+    if quantize:
+        params = quantize_params(params, names, (), quantize)
+    if should_pack(params, (cfg.param_dtype, cfg.compute_dtype), target.kernels):
+        params = pack_params(params, names)
+    return params
 
 
 @jax.tree_util.register_dataclass
@@ -226,8 +237,8 @@ def unembedding(heads: Heads, target: LM) -> Unembedding:
 
     columns = jax.jit(gather, out_shardings=everywhere)(table, heads.vocab)
     ids = heads.vocab if everywhere is None else jax.device_put(heads.vocab, everywhere)
-    if should_pack([columns], (target.cfg.param_dtype, target.cfg.compute_dtype), target.kernels):
-        columns = pack(columns, 1)
+    columns = decoding_weights({"columns": columns}, {"columns": (1, 2)}, heads.cfg.quantize, target.cfg,
+                               target)["columns"]
     return Unembedding(target, ids, columns)
 
 

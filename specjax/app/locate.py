@@ -333,6 +333,10 @@ class Weights:
             heads = ckpt_lib.load_heads(target.cfg, mesh, directory)
             if heads.cfg.kind != kind:
                 raise UsageError(f"{directory} holds {heads.cfg.kind} heads, and --drafter={kind} needs {kind} heads")
+            own = self.config.heads
+            if own is not None and own.kind == kind and own.quantize != heads.cfg.quantize:
+                # The precision the heads decode in is the run's choice (training is float).
+                heads = dataclasses.replace(heads, cfg=dataclasses.replace(heads.cfg, quantize=own.quantize))
             return heads
         from specjax.heads import init_heads
         return init_heads(self.config.heads_for(kind), target.cfg, mesh, random=True)

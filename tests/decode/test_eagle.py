@@ -25,7 +25,7 @@ import numpy as np
 import pytest
 
 import specjax
-from specjax import heads as heads_lib, model
+from specjax import heads as heads_lib, kernels, model
 from specjax.config import ConfigError, HeadsConfig, SamplingConfig, UsageError
 from specjax.decode import program, speculative
 from specjax.decode.drafters import eagle
@@ -66,8 +66,8 @@ def test_samples_follow_the_exact_target_distribution(models, name, patch):
 
 
 # A layer narrower than the target (width 16 of 32) with a draft vocabulary of 20 of the
-# 32 tokens, in a scrambled order (an index used as a token id would show).
-NARROW = HeadsConfig(kind="eagle", init_seed=2, width=16, draft_vocab=20)
+# 32 tokens, in a scrambled order (an index used as a token id would show), decoding in int8.
+NARROW = HeadsConfig(kind="eagle", init_seed=2, width=16, draft_vocab=20, quantize="int8")
 NARROW_VOCAB = np.random.default_rng(7).permutation(32)[:20]
 NARROW_CASE = Case(0.7, 0, 0.9, 3, "ragged", "tokenwise", "eagle")
 
@@ -141,9 +141,13 @@ def pairs(tiny):
                                               ("1x8", True)])
 def test_greedy_sps_equals_greedy_ars(pairs, mesh_name, narrow):
     target, heads = pairs[mesh_name]
-    if narrow:  # a narrower layer and a draft vocabulary (on a mesh: its columns whole on every device)
-        heads = init_heads(NARROW, target.cfg, mesh_for(mesh_name), vocab=NARROW_VOCAB)
     greedy = SamplingConfig(temperature=0, lookahead=4, max_new_tokens=64, drafter="eagle")
+    if narrow:  # a narrower int8 layer and a draft vocabulary (on a mesh: its columns whole on every device)
+        heads = init_heads(NARROW, target.cfg, mesh_for(mesh_name), vocab=NARROW_VOCAB)
+        drafter = eagle.EagleDrafter.make(greedy, target, heads, None, None)
+        formats = {type(w).__name__ for w in jax.tree.leaves(
+            (drafter.heads.params, drafter.unembed.columns), is_leaf=lambda x: isinstance(x, kernels.Int8))}
+        assert "Int8" in formats and "Packed" not in formats, formats
     ars = specjax.generate(target, None, RAGGED, dataclasses.replace(greedy, drafter="model"))
     sps = specjax.generate(target, heads, RAGGED, greedy)
     assert sps.tokens == ars.tokens
@@ -270,5 +274,5 @@ def test_bad_input_names_the_problem(pairs):
         init_heads(HeadsConfig(kind="eagle", draft_vocab=40), target.cfg, mesh_for("1x1"))
     with pytest.raises(UsageError, match="draft vocabulary of heads.draft_vocab=4 distinct token ids below 32"):
         init_heads(HeadsConfig(kind="eagle", draft_vocab=4), target.cfg, mesh_for("1x1"), vocab=[1, 2, 2, 3])
-    with pytest.raises(ConfigError, match="heads.width=0, heads.draft_vocab=8: only EAGLE heads"):
+    with pytest.raises(ConfigError, match="heads.width=0, heads.draft_vocab=8, heads.quantize=.*: only EAGLE heads"):
         HeadsConfig(kind="medusa", draft_vocab=8).validate()
