@@ -1,9 +1,10 @@
 """An EAGLE layer for the CPU demo's target: one decoder layer of mini_target's block type
 at half its width (256: ~1.2M params) over its features, scoring against the corpus's
 2,048 most frequent tokens (94% of its tokens), trained with mini_target frozen
-(`specjax.heads`), decoding with an int8 copy of itself (the draft's bytes per step are
-what a draft costs on a CPU; sampling stays exact whatever the draft's precision). A layer of the target's own width is a sixth of this 6-layer target,
-and the 4,096-token unembedding as much again: the draft would cost most of what it saves.
+(`specjax.heads`), decoding with an int8 copy of itself. A layer of the target's own
+width is a sixth of this 6-layer target, and the 4,096-token unembedding as much again:
+the draft would cost most of what it saves (benchmarks/heads.md). Sampling stays exact
+whatever the draft's precision and vocabulary.
 Sample with it: `python -m specjax.sample --config=mini_eagle` (or `--config=mini
 --drafter=eagle`)."""
 from specjax.config import Config, HeadsConfig, SamplingConfig, TrainConfig, load_config
