@@ -201,6 +201,9 @@ def train(config: Config, workdir=None, progress: bool = True, devices=None) -> 
         raise ConfigError(f"config {config.name!r} has draft heads, which train on a frozen target: name it with "
                           "train.teacher (a config), train.teacher_hf (a Hugging Face directory) or train.teacher_gguf")
 
+    if config.heads is not None:  # their shapes on the config's target, checked before the workdir is touched
+        abstract_heads(config.heads, config.target)
+
     with WorkdirLock(workdir), jax.set_mesh(mesh):
         teacher, teacher_tokenizer = _teacher(config, mesh)
         if config.heads is not None:  # the heads are shaped by the target they read, the teacher

@@ -284,6 +284,10 @@ BAD_TRAIN = [
                                  f"--export_hf={HF / 'pair_target'}"], ["is the teacher's directory"]),
     ("teacher_hf is a file", [SWIGLU, f"--config.train.teacher_hf={HF / 'pair_target' / 'config.json'}"],
      ["config.json: is a file, not a Hugging Face model directory"]),
+    ("eagle width", ["--config=tiny_eagle", "--config.heads.width=12", "--workdir={files}/eagle_run"],
+     ["heads.width=12", "a multiple of the target's head_dim=8"]),
+    ("eagle draft vocabulary", ["--config=tiny_eagle", "--config.heads.draft_vocab=33", "--workdir={files}/eagle_run"],
+     ["heads.draft_vocab=33", "the target has only 32 tokens"]),
 ]
 
 
@@ -326,11 +330,13 @@ def assert_one_line(proc, code, fragments):
 
 
 @pytest.mark.parametrize("case", BAD_TRAIN, ids=[c[0] for c in BAD_TRAIN])
-def test_bad_input_is_one_line_and_exit_2(bad_runs, case):
+def test_bad_input_is_one_line_and_exit_2(bad_runs, bad_files, case):
     name, _, fragments = case
     assert_one_line(bad_runs[name], 1 if name == DIVERGES else 2, fragments)
     if "export" in name or "teacher" in name:
         assert "step" not in bad_runs[name].stdout  # refused before training
+    if name.startswith("eagle"):
+        assert not (bad_files / "eagle_run").exists()  # refused before the workdir is made
 
 
 def test_read_only_workdir_and_read_only_checkpoint_are_one_line_and_exit_2(env, reference, tmp_path):
