@@ -10,7 +10,20 @@
 // 32 bytes per panel row (GGUF's Q4_1 and, with min = -8 scale, Q4_0: an eighth of the
 // float32 bytes plus the groups' scales), or int8 codes (GGUF's Q8_0, min 0).
 //
+// The A8 formats multiply int8 *activations* by the codes, as llama.cpp does: each row of x
+// is rounded to int8 per group of 32 inputs (scale = the group's max |x| / 127), and the
+// integer products of a group are summed exactly in int32 (AVX-512 VNNI's `vpdpbusd`: 64
+// byte products per instruction; AVX-VNNI, AVX2's pair sums or plain integer vectors
+// elsewhere, all giving the same integers). The weights are then y = sum_g dx_g (scale_g
+// S_g + min_g sum(xq)_g), where S_g is the group's sum of xq * code: x as rounded times W
+// as stored. Their panels hold 4 inputs of a column side by side, the layout the byte dot
+// product reads: a quad-row (inputs 4q..4q+3 of the panel's 64 columns) is 128 bytes for
+// 4-bit codes (byte b: input 4q + b % 4 of column b / 4 in its low nibble, of column
+// 32 + b / 4 in its high one) or 256 for 8-bit codes stored as code + 128 (byte b: input
+// 4q + b % 4 of column b / 4; the minimums carry the -128 scale).
+//
 #include <algorithm>
+#include <cmath>
 #include <cstdint>
 #include <cstring>
 #include <string>
@@ -254,7 +267,189 @@ ffi::Error FewRowMatmulGrouped8(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, f
   return RunGrouped<G8>(pool, "specjax_fewrow_matmul_grouped8", x, wp.dimensions(), wp.typed_data(), aux, y);
 }
 
+// --------------------------------------------------------------------------- int8 activations
+
+constexpr int64_t kQuads = kGroup / 4;  // quad-rows per group
+typedef uint32_t UVec __attribute__((vector_size(kWidth * sizeof(uint32_t))));
+
+// acc[i] += sum_j w.byte[4i + j] * x.byte[j] for every 32-bit lane i: w's bytes unsigned
+// (codes), x's four bytes signed (inputs 4q..4q+3 of one row, the same in every lane).
+// Every path gives the same integers: the sums are exact (at most 32 * 255 * 127 per group).
+template <int Bits>
+inline IVec Dot4(IVec acc, IVec w, int32_t x) {
+#if defined(__AVX512F__) && defined(__AVX512VNNI__)
+  return (IVec)_mm512_dpbusd_epi32((__m512i)acc, (__m512i)w, _mm512_set1_epi32(x));
+#elif !defined(__AVX512F__) && defined(__AVXVNNI__)
+  return (IVec)_mm256_dpbusd_avx_epi32((__m256i)acc, (__m256i)w, _mm256_set1_epi32(x));
+#else
+#if defined(__AVX512F__) && defined(__AVX512BW__)
+  if constexpr (Bits == 4)  // pairs of 4-bit codes times int8 fit int16: no saturation
+    return acc + (IVec)_mm512_madd_epi16(_mm512_maddubs_epi16((__m512i)w, _mm512_set1_epi32(x)),
+                                         _mm512_set1_epi16(1));
+#elif !defined(__AVX512F__) && defined(__AVX2__)
+  if constexpr (Bits == 4)
+    return acc + (IVec)_mm256_madd_epi16(_mm256_maddubs_epi16((__m256i)w, _mm256_set1_epi32(x)),
+                                         _mm256_set1_epi16(1));
+#endif
+  int8_t b[4];
+  std::memcpy(b, &x, 4);
+  const UVec u = (UVec)w;
+  return acc + (IVec)(u & 255u) * (int32_t)b[0] + (IVec)((u >> 8) & 255u) * (int32_t)b[1] +
+         (IVec)((u >> 16) & 255u) * (int32_t)b[2] + (IVec)(u >> 24) * (int32_t)b[3];
+#endif
+}
+
+// Columns c*kWidth .. c*kWidth + kWidth - 1 of a quad-row, one column's 4 codes per lane.
+template <int Bits>
+inline IVec QuadCodes(const uint8_t* row, int c) {
+  IVec v;
+  if constexpr (Bits == 8) {
+    std::memcpy(&v, row + c * kWidth * 4, sizeof v);
+    return v;
+  }
+  const bool high = c * kWidth >= kPanel / 2;
+  std::memcpy(&v, row + (c * kWidth - (high ? kPanel / 2 : 0)) * 4, sizeof v);
+  return high ? (IVec)(((UVec)v >> 4) & 0x0F0F0F0Fu) : (IVec)((UVec)v & 0x0F0F0F0Fu);
+}
+
+inline Vec ToFloat(IVec v) {
+#if defined(__AVX512F__)
+  return (Vec)_mm512_cvtepi32_ps((__m512i)v);
+#elif defined(__AVX__)
+  return (Vec)_mm256_cvtepi32_ps((__m256i)v);
+#else
+  Vec f;
+  for (int i = 0; i < kWidth; ++i) f[i] = static_cast<float>(v[i]);
+  return f;
+#endif
+}
+
+// out[t, :kPanel] = x[t] as rounded (xq [T, G*32] int8, xd [T, G] the groups' scales, xs
+// [T, G] the sums of their codes) @ one panel (quad-rows [G*8, kRow], aux [G, 2, 64]).
+template <int T, int Bits>
+inline void TileA8(const int8_t* xq, const float* xd, const int32_t* xs, const uint8_t* panel, const float* aux,
+                   int64_t G, float* out, int64_t ldo) {
+  constexpr int C = kVecs;
+  constexpr int64_t kRow = Bits == 4 ? 2 * kPanel : 4 * kPanel;  // bytes per quad-row
+  const int64_t Kp = G * kGroup;
+  Vec acc[T][C] = {};
+  for (int64_t g = 0; g < G; ++g) {
+    IVec part[T][C] = {};
+    for (int64_t q = g * kQuads; q < (g + 1) * kQuads; ++q) {
+      const uint8_t* wq = panel + q * kRow;
+      for (int64_t b = 0; b < kRow; b += 64) __builtin_prefetch(wq + kAhead + b);
+      IVec w[C];
+      for (int c = 0; c < C; ++c) w[c] = QuadCodes<Bits>(wq, c);
+      for (int t = 0; t < T; ++t) {
+        int32_t x;
+        std::memcpy(&x, xq + t * Kp + 4 * q, 4);
+        for (int c = 0; c < C; ++c) part[t][c] = Dot4<Bits>(part[t][c], w[c], x);
+      }
+    }
+    const float* a = aux + g * 2 * kPanel;
+    for (int c = 0; c < C; ++c) {
+      const Vec scale = Load(a + c * kWidth), low = Load(a + kPanel + c * kWidth);
+      for (int t = 0; t < T; ++t)
+        acc[t][c] += (ToFloat(part[t][c]) * scale + Splat(static_cast<float>(xs[t * G + g])) * low) *
+                     Splat(xd[t * G + g]);
+    }
+  }
+  for (int t = 0; t < T; ++t)
+    for (int c = 0; c < C; ++c) Store(out + t * ldo + c * kWidth, acc[t][c]);
+}
+
+template <int T, int Bits>
+void PanelsA8(const int8_t* xq, const float* xd, const int32_t* xs, const uint8_t* wp, const float* aux, float* y,
+              int64_t G, int64_t N, int64_t p0, int64_t p1) {
+  constexpr int64_t kRow = Bits == 4 ? 2 * kPanel : 4 * kPanel;
+  float last[T * kPanel];
+  for (int64_t p = p0; p < p1; ++p) {
+    const bool full = (p + 1) * kPanel <= N;
+    float* out = full ? y + p * kPanel : last;
+    TileA8<T, Bits>(xq, xd, xs, wp + p * G * kQuads * kRow, aux + p * G * 2 * kPanel, G, out, full ? N : kPanel);
+    if (!full)
+      for (int t = 0; t < T; ++t) std::memcpy(y + t * N + p * kPanel, last + t * kPanel, (N - p * kPanel) * sizeof(float));
+  }
+}
+
+using PanelA8Fn = void (*)(const int8_t*, const float*, const int32_t*, const uint8_t*, const float*, float*, int64_t,
+                           int64_t, int64_t, int64_t);
+template <int Bits>
+constexpr PanelA8Fn kPanelsA8[kMaxRows + 1] = {nullptr,           PanelsA8<1, Bits>, PanelsA8<2, Bits>,
+                                               PanelsA8<3, Bits>, PanelsA8<4, Bits>, PanelsA8<5, Bits>,
+                                               PanelsA8<6, Bits>, PanelsA8<7, Bits>, PanelsA8<8, Bits>};
+
+// x [T, K] float32 times A8 panels wp [P, ceil(K/32) * 8, 128 (4-bit) or 256 (8-bit)] with
+// aux [P, ceil(K/32), 2, 64] (each group's scales, then minimums; columns past N: any value).
+ffi::Error FewRowMatmulA8(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::Buffer<ffi::U8> wp,
+                          ffi::Buffer<ffi::F32> aux, ffi::ResultBuffer<ffi::F32> y) {
+  auto xd = x.dimensions(), wd = wp.dimensions(), ad = aux.dimensions(), yd = y->dimensions();
+  const bool shapes = xd.size() == 2 && wd.size() == 3 && ad.size() == 4 && yd.size() == 2;
+  const int64_t T = shapes ? xd[0] : 0, K = shapes ? xd[1] : 0, G = (K + kGroup - 1) / kGroup;
+  if (!shapes || T < 1 || T > kMaxRows || wd[1] != G * kQuads || (wd[2] != 2 * kPanel && wd[2] != 4 * kPanel) ||
+      ad[0] != wd[0] || ad[1] != G || ad[2] != 2 || ad[3] != kPanel || yd[0] != T || yd[1] > wd[0] * kPanel ||
+      yd[1] <= (wd[0] - 1) * kPanel)
+    return ffi::Error::InvalidArgument(
+        "specjax_fewrow_matmul_a8: want x[T<=8, K], wp[P, ceil(K/32)*8, 128 or 256], aux[P, ceil(K/32), 2, 64] "
+        "and y[T, N] with 64(P-1) < N <= 64P");
+  const int64_t N = yd[1], P = wd[0];
+  float* ys = y->typed_data();
+  if (K == 0) {
+    std::fill(ys, ys + T * N, 0.f);
+    return ffi::Error::Success();
+  }
+  // Each row rounded to int8 per group (zeros past K): q = round(x / d), d = max |x| / 127,
+  // round half to even (the default rounding mode, as XLA's round_nearest_even).
+  const int64_t Kp = G * kGroup;
+  thread_local std::vector<int8_t> xq;
+  thread_local std::vector<float> xdv;
+  thread_local std::vector<int32_t> xsv;
+  xq.assign(T * Kp, 0);
+  xdv.assign(T * G, 0.f);
+  xsv.assign(T * G, 0);
+  const float* xs = x.typed_data();
+  for (int64_t t = 0; t < T; ++t)
+    for (int64_t g = 0; g < G; ++g) {
+      const int64_t k0 = g * kGroup, k1 = std::min(K, k0 + kGroup);
+      float amax = 0.f;
+      for (int64_t k = k0; k < k1; ++k) amax = std::max(amax, std::fabs(xs[t * K + k]));
+      const float d = amax / 127.f;
+      int32_t sum = 0;
+      if (d > 0.f)
+        for (int64_t k = k0; k < k1; ++k) {
+          const float v = std::min(127.f, std::max(-127.f, std::nearbyint(xs[t * K + k] / d)));
+          xq[t * Kp + k] = static_cast<int8_t>(v);
+          sum += static_cast<int32_t>(v);
+        }
+      xdv[t * G + g] = d;
+      xsv[t * G + g] = sum;
+    }
+  const PanelA8Fn fn = (wd[2] == 2 * kPanel ? kPanelsA8<4> : kPanelsA8<8>)[T];
+  const int8_t* q = xq.data();
+  const float* d = xdv.data();
+  const int32_t* s = xsv.data();
+  const uint8_t* w = wp.typed_data();
+  const float* a = aux.typed_data();
+  const int64_t threads = K * N >= kMinSplit ? std::max<int64_t>(1, std::min<int64_t>(pool.num_threads(), P)) : 1;
+  if (threads == 1) {
+    fn(q, d, s, w, a, ys, G, N, 0, P);
+    return ffi::Error::Success();
+  }
+  const int64_t per = (P + threads - 1) / threads, ranges = (P + per - 1) / per;
+  ParallelFor(pool, ranges, ranges - 1,
+              [=](int64_t r) { fn(q, d, s, w, a, ys, G, N, r * per, std::min(P, (r + 1) * per)); });
+  return ffi::Error::Success();
+}
+
 }  // namespace
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(SpecjaxFewRowMatmulA8, FewRowMatmulA8,
+                              ffi::Ffi::Bind()
+                                  .Ctx<ffi::ThreadPool>()
+                                  .Arg<ffi::Buffer<ffi::F32>>()
+                                  .Arg<ffi::Buffer<ffi::U8>>()
+                                  .Arg<ffi::Buffer<ffi::F32>>()
+                                  .Ret<ffi::Buffer<ffi::F32>>());
 
 XLA_FFI_DEFINE_HANDLER_SYMBOL(SpecjaxFewRowMatmulGrouped8, FewRowMatmulGrouped8,
                               ffi::Ffi::Bind()

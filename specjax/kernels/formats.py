@@ -32,6 +32,14 @@ minimums beside them (`fewrow_matmul.cc`'s grouped formats, dequantized in regis
 each row streams past: for int4 an eighth of float32's bytes plus 1/8 for the groups).
 The kernel and XLA compute the same products, w dequantized in float32, summed in their
 own orders.
+
+A `Grouped` weight with `activations='int8'` (the W4A8 and W8A8 formats: `quantize` kinds
+'w4a8', 'w8a8'; GGUF files' Q4/Q8 tensors as llama.cpp multiplies them) multiplies x
+rounded to int8 per row and group of GROUP inputs (`dispatch.round_activations`), so the
+kernel sums integer products (`fewrow_matmul.cc`'s A8 panels: VNNI's byte dot products
+where the CPU has them) instead of widening every code to float. Rounding x changes the
+model's numbers (about as much as the weights' own rounding), so it is a model of its own,
+chosen by the user; both paths round x the same way and then multiply by the same weight.
 """
 from __future__ import annotations
 
@@ -228,12 +236,16 @@ def quantize_params(params, contracted: dict[str, tuple[int, int]], transposed: 
     on the mesh); int8's scales (one per column) replicated, a grouped weight's scales and
     minimums (one per 32 weights: replicated, 70B's would fill a chip) split as their
     columns and groups are (`group_sharding`); names in `transposed` are [N, K] tables
-    quantized per row."""
+    quantized per row. An A8 kind (`A8_KINDS`) also turns a grouped weight that multiplies
+    float activations (a GGUF file's codes as stored, an int4 model) into the same codes
+    multiplying int8 ones; other quantized weights stay as they are."""
     quantizer = QUANTIZERS[kind]
     is_format = lambda x: isinstance(x, (Packed, *QUANTIZED))  # noqa: E731
 
     def one(path, w):
         names = [k.key for k in path if isinstance(k, jax.tree_util.DictKey) and isinstance(k.key, str)]
+        if isinstance(w, Grouped) and kind in A8_KINDS and w.activations != "int8":  # its codes, times int8 x
+            return dataclasses.replace(w, activations="int8", panels=None, aux=None)
         if is_format(w) or not names or names[-1] not in contracted:
             return w
         axes, ndim = contracted[names[-1]]
@@ -292,7 +304,9 @@ class Grouped:
     and output column. `panels` ([*lead, P, K, PANEL // 2] uint8, two codes per byte, for
     4 bits; [*lead, P, K, PANEL] int8 for 8) and `aux` [*lead, P, G, 2, PANEL] (scales,
     minimums), as the few-row kernel reads them (`pack_grouped`); made by `pack_params`
-    where the kernel runs, else None."""
+    where the kernel runs, else None. `activations`: 'float32', or 'int8' (x rounded per
+    row and group before it is multiplied: the module doc; the panels are then the A8
+    layout, [*lead, P, G * GROUP / 4, 2 * PANEL or 4 * PANEL] uint8)."""
 
     code: jax.Array
     scale: jax.Array
@@ -302,15 +316,20 @@ class Grouped:
     panels: jax.Array | None = None
     aux: jax.Array | None = None
     bits: int = 4
+    activations: str = "float32"
+
+    def __post_init__(self):
+        if self.activations not in ACTIVATIONS:
+            raise ValueError(f"activations {self.activations!r}: not one of {', '.join(ACTIVATIONS)}")
 
     def tree_flatten(self):
-        return (self.code, self.scale, self.low, self.panels, self.aux), (self.out, self.transposed, self.bits)
+        return ((self.code, self.scale, self.low, self.panels, self.aux),
+                (self.out, self.transposed, self.bits, self.activations))
 
     @classmethod
     def tree_unflatten(cls, aux, children):
         code, scale, low, panels, packed_aux = children
-        out, transposed, bits = aux
-        return cls(code, scale, low, out, transposed, panels, packed_aux, bits)
+        return cls(code, scale, low, *aux[:2], panels, packed_aux, *aux[2:])
 
     dtype = jnp.dtype(jnp.float32)
 
@@ -350,11 +369,15 @@ class Grouped:
 
     def project(self, spec: str, x: jax.Array, setting: Kernels, **kwargs) -> jax.Array:
         """The grouped kernel where it applies (panels made, float32, few rows, one CPU
-        device), else XLA's einsum over the dequantized weight."""
+        device), else XLA's einsum over the dequantized weight; with int8 activations, x
+        rounded first (the A8 kernel rounds it itself)."""
         if (self.panels is not None and dispatch.use_matmul(x, self.dtype, setting)
                 and kwargs.get("preferred_element_type", jnp.float32) == jnp.float32):
-            y = dispatch.fewrow_matmul_grouped(x.reshape(-1, x.shape[-1]), self.panels, self.aux, self.n)
+            run = dispatch.fewrow_matmul_a8 if self.activations == "int8" else dispatch.fewrow_matmul_grouped
+            y = run(x.reshape(-1, x.shape[-1]), self.panels, self.aux, self.n)
             return y.reshape(*x.shape[:-1], *self.out)
+        if self.activations == "int8":
+            x = dispatch.round_activations(x)
         w = self.dequantized(x.dtype)
         return jnp.einsum(spec, x, jnp.swapaxes(w, -1, -2) if self.transposed else w, **kwargs)
 
@@ -374,8 +397,10 @@ def _groups_apply(code: jax.Array, scale: jax.Array, low: jax.Array, axis: int) 
     return (c * scale[..., None] + low[..., None]).reshape(*code.shape[:-1], -1)[..., :K]
 
 
-def _int4_groups(w: jax.Array, axis: int):
-    """(code, scale, low) of w with groups of GROUP along `axis` (-2 or -1), as `_groups_apply` reads them."""
+def _int4_groups(w: jax.Array, axis: int, bits: int = 4):
+    """(code, scale, low) of w with groups of GROUP along `axis` (-2 or -1), as `_groups_apply`
+    reads them: 4 bits, the group's min and (max - min) / 15; 8, symmetric (GGUF's Q8_0):
+    max |w| / 127, int8 codes, min 0."""
     K = w.shape[axis]
     pad = -K % GROUP
     if axis == -2:
@@ -385,31 +410,39 @@ def _int4_groups(w: jax.Array, axis: int):
     # Pad by repeating the row's last value: the padding never widens the last group's range.
     g = jnp.concatenate([g, jnp.repeat(g[..., -1:], pad, axis=-1)], axis=-1) if pad else g
     g = g.reshape(*g.shape[:-1], -1, GROUP)
-    low, high = jnp.min(g, axis=-1), jnp.max(g, axis=-1)
-    scale = jnp.where(high > low, (high - low) / 15, 1.0)
-    code = jnp.clip(jnp.round((g - low[..., None]) / scale[..., None]), 0, 15).astype(jnp.uint8)
+    if bits == 8:
+        amax = jnp.max(jnp.abs(g), axis=-1)
+        scale = jnp.where(amax > 0, amax / 127, 1.0)
+        low = jnp.zeros_like(scale)
+        code = jnp.clip(jnp.round(g / scale[..., None]), -127, 127).astype(jnp.int8)
+    else:
+        low, high = jnp.min(g, axis=-1), jnp.max(g, axis=-1)
+        scale = jnp.where(high > low, (high - low) / 15, 1.0)
+        code = jnp.clip(jnp.round((g - low[..., None]) / scale[..., None]), 0, 15).astype(jnp.uint8)
     code = code.reshape(*code.shape[:-2], -1)[..., :K]
     if axis == -2:
         return jnp.moveaxis(code, -1, -2), jnp.swapaxes(scale, -1, -2), jnp.swapaxes(low, -1, -2)
     return code, scale, low
 
 
-def quantize_int4(w: jax.Array, contracted: int, lead: int = 0, *, transposed: bool = False) -> Grouped:
+def quantize_int4(w: jax.Array, contracted: int, lead: int = 0, *, transposed: bool = False, bits: int = 4,
+                  activations: str = "float32") -> Grouped:
     """w [*lead, *contracted, *out] (`transposed`: [*lead, N, K]) -> Grouped, 4 bits: per output
     column and group of GROUP inputs (of the contracted axes merged), min = the group's
     minimum, scale = (max - min) / 15 (1 for a constant group), code = round((w - min) /
-    scale) in 0..15."""
+    scale) in 0..15. `bits=8`: symmetric int8 codes per group (scale = max |w| / 127, as
+    GGUF's Q8_0). `activations`: the Grouped's (int8: the W4A8 / W8A8 formats)."""
     w = jnp.asarray(w, jnp.float32)
     if transposed:
         if contracted != 1 or w.ndim != lead + 2:
             raise ValueError(f"a transposed weight is [*lead, N, K]: got {w.shape} with lead={lead}")
-        code, scale, low = _int4_groups(w, -1)
-        return Grouped(code, scale, low, (w.shape[-2],), True)
+        code, scale, low = _int4_groups(w, -1, bits)
+        return Grouped(code, scale, low, (w.shape[-2],), True, bits=bits, activations=activations)
     shape = w.shape
     out = tuple(shape[lead + contracted:])
     K = math.prod(shape[lead:lead + contracted])
-    code, scale, low = _int4_groups(w.reshape(*shape[:lead], K, math.prod(out)), -2)
-    return Grouped(code.reshape(shape), scale, low, out)
+    code, scale, low = _int4_groups(w.reshape(*shape[:lead], K, math.prod(out)), -2, bits)
+    return Grouped(code.reshape(shape), scale, low, out, bits=bits, activations=activations)
 
 
 def pack_grouped(w: Grouped) -> tuple[jax.Array, jax.Array]:
@@ -417,7 +450,7 @@ def pack_grouped(w: Grouped) -> tuple[jax.Array, jax.Array]:
     them: panels [*lead, P, K, PANEL] int8 for 8 bits; for 4, [*lead, P, K, PANEL // 2]
     uint8 where byte b of a panel row holds column b in its low nibble and column
     b + PANEL // 2 in its high one; aux holds each group's scales then minimums per column
-    (zeros past N)."""
+    (zeros past N). A weight with int8 activations gets the A8 panels (`_pack_a8`)."""
     if w.transposed:
         lead = w.code.ndim - 2
         code, scale, low = jnp.swapaxes(w.code, -1, -2), jnp.swapaxes(w.scale, -1, -2), jnp.swapaxes(w.low, -1, -2)
@@ -428,6 +461,8 @@ def pack_grouped(w: Grouped) -> tuple[jax.Array, jax.Array]:
     K, N = code.shape[-2:]
     P = -(-N // PANEL)
     pad = [(0, 0)] * (lead + 1) + [(0, P * PANEL - N)]
+    if w.activations == "int8":
+        return _pack_a8(code, jnp.pad(scale, pad), jnp.pad(low, pad), w.bits, P)
     c = jnp.moveaxis(jnp.pad(code, pad).reshape(*code.shape[:-1], P, PANEL), -2, -3)  # [*lead, P, K, PANEL]
     half = PANEL // 2
     panels = (c[..., :half] | (c[..., half:] << 4)).astype(jnp.uint8) if w.bits == 4 else c.astype(jnp.int8)
@@ -436,7 +471,28 @@ def pack_grouped(w: Grouped) -> tuple[jax.Array, jax.Array]:
     return panels, aux
 
 
-QUANTIZERS = {"int8": quantize_int8, "int4": quantize_int4}
+def _pack_a8(code: jax.Array, scale: jax.Array, low: jax.Array, bits: int, P: int):
+    """The A8 panels and aux of codes [*lead, K, N] with scale, low [*lead, G, P * PANEL]
+    (`fewrow_matmul.cc`'s layout: 4 inputs of a column side by side; 8-bit codes + 128)."""
+    lead, (K, N) = code.shape[:-2], code.shape[-2:]
+    G = scale.shape[-2]
+    c = jnp.pad(code.astype(jnp.int32), [(0, 0)] * len(lead) + [(0, G * GROUP - K), (0, P * PANEL - N)])
+    if bits == 8:  # unsigned for the byte dot product: (code + 128) scale + (low - 128 scale)
+        c, low = c + 128, low - 128 * scale
+    c = jnp.moveaxis(c.reshape(*lead, G * GROUP // 4, 4, P, PANEL), -2, -4)  # [*lead, P, Q, 4, PANEL]
+    if bits == 4:
+        c = c[..., :PANEL // 2] | (c[..., PANEL // 2:] << 4)
+    panels = jnp.swapaxes(c, -1, -2).reshape(*lead, P, G * GROUP // 4, -1).astype(jnp.uint8)
+    groups = jnp.stack([scale, low], axis=-2)  # [*lead, G, 2, P*PANEL]
+    aux = jnp.moveaxis(groups.reshape(*groups.shape[:-1], P, PANEL), -2, -4)  # [*lead, P, G, 2, PANEL]
+    return panels, aux
+
+
+ACTIVATIONS = ("float32", "int8")  # what a Grouped weight multiplies: x as it is, or rounded to int8
+QUANTIZERS = {"int8": quantize_int8, "int4": quantize_int4,
+              "w4a8": functools.partial(quantize_int4, activations="int8"),
+              "w8a8": functools.partial(quantize_int4, bits=8, activations="int8")}
+A8_KINDS = ("w4a8", "w8a8")  # the kinds whose weights multiply int8 activations
 QUANTIZED = (Int8, Grouped)  # the quantized formats
 
 

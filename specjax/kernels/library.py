@@ -2,7 +2,9 @@
 
 The sources are compiled on first use with the system C++ compiler ($CXX, g++ or c++)
 for this CPU (-march=native) into $SPECJAX_CACHE/kernels/<hash of sources, compiler,
-flags, CPU, jax>/ and loaded with ctypes. Where that fails (no compiler, a load error)
+flags, CPU, jax>/ and loaded with ctypes. SPECJAX_KERNEL_FLAGS adds compiler flags after
+-march=native (e.g. "-mno-avx512f": the AVX2 code on an AVX-512 machine; the tests build
+each instruction set's path this way). Where that fails (no compiler, a load error)
 `available()` is False, logged once, and every caller takes the jnp path.
 """
 from __future__ import annotations
@@ -29,10 +31,12 @@ MATMUL_TARGET = "specjax_fewrow_matmul"
 MATMUL_INT8_TARGET = "specjax_fewrow_matmul_int8"
 MATMUL_INT4_TARGET = "specjax_fewrow_matmul_int4"
 MATMUL_GROUPED8_TARGET = "specjax_fewrow_matmul_grouped8"
+MATMUL_A8_TARGET = "specjax_fewrow_matmul_a8"
 ATTENTION_TARGET = "specjax_cached_attention"
 NUCLEUS_TARGET = "specjax_nucleus"
 HANDLERS = {MATMUL_TARGET: "SpecjaxFewRowMatmul", MATMUL_INT8_TARGET: "SpecjaxFewRowMatmulInt8",
             MATMUL_INT4_TARGET: "SpecjaxFewRowMatmulInt4", MATMUL_GROUPED8_TARGET: "SpecjaxFewRowMatmulGrouped8",
+            MATMUL_A8_TARGET: "SpecjaxFewRowMatmulA8",
             ATTENTION_TARGET: "SpecjaxCachedAttention",
             NUCLEUS_TARGET: "SpecjaxNucleus"}
 
@@ -57,7 +61,7 @@ def build(cache: pathlib.Path | None = None) -> pathlib.Path:
     if not compiler:
         raise FileNotFoundError("no C++ compiler ($CXX, g++, c++)")
     version = subprocess.run([compiler, "--version"], capture_output=True, text=True, timeout=60).stdout
-    cmd = [compiler, *FLAGS, f"-I{jax.ffi.include_dir()}"]
+    cmd = [compiler, *FLAGS, *os.environ.get("SPECJAX_KERNEL_FLAGS", "").split(), f"-I{jax.ffi.include_dir()}"]
     key = hashlib.sha256("\0".join([*(s.read_text() for s in SOURCES + HEADERS), version, *cmd, _cpu_id(),
                                     platform.machine(), jax.__version__]).encode()).hexdigest()[:16]
     out = (cache or cache_dir()) / "kernels" / key / "libspecjax_kernels.so"

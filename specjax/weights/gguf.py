@@ -542,11 +542,12 @@ def load_with_stats(path, mesh, *, param_dtype=None, compute_dtype=None, scan_la
 
 def take_stored(lm, path, kind: Optional[str]):
     """`lm` (loaded from the GGUF file `path`) with the weights the file holds quantized
-    taken as stored when a quantized `kind` ('int8', 'int4') is asked for: every Q8_0,
+    taken as stored when a quantized `kind` (`model.QUANTIZE`) is asked for: every Q8_0,
     Q4_0 and Q4_1 projection, unembedding and embedding becomes a `kernels.Grouped` of the
     file's own codes, scales and minimums (Q4_0: 4-bit codes + 8 with min = -8 scale;
     Q8_0: 8-bit codes, min 0), re-blocked into specjax's layout without changing a value;
-    `LM.quantized(kind)` then quantizes only what is left float. On any mesh: the codes
+    `LM.quantized(kind)` then quantizes only what is left float; with 'w4a8' or 'w8a8'
+    they multiply activations rounded to int8, as llama.cpp multiplies them. On any mesh: the codes
     are placed as the float weight was, the scales and minimums as `LM.quantized` places a
     grouped weight's; stacked layers (scan) take every layer's blocks (a stack with one
     layer of another type stays float, quantized from its values); duplicated kv heads
@@ -562,6 +563,7 @@ def take_stored(lm, path, kind: Optional[str]):
     if kind is None:
         return lm
     weights = GGUFWeights(open_file(path), kv_heads.original(lm.cfg))
+    activations = "int8" if kind in ("w4a8", "w8a8") else "float32"
     contracted = {**PROJECTIONS, "embed": (1, 2)}
     c, H = lm.cfg.kv_copies, lm.cfg.head_dim
 
@@ -598,7 +600,8 @@ def take_stored(lm, path, kind: Optional[str]):
         groups = group_sharding(where, lead, axes, len(shape), transposed, scale.shape)
         put = lambda a, at: jax.device_put(np.ascontiguousarray(a), at)  # noqa: E731
         out = (shape[lead],) if transposed else tuple(shape[lead + axes:])
-        return Grouped(put(code, where), put(scale, groups), put(low, groups), out, transposed, bits=bits.pop())
+        return Grouped(put(code, where), put(scale, groups), put(low, groups), out, transposed, bits=bits.pop(),
+                       activations=activations)
 
     def make(where, v):
         key, layer = hf._param_key(where)

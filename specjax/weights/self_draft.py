@@ -17,7 +17,12 @@ the panels are shared too.
 by the int8 few-row kernel): a quarter of the float target's bytes per token, with
 logits close to the target's, so nearly every proposal is kept. `int4` is its int4 copy
 (a scale and minimum per group of 32 inputs): about an eighth of the bytes, further from
-the target. Unlike layers:N they are new memory. Forms join with '+': `int8+layers:N` is
+the target. `w4a8` and `w8a8` (int4, or 8-bit codes per group of 32, times activations
+rounded to int8: `kernels.formats`) multiply integers on CPU, the cheapest draft steps; a
+draft's arithmetic is free to differ from the target's, since only the target's
+probabilities decide what is kept. Of a target whose weights are int4 already (`--quantize=int4`,
+a GGUF file's Q4/Q8 tensors as stored) an A8 draft is the target's own codes multiplying
+int8 activations: new panels only. Unlike layers:N they are new memory. Forms join with '+': `int8+layers:N` is
 the first N layers of the int8 copy. Command lines that sweep several self-drafts take
 them as a comma-separated list of specs.
 """
@@ -30,11 +35,12 @@ import jax
 from flax import nnx
 
 from specjax.config import UsageError
-from specjax.kernels.formats import is_quantized
+from specjax.kernels.formats import A8_KINDS, Grouped, is_quantized
 from specjax.model import LM, Transformer, Keys
 
-QUANTIZED = ("int8", "int4")
-FORMS = ("layers:N (the target's first N layers), int8 or int4 (its quantized copy), or both joined by '+' "
+QUANTIZED = ("int8", "int4", "w4a8", "w8a8")  # model.QUANTIZE
+FORMS = ("layers:N (the target's first N layers), int8, int4, w4a8 or w8a8 (its quantized copy), or both joined "
+         "by '+' "
          "(int8+layers:N)")
 
 
@@ -78,8 +84,10 @@ def parse(text: str, name: str = "--self_draft") -> Spec:
 
 
 def check_quantize(spec: Spec | None, quantize: str | None, name: str = "--self_draft") -> None:
-    """A quantized self-draft of a target quantized on load would be the target itself."""
-    if spec is not None and spec.quantize is not None and quantize is not None:
+    """A quantized self-draft of a target quantized on load would be the target itself,
+    but for an A8 draft of an int4 target (its own codes, multiplying int8 activations)."""
+    if spec is not None and spec.quantize is not None and quantize is not None \
+            and not (spec.quantize in A8_KINDS and quantize == "int4"):
         raise UsageError(f"{name}={spec.text!r} with --quantize={quantize}: the target is {quantize} already, "
                          f"so its {spec.quantize} copy is the target itself; drop one of them, or use layers:N")
 
@@ -106,7 +114,10 @@ def self_draft(target: LM, spec: Spec | str) -> LM:
     # Packed where decoding packs (the CPU kernel): the draft's projections are then the
     # target's packed weights, not a second packed copy of the first N layers. A quantized
     # form packs its own copy, once.
-    if spec.quantize is not None and is_quantized(target.params):
+    if spec.quantize is not None and is_quantized(target.params) and not (
+            spec.quantize in A8_KINDS and any(isinstance(w, Grouped) and w.activations == "float32"
+                                              for w in jax.tree.leaves(target.params,
+                                                                       is_leaf=lambda w: isinstance(w, Grouped)))):
         check_quantize(spec, spec.quantize)  # the target is quantized already: refused
     source = (target.quantized(spec.quantize) if spec.quantize is not None else target).packed()
     graphdef = nnx.split(nnx.eval_shape(lambda: Transformer(cfg, Keys(0))))[0]

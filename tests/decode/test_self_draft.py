@@ -21,7 +21,7 @@ import numpy as np
 import pytest
 
 import specjax
-from specjax import model, sharding
+from specjax import kernels, model, sharding
 from specjax.config import SamplingConfig, UsageError
 from specjax.decode import verify
 from specjax.decode.warping import sample
@@ -123,15 +123,15 @@ def test_bad_self_drafts_are_refused_in_one_line(tiny, text, needle):
     assert "\n" not in str(e.value) and repr(text) in str(e.value)
 
 
-@pytest.mark.parametrize("kind", ["int8", "int4"])
+@pytest.mark.parametrize("kind", ["int8", "int4", "w4a8"])
 def test_quantized_self_draft_is_the_targets_quantized_copy(target, kind):
     """`int8` / `int4`: the logits of the target quantized on its own (`LM.quantized`,
     which test_quantized checks against a float64 reference), through the self-draft's own
     graph; `KIND+layers:1` runs the first layer of that copy: close to the float layers:1
     draft (rounding only), far from the whole target. int4 on one setting: the self-draft
     code is the same for both kinds (test_quantized covers int4 in every layout)."""
-    if kind == "int4" and not (target.cfg.pos_encoding == "rope" and not target.cfg.scan_layers):
-        pytest.skip("int4: one setting is enough")
+    if kind != "int8" and not (target.cfg.pos_encoding == "rope" and not target.cfg.scan_layers):
+        pytest.skip(f"{kind}: one setting is enough")
     tokens = jnp.asarray([[5, 1, 30, 7, 7, 12, 3], [2, 9, 9, 0, 31, 4, 18]])
     got = np.asarray(model.full_forward(specjax.self_draft(target, kind), tokens))
     want = np.asarray(model.full_forward(target.quantized(kind), tokens))
@@ -145,7 +145,32 @@ def test_quantized_self_draft_is_the_targets_quantized_copy(target, kind):
         specjax.self_draft(target.quantized(kind), kind)
 
 
-@pytest.mark.parametrize("kind", ["int8", "int4"])
+def test_an_a8_self_draft_of_an_int4_target_multiplies_its_own_codes(target):
+    """`w4a8` of a target quantized to int4 already (as `--quantize=int4` or a GGUF file's
+    Q4 tensors load it): the same code arrays (not copies) multiplying int8 activations, so
+    its logits are those of `target.quantized('w4a8')` (the int4 codes of the float target,
+    the same quantization) and not the int4 target's own; `int4` of it is still refused."""
+    if not (target.cfg.pos_encoding == "rope" and not target.cfg.scan_layers):
+        pytest.skip("one setting is enough")
+    int4 = target.quantized("int4")
+    draft = specjax.self_draft(int4, "w4a8")
+    is_g = lambda x: isinstance(x, kernels.Grouped)  # noqa: E731
+    mine = [w for w in jax.tree.leaves(draft.params, is_leaf=is_g) if is_g(w)]
+    theirs = [w for w in jax.tree.leaves(int4.params, is_leaf=is_g) if is_g(w)]
+    assert len(mine) == len(theirs) > 0 and all(a.code is b.code for a, b in zip(mine, theirs))
+    assert {w.activations for w in mine} == {"int8"} and {w.activations for w in theirs} == {"float32"}
+    tokens = jnp.asarray([[5, 1, 30, 7, 7, 12, 3], [2, 9, 9, 0, 31, 4, 18]])
+    got = np.asarray(model.full_forward(draft, tokens))
+    np.testing.assert_array_equal(got, np.asarray(model.full_forward(target.quantized("w4a8"), tokens)))
+    assert np.abs(got - np.asarray(model.full_forward(int4, tokens))).max() > 1e-4 * np.abs(got).max()
+    with pytest.raises(UsageError, match="is int4 already"):
+        specjax.self_draft(int4, "int4")
+    self_draft_lib.check_quantize(self_draft_lib.parse("w4a8"), "int4")  # the command lines allow it
+    with pytest.raises(UsageError, match="is int8 already"):
+        self_draft_lib.check_quantize(self_draft_lib.parse("w4a8"), "int8")
+
+
+@pytest.mark.parametrize("kind", ["int8", "int4", "w4a8"])
 def test_greedy_sps_with_a_quantized_self_draft_equals_greedy_ars(target, kind):
     if not (target.cfg.pos_encoding == "rope" and not target.cfg.scan_layers):
         pytest.skip("one loop is enough: the logits test covers every setting")
@@ -200,7 +225,7 @@ def test_self_draft_negative_control_is_rejected(theorem1_models, use_accept):
 QUANTIZED_CASE = Case(1.0, 0, 1.0, 1, "ragged")
 
 
-@pytest.fixture(scope="module", params=["int8", "int4"])
+@pytest.fixture(scope="module", params=["int8", "int4", "w4a8"])
 def quantized_models(theorem1_models, request):
     target, _ = theorem1_models
     return request.param, target, specjax.self_draft(target, request.param)

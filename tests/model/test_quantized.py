@@ -1,6 +1,7 @@
 """Quantized weights (`kernels.Int8`, `kernels.Grouped`): the quantizations against float64
 numpy, the few-row kernel's int8, int4 and grouped 8-bit (Q8_0) variants and XLA's path against float64 numpy
-references of the dequantized weight, a quantized model through prefill and decode
+references of the dequantized weight (with int8 activations: of x rounded by numpy, next to
+a control that the unrounded product is far off), a quantized model through prefill and decode
 against the same model with those weights dequantized in numpy, the kernel's dispatch,
 and greedy SpS == greedy ArS on a quantized target."""
 from __future__ import annotations
@@ -20,7 +21,8 @@ from specjax.kernels import NONE, Kernels, formats, library
 from conftest import mesh_for
 
 needs_kernel = pytest.mark.skipif(not kernels.available(), reason="kernel not built here (no C++ compiler?)")
-CALLS = {"int8": library.MATMUL_INT8_TARGET, "int4": library.MATMUL_INT4_TARGET, "q8": library.MATMUL_GROUPED8_TARGET}
+CALLS = {"int8": library.MATMUL_INT8_TARGET, "int4": library.MATMUL_INT4_TARGET, "q8": library.MATMUL_GROUPED8_TARGET,
+         "w4a8": library.MATMUL_A8_TARGET, "w8a8": library.MATMUL_A8_TARGET, "q8a8": library.MATMUL_A8_TARGET}
 FLOAT_CALL = library.MATMUL_TARGET
 ON = Kernels()
 KINDS = ("int8", "int4")
@@ -104,30 +106,52 @@ def test_int4_quantization_has_a_scale_and_minimum_per_group_of_32_inputs():
 
 
 def quantize(kind, w):
-    if kind == "q8":  # Q8_0's form (what a GGUF file holds): int8 codes, a scale per 32 inputs, min 0
+    if kind in ("q8", "q8a8"):  # Q8_0's form (what a GGUF file holds): int8 codes, a scale per 32 inputs, min 0
         K, N = w.shape
         G = -(-K // 32)
         rng = np.random.default_rng(K + N)
         scale = (rng.uniform(0.5, 1.5, (G, N)) / 127 * K ** -0.5).astype(np.float32)
-        code = rng.integers(-128, 128, (K, N)).astype(np.int8)
-        return formats.Grouped(jnp.asarray(code), jnp.asarray(scale), jnp.zeros((G, N), jnp.float32), (N,), bits=8)
-    return (kernels.quantize_int8 if kind == "int8" else kernels.quantize_int4)(jnp.asarray(w), 1)
+        code = rng.integers(-128, 128, (K, N)).astype(np.int8)  # -128 too: 0 once offset for the byte product
+        return formats.Grouped(jnp.asarray(code), jnp.asarray(scale), jnp.zeros((G, N), jnp.float32), (N,), bits=8,
+                               activations="int8" if kind == "q8a8" else "float32")
+    return formats.QUANTIZERS[kind](jnp.asarray(w), 1)
+
+
+def rounded(x: np.ndarray) -> np.ndarray:
+    """x as the A8 formats multiply it, by numpy: per row and group of 32 inputs, d = max |x|
+    / 127 and q = round(x / d) (ties to even) in float32 arithmetic, as IEEE defines it; in
+    float64, q * d."""
+    T, K = x.shape
+    g = np.zeros((T, -(-K // 32) * 32), np.float32)
+    g[:, :K] = x
+    g = g.reshape(T, -1, 32)
+    d = np.abs(g).max(axis=-1, keepdims=True) / np.float32(127)
+    q = np.round(g / np.where(d > 0, d, np.float32(1)))
+    return (np.where(d > 0, q, 0).astype(np.float64) * d).reshape(T, -1)[:, :K]
+
+
+A8 = ("w4a8", "w8a8", "q8a8")  # int8 activations
 
 
 @needs_kernel
-@pytest.mark.parametrize("kind", KINDS + ("q8",))
+@pytest.mark.parametrize("kind", KINDS + ("q8",) + A8)
 @pytest.mark.parametrize("K,N", [(1, 1), (3, 17), (33, 47), (7, 130), (64, 64), (129, 200), (301, 1000)])
 def test_kernel_and_xla_path_match_float64_of_the_dequantized_weight(kind, K, N):
     """Every T in 1..8, partial panels (N not a multiple of 64), odd K (and, for int4, K
     not a multiple of its groups): the kernel (packed) and XLA's path (not packed) against
-    x @ the dequantized weight in float64; a row's value does not depend on the rows
-    beside it."""
+    x @ the dequantized weight in float64 (with int8 activations, x rounded by numpy, and
+    the product of x unrounded far off: the rounding is really done); a row's value does
+    not depend on the rows beside it."""
     rng = np.random.default_rng(K * 1000 + N)
     w = (rng.standard_normal((K, N)) * K ** -0.5).astype(np.float32)
     qw = quantize(kind, w)
     packed = formats.pack_params({"w": qw}, {"w": (1, 2)})["w"]
     if kind == "int8":
         assert packed.panels.dtype == jnp.int8 and packed.panels.shape == (-(-N // 64), K, 64)
+    elif kind in A8:  # 4 inputs of a column side by side, K padded to whole groups
+        width = 128 if kind == "w4a8" else 256
+        assert packed.panels.dtype == jnp.uint8 and packed.panels.shape == (-(-N // 64), -(-K // 32) * 8, width)
+        assert packed.aux.shape == (-(-N // 64), -(-K // 32), 2, 64)
     else:
         assert packed.panels.shape == (-(-N // 64), K, 32 if kind == "int4" else 64)
         assert packed.panels.dtype == (jnp.uint8 if kind == "int4" else jnp.int8)
@@ -141,10 +165,13 @@ def test_kernel_and_xla_path_match_float64_of_the_dequantized_weight(kind, K, N)
         by_kernel = [np.asarray(lowered(x8[:T], packed)) for T in range(1, 9)]
         by_xla = [np.asarray(lowered(x8[:T], qw)) for T in range(1, 9)]
     for T in range(1, 9):
-        want = x8[:T].astype(np.float64) @ deq
+        x = rounded(x8[:T]) if kind in A8 else x8[:T].astype(np.float64)
+        want = x @ deq
         np.testing.assert_allclose(by_kernel[T - 1], want, rtol=1e-5, atol=1e-5)
         np.testing.assert_allclose(by_xla[T - 1], want, rtol=1e-5, atol=1e-5)
         np.testing.assert_array_equal(by_kernel[T - 1], by_kernel[-1][:T])
+        if kind in A8 and K > 1:  # one input is its own group's max: rounded exactly
+            assert np.abs(x8[:T].astype(np.float64) @ deq - want).max() > 1e-3 * np.abs(want).max()
 
 
 def kernel_outputs(text: str, kind: str) -> list[tuple[int, int]]:
@@ -212,7 +239,53 @@ def test_quantized_model_equals_its_dequantized_float_model(tiny, tied, kind):
     assert np.abs(float_logits - logits["float"]).max() > 1e-4 * scale
 
 
+@needs_kernel
+@pytest.mark.parametrize("kind", ["w4a8", "w8a8"])
+def test_an_a8_model_decodes_by_the_kernel_as_xla_computes_it(tiny, kind):
+    """A W4A8 / W8A8 model (tied table; every projection and the logits): prefill (11
+    tokens, XLA) then decode passes of T = 1 and 5 by the A8 kernel (checked on the lowered
+    program: no float or float-activation grouped call left) against the same weights with
+    no kernels (XLA: x rounded by `round_activations`, times the dequantized weight, which
+    the kernel test checks against numpy). Where the two paths' x differ in a last bit, a
+    value on a rounding tie may land one step apart, hence 1e-4 of the largest logit (seen:
+    1e-7). The control: the same codes multiplying float activations are 10x further off."""
+    cfg = dataclasses.replace(tiny.target, tie_embeddings=True)
+    mesh = mesh_for("1x1")
+    a8 = model.init_lm(cfg, mesh).quantized(kind)
+    assert all(w.activations == "int8" for w in jax.tree.leaves(a8.params, is_leaf=lambda x: isinstance(
+        x, formats.Grouped)) if isinstance(w, formats.Grouped))
+    tokens = jax.random.randint(jax.random.key(4), (1, 17), 0, cfg.vocab_size)
+    extend = jax.jit(lambda lm, t, p, c: lm.extend(t, p, c))
+
+    def logits(lm, check=False):
+        out, cache = extend(lm, tokens[:, :11], jnp.arange(11)[None], kv_cache.init_cache(cfg, 1, 32))
+        steps, start = [out], 11
+        for T in (1, 5):
+            args = (lm, tokens[:, start:start + T], (start + jnp.arange(T))[None], cache)
+            if check:
+                text = extend.lower(*args).as_text()
+                per_layer = 7 if cfg.ffw == "swiglu" else 6
+                assert len(kernel_outputs(text, kind)) == per_layer * cfg.num_layers + 1
+                assert not any(f"@{c}(" in text for c in (FLOAT_CALL, CALLS["int4"], CALLS["q8"]))
+            out, cache = extend(*args)
+            steps.append(out)
+            start += T
+        return np.concatenate([np.asarray(s) for s in steps], axis=1)
+    with jax.set_mesh(mesh):
+        by_kernel = logits(a8.packed(), check=True)
+        by_xla = logits(a8.with_kernels(NONE))
+        float_x = logits(dataclasses.replace(a8, params=jax.tree.map(
+            lambda w: dataclasses.replace(w, activations="float32") if isinstance(w, formats.Grouped) else w,
+            a8.params, is_leaf=lambda x: isinstance(x, formats.Grouped))).with_kernels(NONE))
+    scale = np.abs(by_xla).max()
+    print(f"{kind}: kernel vs XLA {np.abs(by_kernel - by_xla).max() / scale:.2e}, float activations "
+          f"{np.abs(float_x - by_xla).max() / scale:.2e} of the largest logit")
+    np.testing.assert_allclose(by_kernel, by_xla, rtol=0, atol=1e-4 * scale)
+    assert np.abs(float_x - by_xla).max() > 1e-3 * scale
+
+
 @pytest.mark.parametrize("kind,draft_kind", [pytest.param("int8", "int8", marks=pytest.mark.slow), ("int4", "int4"),
+                                             ("w4a8", "w4a8"),
                                              pytest.param("int8", "float", marks=pytest.mark.slow)])
 def test_greedy_sps_equals_greedy_ars_on_a_quantized_target(tiny, kind, draft_kind):
     mesh = mesh_for("1x1")
@@ -244,3 +317,75 @@ def test_a_quantized_model_sharded_over_2x4_gives_the_one_device_logits(tiny, ki
         with jax.set_mesh(mesh):
             logits[name] = np.asarray(jax.jit(model.full_forward)(lm.with_kernels(NONE), tokens))
     np.testing.assert_allclose(logits["2x4"], logits["1x1"], rtol=1e-5, atol=1e-5)
+
+
+# Each instruction set's integer dot product, built on this machine by turning features off
+# (a feature the CPU lacks is skipped: its code would not run here).
+ISAS = {
+    "avx512-vnni": ("", ("avx512f", "avx512_vnni")),
+    "avx512bw": ("-mno-avx512vnni", ("avx512f", "avx512bw")),
+    "avx2-vnni": ("-mno-avx512f", ("avx2", "avx_vnni")),
+    "avx2": ("-mno-avx512f -mno-avxvnni", ("avx2",)),
+    "portable": ("-mno-avx512f -mno-avxvnni -mno-avx2 -mno-avx", ()),
+}
+ISA_SCRIPT = """
+import sys, numpy as np, jax, jax.numpy as jnp
+from specjax.kernels import Kernels, formats, available
+assert available()
+data = np.load(sys.argv[1])
+out = {}
+for kind in ("w4a8", "q8a8", "int4", "q8"):
+    w = formats.Grouped(jnp.asarray(data[kind + "_code"]), jnp.asarray(data["scale"]), jnp.asarray(data[kind + "_low"]),
+                        (data["scale"].shape[1],), bits=4 if kind.startswith(("w4", "int4")) else 8,
+                        activations="int8" if kind.endswith("a8") else "float32")
+    packed = formats.pack_params({"w": w}, {"w": (1, 2)})["w"]
+    run = jax.jit(lambda x, w: w.project("TK,KN->TN", x, Kernels()))
+    out[kind] = np.concatenate([np.asarray(run(jnp.asarray(data["x"][:T]), packed)) for T in range(1, 9)])
+np.savez(sys.argv[2], **out)
+"""
+
+
+def cpu_flags() -> set[str]:
+    try:
+        return {f for line in open("/proc/cpuinfo") if line.startswith("flags") for f in line.split(":")[1].split()}
+    except OSError:
+        return set()
+
+
+@needs_kernel
+@pytest.mark.slow  # a build of the kernels per instruction set (~30 s each)
+@pytest.mark.parametrize("isa", sorted(ISAS))
+def test_every_instruction_sets_grouped_kernels_match_float64(isa, tmp_path):
+    """The A8 and grouped kernels compiled for each instruction set this CPU has (VNNI's
+    byte dot products, AVX-512BW / AVX2 pair sums, plain integer vectors), in a fresh
+    process with SPECJAX_KERNEL_FLAGS, against numpy: x (rounded for A8) @ the dequantized
+    weight, T = 1..8, K = 100 (a short last group), N = 150 (a partial panel)."""
+    extra, needs = ISAS[isa]
+    if not set(needs) <= cpu_flags():
+        pytest.skip(f"this CPU lacks {sorted(set(needs) - cpu_flags())}")
+    import os
+    import subprocess
+    import sys
+    rng = np.random.default_rng(7)
+    K, N = 100, 150
+    G = -(-K // 32)
+    scale = rng.uniform(0.5, 1.5, (G, N)).astype(np.float32) / 64
+    data = dict(x=rng.standard_normal((8, K)).astype(np.float32) * 2, scale=scale,
+                w4a8_code=rng.integers(0, 16, (K, N)).astype(np.uint8),
+                w4a8_low=-rng.uniform(0, 8, (G, N)).astype(np.float32) * scale,
+                q8a8_code=rng.integers(-128, 128, (K, N)).astype(np.int8), q8a8_low=np.zeros((G, N), np.float32))
+    data.update(int4_code=data["w4a8_code"], int4_low=data["w4a8_low"], q8_code=data["q8a8_code"],
+                q8_low=data["q8a8_low"])
+    np.savez(tmp_path / "in.npz", **data)
+    env = {**os.environ, "SPECJAX_KERNEL_FLAGS": extra, "JAX_PLATFORMS": "cpu", "XLA_FLAGS": ""}
+    done = subprocess.run([sys.executable, "-c", ISA_SCRIPT, str(tmp_path / "in.npz"), str(tmp_path / "out.npz")],
+                          env=env, capture_output=True, text=True, timeout=600)
+    assert done.returncode == 0, done.stderr[-3000:]
+    got = np.load(tmp_path / "out.npz")
+    for kind in ("w4a8", "q8a8", "int4", "q8"):
+        g = np.arange(K) // 32
+        deq = data[kind + "_code"].astype(np.float64) * scale[g] + data[kind + "_low"][g]
+        for T in range(1, 9):
+            x = rounded(data["x"][:T]) if kind.endswith("a8") else data["x"][:T].astype(np.float64)
+            rows = got[kind][T * (T - 1) // 2:T * (T + 1) // 2]
+            np.testing.assert_allclose(rows, x @ deq, rtol=1e-5, atol=1e-5 * np.abs(x @ deq).max(), err_msg=kind)
