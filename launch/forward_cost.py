@@ -36,7 +36,8 @@ flags.DEFINE_list("kernels", ["default"], "Kernel settings to compare: on, off, 
 flags.DEFINE_integer("bandwidth_mb", 512, "Array size for the memory-bandwidth measurement (0: skip).")
 flags.DEFINE_enum("clock", "wall", ["wall", "cpu"], "wall: elapsed time; cpu: this process's CPU time (all its "
                   "threads), which other jobs on a shared host inflate far less than the elapsed time.")
-flags.DEFINE_list("quantize", ["none"], "Weights to compare: none (the float model) and/or int8, int4 (quantized).")
+flags.DEFINE_list("quantize", ["none"], "Weights to compare: none (the float model) and/or int8, int4, w4a8, w8a8 "
+                  "(quantized).")
 FLAGS = flags.FLAGS
 
 

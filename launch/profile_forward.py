@@ -154,7 +154,12 @@ def profile(lm, cfg, size: int, tokens: int):
 def main(argv):
     add_scopes()
     cfg = load_config(FLAGS.config).target
-    lm = model.init_lm(cfg, sharding.make_mesh(MeshConfig(1, 1), jax.devices()[:1])).packed()  # as decoding runs it
+    lm = model.init_lm(cfg, sharding.make_mesh(MeshConfig(1, 1), jax.devices()[:1]))
+    if len(FLAGS.quantize) != 1:
+        raise app.UsageError(f"--quantize={','.join(FLAGS.quantize)}: one kind here (none or {', '.join(model.QUANTIZE)})")
+    if FLAGS.quantize[0] != "none":
+        lm = lm.quantized(FLAGS.quantize[0])
+    lm = lm.packed()  # as decoding runs it
     ts = [int(t) for t in FLAGS.tokens.split(",")]
     for size in (int(s) for s in FLAGS.cache.split(",")):
         results = {t: profile(lm, cfg, size, t) for t in ts}

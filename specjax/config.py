@@ -322,7 +322,8 @@ class HeadsConfig:
     # (EAGLE-3's draft vocabulary): a step's unembedding costs N/V of the whole one. Exact
     # either way: p is the softmax over those N, zero elsewhere.
     draft_vocab: int = 0
-    # eagle: the precision the layer decodes in ('' float, 'int8', 'int4'; training is
+    # eagle: the precision the layer decodes in ('' float, 'int8', 'int4', 'w4a8', 'w8a8'
+    # (int4 / 8-bit groups times int8-rounded activations: kernels.formats); training is
     # float either way): a quantized copy of its projections and draft-vocabulary columns,
     # made on load. The draft is whatever proposes, so sampling stays exact; a run's own
     # heads setting (`--config.heads.quantize=...` with heads of this kind) overrides the
@@ -338,7 +339,7 @@ class HeadsConfig:
         _integer(self, "init_seed", 0, SEED_LIMIT - 1)
         _integer(self, "width", 0, hint=" (0: the target's d_model)")
         _integer(self, "draft_vocab", 0, hint=" (0: the target's whole vocabulary)")
-        _choice(self, "quantize", {"", "int8", "int4"})
+        _choice(self, "quantize", {"", "int8", "int4", "w4a8", "w8a8"})
         if self.kind != "eagle" and (self.width or self.draft_vocab or self.quantize):
             raise ConfigError(f"heads.width={self.width}, heads.draft_vocab={self.draft_vocab}, heads.quantize="
                               f"{self.quantize!r}: only EAGLE heads (heads.kind='eagle') have them, these are "

@@ -83,7 +83,7 @@ def _fewrow_matmul_int8_jvp(n, primals, tangents):
 @functools.partial(jax.custom_jvp, nondiff_argnums=(3,))
 def fewrow_matmul_grouped(x: jax.Array, panels: jax.Array, aux: jax.Array, n: int) -> jax.Array:
     """x [T, K] @ (grouped panels, dequantized by the groups' scales and minimums aux
-    [P, G, 2, PANEL]), the first `n` columns, float32, by `fewrow_matmul.cc`'s grouped
+    [P, G, 2, PANEL] float16), the first `n` columns, float32, by `fewrow_matmul.cc`'s grouped
     variants (call only where `available()`): uint8 panels [P, K, PANEL // 2] hold two
     4-bit codes per byte, int8 panels [P, K, PANEL] one 8-bit code each. Differentiable in x."""
     out = jax.ShapeDtypeStruct((x.shape[0], n), jnp.float32)
@@ -96,8 +96,8 @@ def grouped_panel_matrix(panels: jax.Array, aux: jax.Array) -> jax.Array:
     codes = (jnp.concatenate([panels & 15, panels >> 4], axis=-1) if panels.dtype == jnp.uint8 else panels)
     codes = codes.astype(jnp.float32)  # [P, K, PANEL]
     K = codes.shape[-2]
-    scale = jnp.repeat(aux[..., 0, :], GROUP, axis=-2)[..., :K, :]
-    low = jnp.repeat(aux[..., 1, :], GROUP, axis=-2)[..., :K, :]
+    scale = jnp.repeat(aux[..., 0, :].astype(jnp.float32), GROUP, axis=-2)[..., :K, :]
+    low = jnp.repeat(aux[..., 1, :].astype(jnp.float32), GROUP, axis=-2)[..., :K, :]
     return codes * scale + low
 
 
@@ -137,8 +137,8 @@ def a8_panel_matrix(panels: jax.Array, aux: jax.Array, k: int) -> jax.Array:
     if panels.shape[-1] == 2 * 64:
         quads = jnp.concatenate([quads & 15, quads >> 4], axis=-2)
     codes = jnp.swapaxes(quads, -1, -2).reshape(P, 4 * Q, -1).astype(jnp.float32)  # [P, Kp, PANEL]
-    scale = jnp.repeat(aux[..., 0, :], GROUP, axis=-2)
-    low = jnp.repeat(aux[..., 1, :], GROUP, axis=-2)
+    scale = jnp.repeat(aux[..., 0, :].astype(jnp.float32), GROUP, axis=-2)
+    low = jnp.repeat(aux[..., 1, :].astype(jnp.float32), GROUP, axis=-2)
     return (codes * scale + low)[:, :k]
 
 

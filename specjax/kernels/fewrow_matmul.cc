@@ -4,7 +4,7 @@
 // share the one loop (`Tile<T, F>`): float32 panels; int8 panels with a float32 scale per
 // column (w = q * scale, symmetric per output channel), dequantized in registers: a
 // column's sum is over x[t, k] * q[k, n] and is scaled once at the end, so a quarter of
-// the bytes are read; and grouped panels, with a float32 scale and minimum per column and
+// the bytes are read; and grouped panels, with a float16 scale and minimum per column and
 // group of 32 rows of k (w = code * scale + min), whose codes are multiplied as they are
 // and each group's scale and minimum applied once at its end: 4-bit codes, two per byte,
 // 32 bytes per panel row (GGUF's Q4_1 and, with min = -8 scale, Q4_0: an eighth of the
@@ -52,28 +52,63 @@ constexpr int64_t kGroup = 32;  // grouped formats: rows of k per scale and mini
 inline int64_t GroupAux(int64_t K) { return 2 * kPanel * ((K + kGroup - 1) / kGroup); }
 struct F32 {
   using W = float;
+  using A = float;
   static constexpr int64_t kElems = kPanel;
   static constexpr bool kGrouped = false;
   static int64_t Aux(int64_t) { return 0; }
 };
 struct I8 {
   using W = int8_t;
+  using A = float;
   static constexpr int64_t kElems = kPanel;
   static constexpr bool kGrouped = false;
   static int64_t Aux(int64_t) { return kPanel; }
 };
 struct I4 {
   using W = uint8_t;  // byte b of a row: column b in the low nibble, column b + 32 in the high one
+  using A = uint16_t;  // the groups' scales and minimums: float16
   static constexpr int64_t kElems = kPanel / 2;
   static constexpr bool kGrouped = true;
   static int64_t Aux(int64_t K) { return GroupAux(K); }
 };
 struct G8 {
   using W = int8_t;
+  using A = uint16_t;
   static constexpr int64_t kElems = kPanel;
   static constexpr bool kGrouped = true;
   static int64_t Aux(int64_t K) { return GroupAux(K); }
 };
+
+// kWidth float16 values (IEEE half bits) as floats: the grouped formats' scales and
+// minimums are stored so (GGUF stores them so too: no value changes), a sixth fewer bytes
+// per 4-bit weight than float32 ones.
+inline float HalfToFloat(uint16_t h) {
+  const uint32_t sign = (h & 0x8000u) << 16, exp = (h >> 10) & 31, man = h & 1023;
+  uint32_t bits;
+  if (exp == 31) {
+    bits = sign | 0x7F800000u | (man << 13);
+  } else if (exp != 0) {
+    bits = sign | ((exp + 112) << 23) | (man << 13);
+  } else {  // zero or subnormal: man * 2^-24
+    float f = static_cast<float>(man) * 5.9604644775390625e-8f;
+    std::memcpy(&bits, &f, 4);
+    bits |= sign;
+  }
+  float f;
+  std::memcpy(&f, &bits, 4);
+  return f;
+}
+inline Vec LoadHalf(const uint16_t* p) {
+#if defined(__AVX512F__)
+  return (Vec)_mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)));
+#elif defined(__F16C__) && defined(__AVX__)
+  return (Vec)_mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
+#else
+  Vec v;
+  for (int i = 0; i < kWidth; ++i) v[i] = HalfToFloat(p[i]);
+  return v;
+#endif
+}
 
 // A panel row's kWidth weights from p as floats: a float load, or int8 widened in registers
 // (AVX-512 and AVX2: one sign-extending load and one conversion; GCC 12 turned the vector
@@ -126,7 +161,7 @@ inline Vec Codes(const uint8_t* row, int c) {
 // kWidth weights, and at T = 1 the grouped kernels are bound by their instructions (a
 // load, a widening, a mask or shift and a conversion per kWidth codes), not by memory.
 template <int T, typename F>
-inline void Tile(const float* x, const typename F::W* panel, const float* aux, const float* xsum, int64_t K,
+inline void Tile(const float* x, const typename F::W* panel, const typename F::A* aux, const float* xsum, int64_t K,
                  float* out, int64_t ldo) {
   constexpr int C = kVecs;
   constexpr int64_t kRow = F::kElems * sizeof(typename F::W);  // bytes per panel row
@@ -150,9 +185,9 @@ inline void Tile(const float* x, const typename F::W* panel, const float* aux, c
     for (int64_t g = 0; g < G; ++g) {
       Vec part[T][C] = {};
       for (int64_t k = g * kGroup; k < std::min(K, (g + 1) * kGroup); ++k) row(k, part);
-      const float* a = aux + g * 2 * kPanel;
+      const uint16_t* a = aux + g * 2 * kPanel;
       for (int c = 0; c < C; ++c) {
-        const Vec scale = Load(a + c * kWidth), low = Load(a + kPanel + c * kWidth);
+        const Vec scale = LoadHalf(a + c * kWidth), low = LoadHalf(a + kPanel + c * kWidth);
         for (int t = 0; t < T; ++t) acc[t][c] += part[t][c] * scale + Splat(xsum[t * G + g]) * low;
       }
     }
@@ -170,9 +205,10 @@ inline void Tile(const float* x, const typename F::W* panel, const float* aux, c
 
 // y[:, 64p0 : 64p1] (clipped to N) for panels p0..p1-1; aux: each panel's F::Aux(K) floats.
 template <int T, typename F>
-void Panels(const float* x, const void* wv, const float* aux, const float* xsum, float* y, int64_t K, int64_t N,
+void Panels(const float* x, const void* wv, const void* av, const float* xsum, float* y, int64_t K, int64_t N,
             int64_t p0, int64_t p1) {
   const typename F::W* wp = static_cast<const typename F::W*>(wv);
+  const typename F::A* aux = static_cast<const typename F::A*>(av);
   float last[T * kPanel];  // a panel that runs past N is computed here, then clipped
   for (int64_t p = p0; p < p1; ++p) {
     const bool full = (p + 1) * kPanel <= N;
@@ -183,17 +219,18 @@ void Panels(const float* x, const void* wv, const float* aux, const float* xsum,
   }
 }
 
-using PanelFn = void (*)(const float*, const void*, const float*, const float*, float*, int64_t, int64_t, int64_t,
+using PanelFn = void (*)(const float*, const void*, const void*, const float*, float*, int64_t, int64_t, int64_t,
                          int64_t);
 template <typename F>
 constexpr PanelFn kPanels[kMaxRows + 1] = {nullptr,         Panels<1, F>, Panels<2, F>, Panels<3, F>, Panels<4, F>,
                                            Panels<5, F>, Panels<6, F>, Panels<7, F>, Panels<8, F>};
 
 // The checks and the split between threads that the formats share (a panel row holds
-// `row` elements); scale is null for float32.
+// `row` elements); scale (int8's float32 scales, the grouped formats' float16 aux) is null
+// for float32.
 ffi::Error Run(ffi::ThreadPool& pool, const char* name, PanelFn const* fns, int64_t row, ffi::AnyBuffer::Dimensions xd,
                ffi::AnyBuffer::Dimensions wd, ffi::AnyBuffer::Dimensions yd, const float* xs, const void* ws,
-               const float* scale, float* ys, bool grouped = false) {
+               const void* scale, float* ys, bool grouped = false) {
   if (xd.size() != 2 || wd.size() != 3 || yd.size() != 2 || xd[0] < 1 || xd[0] > kMaxRows || xd[1] != wd[1] ||
       wd[2] != row || yd[0] != xd[0] || yd[1] > wd[0] * kPanel || yd[1] <= (wd[0] - 1) * kPanel)
     return ffi::Error::InvalidArgument(std::string(name) + ": want x[T<=8, K], wp[P, K, " + std::to_string(row) +
@@ -242,11 +279,11 @@ ffi::Error FewRowMatmulInt8(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::
 }
 
 // The grouped formats (`I4`: wp[P, K, 32] uint8, two codes per byte; `G8`: wp[P, K, 64]
-// int8): aux[P, G, 2, 64] holds each group's scales then minimums (G = ceil(K / 32);
+// int8): aux[P, G, 2, 64] float16 holds each group's scales then minimums (G = ceil(K / 32);
 // columns past N: any value, dropped).
 template <typename F>
 ffi::Error RunGrouped(ffi::ThreadPool& pool, const char* name, ffi::Buffer<ffi::F32>& x,
-                      ffi::AnyBuffer::Dimensions wd, const void* wp, ffi::Buffer<ffi::F32>& aux,
+                      ffi::AnyBuffer::Dimensions wd, const void* wp, ffi::Buffer<ffi::F16>& aux,
                       ffi::ResultBuffer<ffi::F32>& y) {
   auto ad = aux.dimensions();
   if (wd.size() != 3 || ad.size() != 4 || ad[0] != wd[0] || ad[1] != (wd[1] + kGroup - 1) / kGroup || ad[2] != 2 ||
@@ -258,12 +295,12 @@ ffi::Error RunGrouped(ffi::ThreadPool& pool, const char* name, ffi::Buffer<ffi::
 }
 
 ffi::Error FewRowMatmulInt4(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::Buffer<ffi::U8> wp,
-                            ffi::Buffer<ffi::F32> aux, ffi::ResultBuffer<ffi::F32> y) {
+                            ffi::Buffer<ffi::F16> aux, ffi::ResultBuffer<ffi::F32> y) {
   return RunGrouped<I4>(pool, "specjax_fewrow_matmul_int4", x, wp.dimensions(), wp.typed_data(), aux, y);
 }
 
 ffi::Error FewRowMatmulGrouped8(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::Buffer<ffi::S8> wp,
-                                ffi::Buffer<ffi::F32> aux, ffi::ResultBuffer<ffi::F32> y) {
+                                ffi::Buffer<ffi::F16> aux, ffi::ResultBuffer<ffi::F32> y) {
   return RunGrouped<G8>(pool, "specjax_fewrow_matmul_grouped8", x, wp.dimensions(), wp.typed_data(), aux, y);
 }
 
@@ -325,9 +362,9 @@ inline Vec ToFloat(IVec v) {
 }
 
 // out[t, :kPanel] = x[t] as rounded (xq [T, G*32] int8, xd [T, G] the groups' scales, xs
-// [T, G] the sums of their codes) @ one panel (quad-rows [G*8, kRow], aux [G, 2, 64]).
+// [T, G] the sums of their codes) @ one panel (quad-rows [G*8, kRow], aux [G, 2, 64] float16).
 template <int T, int Bits>
-inline void TileA8(const int8_t* xq, const float* xd, const int32_t* xs, const uint8_t* panel, const float* aux,
+inline void TileA8(const int8_t* xq, const float* xd, const int32_t* xs, const uint8_t* panel, const uint16_t* aux,
                    int64_t G, float* out, int64_t ldo) {
   constexpr int C = kVecs;
   constexpr int64_t kRow = Bits == 4 ? 2 * kPanel : 4 * kPanel;  // bytes per quad-row
@@ -346,9 +383,9 @@ inline void TileA8(const int8_t* xq, const float* xd, const int32_t* xs, const u
         for (int c = 0; c < C; ++c) part[t][c] = Dot4<Bits>(part[t][c], w[c], x);
       }
     }
-    const float* a = aux + g * 2 * kPanel;
+    const uint16_t* a = aux + g * 2 * kPanel;
     for (int c = 0; c < C; ++c) {
-      const Vec scale = Load(a + c * kWidth), low = Load(a + kPanel + c * kWidth);
+      const Vec scale = LoadHalf(a + c * kWidth), low = LoadHalf(a + kPanel + c * kWidth);
       for (int t = 0; t < T; ++t)
         acc[t][c] += (ToFloat(part[t][c]) * scale + Splat(static_cast<float>(xs[t * G + g])) * low) *
                      Splat(xd[t * G + g]);
@@ -359,7 +396,7 @@ inline void TileA8(const int8_t* xq, const float* xd, const int32_t* xs, const u
 }
 
 template <int T, int Bits>
-void PanelsA8(const int8_t* xq, const float* xd, const int32_t* xs, const uint8_t* wp, const float* aux, float* y,
+void PanelsA8(const int8_t* xq, const float* xd, const int32_t* xs, const uint8_t* wp, const uint16_t* aux, float* y,
               int64_t G, int64_t N, int64_t p0, int64_t p1) {
   constexpr int64_t kRow = Bits == 4 ? 2 * kPanel : 4 * kPanel;
   float last[T * kPanel];
@@ -372,7 +409,7 @@ void PanelsA8(const int8_t* xq, const float* xd, const int32_t* xs, const uint8_
   }
 }
 
-using PanelA8Fn = void (*)(const int8_t*, const float*, const int32_t*, const uint8_t*, const float*, float*, int64_t,
+using PanelA8Fn = void (*)(const int8_t*, const float*, const int32_t*, const uint8_t*, const uint16_t*, float*, int64_t,
                            int64_t, int64_t, int64_t);
 template <int Bits>
 constexpr PanelA8Fn kPanelsA8[kMaxRows + 1] = {nullptr,           PanelsA8<1, Bits>, PanelsA8<2, Bits>,
@@ -380,9 +417,9 @@ constexpr PanelA8Fn kPanelsA8[kMaxRows + 1] = {nullptr,           PanelsA8<1, Bi
                                                PanelsA8<6, Bits>, PanelsA8<7, Bits>, PanelsA8<8, Bits>};
 
 // x [T, K] float32 times A8 panels wp [P, ceil(K/32) * 8, 128 (4-bit) or 256 (8-bit)] with
-// aux [P, ceil(K/32), 2, 64] (each group's scales, then minimums; columns past N: any value).
+// aux [P, ceil(K/32), 2, 64] float16 (each group's scales, then minimums; columns past N: any value).
 ffi::Error FewRowMatmulA8(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::Buffer<ffi::U8> wp,
-                          ffi::Buffer<ffi::F32> aux, ffi::ResultBuffer<ffi::F32> y) {
+                          ffi::Buffer<ffi::F16> aux, ffi::ResultBuffer<ffi::F32> y) {
   auto xd = x.dimensions(), wd = wp.dimensions(), ad = aux.dimensions(), yd = y->dimensions();
   const bool shapes = xd.size() == 2 && wd.size() == 3 && ad.size() == 4 && yd.size() == 2;
   const int64_t T = shapes ? xd[0] : 0, K = shapes ? xd[1] : 0, G = (K + kGroup - 1) / kGroup;
@@ -429,7 +466,7 @@ ffi::Error FewRowMatmulA8(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::Bu
   const float* d = xdv.data();
   const int32_t* s = xsv.data();
   const uint8_t* w = wp.typed_data();
-  const float* a = aux.typed_data();
+  const uint16_t* a = aux.typed_data();
   const int64_t threads = K * N >= kMinSplit ? std::max<int64_t>(1, std::min<int64_t>(pool.num_threads(), P)) : 1;
   if (threads == 1) {
     fn(q, d, s, w, a, ys, G, N, 0, P);
@@ -448,7 +485,7 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(SpecjaxFewRowMatmulA8, FewRowMatmulA8,
                                   .Ctx<ffi::ThreadPool>()
                                   .Arg<ffi::Buffer<ffi::F32>>()
                                   .Arg<ffi::Buffer<ffi::U8>>()
-                                  .Arg<ffi::Buffer<ffi::F32>>()
+                                  .Arg<ffi::Buffer<ffi::F16>>()
                                   .Ret<ffi::Buffer<ffi::F32>>());
 
 XLA_FFI_DEFINE_HANDLER_SYMBOL(SpecjaxFewRowMatmulGrouped8, FewRowMatmulGrouped8,
@@ -456,7 +493,7 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(SpecjaxFewRowMatmulGrouped8, FewRowMatmulGrouped8,
                                   .Ctx<ffi::ThreadPool>()
                                   .Arg<ffi::Buffer<ffi::F32>>()
                                   .Arg<ffi::Buffer<ffi::S8>>()
-                                  .Arg<ffi::Buffer<ffi::F32>>()
+                                  .Arg<ffi::Buffer<ffi::F16>>()
                                   .Ret<ffi::Buffer<ffi::F32>>());
 
 XLA_FFI_DEFINE_HANDLER_SYMBOL(SpecjaxFewRowMatmulInt4, FewRowMatmulInt4,
@@ -464,7 +501,7 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(SpecjaxFewRowMatmulInt4, FewRowMatmulInt4,
                                   .Ctx<ffi::ThreadPool>()
                                   .Arg<ffi::Buffer<ffi::F32>>()
                                   .Arg<ffi::Buffer<ffi::U8>>()
-                                  .Arg<ffi::Buffer<ffi::F32>>()
+                                  .Arg<ffi::Buffer<ffi::F16>>()
                                   .Ret<ffi::Buffer<ffi::F32>>());
 
 XLA_FFI_DEFINE_HANDLER_SYMBOL(SpecjaxFewRowMatmul, FewRowMatmul,

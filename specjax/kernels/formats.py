@@ -301,9 +301,10 @@ class Grouped:
     multiplied by as its transpose and looked up by rows); `scale`, `low` float32
     [*lead, G, N], one per group of GROUP consecutive inputs (of the contracted axes
     merged, K = their product, G = ceil(K / GROUP); a transposed table's [*lead, N, G])
-    and output column. `panels` ([*lead, P, K, PANEL // 2] uint8, two codes per byte, for
-    4 bits; [*lead, P, K, PANEL] int8 for 8) and `aux` [*lead, P, G, 2, PANEL] (scales,
-    minimums), as the few-row kernel reads them (`pack_grouped`); made by `pack_params`
+    and output column, whose values are float16's (GGUF stores them so; the quantizers round
+    to them): the kernel reads them as float16. `panels` ([*lead, P, K, PANEL // 2] uint8,
+    two codes per byte, for 4 bits; [*lead, P, K, PANEL] int8 for 8) and `aux`
+    [*lead, P, G, 2, PANEL] float16 (scales, minimums), as the few-row kernel reads them (`pack_grouped`); made by `pack_params`
     where the kernel runs, else None. `activations`: 'float32', or 'int8' (x rounded per
     row and group before it is multiplied: the module doc; the panels are then the A8
     layout, [*lead, P, G * GROUP / 4, 2 * PANEL or 4 * PANEL] uint8)."""
@@ -397,10 +398,16 @@ def _groups_apply(code: jax.Array, scale: jax.Array, low: jax.Array, axis: int) 
     return (c * scale[..., None] + low[..., None]).reshape(*code.shape[:-1], -1)[..., :K]
 
 
+def _half(a: jax.Array) -> jax.Array:
+    """a rounded to the nearest float16 value (kept float32; past float16's range, its largest)."""
+    return jnp.clip(a, -65504, 65504).astype(jnp.float16).astype(jnp.float32)
+
+
 def _int4_groups(w: jax.Array, axis: int, bits: int = 4):
     """(code, scale, low) of w with groups of GROUP along `axis` (-2 or -1), as `_groups_apply`
     reads them: 4 bits, the group's min and (max - min) / 15; 8, symmetric (GGUF's Q8_0):
-    max |w| / 127, int8 codes, min 0."""
+    max |w| / 127, int8 codes, min 0. Scales and minimums are rounded to float16 values
+    first (the kernel stores them so), and the codes made against the rounded ones."""
     K = w.shape[axis]
     pad = -K % GROUP
     if axis == -2:
@@ -412,12 +419,15 @@ def _int4_groups(w: jax.Array, axis: int, bits: int = 4):
     g = g.reshape(*g.shape[:-1], -1, GROUP)
     if bits == 8:
         amax = jnp.max(jnp.abs(g), axis=-1)
-        scale = jnp.where(amax > 0, amax / 127, 1.0)
+        scale = _half(amax / 127)
+        scale = jnp.where(scale > 0, scale, 1.0)
         low = jnp.zeros_like(scale)
         code = jnp.clip(jnp.round(g / scale[..., None]), -127, 127).astype(jnp.int8)
     else:
         low, high = jnp.min(g, axis=-1), jnp.max(g, axis=-1)
-        scale = jnp.where(high > low, (high - low) / 15, 1.0)
+        low = _half(low)
+        scale = _half((high - low) / 15)
+        scale = jnp.where(scale > 0, scale, 1.0)
         code = jnp.clip(jnp.round((g - low[..., None]) / scale[..., None]), 0, 15).astype(jnp.uint8)
     code = code.reshape(*code.shape[:-2], -1)[..., :K]
     if axis == -2:
@@ -446,7 +456,7 @@ def quantize_int4(w: jax.Array, contracted: int, lead: int = 0, *, transposed: b
 
 
 def pack_grouped(w: Grouped) -> tuple[jax.Array, jax.Array]:
-    """(panels, aux [*lead, P, G, 2, PANEL] float32) of a Grouped weight as the kernel reads
+    """(panels, aux [*lead, P, G, 2, PANEL] float16) of a Grouped weight as the kernel reads
     them: panels [*lead, P, K, PANEL] int8 for 8 bits; for 4, [*lead, P, K, PANEL // 2]
     uint8 where byte b of a panel row holds column b in its low nibble and column
     b + PANEL // 2 in its high one; aux holds each group's scales then minimums per column
@@ -466,7 +476,7 @@ def pack_grouped(w: Grouped) -> tuple[jax.Array, jax.Array]:
     c = jnp.moveaxis(jnp.pad(code, pad).reshape(*code.shape[:-1], P, PANEL), -2, -3)  # [*lead, P, K, PANEL]
     half = PANEL // 2
     panels = (c[..., :half] | (c[..., half:] << 4)).astype(jnp.uint8) if w.bits == 4 else c.astype(jnp.int8)
-    groups = jnp.stack([jnp.pad(scale, pad), jnp.pad(low, pad)], axis=-2)  # [*lead, G, 2, P*PANEL]
+    groups = jnp.stack([jnp.pad(scale, pad), jnp.pad(low, pad)], axis=-2).astype(jnp.float16)  # [*lead, G, 2, P*PANEL]
     aux = jnp.moveaxis(groups.reshape(*groups.shape[:-1], P, PANEL), -2, -4)  # [*lead, P, G, 2, PANEL]
     return panels, aux
 
@@ -483,7 +493,7 @@ def _pack_a8(code: jax.Array, scale: jax.Array, low: jax.Array, bits: int, P: in
     if bits == 4:
         c = c[..., :PANEL // 2] | (c[..., PANEL // 2:] << 4)
     panels = jnp.swapaxes(c, -1, -2).reshape(*lead, P, G * GROUP // 4, -1).astype(jnp.uint8)
-    groups = jnp.stack([scale, low], axis=-2)  # [*lead, G, 2, P*PANEL]
+    groups = jnp.stack([scale, low], axis=-2).astype(jnp.float16)  # [*lead, G, 2, P*PANEL]
     aux = jnp.moveaxis(groups.reshape(*groups.shape[:-1], P, PANEL), -2, -4)  # [*lead, P, G, 2, PANEL]
     return panels, aux
 
