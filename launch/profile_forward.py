@@ -156,7 +156,8 @@ def main(argv):
     cfg = load_config(FLAGS.config).target
     lm = model.init_lm(cfg, sharding.make_mesh(MeshConfig(1, 1), jax.devices()[:1]))
     if len(FLAGS.quantize) != 1:
-        raise app.UsageError(f"--quantize={','.join(FLAGS.quantize)}: one kind here (none or {', '.join(model.QUANTIZE)})")
+        raise app.UsageError(f"--quantize={','.join(FLAGS.quantize)}: one kind here "
+                             f"(none or {', '.join(model.QUANTIZE)})")
     if FLAGS.quantize[0] != "none":
         lm = lm.quantized(FLAGS.quantize[0])
     lm = lm.packed()  # as decoding runs it

@@ -516,7 +516,8 @@ class LM:
         """This model with its weights quantized (`QUANTIZE`; 'int8': `kernels.Int8`,
         symmetric per output column; 'int4': `kernels.Grouped` of 4 bits, a scale and minimum per output
         column and group of 32 inputs; 'w4a8' / 'w8a8': int4 / symmetric 8-bit groups (GGUF's
-        Q8_0) multiplying activations rounded to int8 per group of 32, as llama.cpp does): every projection, the unembedding, and the embedding
+        Q8_0) multiplying activations rounded to int8 per group of 32, as llama.cpp does): every
+        projection, the unembedding, and the embedding
         table (per row: a tied table is then the unembedding's quantization too, and the
         lookup dequantizes only the rows it reads). The norms, Transformer-XL's W_r and
         biases stay float. The result is a model of its own, the one that sampling from it

@@ -16,7 +16,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from specjax.kernels.library import (ATTENTION_TARGET, MATMUL_A8_TARGET, MATMUL_GROUPED8_TARGET, MATMUL_INT4_TARGET, MATMUL_INT8_TARGET,
+from specjax.kernels.library import (ATTENTION_TARGET, MATMUL_A8_TARGET, MATMUL_GROUPED8_TARGET, MATMUL_INT4_TARGET,
+                                     MATMUL_INT8_TARGET,
                                      MATMUL_TARGET, NUCLEUS_TARGET, available)
 from specjax.kernels.setting import Kernels
 

@@ -409,8 +409,8 @@ void PanelsA8(const int8_t* xq, const float* xd, const int32_t* xs, const uint8_
   }
 }
 
-using PanelA8Fn = void (*)(const int8_t*, const float*, const int32_t*, const uint8_t*, const uint16_t*, float*, int64_t,
-                           int64_t, int64_t, int64_t);
+using PanelA8Fn = void (*)(const int8_t*, const float*, const int32_t*, const uint8_t*, const uint16_t*, float*,
+                           int64_t, int64_t, int64_t, int64_t);
 template <int Bits>
 constexpr PanelA8Fn kPanelsA8[kMaxRows + 1] = {nullptr,           PanelsA8<1, Bits>, PanelsA8<2, Bits>,
                                                PanelsA8<3, Bits>, PanelsA8<4, Bits>, PanelsA8<5, Bits>,

@@ -304,7 +304,8 @@ class Grouped:
     and output column, whose values are float16's (GGUF stores them so; the quantizers round
     to them): the kernel reads them as float16. `panels` ([*lead, P, K, PANEL // 2] uint8,
     two codes per byte, for 4 bits; [*lead, P, K, PANEL] int8 for 8) and `aux`
-    [*lead, P, G, 2, PANEL] float16 (scales, minimums), as the few-row kernel reads them (`pack_grouped`); made by `pack_params`
+    [*lead, P, G, 2, PANEL] float16 (scales, minimums), as the few-row kernel reads them
+    (`pack_grouped`); made by `pack_params`
     where the kernel runs, else None. `activations`: 'float32', or 'int8' (x rounded per
     row and group before it is multiplied: the module doc; the panels are then the A8
     layout, [*lead, P, G * GROUP / 4, 2 * PANEL or 4 * PANEL] uint8)."""

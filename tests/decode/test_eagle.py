@@ -142,12 +142,18 @@ def pairs(tiny):
 def test_greedy_sps_equals_greedy_ars(pairs, mesh_name, narrow):
     target, heads = pairs[mesh_name]
     greedy = SamplingConfig(temperature=0, lookahead=4, max_new_tokens=64, drafter="eagle")
-    if narrow:  # a narrower int8 layer and a draft vocabulary (on a mesh: its columns whole on every device)
-        heads = init_heads(NARROW, target.cfg, mesh_for(mesh_name), vocab=NARROW_VOCAB)
+    if narrow:  # a narrower quantized layer and a draft vocabulary (on a mesh: its columns whole on every device)
+        quantize = "w4a8" if mesh_name == "1x1" else "int8"  # int4 codes times int8 activations on one device
+        cfg = dataclasses.replace(NARROW, quantize=quantize)
+        heads = init_heads(cfg, target.cfg, mesh_for(mesh_name), vocab=NARROW_VOCAB)
         drafter = eagle.EagleDrafter.make(greedy, target, heads, None, None)
-        formats = {type(w).__name__ for w in jax.tree.leaves(
-            (drafter.heads.params, drafter.unembed.columns), is_leaf=lambda x: isinstance(x, kernels.Int8))}
-        assert "Int8" in formats and "Packed" not in formats, formats
+        is_q = lambda x: isinstance(x, kernels.QUANTIZED)  # noqa: E731
+        weights = [w for w in jax.tree.leaves((drafter.heads.params, drafter.unembed.columns), is_leaf=is_q)
+                   if is_q(w) or isinstance(w, kernels.Packed)]
+        want = kernels.Int8 if quantize == "int8" else kernels.Grouped
+        assert weights and all(isinstance(w, want) for w in weights), {type(w).__name__ for w in weights}
+        if quantize == "w4a8":
+            assert {w.activations for w in weights} == {"int8"}
     ars = specjax.generate(target, None, RAGGED, dataclasses.replace(greedy, drafter="model"))
     sps = specjax.generate(target, heads, RAGGED, greedy)
     assert sps.tokens == ars.tokens
