@@ -225,6 +225,17 @@ template <typename F>
 constexpr PanelFn kPanels[kMaxRows + 1] = {nullptr,         Panels<1, F>, Panels<2, F>, Panels<3, F>, Panels<4, F>,
                                            Panels<5, F>, Panels<6, F>, Panels<7, F>, Panels<8, F>};
 
+// fn(p0, p1) over the P panels: on this thread for a small matrix (k_by_n weights; a second
+// thread costs more to wake than it saves), else in as many ranges as the pool has threads,
+// each taken by whichever thread comes first.
+template <typename Fn>
+void SplitPanels(ffi::ThreadPool& pool, int64_t k_by_n, int64_t P, Fn fn) {
+  const int64_t threads = k_by_n >= kMinSplit ? std::max<int64_t>(1, std::min<int64_t>(pool.num_threads(), P)) : 1;
+  if (threads == 1) return fn(0, P);
+  const int64_t per = (P + threads - 1) / threads, ranges = (P + per - 1) / per;
+  ParallelFor(pool, ranges, ranges - 1, [=](int64_t r) { fn(r * per, std::min(P, (r + 1) * per)); });
+}
+
 // The checks and the split between threads that the formats share (a panel row holds
 // `row` elements); scale (int8's float32 scales, the grouped formats' float16 aux) is null
 // for float32.
@@ -248,17 +259,8 @@ ffi::Error Run(ffi::ThreadPool& pool, const char* name, PanelFn const* fns, int6
   for (int64_t t = 0; grouped && t < T; ++t)
     for (int64_t k = 0; k < K; ++k) sums[t * G + k / kGroup] += xs[t * K + k];
   const float* xsum = grouped ? sums.data() : nullptr;
-  // Small matrices: a second thread costs more to wake than it saves.
-  const int64_t threads = K * N >= kMinSplit ? std::max<int64_t>(1, std::min<int64_t>(pool.num_threads(), P)) : 1;
-  if (threads == 1) {
-    fns[T](xs, ws, scale, xsum, ys, K, N, 0, P);
-    return ffi::Error::Success();
-  }
-  // The panels in `threads` ranges, each taken by whichever thread comes first.
-  const int64_t per = (P + threads - 1) / threads, ranges = (P + per - 1) / per;
   const PanelFn fn = fns[T];
-  ParallelFor(pool, ranges, ranges - 1,
-              [=](int64_t r) { fn(xs, ws, scale, xsum, ys, K, N, r * per, std::min(P, (r + 1) * per)); });
+  SplitPanels(pool, K * N, P, [=](int64_t p0, int64_t p1) { fn(xs, ws, scale, xsum, ys, K, N, p0, p1); });
   return ffi::Error::Success();
 }
 
@@ -467,14 +469,7 @@ ffi::Error FewRowMatmulA8(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::Bu
   const int32_t* s = xsv.data();
   const uint8_t* w = wp.typed_data();
   const uint16_t* a = aux.typed_data();
-  const int64_t threads = K * N >= kMinSplit ? std::max<int64_t>(1, std::min<int64_t>(pool.num_threads(), P)) : 1;
-  if (threads == 1) {
-    fn(q, d, s, w, a, ys, G, N, 0, P);
-    return ffi::Error::Success();
-  }
-  const int64_t per = (P + threads - 1) / threads, ranges = (P + per - 1) / per;
-  ParallelFor(pool, ranges, ranges - 1,
-              [=](int64_t r) { fn(q, d, s, w, a, ys, G, N, r * per, std::min(P, (r + 1) * per)); });
+  SplitPanels(pool, K * N, P, [=](int64_t p0, int64_t p1) { fn(q, d, s, w, a, ys, G, N, p0, p1); });
   return ffi::Error::Success();
 }
 
