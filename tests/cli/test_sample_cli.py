@@ -207,6 +207,26 @@ def test_quantized_int8_run_samples_the_quantized_model(env, tmp_path):
     assert by_row(records, "sps") == by_row(records, "ars") == {(p, s): want[p] for p in (0, 1) for s in (0, 1)}
 
 
+def test_an_int4_target_drafted_by_its_own_w4a8_arithmetic_samples_the_int4_model(env, tmp_path):
+    """--quantize=int4 --self_draft=w4a8 (allowed: the draft is the target's codes times
+    int8 activations, not the target): greedy SpS == greedy ArS == greedy ArS of the int4
+    model in this process (float activations: the draft's rounding is not what is sampled)."""
+    from specjax import model, sharding
+    from specjax.config import MeshConfig, SamplingConfig, load_config
+    from specjax.decode import api
+
+    out = tmp_path / "w4a8.jsonl"
+    proc = sample(env, *TINY, "--mode=both", "--quantize=int4", "--self_draft=w4a8", *GREEDY, f"--output={out}")
+    assert proc.returncode == 0, proc.stderr
+    records = read_jsonl(out)
+    mesh = sharding.make_mesh(MeshConfig(1, 1), jax.devices()[:1])
+    int4 = model.init_lm(load_config("tiny").target, mesh).quantized("int4")
+    with jax.set_mesh(mesh):
+        want = api.generate(int4, None, [[1, 2, 3], [4, 5, 6, 7, 8]],
+                            SamplingConfig(temperature=0.0, max_new_tokens=MAX_NEW)).tokens
+    assert by_row(records, "sps") == by_row(records, "ars") == {(p, s): want[p] for p in (0, 1) for s in (0, 1)}
+
+
 def test_checkpoint_weights_are_the_ones_sampled(env, files, greedy, tmp_path):
     from_ckpt = sample(env, "--config=tiny", "--mode=ars", f"--checkpoint={files / 'tiny_seed7'}", *GREEDY,
                        f"--output={tmp_path / 'ckpt.jsonl'}")
