@@ -370,6 +370,9 @@ def test_every_instruction_sets_grouped_kernels_match_float64(isa, tmp_path):
     byte dot products, AVX-512BW / AVX2 pair sums, plain integer vectors), in a fresh
     process with SPECJAX_KERNEL_FLAGS, against numpy: x (rounded for A8) @ the dequantized
     weight, T = 1..8, K = 100 (a short last group), N = 150 (a partial panel)."""
+    import platform
+    if platform.machine() not in ("x86_64", "AMD64"):
+        pytest.skip(f"the flags name x86 features; this is {platform.machine()}")
     extra, needs = ISAS[isa]
     if not set(needs) <= cpu_flags():
         pytest.skip(f"this CPU lacks {sorted(set(needs) - cpu_flags())}")
