@@ -58,7 +58,7 @@ def read_bandwidth(megabytes: int, repeats: int = 10) -> dict[str, float]:
     rows = 64
     x = jnp.ones((rows, megabytes * 2**20 // 4 // rows), jnp.float32)
     readers = {"XLA row sum": (jax.jit(lambda a: a.sum(axis=1)), x)}
-    if kernels.available():
+    if jax.default_backend() == "cpu" and kernels.available():
         w = kernels.pack(x.reshape(-1, 4096), 1)
         matmul = jax.jit(dispatch.fewrow_matmul, static_argnums=2)
         readers["few-row kernel, 1 row"] = (matmul, jnp.ones((1, w.panels.shape[1])), w.panels, w.n)
@@ -75,12 +75,15 @@ def read_bandwidth(megabytes: int, repeats: int = 10) -> dict[str, float]:
 
 
 def forward_times(lm, ts, sizes, settings, steps: int, repeats: int, clock: str = "wall", quantize=("none",),
-                  batch: int = 1) -> dict[tuple[int, str, int], float]:
+                  batch: int = 1, memory: dict | None = None) -> dict[tuple[int, str, int], float]:
     """Median ms per forward of `lm` for every (cache size, kernel setting, T), and each of
     `quantize` ('none' or a `model.QUANTIZE` kind: the label is then 'setting/kind'): `steps`
     forwards per timed loop (`loop`), `repeats` loops, every program interleaved with the
     others of its cache size so that machine noise hits every T and setting alike.
-    `clock`: 'wall' or 'cpu' (CPU ms of the process, summed over its threads)."""
+    `clock`: 'wall' or 'cpu' (CPU ms of the process, summed over its threads). `memory`, if
+    given, receives each program's compiled temporaries in bytes under the same keys: a
+    quantized model whose dots materialise a float copy of a weight per step shows it
+    there (the whole loop's temporaries, the cache excluded: it is donated)."""
     now = time.perf_counter if clock == "wall" else time.process_time
     cfg = lm.cfg
     out = {}
@@ -98,6 +101,9 @@ def forward_times(lm, ts, sizes, settings, steps: int, repeats: int, clock: str 
             for t in ts:
                 fn = jax.jit(functools.partial(loop), static_argnums=(2, 3), donate_argnums=1)
                 progs[setting, t] = program.compile_lowered(fn.lower(subject[setting], fresh(), t, steps))
+                if memory is not None:
+                    analysis = progs[setting, t].memory_analysis()
+                    memory[size, setting, t] = getattr(analysis, "temp_size_in_bytes", float("nan"))
         times = {key: [] for key in progs}
         for _ in range(repeats):
             for key, prog in progs.items():
@@ -138,13 +144,21 @@ def main(argv):
     label = len(rows) > 1
     wide = max(8, *(len(k) for k in rows))
     print("cache S  " + (f"{'kernels':<{wide}} " if label else "") + "  ".join(f"T={t:<6}" for t in ts) + "  T_max/T_1")
+    temps = {}
     med = forward_times(lm, ts, sizes, FLAGS.kernels, FLAGS.steps, FLAGS.repeats, FLAGS.clock, FLAGS.quantize,
-                        FLAGS.batch)
+                        FLAGS.batch, memory=temps)
     for size in sizes:
         for setting in rows:
             row = [med[size, setting, t] for t in ts]
             print(f"{size:<8} " + (f"{setting:<{wide}} " if label else "") + "  ".join(f"{m:<8.2f}" for m in row)
                   + f"  {row[-1] / row[0]:.2f}")
+    for kind in FLAGS.quantize:
+        q = lm if kind == "none" else lm.quantized(kind)
+        print(f"weights {kind}: {sum(x.nbytes for x in jax.tree.leaves(q.params)) / 1e6:.1f} MB")
+    print("compiled temporaries per program, MB (cache S, setting: T=...)")
+    for size in sizes:
+        for setting in rows:
+            print(f"{size:<8} {setting:<{wide}} " + "  ".join(f"{temps[size, setting, t] / 1e6:<8.1f}" for t in ts))
 
 
 if __name__ == "__main__":
