@@ -17,7 +17,8 @@ Each part runs N times inside one jitted `fori_loop` from the same prefilled sta
 different token: the lookup never finds anything) or 'repeating' (a 16-token pattern:
 it finds K tokens every loop); each context is a separate row, interleaved.
 Per-iteration time = (time of 65 iterations - time of 5) / 60, so the prefill and the
-launch cancel; medians over repeats. If `speculate` costs more than the sum of its parts,
+launch cancel; medians over repeats (a part cheaper than the noise of that difference,
+such as a tiny model's 1-token pass, can come out a hair below zero). If `speculate` costs more than the sum of its parts,
 the difference is interaction (both models' weights and caches sharing the caches of
 the CPU), not work: the parts do all the work the loop does. Random weights (the
 costs do not depend on their values). `--kernels=on,matmul+attention` compiles every

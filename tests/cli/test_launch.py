@@ -160,4 +160,5 @@ def test_loop_parts_times_each_part_of_a_loop(drafter, parts):
                           text=True, timeout=600, env={**os.environ, "XLA_FLAGS": xla_flags(1)})
     assert proc.returncode == 0, proc.stderr[-3000:]
     for part in parts:
-        assert re.search(re.escape(part) + r".* [0-9.]+ wall ms per iteration", proc.stdout), proc.stdout
+        # A part cheaper than the timer's noise (tiny's 1-token pass) can come out just below 0.
+        assert re.search(re.escape(part) + r".* -?[0-9.]+ wall ms per iteration", proc.stdout), proc.stdout
