@@ -2,7 +2,7 @@
 several, and report what it cost; or write a random Llama of a config's shape to load.
 
     python launch/hf_load.py --hf=DIR --mesh=1x8 --output=load.json
-    python launch/hf_load.py --gguf=FILE.gguf --mesh=1x8 --output=load.json
+    python launch/hf_load.py --gguf=FILE.gguf --mesh=1x8 --output=load.json [--quantize=int4]
     NUM_PROCESSES=2 LOCAL_DEVICES=4 launch/multiprocess.sh launch/hf_load.py --hf=DIR --mesh=1x8 --output=load.json
     python launch/hf_load.py --write_random=DIR --config=llama3_70b_1b --model=draft   # Llama-3.2-1B's shape
 
@@ -42,6 +42,8 @@ def define_flags() -> None:
     flags.DEFINE_string("mesh", "1x8", "DATAxMODEL over all processes' devices.")
     flags.DEFINE_integer("local_devices", None, "Fake CPU devices in this process (default: the mesh / processes).")
     flags.DEFINE_string("param_dtype", None, "Load as this dtype (default: as stored).")
+    flags.DEFINE_string("quantize", None, "--gguf: take the file's Q8_0/Q4_0/Q4_1 weights as stored, as "
+                        "--quantize=KIND (int8, int4, w4a8, w8a8) does, and quantize the rest (LM.quantized).")
     flags.DEFINE_string("logits_of", None, "Comma-separated token ids whose logits go into the JSON.")
     flags.DEFINE_string("output", None, "JSON file written by process 0 (default: stdout).")
     flags.DEFINE_string("write_random", None, "Write a random Llama directory here instead of loading.")
@@ -102,6 +104,8 @@ def main(argv):
     import numpy as np
 
     from specjax import distributed, model, sharding
+    if FLAGS.quantize is not None and (not FLAGS.gguf or FLAGS.quantize not in model.QUANTIZE):
+        raise UsageError(f"--quantize={FLAGS.quantize!r}: takes one of {', '.join(model.QUANTIZE)}, with --gguf")
     from specjax.app import output
     from specjax.weights import gguf, hf
     distributed.maybe_initialize()
@@ -121,7 +125,9 @@ def main(argv):
             lm, _, stats = hf.load_with_stats(FLAGS.hf, mesh, param_dtype=FLAGS.param_dtype,
                                               local=False if reads == "remote" else None)
         else:
-            lm, _, stats = gguf.load_with_stats(FLAGS.gguf, mesh, param_dtype=FLAGS.param_dtype)
+            lm, _, stats = gguf.load_with_stats(FLAGS.gguf, mesh, param_dtype=FLAGS.param_dtype,
+                                                quantize=FLAGS.quantize)
+            lm = lm.quantized(FLAGS.quantize) if FLAGS.quantize else lm
         seconds = time.perf_counter() - start
         rss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
         # int32 words (high, low): without 64-bit mode an allgather would truncate int64 counts.

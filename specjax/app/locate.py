@@ -362,11 +362,12 @@ class Weights:
     def _load(self, mesh, need_draft: bool, quantize: Optional[str] = None):
         if self.init == "imported":
             def one(source, cfg):
-                lm, _ = source.reader.load(source.path, mesh, **source.runtime(cfg))
                 # With `quantize`, a file's quantized weights (GGUF Q8_0/Q4_0/Q4_1) are taken
                 # as stored, not re-quantized from their float values.
-                keep = getattr(source.reader, "take_stored", None)
-                return keep(lm, source.path, quantize) if keep is not None else lm
+                stores = quantize is not None and hasattr(source.reader, "stored_maker")
+                lm, _ = source.reader.load(source.path, mesh, **source.runtime(cfg),
+                                           **({"quantize": quantize} if stores else {}))
+                return lm
             target, draft = self.sources
             return one(target, self.config.target), (one(draft, self.config.draft) if need_draft else None)
         if self.init == "random":

@@ -256,6 +256,19 @@ class GGUFFile:
         self._release(t)
         return out, slice(cols.start - first * block, cols.stop - first * block)
 
+    def block_heads(self, name: str, rows: slice, blocks: slice) -> np.ndarray:
+        """The first bytes of blocks `blocks` of rows `rows` of a Q8_0, Q4_0 (2: the
+        float16 scale) or Q4_1 (4: scale, min) tensor, [rows, blocks, 2 or 4] uint8,
+        copied out of the memory map (counted in `bytes_read` as those bytes alone)."""
+        t = self.tensors[name]
+        _, size = _gguf().GGML_QUANT_SIZES[t.tensor_type]
+        data = t.data.view(np.uint8)
+        blocks_of = data.reshape(data.shape[0], -1, size)[rows, blocks]
+        out = np.array(blocks_of[..., :4 if self.type_name(name) == "Q4_1" else 2])
+        self.bytes_read += out.nbytes
+        self._release(t)
+        return out
+
     def _release(self, t) -> None:
         """Drop the tensor's mapped pages from this process (the page cache keeps them),
         as the safetensors reader does: a load's peak RSS stays its slices."""
@@ -451,22 +464,44 @@ class GGUFWeights:
         rows, cols = (slice(0, 1), index[0]) if len(shape) == 1 else index
         n_rows, n_cols = (1, shape[0]) if len(shape) == 1 else shape
         rows, cols = slice(*rows.indices(n_rows)[:2]), slice(*cols.indices(n_cols)[:2])
-        role = gname.rsplit(".", 2)[-2] if gname.startswith("blk.") else ""
-        heads = {"attn_q": self.cfg.num_heads, "attn_k": self.cfg.num_kv_heads}.get(role)
-        read_rows = rows
-        if heads:  # un-permuting needs whole heads: read those around the slice
-            per = n_rows // heads
-            read_rows = slice(rows.start // per * per, -(-rows.stop // per) * per)
+        read_rows, finish = self._rows(gname, rows, n_rows)
         raw, within = f.raw(gname, read_rows, cols)
-        value = decode(f.type_name(gname), raw)
-        if heads:
-            value = unpermute(value, (read_rows.stop - read_rows.start) // per)
-            offset = rows.start - read_rows.start
-            value = value.rows(slice(offset, offset + rows.stop - rows.start)) if isinstance(value, Blocks) \
-                else value[offset:offset + rows.stop - rows.start]
+        value = finish(decode(f.type_name(gname), raw))
         if within != slice(0, value.shape[1]):
             value = as_float(value)[:, within]
         return value.reshape(-1) if len(shape) == 1 else value
+
+    def _rows(self, gname: str, rows: slice, n_rows: int):
+        """(the file rows to read for `rows` of tensor `gname`, a function from what was read
+        to those rows): llama.cpp stores q and k with each head's rows permuted, and
+        un-permuting needs whole heads, so those around the slice are read."""
+        role = gname.rsplit(".", 2)[-2] if gname.startswith("blk.") else ""
+        heads = {"attn_q": self.cfg.num_heads, "attn_k": self.cfg.num_kv_heads}.get(role)
+        if not heads:
+            return rows, lambda value: value
+        per = n_rows // heads
+        read_rows = slice(rows.start // per * per, -(-rows.stop // per) * per)
+
+        def finish(value):
+            value = unpermute(value, (read_rows.stop - read_rows.start) // per)
+            offset = rows.start - read_rows.start
+            taken = slice(offset, offset + rows.stop - rows.start)
+            return value.rows(taken) if isinstance(value, Blocks) else value[taken]
+        return read_rows, finish
+
+    def block_scales(self, name: str, index) -> tuple[np.ndarray, np.ndarray]:
+        """(scale, low) float32 [rows, blocks] of HF tensor `name`'s rows and blocks
+        `index` (Q8_0, Q4_0 or Q4_1), as `_stored_arrays` makes them, read from the
+        blocks' scale (and min) bytes alone."""
+        f, gname = self.file, gguf_name(name)
+        rows, blocks = index
+        read_rows, finish = self._rows(gname, rows, f.shape(gname)[0])
+        head = f.block_heads(gname, read_rows, blocks)  # [rows, blocks, 2 or 4] bytes
+        scale = finish(head[..., :2].copy().view(np.float16)[..., 0]).astype(np.float32)
+        t = f.type_name(gname)
+        low = (np.zeros_like(scale) if t == "Q8_0" else -8 * scale if t == "Q4_0"
+               else finish(head[..., 2:4].copy().view(np.float16)[..., 0]).astype(np.float32))
+        return scale, low
 
     def read(self, name: str, index=None) -> np.ndarray:
         return as_float(self.tensor(name, index))
@@ -513,16 +548,19 @@ def check_weights(path, cfg: ModelConfig) -> None:
 
 
 def load(path, mesh, *, param_dtype: Optional[str] = None, compute_dtype: Optional[str] = None,
-         scan_layers: bool = False):
+         scan_layers: bool = False, quantize: Optional[str] = None):
     """(LM, tokenizer or None) of a GGUF file, the params sharded on `mesh` as
-    `sharding.RULES` says, each device's slice read from the memory map. Every problem a
-    file can have is a one-line UsageError raised before any device work."""
+    `sharding.RULES` says, each device's slice read from the memory map. With a quantized
+    kind `quantize` (`model.QUANTIZE`), the file's Q8_0/Q4_0/Q4_1 weights are taken as
+    stored (`stored_maker`), never read as floats; the rest stay float (`LM.quantized`
+    quantizes them). Every problem a file can have is a one-line UsageError raised before
+    any device work."""
     lm, tok, _ = load_with_stats(path, mesh, param_dtype=param_dtype, compute_dtype=compute_dtype,
-                                 scan_layers=scan_layers)
+                                 scan_layers=scan_layers, quantize=quantize)
     return lm, tok
 
 
-def load_with_stats(path, mesh, *, param_dtype=None, compute_dtype=None, scan_layers=False):
+def load_with_stats(path, mesh, *, param_dtype=None, compute_dtype=None, scan_layers=False, quantize=None):
     """`load`, plus {'bytes_read': bytes this process read from the file, 'file_bytes':
     the model's tensors' size in the file}."""
     import jax
@@ -535,84 +573,132 @@ def load_with_stats(path, mesh, *, param_dtype=None, compute_dtype=None, scan_la
     cfg = kv_heads.for_mesh(info.model, mesh)
     sharding.check_divisible(cfg, mesh)
     before = weights.bytes_read
-    lm = hf.load_params(cfg, mesh, weights)
+    keep = stored_maker(cfg, path, quantize) if quantize is not None else None
+    lm = hf.load_params(cfg, mesh, weights, keep=keep)
     jax.block_until_ready(lm.params)
     return lm, tok, {"bytes_read": weights.bytes_read - before, "file_bytes": weights.nbytes(info.model)}
 
 
 def take_stored(lm, path, kind: Optional[str]):
     """`lm` (loaded from the GGUF file `path`) with the weights the file holds quantized
-    taken as stored when a quantized `kind` (`model.QUANTIZE`) is asked for: every Q8_0,
-    Q4_0 and Q4_1 projection, unembedding and embedding becomes a `kernels.Grouped` of the
-    file's own codes, scales and minimums (Q4_0: 4-bit codes + 8 with min = -8 scale;
-    Q8_0: 8-bit codes, min 0), re-blocked into specjax's layout without changing a value;
-    `LM.quantized(kind)` then quantizes only what is left float; with 'w4a8' or 'w8a8'
-    they multiply activations rounded to int8, as llama.cpp multiplies them. On any mesh: the codes
-    are placed as the float weight was, the scales and minimums as `LM.quantized` places a
-    grouped weight's; stacked layers (scan) take every layer's blocks (a stack with one
-    layer of another type stays float, quantized from its values); duplicated kv heads
-    repeat the file's heads' blocks as the float load repeats their rows. With no `kind`,
-    `lm` itself."""
+    taken as stored when a quantized `kind` (`model.QUANTIZE`) is asked for (`stored_maker`;
+    `load(..., quantize=kind)` does the same without reading those tensors as floats
+    first). With no `kind`, `lm` itself."""
     import jax
     from flax import nnx
+    if kind is None:
+        return lm
+    make = stored_maker(lm.cfg, path, kind)
+
+    def one(where, v):
+        made = make(where, v)
+        return v if made is None else made
+    params = jax.tree_util.tree_map_with_path(one, lm.params, is_leaf=lambda x: isinstance(x, nnx.Variable))
+    return dataclasses.replace(lm, params=params)
+
+
+def _stored_arrays(b: Blocks) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """(code, scale, low) of `b` in the file's layout ([rows, cols], [rows, cols / BLOCK]
+    twice) as a `Grouped` holds them: Q8_0's 8-bit codes with min 0; Q4_1 as it is; Q4_0's
+    codes -8..7 as 0..15 with min = -8 scale (exact: a power of two)."""
+    scale = b.scales.astype(np.float32)
+    if b.bits == 8:
+        return b.codes, scale, np.zeros_like(scale)
+    code = (b.codes + (8 if b.mins is None else 0)).astype(np.uint8)
+    return code, scale, -8 * scale if b.mins is None else b.mins.astype(np.float32)
+
+
+def stored_maker(cfg: ModelConfig, path, kind: str):
+    """`make(tree_path, variable)`: the variable with its weight as stored in the GGUF file
+    `path` for the model `cfg` (`kv_heads.for_mesh`'s), or None where it is not taken (a
+    norm; a tensor of another type; a stack of layers of mixed types or code widths: each
+    stays float, quantized from its values by `LM.quantized(kind)`). The variable's array
+    (a loaded float one, or an abstract one) gives the shape and sharding. Every Q8_0, Q4_0
+    and Q4_1 projection, unembedding and embedding becomes a `kernels.Grouped` of the
+    file's own codes, scales and minimums, re-blocked into specjax's layout without
+    changing a value; with 'w4a8' or 'w8a8' it multiplies activations rounded to int8, as
+    llama.cpp multiplies them. The codes are placed as the float weight is, the scales and
+    minimums as `LM.quantized` places a grouped weight's; stacked layers (scan) take every
+    layer's blocks; duplicated kv heads repeat the file's heads' blocks as the float load
+    repeats their rows. Each process reads only the blocks of the boxes its own devices
+    hold (`hf.read_once`), once: codes, scales and minimums of a box come from one read of
+    its blocks, and scales held beyond a process's codes (a matrix with too few groups to
+    split) from their blocks' scale bytes alone. A column split inside a block reads that
+    block on both sides."""
+    import jax
+    from jax.sharding import NamedSharding, PartitionSpec as P
 
     from specjax import kv_heads
     from specjax.kernels import Grouped
     from specjax.kernels.formats import group_sharding
     from specjax.model import PROJECTIONS
-    if kind is None:
-        return lm
-    weights = GGUFWeights(open_file(path), kv_heads.original(lm.cfg))
+    weights = GGUFWeights(open_file(path), kv_heads.original(cfg))
     activations = "int8" if kind in ("w4a8", "w8a8") else "float32"
     contracted = {**PROJECTIONS, "embed": (1, 2)}
-    c, H = lm.cfg.kv_copies, lm.cfg.head_dim
+    hf_shapes = hf.expected_tensors(dataclasses.replace(cfg, scan_layers=False))
+    c, H = cfg.kv_copies, cfg.head_dim
 
-    def blocks(key: str, name: str, layout: str, shape: tuple[int, ...]):
-        """(code, scale, low) of one HF tensor in specjax's layout (`shape`: one layer's)."""
-        b = weights.tensor(name)  # Blocks [out, in] (q/k rows un-permuted as for floats)
-        scale = b.scales.astype(np.float32)
-        if b.bits == 8:  # Q8_0
-            code, low = b.codes, np.zeros_like(scale)
-        else:  # Q4_1 as it is; Q4_0's codes -8..7 as 0..15 with min = -8 scale (exact: a power of two)
-            code = (b.codes + (8 if b.mins is None else 0)).astype(np.uint8)
-            low = -8 * scale if b.mins is None else b.mins.astype(np.float32)
-        if kv_heads.is_kv(key) and c > 1:  # rows are whole heads: each repeated as the float load repeats it
-            _, expand = kv_heads.head_rows(slice(0, code.shape[0] * c), c, H)
-            code, scale, low = expand(code), expand(scale), expand(low)
-        if layout == "same":  # the embedding table [V, D], groups along D
-            return code, scale, low
-        return np.ascontiguousarray(hf.from_hf(layout, code, shape)), scale.T, low.T
-
-    def one(key: str, name: str, layer: Optional[int], layout: str, float_w) -> Optional[Grouped]:
-        shape, where = tuple(float_w.shape), float_w.sharding
+    def one(key: str, name: str, layer: Optional[int], layout: str, w) -> Optional[Grouped]:
+        shape, where = tuple(w.shape), w.sharding
         stacked = layer is None and name.startswith("model.layers.")
         names = [name.format(i=i) for i in range(shape[0])] if stacked else [name.format(i=layer)]
-        if any(weights.file.type_name(gguf_name(n)) not in LOSSLESS_TYPES for n in names):
-            return None
-        bits = {8 if weights.file.type_name(gguf_name(n)) == "Q8_0" else 4 for n in names}
-        if len(bits) > 1:  # one Grouped has one code width
-            return None
-        parts = [blocks(key, n, layout, shape[1:] if stacked else shape) for n in names]
-        code, scale, low = (np.stack(x) if stacked else x[0] for x in zip(*parts))
+        types = {weights.file.type_name(gguf_name(n)) for n in names}
+        if not types <= set(LOSSLESS_TYPES) or len({t == "Q8_0" for t in types}) > 1:
+            return None  # one Grouped has one code width
+        lead = int(stacked)
+        spec = tuple(where.spec) + (None,) * (len(shape) - len(where.spec))
+        rows, cols = hf_shapes[names[0]]
+        G = -(-cols // BLOCK)
+        code_hf, scale_hf = (len(names),) * lead + (rows, cols), (len(names),) * lead + (rows, G)
+        code_at = NamedSharding(where.mesh, P(*spec[:lead], *hf.hf_spec(layout, spec[lead:])))
         transposed = layout == "same"
         axes = 1 if transposed else contracted[key.rsplit("/", 1)[-1]][0]
-        lead = int(stacked)
-        groups = group_sharding(where, lead, axes, len(shape), transposed, scale.shape)
-        put = lambda a, at: jax.device_put(np.ascontiguousarray(a), at)  # noqa: E731
+        groups = group_sharding(where, lead, axes, len(shape), transposed,
+                                scale_hf if transposed else (len(names),) * lead + (G, rows))
+        g = tuple(groups.spec) + (None,) * (lead + 2 - len(groups.spec))
+        scale_at = groups if transposed else NamedSharding(where.mesh, P(*g[:lead], g[lead + 1], g[lead]))
+        # Duplicated kv heads: the file's heads' blocks repeated as the float load repeats their rows.
+        source = hf.kv_source(c, H, stacked) if kv_heads.is_kv(key) and c > 1 else None
+
+        boxes: dict = {}  # (layer name, rows, first block, last block) -> (code, scale, low) read for the codes
+
+        def read(part: int, box):
+            def layer_box(n, r, cs):
+                if part == 0:  # the blocks covering the columns, then the columns' codes
+                    first, last = cs.start // BLOCK, -(-cs.stop // BLOCK)
+                    b = weights.tensor(n, (r, slice(first * BLOCK, min(last * BLOCK, cols))))
+                    boxes[n, r.start, r.stop, first, last] = arrays = _stored_arrays(b)
+                    return arrays[0][:, cs.start - first * BLOCK:cs.stop - first * BLOCK]
+                near = [(f, z) for (m, a, e, f, z) in boxes if (m, a, e) == (n, r.start, r.stop)
+                        and f <= cs.start and cs.stop <= z]
+                if near:
+                    f, z = near[0]
+                    return boxes[n, r.start, r.stop, f, z][part][:, cs.start - f:cs.stop - f]
+                return weights.block_scales(n, (r, cs))[part - 1]
+            if not stacked:
+                return layer_box(names[0], *box)
+            return np.stack([layer_box(names[i], *box[1:]) for i in range(box[0].start, box[0].stop)])
+
+        code, scale, low = (hf.read_once(at_shape, at, functools.partial(read, part), source)
+                            for part, at, at_shape in ((0, code_at, code_hf), (1, scale_at, scale_hf),
+                                                       (2, scale_at, scale_hf)))
+        boxes.clear()
+        code = hf._on_device(layout, shape, code.dtype, where)(code)
+        if not transposed:  # [*lead, rows, G] -> [*lead, G, N]
+            scale, low = (jax.jit(lambda a: a.swapaxes(-1, -2), out_shardings=groups)(a) for a in (scale, low))
         out = (shape[lead],) if transposed else tuple(shape[lead + axes:])
-        return Grouped(put(code, where), put(scale, groups), put(low, groups), out, transposed, bits=bits.pop(),
+        return Grouped(code, scale, low, out, transposed, bits=8 if types == {"Q8_0"} else 4,
                        activations=activations)
 
     def make(where, v):
         key, layer = hf._param_key(where)
         if key.rsplit("/", 1)[-1] not in contracted:
-            return v
+            return None
         name, layout = hf.PARAMS[key]
         made = one(key, name, layer, layout, v.value)
-        return v if made is None else v.replace(made)
+        return None if made is None else v.replace(made)
 
-    params = jax.tree_util.tree_map_with_path(make, lm.params, is_leaf=lambda x: isinstance(x, nnx.Variable))
-    return dataclasses.replace(lm, params=params)
+    return make
 
 
 # --------------------------------------------------------------------------- tokenizer

@@ -455,18 +455,35 @@ def read_once(shape: tuple[int, ...], sharding_: jax.sharding.Sharding, read, so
     return jax.make_array_from_single_device_arrays(shape, sharding_, shards)
 
 
-def load_params(cfg: ModelConfig, mesh: jax.sharding.Mesh, files: WeightFiles) -> LM:
+def kv_source(c: int, head_dim: int, stacked: bool):
+    """`read_once`'s `source` for a k/v projection whose heads are duplicated c times: the
+    rows (heads, axis -2) of [cG*H, ...] read from the file's [G*H, ...] (`stacked`: a
+    leading layer axis), each head repeated as the duplication repeats it."""
+    def source(index):
+        rows, expand = kv_heads.head_rows(index[-2], c, head_dim)
+        post = (lambda x: np.stack([expand(y) for y in x])) if stacked else expand
+        return index[:-2] + (rows, index[-1]), post
+    return source
+
+
+def load_params(cfg: ModelConfig, mesh: jax.sharding.Mesh, files: WeightFiles, keep=None) -> LM:
     """The LM whose params are the files' tensors. Each is created sharded on `mesh` in
     the HF layout from the boxes this process's devices hold, each byte range read once
     per process (`read_once`), then rearranged on the devices. With duplicated kv heads
     (`cfg.kv_copies` > 1, `kv_heads.for_mesh`) the k/v projections are read as the file's
-    heads each device's copies come from."""
+    heads each device's copies come from. `keep(path, variable)`, if given, is asked first
+    for each param (its variable holds the abstract array: shape and sharding): a variable
+    it returns is taken instead, and that tensor is not read as floats (a GGUF file's
+    quantized blocks kept as stored)."""
     abstract = abstract_lm(cfg, mesh)
     flat = dataclasses.replace(cfg, scan_layers=False)
     hf_shapes = expected_tensors(flat)
     c, H = cfg.kv_copies, cfg.head_dim
 
     def make(path, v):
+        kept = keep(path, v) if keep is not None else None
+        if kept is not None:
+            return kept
         key, layer = _param_key(path)
         name, layout = PARAMS[key]
         shape, sharding_ = tuple(v.value.shape), v.value.sharding
@@ -477,13 +494,7 @@ def load_params(cfg: ModelConfig, mesh: jax.sharding.Mesh, files: WeightFiles) -
             hf_shape, spec_hf = (layers,) + hf_shapes[name.format(i=0)], (spec[0],) + hf_spec(layout, spec[1:])
         else:
             hf_shape, spec_hf = hf_shapes[name.format(i=layer)], hf_spec(layout, spec)
-        if kv_heads.is_kv(key) and c > 1:  # the rows (heads) of [cG*H, D]: read from [G*H, D]
-            def source(index):
-                rows, expand = kv_heads.head_rows(index[-2], c, H)
-                post = (lambda x: np.stack([expand(y) for y in x])) if stacked else expand
-                return index[:-2] + (rows, index[-1]), post
-        else:
-            source = None
+        source = kv_source(c, H, stacked) if kv_heads.is_kv(key) and c > 1 else None
 
         def read(box):
             if not stacked:

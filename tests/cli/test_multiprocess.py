@@ -142,7 +142,7 @@ def test_an_input_only_process_0_can_read_is_shared_or_refused_on_every_process(
         assert ("on process 1: " in lines[0]) == (i == 0), lines[0]
 
 
-@pytest.mark.parametrize("source", ["hf", "gguf"])
+@pytest.mark.parametrize("source", ["hf", "gguf", "gguf_q8_0"])
 def test_two_processes_load_a_sharded_import_reading_only_their_own_slices(source, tmp_path):
     """launch/hf_load.py loads llama_tp (4 safetensors shards, or the float32 GGUF file
     made from them) onto a 1x8 mesh whose 'model' axis spans both processes (4 devices
@@ -155,16 +155,23 @@ def test_two_processes_load_a_sharded_import_reading_only_their_own_slices(sourc
     heads are duplicated to 8 (one per device: each process reads the 2 file heads its
     copies come from, not all 4). Through the ranged path the code before read each
     column split's whole rows once per device (4 devices: 8x the share). Bound 1.2x; these
-    reads are exact. The logits equal transformers'."""
+    reads are exact. The logits equal transformers'. 'gguf_q8_0': the Q8_0 file made from
+    the same tensors, loaded with --quantize=int8 (its blocks taken as stored: codes,
+    scales and minimums of each box from one read of its blocks); the same share of that
+    file's bytes (before, every process read every quantized tensor whole after the float
+    load had read its share: about 1.5x), and its logits transformers' (which dequantized
+    the file)."""
     from safetensors import safe_open
     fixture = REPO / "tests" / "fixtures" / "hf" / "llama_tp"
-    ref = np.load(fixture / "reference.npz")
+    gguf_dir = REPO / "tests" / "fixtures" / "gguf"
+    ref = np.load(gguf_dir / "llama_tp_Q8_0.npz" if source == "gguf_q8_0" else fixture / "reference.npz")
     ids = ",".join(map(str, ref["input_ids"][0]))
-    weights = (f"--hf={fixture}" if source == "hf" else
-               f"--gguf={REPO / 'tests' / 'fixtures' / 'gguf' / 'llama_tp_F32.gguf'}")
+    weights = {"hf": [f"--hf={fixture}", "--reads=auto,remote", "--remote_gap_bytes=0"],
+               "gguf": [f"--gguf={gguf_dir / 'llama_tp_F32.gguf'}"],
+               "gguf_q8_0": [f"--gguf={gguf_dir / 'llama_tp_Q8_0.gguf'}", "--quantize=int8"]}[source]
     proc = subprocess.run(
-        ["bash", str(REPO / "launch" / "multiprocess.sh"), str(REPO / "launch" / "hf_load.py"), weights,
-         "--mesh=1x8", *(["--reads=auto,remote", "--remote_gap_bytes=0"] if source == "hf" else []),
+        ["bash", str(REPO / "launch" / "multiprocess.sh"), str(REPO / "launch" / "hf_load.py"), *weights,
+         "--mesh=1x8",
          f"--logits_of={ids}", f"--output={tmp_path / 'load.json'}"],
         cwd=REPO, env=_env(NUM_PROCESSES="2", LOCAL_DEVICES="4", LOG_DIR=str(tmp_path / "logs"),
                            PYTHON=sys.executable),
@@ -172,7 +179,14 @@ def test_two_processes_load_a_sharded_import_reading_only_their_own_slices(sourc
     assert proc.returncode == 0, (proc.stdout + proc.stderr)[-3000:]
     out = json.loads((tmp_path / "load.json").read_text())
     total = replicated = 0
-    for f in fixture.glob("*.safetensors"):
+    if source == "gguf_q8_0":
+        import gguf as gguf_package  # the format's own reader, for the file's tensor sizes
+        for t in gguf_package.GGUFReader(str(gguf_dir / "llama_tp_Q8_0.gguf")).tensors:
+            if t.name == "rope_freqs.weight":  # llama.cpp's own table, not a model weight
+                continue
+            total += int(t.n_bytes)
+            replicated += int(t.n_bytes) if t.name.endswith("norm.weight") else 0
+    for f in fixture.glob("*.safetensors") if source != "gguf_q8_0" else ():
         with safe_open(str(f), framework="numpy") as st:
             for name in st.keys():
                 nbytes = st.get_tensor(name).nbytes

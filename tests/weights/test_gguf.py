@@ -252,6 +252,52 @@ def test_a_slice_reads_only_its_rows_and_blocks(name):
             assert f.bytes_read - before == (r1 - r0) * (-(-c1 // block) - c0 // block) * size, (hf_name, index)
 
 
+@pytest.mark.parametrize("name", ["bpe_Q4_1", "bpe_Q4_0", "bpe_Q8_0"])
+def test_block_scales_read_only_the_scale_bytes_of_their_blocks(name):
+    """GGUFWeights.block_scales(name, (rows, blocks)): the float16 scales (and Q4_1's mins)
+    of those blocks, as the gguf package's dequantization implies them (the value of code 1
+    minus that of code 0 is the scale, code 0's value the min: read off the package's own
+    dequantized blocks), q and k rows un-permuted as the values are; the bytes read are
+    those rows' scale bytes alone (2, or 4 with a min, per block)."""
+    qtype = name.split("_")[1] + "_" + name.split("_")[2]
+    f = gguf.open_file(path(name))
+    cfg = gguf.read_config(path(name)).model
+    w = gguf.GGUFWeights(f, cfg)
+    head = 4 if qtype == "Q4_1" else 2
+    block, _ = gguf_package.GGML_QUANT_SIZES[gguf_package.GGMLQuantizationType[qtype]]
+    checked = 0
+    for hf_name, shape in hf.expected_tensors(cfg).items():
+        if len(shape) != 2 or f.type_name(gguf.gguf_name(hf_name)) != qtype:
+            continue
+        rows, cols = shape
+        whole = w.tensor(hf_name)  # Blocks: codes, the file's float16 scales and mins, rows un-permuted
+        values = whole.dequantize().reshape(rows, cols // block, block)
+        codes = whole.codes.reshape(rows, cols // block, block).astype(np.float32)
+        # Independent of the Blocks' scales: a line through two of each block's values.
+        i = np.argmax(codes, axis=-1)[..., None], np.argmin(codes, axis=-1)[..., None]
+        spread = np.take_along_axis(codes, i[0], -1) - np.take_along_axis(codes, i[1], -1)
+        slope = ((np.take_along_axis(values, i[0], -1) - np.take_along_axis(values, i[1], -1))
+                 / np.where(spread == 0, 1, spread))[..., 0]
+        offset = (np.take_along_axis(values, i[1], -1) - slope[..., None] * np.take_along_axis(codes, i[1], -1))[..., 0]
+        spread = spread[..., 0]
+        if qtype == "Q4_0":
+            offset = offset - 8 * slope  # codes -8..7 stored as 0..15 with min -8 scale
+        for r, b in [(slice(0, rows), slice(0, cols // block)), (slice(rows // 2, rows), slice(1, cols // block))]:
+            before = f.bytes_read
+            scale, low = w.block_scales(hf_name, (r, b))
+            live = (spread[r, b] > 0)
+            np.testing.assert_allclose(scale[live], slope[r, b][live], rtol=2e-3, err_msg=hf_name)
+            if qtype == "Q8_0":
+                np.testing.assert_array_equal(low, 0)
+            np.testing.assert_allclose(low[live], offset[r, b][live], rtol=2e-3, atol=1e-6, err_msg=hf_name)
+            r0, r1 = r.start, r.stop
+            if "attn_q" in hf_name or "attn_k" in hf_name:  # whole heads around the rows
+                r0, r1 = r0 // cfg.head_dim * cfg.head_dim, -(-r1 // cfg.head_dim) * cfg.head_dim
+            assert f.bytes_read - before == (r1 - r0) * (b.stop - b.start) * head, hf_name
+            checked += 1
+    assert checked > 0
+
+
 def test_the_fast_metadata_reader_reads_what_the_stock_reader_reads():
     f = gguf.open_file(path("spm_Q4_0"))
     stock = gguf_package.GGUFReader(path("spm_Q4_0"))
@@ -347,9 +393,17 @@ def test_smollm2_q4_1_file_gives_transformers_greedy_tokens_and_ids():
     assert [tok.encode_prompt(p["text"]) for p in ref["prompts"]] == prompts
     result = specjax.generate(lm, None, prompts, SamplingConfig(temperature=0.0, max_new_tokens=32, eos_id=-1))
     assert result.tokens == [p["greedy_ids"] for p in ref["prompts"]]
-    # --quantize=int4: every matrix taken as stored (Q4_1 and the Q8_0 table), the same model
-    stored = gguf.take_stored(lm, file, "int4").quantized("int4")
-    leaves = jax.tree.leaves(stored.params, is_leaf=lambda x: isinstance(x, kernels.Grouped))
+    # --quantize=int4: every matrix taken as stored (Q4_1 and the Q8_0 table), the same model,
+    # whether taken on load (no float read of those tensors) or from the float load
+    is_q = lambda x: isinstance(x, kernels.Grouped)  # noqa: E731
+    direct, _ = gguf.load(file, mesh_for("1x1"), param_dtype="float32", quantize="int4")
+    for a, b in zip(jax.tree.leaves(direct.params, is_leaf=is_q),
+                    jax.tree.leaves(gguf.take_stored(lm, file, "int4").params, is_leaf=is_q)):
+        assert is_q(a) == is_q(b)
+        for x, y in zip(jax.tree.leaves(a), jax.tree.leaves(b)):
+            np.testing.assert_array_equal(np.asarray(x), np.asarray(y))
+    stored = direct.quantized("int4")
+    leaves = jax.tree.leaves(stored.params, is_leaf=is_q)
     assert all(x.ndim == 1 for x in leaves if not isinstance(x, kernels.Grouped))  # only the norms stay float
     result = specjax.generate(stored, None, prompts, SamplingConfig(temperature=0.0, max_new_tokens=32, eos_id=-1))
     assert result.tokens == [p["greedy_ids"] for p in ref["prompts"]]
