@@ -661,6 +661,7 @@ def stored_maker(cfg: ModelConfig, path, kind: str):
         source = hf.kv_source(c, H, stacked) if kv_heads.is_kv(key) and c > 1 else None
 
         boxes: dict = {}  # (layer name, rows, first block, last block) -> (code, scale, low) read for the codes
+        alone: dict = {}  # (layer name, rows, blocks) -> (None, scale, low) read from the scale bytes alone
 
         def read(part: int, box):
             def layer_box(n, r, cs):
@@ -674,7 +675,10 @@ def stored_maker(cfg: ModelConfig, path, kind: str):
                 if near:
                     f, z = near[0]
                     return boxes[n, r.start, r.stop, f, z][part][:, cs.start - f:cs.stop - f]
-                return weights.block_scales(n, (r, cs))[part - 1]
+                at = (n, r.start, r.stop, cs.start, cs.stop)  # the minimums come with the scales
+                if at not in alone:
+                    alone[at] = (None, *weights.block_scales(n, (r, cs)))
+                return alone[at][part]
             if not stacked:
                 return layer_box(names[0], *box)
             return np.stack([layer_box(names[i], *box[1:]) for i in range(box[0].start, box[0].stop)])
@@ -682,7 +686,6 @@ def stored_maker(cfg: ModelConfig, path, kind: str):
         code, scale, low = (hf.read_once(at_shape, at, functools.partial(read, part), source)
                             for part, at, at_shape in ((0, code_at, code_hf), (1, scale_at, scale_hf),
                                                        (2, scale_at, scale_hf)))
-        boxes.clear()
         code = hf._on_device(layout, shape, code.dtype, where)(code)
         if not transposed:  # [*lead, rows, G] -> [*lead, G, N]
             scale, low = (jax.jit(lambda a: a.swapaxes(-1, -2), out_shardings=groups)(a) for a in (scale, low))
