@@ -2,6 +2,7 @@
 
     python launch/loop_parts.py --config=mini --lookahead=4 --prompt_len=128
     python launch/loop_parts.py --drafter=ngram --shape=smollm2_135m --context=distinct,repeating
+    python launch/loop_parts.py --config=mini --self_draft=int8 --lookahead=6   # the target's own int8 copy
 
 Each part runs N times inside one jitted `fori_loop` from the same prefilled state, as
 `generate` compiles it (api.compile_lowered), at batch 1:
@@ -45,6 +46,7 @@ from specjax.app.locate import Sources  # noqa: E402
 from specjax.decode import drafters, program as program_lib, speculative as sps, verify  # noqa: E402
 from specjax.decode.warping import Warp, warp  # noqa: E402
 from specjax.kernels import Kernels  # noqa: E402
+from specjax.weights import self_draft  # noqa: E402
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from shapes import SHAPES  # noqa: E402
@@ -62,6 +64,8 @@ def define_flags() -> None:
                       "off, default, or kernels' names joined by +, e.g. matmul+attention).")
     flags.DEFINE_enum("drafter", None, ["model", "ngram"], "The drafter (default: the config's).")
     flags.DEFINE_string("shape", None, "The target's shape, one of launch/shapes.py's (default: the config's).")
+    flags.DEFINE_string("self_draft", None, "The draft made of the target's own weights, as sample's --self_draft "
+                        "(int8, int4, w4a8, w8a8, layers:N, combined with a comma), instead of the config's draft.")
     flags.DEFINE_list("context", ["random"], "What the token buffer holds: random, distinct or repeating.")
     flags.DEFINE_enum("clock", "wall", ["wall", "cpu"], "wall: elapsed time; cpu: this process's CPU time (all its "
                       "threads: on a host shared with other jobs it is inflated far less).")
@@ -145,6 +149,12 @@ def main(argv):
             raise cli.UsageError(f"--shape={FLAGS.shape}: not one of {', '.join(SHAPES)}")
         config = dataclasses.replace(config, target=SHAPES[FLAGS.shape], tokenizer_vocab=0)
     need_draft = drafters.kind(drafter).needs_draft_model
+    sources = Sources(init="random", self_draft=FLAGS.self_draft)
+    if FLAGS.self_draft is not None:
+        if not need_draft:
+            raise cli.UsageError(f"--self_draft={FLAGS.self_draft}: a draft model, and --drafter={drafter} uses none")
+        self_draft.check_quantize(sources.self_draft_spec(), cli.quantize())
+        config = sources.configure(config)
     if need_draft and config.draft is None:
         raise cli.UsageError(f"--config={config.name}: has no draft model (use --drafter=ngram)")
     if need_draft and config.draft.vocab_size != config.target.vocab_size:
@@ -163,7 +173,7 @@ def main(argv):
             chosen[setting] = Kernels.parse(setting)
         except ValueError as e:
             raise cli.UsageError(f"--kernels: {e}")
-    weights = Sources(init="random").locate(config, need_draft=need_draft, train_missing=False)
+    weights = sources.locate(config, need_draft=need_draft, train_missing=False)
     models = {"target": config.target, **({"draft": config.draft} if need_draft else {})}
     mesh = sharding.make_checked_mesh(config.mesh, models)
     target, draft = weights.load(mesh, need_draft=need_draft, quantize=cli.quantize())
@@ -172,7 +182,8 @@ def main(argv):
     buffers = {c: token_buffer(c, FLAGS.cache, FLAGS.prompt_len, config.target.vocab_size) for c in FLAGS.context}
     lens = jnp.array([FLAGS.prompt_len], jnp.int32)
     print(f"{config.name}{f' with the target shape {FLAGS.shape}' if FLAGS.shape else ''}"
-          f"{f', {FLAGS.quantize} weights' if cli.quantize() else ''}: drafter {drafter}, "
+          f"{f', {FLAGS.quantize} weights' if cli.quantize() else ''}"
+          f"{f', self-draft {FLAGS.self_draft}' if FLAGS.self_draft else ''}: drafter {drafter}, "
           f"K={K}, prompt {FLAGS.prompt_len}, cache {FLAGS.cache}, {w}")
     runs, subjects = {}, {}
     sampling = dataclasses.replace(config.sampling, drafter=drafter)

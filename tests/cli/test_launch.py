@@ -151,14 +151,22 @@ def test_the_compilation_cache_goes_where_every_worker_reads_it(monkeypatch, tmp
 
 
 @pytest.mark.parametrize("drafter, parts", [("model", ["speculate", "model_proposal", "target pass (5 tokens)"]),
-                                            ("ngram", ["speculate", "ngram lookup", "target pass (1 token)"])])
+                                            ("ngram", ["speculate", "ngram lookup", "target pass (1 token)"]),
+                                            ("model --self_draft=int8", ["speculate", "model_proposal",
+                                                                         "target pass (5 tokens)"])])
 def test_loop_parts_times_each_part_of_a_loop(drafter, parts):
     """launch/loop_parts.py on tiny, as the loop runs (the drafter made by `drafters.make`,
-    temperature and top-p traced): every part compiles, runs and is printed with its time."""
-    proc = subprocess.run([sys.executable, "launch/loop_parts.py", "--config=tiny", f"--drafter={drafter}",
+    temperature and top-p traced; the draft the config's, or the target's own int8 copy):
+    every part compiles, runs and is printed with its time."""
+    proc = subprocess.run([sys.executable, "launch/loop_parts.py", "--config=tiny", *f"--drafter={drafter}".split(),
                            "--repeats=1", "--cache=256", "--prompt_len=8"], cwd=REPO, capture_output=True,
                           text=True, timeout=600, env={**os.environ, "XLA_FLAGS": xla_flags(1)})
     assert proc.returncode == 0, proc.stderr[-3000:]
     for part in parts:
         # A part cheaper than the timer's noise (tiny's 1-token pass) can come out just below 0.
         assert re.search(re.escape(part) + r".* -?[0-9.]+ wall ms per iteration", proc.stdout), proc.stdout
+    if "--self_draft" in drafter:  # the draft is the target's own int8 copy, and needs a draft-model drafter
+        assert "tiny, self-draft int8: drafter model" in proc.stdout, proc.stdout
+        bad = subprocess.run([sys.executable, "launch/loop_parts.py", "--config=tiny", "--drafter=ngram",
+                              "--self_draft=int8"], cwd=REPO, capture_output=True, text=True, timeout=600)
+        assert bad.returncode == 2 and "--self_draft=int8: a draft model, and --drafter=ngram uses none" in bad.stderr
