@@ -81,13 +81,17 @@ def forward_times(lm, ts, sizes, settings, steps: int, repeats: int, clock: str 
     forwards per timed loop (`loop`), `repeats` loops, every program interleaved with the
     others of its cache size so that machine noise hits every T and setting alike.
     `clock`: 'wall' or 'cpu' (CPU ms of the process, summed over its threads). `memory`, if
-    given, receives each program's compiled temporaries in bytes under the same keys: a
+    given, receives each program's compiled temporaries in bytes under the same keys (a
     quantized model whose dots materialise a float copy of a weight per step shows it
-    there (the whole loop's temporaries, the cache excluded: it is donated)."""
+    there: the whole loop's temporaries, the cache excluded, it is donated), and each
+    kind's weight bytes under ('weights', kind)."""
     now = time.perf_counter if clock == "wall" else time.process_time
     cfg = lm.cfg
     out = {}
     weights = {kind: lm if kind == "none" else lm.quantized(kind) for kind in quantize}
+    if memory is not None:
+        memory.update({("weights", kind): sum(x.nbytes for x in jax.tree.leaves(w.params))
+                       for kind, w in weights.items()})
     labels = {(s if kind == "none" else f"{s}/{kind}"): (s, w) for kind, w in weights.items() for s in settings}
     for size in sizes:
         # A relative-position model's table is made at prefill, so outside the timed loop.
@@ -153,8 +157,7 @@ def main(argv):
             print(f"{size:<8} " + (f"{setting:<{wide}} " if label else "") + "  ".join(f"{m:<8.2f}" for m in row)
                   + f"  {row[-1] / row[0]:.2f}")
     for kind in FLAGS.quantize:
-        q = lm if kind == "none" else lm.quantized(kind)
-        print(f"weights {kind}: {sum(x.nbytes for x in jax.tree.leaves(q.params)) / 1e6:.1f} MB")
+        print(f"weights {kind}: {temps['weights', kind] / 1e6:.3f} MB")
     print("compiled temporaries per program, MB (cache S, setting: T=...)")
     for size in sizes:
         for setting in rows:

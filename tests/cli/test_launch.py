@@ -170,3 +170,24 @@ def test_loop_parts_times_each_part_of_a_loop(drafter, parts):
         bad = subprocess.run([sys.executable, "launch/loop_parts.py", "--config=tiny", "--drafter=ngram",
                               "--self_draft=int8"], cwd=REPO, capture_output=True, text=True, timeout=600)
         assert bad.returncode == 2 and "--self_draft=int8: a draft model, and --drafter=ngram uses none" in bad.stderr
+
+
+def test_forward_cost_reports_the_temporaries_and_weight_bytes_of_each_format():
+    """launch/forward_cost.py on tiny with the float, int8 and int4 models: a time per T,
+    each kind's weight bytes (int8 a quarter of float32's plus a scale per column, int4
+    more than int8 off the kernel: a byte per code plus a scale and minimum per group),
+    and a row of compiled temporaries per program (what shows a float copy of a quantized
+    weight, had XLA made one)."""
+    proc = subprocess.run([sys.executable, "launch/forward_cost.py", "--config=tiny", "--tokens=1,2", "--cache=64",
+                           "--quantize=none,int8,int4", "--kernels=off", "--steps=2", "--repeats=1",
+                           "--bandwidth_mb=0"], cwd=REPO, capture_output=True, text=True, timeout=600,
+                          env={**os.environ, "XLA_FLAGS": xla_flags(1)})
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    sizes = {k: float(v) for k, v in re.findall(r"^weights (\w+): ([0-9.]+) MB$", proc.stdout, re.M)}
+    assert set(sizes) == {"none", "int8", "int4"}, proc.stdout
+    assert 0 < sizes["int8"] < sizes["int4"] < sizes["none"], sizes
+    table = proc.stdout.split("compiled temporaries per program")[1].splitlines()[1:]
+    rows = [line.split() for line in table if line.strip()]
+    assert [r[1] for r in rows] == ["off", "off/int8", "off/int4"], proc.stdout
+    assert all(len(r) == 4 and all(float(v) >= 0 for v in r[2:]) for r in rows), proc.stdout
+
