@@ -546,6 +546,19 @@ class LM:
         return packed
 
 
+@jax.tree_util.register_pytree_node_class
+@dataclasses.dataclass(frozen=True)
+class SelfDraft(LM):
+    """A draft made of a target's own weights (`weights.self_draft`): its first N layers,
+    and/or a quantized copy of them (the norms and Transformer-XL's W_r stay the target's
+    float ones). Its keys and values over a prompt are then the target's first N layers'
+    (exactly for layers:N; to rounding for a quantized copy), so a loop starts its cache
+    from the target's prefilled one (`drafters.ModelDrafter`) instead of running a second
+    prefill; a run of a target-sized quantized copy paid about one more prompt prefill
+    for that. Sampling stays exact either way: p is whatever the draft computes from the
+    cache it holds."""
+
+
 def whole_table(lm: LM):
     """`lm`'s embedding table whole on every device of its mesh; None where its lookup needs
     no collective (one device, no 'model' split). For a loop that embeds tokens it drew

@@ -29,7 +29,7 @@ import jax.numpy as jnp
 
 from specjax import kv_cache
 from specjax.decode import drafters, tree, verify
-from specjax.decode.drafters import Drafter, Proposal, Verdict
+from specjax.decode.drafters import Drafter, Prefill, Proposal, Verdict
 from specjax.decode.metrics import Stats, counted
 from specjax.decode.warping import Warp, warp
 from specjax.decode.state import gather_rows, prefill, stop_after, token_buffer, write_rows
@@ -87,10 +87,10 @@ def start(target: LM, drafter: Drafter, prompts: jax.Array, prompt_lens: jax.Arr
           settings: Settings, size: int) -> SpsState:
     """The loop's state after prefilling the target's cache (and the drafter's state) with the prompts."""
     batch = prompts.shape[0]
-    cache, features = prefill(target, prompts, prompt_lens, size, features=True) if drafter.needs_features else \
-        (prefill(target, prompts, prompt_lens, size), None)
-    return SpsState(token_buffer(prompts, size), prompt_lens, jnp.zeros((batch,), bool), cache,
-                    drafter.init_state(prompts, prompt_lens, size, settings.num_drafts, features), key,
+    prefilled = Prefill(*prefill(target, prompts, prompt_lens, size, features=True)) if drafter.needs_features \
+        else Prefill(prefill(target, prompts, prompt_lens, size))
+    return SpsState(token_buffer(prompts, size), prompt_lens, jnp.zeros((batch,), bool), prefilled.cache,
+                    drafter.init_state(prompts, prompt_lens, size, settings.num_drafts, prefilled), key,
                     Stats.zeros(batch, settings.lookahead, len(drafters.SOURCES), settings.num_drafts))
 
 

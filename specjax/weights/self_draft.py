@@ -36,7 +36,7 @@ from flax import nnx
 
 from specjax.config import UsageError
 from specjax.kernels.formats import A8_KINDS, Grouped, is_quantized
-from specjax.model import LM, Transformer, Keys
+from specjax.model import LM, SelfDraft, Transformer, Keys
 
 QUANTIZED = ("int8", "int4", "w4a8", "w8a8")  # model.QUANTIZE
 FORMS = ("layers:N (the target's first N layers), int8, int4, w4a8 or w8a8 (its quantized copy), or both joined "
@@ -124,4 +124,4 @@ def self_draft(target: LM, spec: Spec | str) -> LM:
     state = jax.tree.map(lambda x: x, source.params)  # new Variables around the same arrays
     if not cfg.scan_layers:  # unrolled: layers 0..N-1 of the target's list
         state["layers"] = nnx.State({i: state["layers"][i] for i in range(cfg.num_layers)})
-    return dataclasses.replace(source, cfg=cfg, graphdef=graphdef, params=state)
+    return SelfDraft(cfg, graphdef, state, source.kernels)

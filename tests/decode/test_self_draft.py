@@ -23,7 +23,7 @@ import pytest
 import specjax
 from specjax import kernels, model, sharding
 from specjax.config import SamplingConfig, UsageError
-from specjax.decode import verify
+from specjax.decode import drafters, speculative, verify
 from specjax.decode.warping import sample
 from specjax.weights import self_draft as self_draft_lib
 from conftest import mesh_for
@@ -179,6 +179,77 @@ def test_greedy_sps_with_a_quantized_self_draft_equals_greedy_ars(target, kind):
     sps = specjax.generate(target, specjax.self_draft(target, kind), prompts, base)
     assert sps.tokens == specjax.generate(target, None, prompts, base).tokens
     assert sps.acceptance_rate > 0.5  # the quantized copy mostly agrees
+
+
+def as_plain(draft: model.LM) -> model.LM:
+    """The same draft as an ordinary LM (not a `model.SelfDraft`): a loop prefills it."""
+    return model.LM(draft.cfg, draft.graphdef, draft.params, draft.kernels)
+
+
+@pytest.mark.parametrize("spec,num_drafts", [("layers:1", 1), ("int8", 1), ("int8+layers:2", 2)])
+def test_a_self_draft_starts_from_the_targets_prefilled_cache(target, spec, num_drafts):
+    """`speculative.start`: a self-draft's cache is the target's first N layers as the
+    target's prefill left them (bitwise: no prefill of its own; each row repeated for the
+    M chains), where the same weights as an ordinary LM prefill themselves (for an int8
+    copy, other numbers). Ragged rows: the lengths are each row's own."""
+    if target.cfg.scan_layers and spec != "layers:1":
+        pytest.skip("one stacked case is enough")
+    draft = specjax.self_draft(target, spec)
+    prompts = jnp.asarray([[5, 1, 30, 7, 7, 12, 3, 0], [2, 9, 9, 0, 31, 4, 18, 7]])
+    lens = jnp.asarray([5, 8])
+    settings = speculative.Settings(3, None, "block", num_drafts)
+    sampling = SamplingConfig(lookahead=3, num_drafts=num_drafts)
+
+    def started(d):
+        drafter = drafters.make(sampling, target.packed(), d, None, mesh_for("1x1"))
+        return speculative.start(target.packed(), drafter, prompts, lens, jax.random.key(0), settings, 64)
+
+    state = started(draft)
+    n = draft.cfg.num_layers
+    rows = lambda a: np.repeat(np.asarray(a), num_drafts, axis=1)  # noqa: E731
+    np.testing.assert_array_equal(np.asarray(state.drafter_state.k), rows(state.target_cache.k[:n]))
+    np.testing.assert_array_equal(np.asarray(state.drafter_state.v), rows(state.target_cache.v[:n]))
+    np.testing.assert_array_equal(np.asarray(state.drafter_state.lengths), np.repeat([4, 7], num_drafts))
+    if target.cfg.pos_encoding == "relative":
+        np.testing.assert_array_equal(np.asarray(state.drafter_state.position_table),
+                                      np.asarray(state.target_cache.position_table[:n]))
+    own = started(as_plain(draft)).drafter_state  # the same weights, prefilling themselves
+    assert own.k.shape == state.drafter_state.k.shape
+    if spec.startswith("int8"):
+        assert not np.array_equal(np.asarray(own.k), np.asarray(state.drafter_state.k))
+    else:  # layers:N: the target's first layers compute the same keys and values
+        np.testing.assert_allclose(np.asarray(own.k), np.asarray(state.drafter_state.k), rtol=1e-5, atol=1e-5)
+
+
+def test_a_self_draft_of_another_layout_prefills_itself(target):
+    """A SelfDraft whose cache is not a prefix of this target's (another target's, here one
+    with another head_dim) is not handed this target's cache: it prefills its own."""
+    other_cfg = dataclasses.replace(target.cfg, head_dim=target.cfg.head_dim // 2)
+    if target.cfg.scan_layers or target.cfg.pos_encoding != "rope":
+        pytest.skip("one setting is enough")
+    other = specjax.self_draft(random_lm(other_cfg, mesh_for("1x1"), seed=4), "layers:1")
+    drafter = drafters.make(SamplingConfig(lookahead=3), target.packed(), other, None, mesh_for("1x1"))
+    assert not drafter.from_target
+    assert drafters.make(SamplingConfig(lookahead=3), target.packed(), specjax.self_draft(target, "layers:1"),
+                         None, mesh_for("1x1")).from_target
+    state = speculative.start(target.packed(), drafter, jnp.asarray([[5, 1, 30, 7]]), jnp.asarray([4]),
+                              jax.random.key(0), speculative.Settings(3, None), 32)
+    assert state.drafter_state.k.shape[-1] == other_cfg.head_dim
+
+
+def test_greedy_sps_from_the_targets_cache_keeps_what_a_prefilled_draft_keeps(target):
+    """layers:N's cache from the target is what its own prefill computes, so a greedy run
+    keeps the same drafts at every loop as the same draft prefilling itself (a wrong slice
+    of the target's layers, or rows of the wrong prompt, would change what is kept)."""
+    if target.cfg.scan_layers == (target.cfg.pos_encoding == "rope"):
+        pytest.skip("an unrolled RoPE and a stacked relative setting")
+    prompts = [[5, 1, 30], [2, 9, 9, 0, 31, 4, 18, 7]]
+    base = SamplingConfig(temperature=0.0, max_new_tokens=16, lookahead=3)
+    draft = specjax.self_draft(target, "layers:2")
+    mine, theirs = (specjax.generate(target, d, prompts, base) for d in (draft, as_plain(draft)))
+    assert mine.tokens == theirs.tokens
+    np.testing.assert_array_equal(mine.histogram, theirs.histogram)
+    assert mine.acceptance_rate > 0
 
 
 # ----------------------------------------------------------------------------- Theorem 1

@@ -6,7 +6,9 @@ the compiled loop, plus a pytree `state` the loop carries. Its interface (`base.
 
   make(sampling, vocab, draft, datastore, mesh)  the drafter for a run, or None (ArS);
                                                  checks that what it needs was given
-  init_state(prompts, prompt_lens, size, M)  its state after the prompts (a draft cache)
+  init_state(prompts, prompt_lens, size, M, Prefill)  its state after the prompts (a
+      draft cache), given the target's prefill of them (its cache, and its hidden states
+      when `needs_features`)
   propose(state, tokens, length, key, K, M, warping)
       -> (Proposal [B, M, ...], state, nonfinite [B])
       up to K tokens per chain x, the EXACT distributions p they were drawn from after the
@@ -30,7 +32,8 @@ much to draft looks at the drafter's side only (invariant 9).
   eagle      one layer drafts autoregressively in the target's feature space (`eagle`)
 
 A new drafter is one more class and one line in REGISTRY: a self-draft (the target's own
-int8/int4 copy, or its first N layers) is `model` over a derived LM; the heads drafters
+int8/int4 copy, or its first N layers) is `model` over a derived LM (`model.SelfDraft`,
+whose cache starts as the target's prefilled one: no second prefill); the heads drafters
 (`needs_heads`: the run's draft is a `specjax.heads.Heads`) read the target's hidden
 states (`needs_features`: `init_state` gets the prefill's, `update` the scoring pass's
 along the kept path).
@@ -38,7 +41,7 @@ along the kept path).
 from __future__ import annotations
 
 from specjax.config import SamplingConfig, UsageError
-from specjax.decode.drafters.base import SOURCES, Drafter, Proposal, Verdict, point_mass, select
+from specjax.decode.drafters.base import SOURCES, Drafter, Prefill, Proposal, Verdict, point_mass, select
 from specjax.decode.drafters.draft_model import ModelDrafter, model_proposal, refeed_window
 from specjax.decode.drafters.hybrid import HybridDrafter
 from specjax.decode.drafters.lookup import NgramDrafter, RetrievalDrafter, ngram_match
@@ -49,7 +52,7 @@ REGISTRY: dict[str, type[Drafter]] = {cls.name: cls for cls in (ModelDrafter, Ng
                                                                  HybridDrafter, MedusaDrafter, EagleDrafter)}
 
 __all__ = ["REGISTRY", "SOURCES", "Drafter", "EagleDrafter", "HybridDrafter", "MedusaDrafter", "ModelDrafter", "NgramDrafter",
-           "Proposal",
+           "Prefill", "Proposal",
            "RetrievalDrafter", "Verdict", "kind", "make", "model_proposal", "ngram_match", "point_mass",
            "refeed_window", "select"]
 

@@ -24,6 +24,14 @@ class Proposal(NamedTuple):
     source: jax.Array  # [...] index into SOURCES
 
 
+class Prefill(NamedTuple):
+    """The target's side of the prompts, for `Drafter.init_state`."""
+
+    cache: Any  # kv_cache.KVCache: the target's cache over the prompts (each row's last token pending)
+    features: jax.Array | None = None  # [B, W, D] its final hidden states at every prompt position (when
+    # the drafter `needs_features`), else None
+
+
 class Verdict(NamedTuple):
     """What verification decided in one loop, for `Drafter.update`."""
 
@@ -60,9 +68,9 @@ class Drafter:
         raise NotImplementedError
 
     def init_state(self, prompts: jax.Array, prompt_lens: jax.Array, size: int, num_drafts: int,
-                   features: jax.Array | None = None) -> Any:
-        """The drafter's state after the prompts (a pytree carried by the loop); `features`
-        (when `needs_features`): the target's final hidden states over the prompts [B, W, D]."""
+                   prefilled: Prefill) -> Any:
+        """The drafter's state after the prompts (a pytree carried by the loop); `prefilled`:
+        the target's prefill of them (its cache; its hidden states when `needs_features`)."""
         return ()
 
     def propose(self, state, tokens: jax.Array, length: jax.Array, key: jax.Array, lookahead: int,

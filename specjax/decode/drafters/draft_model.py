@@ -6,7 +6,9 @@ draws (greedy: they start with the draft's M most likely tokens).
 
 The state is the draft's KV cache. It must hold every token the target accepted
 (invariant 4): each loop's first step re-feeds the last `window` tokens of the context,
-ending at the pending token, and `update` rolls the cache back to just before them.
+ending at the pending token, and `update` rolls the cache back to just before them. A
+self-draft (`model.SelfDraft`: the target's first N layers, or its quantized copy) starts
+from the target's prefilled cache, its first N layers, instead of a prefill of its own.
 """
 from __future__ import annotations
 
@@ -19,8 +21,9 @@ from specjax.config import SamplingConfig, UsageError
 from specjax.decode.drafters.base import SOURCES, Drafter, Proposal, Verdict, point_mass
 from specjax.decode.warping import Warp, sample, warp
 from specjax.decode.state import prefill
+from specjax import kv_cache, sharding
 from specjax.kv_cache import KVCache
-from specjax.model import LM
+from specjax.model import LM, SelfDraft
 
 
 def refeed_window(lookahead: int, num_drafts: int, after_lookups: bool = False) -> int:
@@ -110,6 +113,17 @@ def model_proposal(draft: LM, cache: KVCache, tokens: jax.Array, length: jax.Arr
     return Proposal(xs, ps, length, jnp.full((batch,), SOURCES.index("model"), jnp.int32)), cache, bad
 
 
+def shares_cache_layout(draft, target) -> bool:
+    """Whether a draft's cache (ModelConfig `draft`) is the first layers of `target`'s."""
+    fields = lambda c: (c.num_kv_heads, c.head_dim, c.compute_dtype, c.pos_encoding)  # noqa: E731
+    return draft.num_layers <= target.num_layers and fields(draft) == fields(target)
+
+
+def rows_of(a: jax.Array, num_drafts: int) -> jax.Array:
+    """A cache array [L, B, ...] with each row repeated for the M chains (row-major, as `rows`)."""
+    return jnp.repeat(a, num_drafts, axis=1) if num_drafts > 1 else a
+
+
 @jax.tree_util.register_dataclass
 @dataclasses.dataclass(frozen=True)
 class ModelDrafter(Drafter):
@@ -118,6 +132,11 @@ class ModelDrafter(Drafter):
     lm: LM
     confidence: float = dataclasses.field(default=0.0, metadata=dict(static=True))
     window: int = dataclasses.field(default=2, metadata=dict(static=True))
+    # A self-draft of this target: its cache over the prompts is the target's first N
+    # layers' (exactly for layers:N; to rounding for a quantized copy, whose draws stay
+    # exact as p is whatever it computes), so it starts from the target's prefill. A
+    # target-sized quantized copy otherwise paid a second prompt prefill per run.
+    from_target: bool = dataclasses.field(default=False, metadata=dict(static=True))
 
     name = "model"
     needs_draft_model = True
@@ -132,11 +151,20 @@ class ModelDrafter(Drafter):
                                  "(draft=None)")
             return None  # the paper's baseline: autoregressive sampling
         return cls(draft.packed(), float(sampling.draft_confidence),  # packed where the CPU kernel runs
-                   refeed_window(sampling.lookahead, sampling.num_drafts, after_lookups))
+                   refeed_window(sampling.lookahead, sampling.num_drafts, after_lookups),
+                   isinstance(draft, SelfDraft) and shares_cache_layout(draft.cfg, target.cfg))
 
-    def init_state(self, prompts, prompt_lens, size, num_drafts, features=None) -> KVCache:
+    def init_state(self, prompts, prompt_lens, size, num_drafts, prefilled) -> KVCache:
         rows = lambda a: jnp.repeat(a, num_drafts, axis=0) if num_drafts > 1 else a  # noqa: E731
-        return prefill(self.lm, rows(prompts), rows(prompt_lens), size)
+        if not self.from_target:
+            return prefill(self.lm, rows(prompts), rows(prompt_lens), size)
+        # The first N layers of every array with a layer axis (the position table too: W_r
+        # is float in every self-draft, so the draft's table is the target's).
+        first = lambda a: None if a is None else a[:self.lm.cfg.num_layers]  # noqa: E731
+        cache = prefilled.cache
+        return KVCache(sharding.constrain(rows_of(first(cache.k), num_drafts), kv_cache.CACHE_AXES),
+                       sharding.constrain(rows_of(first(cache.v), num_drafts), kv_cache.CACHE_AXES),
+                       rows(cache.lengths), first(cache.position_table))
 
     def propose(self, state: KVCache, tokens, length, key, lookahead, num_drafts, warping, active=None):
         """`active` [B, M] (hybrid): chains to draw; the others propose nothing."""

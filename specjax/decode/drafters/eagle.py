@@ -78,7 +78,8 @@ class EagleDrafter(Drafter):
         heads = heads_lib.checked(draft, target.cfg, "eagle", sampling.drafter).packed(target)
         return cls(heads, target, sampling.lookahead, whole_table(target), heads_lib.unembedding(heads, target))
 
-    def init_state(self, prompts, prompt_lens, size, num_drafts, features=None) -> EagleState:
+    def init_state(self, prompts, prompt_lens, size, num_drafts, prefilled) -> EagleState:
+        features = prefilled.features
         batch, width = prompts.shape
         positions = jnp.broadcast_to(jnp.arange(width - 1, dtype=jnp.int32), (batch, width - 1))
         _, cache = self.heads.eagle_step(self.target, features[:, :-1], prompts[:, 1:], positions,

@@ -41,8 +41,8 @@ class HybridDrafter(Drafter):
             lookups += (RetrievalDrafter.make(sampling, target, None, datastore, mesh),)
         return cls(model, lookups)
 
-    def init_state(self, prompts, prompt_lens, size, num_drafts, features=None):
-        return self.model.init_state(prompts, prompt_lens, size, num_drafts)
+    def init_state(self, prompts, prompt_lens, size, num_drafts, prefilled):
+        return self.model.init_state(prompts, prompt_lens, size, num_drafts, prefilled)
 
     def propose(self, state, tokens, length, key, lookahead, num_drafts, warping):
         found = [lookup.lookup(tokens, length, lookahead, full=True) for lookup in self.lookups]

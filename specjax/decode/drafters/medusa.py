@@ -52,7 +52,8 @@ class MedusaDrafter(Drafter):
                              f"at most {draft.cfg.num_heads} tokens a loop (num_heads={draft.cfg.num_heads})")
         return cls(draft, target)
 
-    def init_state(self, prompts, prompt_lens, size, num_drafts, features=None) -> jax.Array:
+    def init_state(self, prompts, prompt_lens, size, num_drafts, prefilled) -> jax.Array:
+        features = prefilled.features
         last = jnp.maximum(prompt_lens - 2, 0)
         return jnp.take_along_axis(features, last[:, None, None], axis=1)[:, 0]
 
