@@ -3,11 +3,14 @@
     python launch/loop_parts.py --config=mini --lookahead=4 --prompt_len=128
     python launch/loop_parts.py --drafter=ngram --shape=smollm2_135m --context=distinct,repeating
     python launch/loop_parts.py --config=mini --self_draft=int8 --lookahead=6   # the target's own int8 copy
+    python launch/loop_parts.py --config=mini_eagle --drafter=eagle --lookahead=6  # random heads of its setting
 
 Each part runs N times inside one jitted `fori_loop` from the same prefilled state, as
 `generate` compiles it (api.compile_lowered), at batch 1:
   speculate       draft K tokens, score K+1 with the target, warp, verify (one SpS loop)
-  model_proposal  the K draft steps alone (--drafter=model)
+  proposal        the drafter's own K tokens alone (--drafter=model: K draft-model steps;
+                  eagle: the layer's window pass and K-1 steps; medusa: the heads), then
+                  its rollback as after a loop that kept nothing
   ngram lookup    the prompt lookup alone (--drafter=ngram: no draft model)
   target pass     one (K+1)-token target forward alone, and (ngram) a 1-token one: the
                   pass of a loop whose lookup found nothing
@@ -62,7 +65,9 @@ def define_flags() -> None:
     flags.DEFINE_integer("repeats", 5, "Timed pairs (65 and 5 iterations) per part; medians.")
     flags.DEFINE_list("kernels", ["default"], "Kernel settings to compare, interleaved (as forward_cost.py's: on, "
                       "off, default, or kernels' names joined by +, e.g. matmul+attention).")
-    flags.DEFINE_enum("drafter", None, ["model", "ngram"], "The drafter (default: the config's).")
+    flags.DEFINE_enum("drafter", None, list(DRAFTERS), "The drafter (default: the config's); eagle and medusa "
+                      "with random heads of the config's heads setting (--config=mini_eagle: its half-width, "
+                      "draft-vocabulary, int8 layer).")
     flags.DEFINE_string("shape", None, "The target's shape, one of launch/shapes.py's (default: the config's).")
     flags.DEFINE_string("self_draft", None, "The draft made of the target's own weights, as sample's --self_draft "
                         "(int8, int4, w4a8, w8a8, layers:N, combined with a comma), instead of the config's draft.")
@@ -73,6 +78,7 @@ def define_flags() -> None:
 
 
 CONTEXTS = ("random", "distinct", "repeating")
+DRAFTERS = ("model", "ngram", "eagle", "medusa")  # one chain each; hybrid and retrieval are not timed here
 
 
 def token_buffer(context: str, size: int, prompt_len: int, vocab: int) -> jax.Array:
@@ -101,15 +107,21 @@ def parts(K: int, w: Warp, rule: str, drafter: str):
         key, r = sps.speculate(t, d, s, settings)
         length = s.length + 3 + never(r.num_accepted) + never(r.next_token)
         # The drafter's own rollback (a draft cache to length - its window; nothing for a lookup).
-        state = d.update(r.drafter_state, drafters.Verdict(length, r.num_accepted, r.next_token, r.chain))
+        state = d.update(r.drafter_state, drafters.Verdict(length, r.num_accepted, r.next_token, r.chain, r.features))
         return dataclasses.replace(s, key=key, target_cache=r.target_cache.with_lengths(s.length + 2),
                                    drafter_state=state, length=length)
 
     def draft_tokens(t, d, s):
+        # The drafter's own propose (a draft model's K steps, an EAGLE layer's window pass
+        # and K-1 steps, Medusa's heads), then its rollback as after a loop that kept none.
         key, sub = jax.random.split(s.key)
-        prop, cache, bad = drafters.model_proposal(d.lm, s.drafter_state, s.tokens, s.length, sub, K, w)
-        return dataclasses.replace(s, key=key, drafter_state=cache.with_lengths(s.length + 1),
-                                   length=s.length + 3 + never(prop.x[:, -1]) + never(prop.p[:, -1, 0]) + bad)
+        prop, state, bad = d.propose(s.drafter_state, s.tokens, s.length, sub, K, 1, w)
+        length = s.length + 3 + never(prop.x[:, 0, -1]) + never(prop.p[:, 0, -1, 0]) + bad
+        batch = length.shape[0]
+        features = jnp.zeros((batch, K + 1, t.cfg.d_model), t.cfg.compute_dtype) if d.needs_features else None
+        zero = jnp.zeros((batch,), jnp.int32)
+        state = d.update(state, drafters.Verdict(length, zero, zero, zero, features))
+        return dataclasses.replace(s, key=key, drafter_state=state, length=length)
 
     def lookup(t, d, s):
         prop, hit = d.lookup(s.tokens, s.length, K)
@@ -129,8 +141,8 @@ def parts(K: int, w: Warp, rule: str, drafter: str):
         return dataclasses.replace(s, target_cache=cache.with_lengths(s.length + 2), length=s.length + 3 + out)
 
     out = {"speculate (one SpS loop)": speculate}
-    if drafters.kind(drafter).needs_draft_model:
-        out["model_proposal (K steps)"] = draft_tokens
+    if drafters.draft_kind(drafter) is not None:
+        out[f"{drafter} proposal (K tokens)"] = draft_tokens
     else:
         out[f"{drafter} lookup"] = lookup
         out["target pass (1 token)"] = lambda t, d, s: target(t, d, s, 1, False)
@@ -142,13 +154,14 @@ def parts(K: int, w: Warp, rule: str, drafter: str):
 def main(argv):
     config = cli.config()
     drafter = FLAGS.drafter or config.sampling.drafter
-    if drafter not in ("model", "ngram"):
-        raise cli.UsageError(f"drafter {drafter!r}: loop_parts measures the model and ngram drafters")
+    if drafter not in DRAFTERS:
+        raise cli.UsageError(f"drafter {drafter!r}: loop_parts measures the {', '.join(DRAFTERS)} drafters")
     if FLAGS.shape is not None:
         if FLAGS.shape not in SHAPES:
             raise cli.UsageError(f"--shape={FLAGS.shape}: not one of {', '.join(SHAPES)}")
         config = dataclasses.replace(config, target=SHAPES[FLAGS.shape], tokenizer_vocab=0)
-    need_draft = drafters.kind(drafter).needs_draft_model
+    need_draft = drafters.draft_kind(drafter) == "model"
+    need_heads = drafters.draft_kind(drafter) == "heads"  # random heads: --init=random's
     sources = Sources(init="random", self_draft=FLAGS.self_draft)
     if FLAGS.self_draft is not None:
         if not need_draft:
@@ -176,7 +189,7 @@ def main(argv):
     weights = sources.locate(config, need_draft=need_draft, train_missing=False)
     models = {"target": config.target, **({"draft": config.draft} if need_draft else {})}
     mesh = sharding.make_checked_mesh(config.mesh, models)
-    target, draft = weights.load(mesh, need_draft=need_draft, quantize=cli.quantize())
+    target, draft = weights.load(mesh, need_draft=drafter if need_heads else need_draft, quantize=cli.quantize())
     w = program_lib.warping_of(config.sampling)
     values = jnp.asarray(w.values())
     buffers = {c: token_buffer(c, FLAGS.cache, FLAGS.prompt_len, config.target.vocab_size) for c in FLAGS.context}
@@ -186,12 +199,12 @@ def main(argv):
           f"{f', self-draft {FLAGS.self_draft}' if FLAGS.self_draft else ''}: drafter {drafter}, "
           f"K={K}, prompt {FLAGS.prompt_len}, cache {FLAGS.cache}, {w}")
     runs, subjects = {}, {}
-    sampling = dataclasses.replace(config.sampling, drafter=drafter)
+    sampling = dataclasses.replace(config.sampling, drafter=drafter, lookahead=K)
     for setting, kernels in chosen.items():
         # As decoding runs them: the setting is the models' and the warp's static data (each
         # setting its own programs), the weights packed where the matmul kernel runs.
         subject = target.with_kernels(kernels).packed()
-        d = drafters.make(sampling, subject, None if draft is None else draft.with_kernels(kernels), None, mesh)
+        d = drafters.make(sampling, subject, draft.with_kernels(kernels) if need_draft else draft, None, mesh)
         subjects[setting] = (subject, d)
         # As the real loop: the warp's temperature and top-p traced (Warp.static / bind).
         warping = w._replace(kernels=kernels).static()
