@@ -93,17 +93,21 @@ class EagleHead(nnx.Module):
         self.compute_dtype = cfg.compute_dtype
 
     def __call__(self, features, embedded, positions, cache: KVCache, visible=None,
-                 kernels: Kernels = DEFAULT_KERNELS) -> tuple[jax.Array, Fresh]:
+                 kernels: Kernels = DEFAULT_KERNELS, feature_weight=None, up: bool = True) -> tuple[jax.Array, Fresh]:
         """features, embedded [B, T, D] (the target's feature at positions[t] and the
         embedding of the token after it) -> (predicted features [B, T, D] of the next
-        positions, Fresh: this pass's keys and values for the layer's cache, read only)."""
+        positions, Fresh: this pass's keys and values for the layer's cache, read only).
+        Decoding a narrow layer (`Folded`): up=False returns the block's output [B, T, W]
+        before w_up, and `feature_weight` (w_up @ w_feature, [W, W]) reads such an output
+        as the feature input in place of w_feature."""
         ct = jnp.dtype(self.compute_dtype)
-        x = (project("BTD,DW->BTW", features.astype(ct), self.w_feature.value, kernels, ct)
+        x = (project("BTD,DW->BTW", features.astype(ct), self.w_feature.value if feature_weight is None
+                     else feature_weight, kernels, ct)
              + project("BTD,DW->BTW", embedded.astype(ct), self.w_token.value, kernels, ct))
         T = x.shape[1]
         visible = causal(T) if visible is None else visible
         x, k, v = self.block(x, positions, cache.k, cache.v, None, 0, cache_limit(cache, positions), visible, kernels)
-        if self.w_up is not None:
+        if self.w_up is not None and up:
             x = project("BTW,WD->BTD", x, self.w_up.value, kernels, ct)
         return x, Fresh(*ordered_after(k[None], v[None], x))
 
@@ -130,11 +134,13 @@ class Heads:
         return nnx.merge(self.graphdef, self.params)(*args, **kwargs)
 
     def eagle_step(self, target: LM, features, tokens, positions, cache: KVCache,
-                   table=None) -> tuple[jax.Array, KVCache]:
+                   table=None, feature_weight=None, up: bool = True) -> tuple[jax.Array, KVCache]:
         """EAGLE's pass over T (feature, next token) pairs at `positions`, written into its
         cache at positions[:, 0]: -> (predicted features [B, T, D], cache). The tokens are
-        embedded from `table` (`model.whole_table(target)`) where given."""
-        predicted, fresh = self(features, target.embed(tokens, table), positions, cache, None, target.kernels)
+        embedded from `table` (`model.whole_table(target)`) where given. `feature_weight`,
+        `up`: a folded narrow layer's decoding (`EagleHead.__call__`, `Folded`)."""
+        predicted, fresh = self(features, target.embed(tokens, table), positions, cache, None, target.kernels,
+                                feature_weight, up)
         return predicted, kv_cache.commit(cache, fresh, positions[:, 0])
 
     def empty_cache(self, batch: int, size: int) -> KVCache:
@@ -217,8 +223,26 @@ class Unembedding:
         return whole.at[..., self.ids].set(probs)
 
 
-def unembedding(heads: Heads, target: LM) -> Unembedding:
-    """`heads`' draft vocabulary's `Unembedding` on `target` (its whole one without)."""
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass(frozen=True)
+class Folded:
+    """A narrow EAGLE layer with a draft vocabulary, as its K-1 draft steps run it. Its
+    predicted feature (block output x [W] times w_up [W, D]) is read twice per step, by
+    the draft vocabulary's columns C [D, N] (the logits) and by the next step's w_feature
+    [D, W]; both products are linear in x, so they are folded into `columns` = w_up C
+    [W, N] and `feature` = w_up w_feature [W, W], and the step never forms the D-wide
+    feature: a step reads W x (N + W) weights where it read W x D + D x (N + W). Only the
+    window pass, which reads the target's true D-wide features, runs w_feature itself.
+    The draft's numbers differ from the unfolded layer's by float rounding; p is whatever
+    it computes, so sampling stays exact."""
+
+    unembed: Unembedding  # with columns = w_up C [W, N]
+    feature: Any  # w_up w_feature [W, W]
+
+
+def unembedding(heads: Heads, target: LM, fold: bool = False) -> Unembedding:
+    """`heads`' draft vocabulary's `Unembedding` on `target` (its whole one without);
+    with `fold`, its columns premultiplied by the layer's w_up (`Folded`)."""
     if heads.vocab is None:
         return Unembedding(target)
     table = target.params["embed"].value if target.cfg.tie_embeddings else target.params["unembed"].value
@@ -226,20 +250,43 @@ def unembedding(heads: Heads, target: LM) -> Unembedding:
     leaf = jax.tree.leaves(table)[0]
     where = getattr(leaf, "sharding", None)
     everywhere = sharding.replicated(where.mesh) if isinstance(where, jax.sharding.NamedSharding) else None
+    up = heads.params["w_up"].value if fold else None
     if not isinstance(leaf, jax.Array):  # `plan`'s abstract params
-        D, N = target.cfg.d_model, heads.vocab.shape[0]
+        D, N = (up.shape[0] if fold else target.cfg.d_model), heads.vocab.shape[0]
         ids = jax.ShapeDtypeStruct((N,), jnp.int32, sharding=everywhere)
         return Unembedding(target, ids, jax.ShapeDtypeStruct((D, N), leaf.dtype, sharding=everywhere))
 
-    def gather(table, ids):
+    def gather(table, ids, up):
         whole = stored(table)
-        return whole[ids].T if tied else whole[:, ids]
+        columns = whole[ids].T if tied else whole[:, ids]
+        if up is None:
+            return columns
+        return jnp.matmul(stored(up).astype(jnp.float32), columns.astype(jnp.float32),
+                          precision=jax.lax.Precision.HIGHEST).astype(columns.dtype)
 
-    columns = jax.jit(gather, out_shardings=everywhere)(table, heads.vocab)
+    columns = jax.jit(gather, out_shardings=everywhere)(table, heads.vocab, up)
     ids = heads.vocab if everywhere is None else jax.device_put(heads.vocab, everywhere)
     columns = decoding_weights({"columns": columns}, {"columns": (1, 2)}, heads.cfg.quantize, target.cfg,
                                target)["columns"]
     return Unembedding(target, ids, columns)
+
+
+def folded(heads: Heads, target: LM) -> Folded | None:
+    """`Folded` for an EAGLE layer narrower than the target with a draft vocabulary
+    (float `heads`, before `packed`), its weights quantized and packed as the layer's
+    (`HeadsConfig.quantize`); None for any other layer."""
+    if heads.cfg.kind != "eagle" or heads.vocab is None or "w_up" not in heads.params:
+        return None
+    up, feature = heads.params["w_up"].value, heads.params["w_feature"].value
+    if not isinstance(jax.tree.leaves(up)[0], jax.Array):  # `plan`'s abstract params
+        product = jax.ShapeDtypeStruct((up.shape[0], feature.shape[1]), feature.dtype,
+                                       sharding=getattr(feature, "sharding", None))
+    else:
+        product = jax.jit(lambda u, f: jnp.matmul(stored(u).astype(jnp.float32), stored(f).astype(jnp.float32),
+                                                  precision=jax.lax.Precision.HIGHEST).astype(f.dtype))(up, feature)
+        product = decoding_weights({"feature": product}, {"feature": (1, 2)}, heads.cfg.quantize, target.cfg,
+                                   target)["feature"]
+    return Folded(unembedding(heads, target, fold=True), product)
 
 
 def checked(draft, target_cfg: ModelConfig, kind: str, drafter: str) -> Heads:

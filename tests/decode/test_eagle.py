@@ -29,6 +29,7 @@ from specjax import heads as heads_lib, kernels, model
 from specjax.config import ConfigError, HeadsConfig, SamplingConfig, UsageError
 from specjax.decode import program, speculative
 from specjax.decode.drafters import eagle
+from specjax.decode.warping import warp
 from specjax.heads import init_heads
 from conftest import mesh_for
 from models import RAGGED, cache_copies, fused_loop_collectives, tiny_pairs
@@ -129,6 +130,52 @@ def unwarped_distributions(drafter, state, x, tokens, K):
             feature, cache = drafter.heads.eagle_step(drafter.target, feature, x[:, j:j + 1], (pending + j)[:, None],
                                                       cache)
     return jnp.stack(out, axis=1)[:, None]
+
+
+@pytest.mark.parametrize("temperature,top_p", [(1.0, 1.0), (0.7, 0.8)])
+def test_a_narrow_layer_folds_w_up_into_its_steps(narrow_models, temperature, top_p):
+    """A narrow layer with a draft vocabulary (float here) drafts with w_up folded into the
+    columns and the next step's w_feature (`heads.Folded`): its p along the chain it drew
+    equals the unfolded layer's teacher-forced on that chain (D-wide features, w_up, then
+    the draft vocabulary's columns and the same warping) to float rounding; the drafter
+    holds the folded [W, W] weight."""
+    target, heads = narrow_models
+    heads = dataclasses.replace(heads, cfg=dataclasses.replace(heads.cfg, quantize=""))
+    target = target.packed()
+    drafter = eagle.EagleDrafter.make(SamplingConfig(lookahead=3, drafter="eagle"), target, heads, None, None)
+    W = NARROW.width
+    assert drafter.feature_weight is not None and kernels.stored(drafter.feature_weight).shape == (W, W)
+    assert kernels.stored(drafter.unembed.columns).shape == (W, NARROW.draft_vocab)
+    prompts = jnp.asarray([[5, 9, 2, 7, 1, 30], [4, 11, 8, 0, 0, 0]])
+    lens = jnp.asarray([6, 3])
+    warping = program.warping_of(SamplingConfig(temperature=temperature, top_p=top_p))
+    settings = speculative.Settings(3, warping)
+    state = speculative.start(target, drafter, prompts, lens, jax.random.key(0), settings, 32)
+    tokens = jnp.concatenate([prompts, jnp.zeros((2, 26), jnp.int32)], axis=1)
+    prop, _, bad = drafter.propose(state.drafter_state, tokens, lens, jax.random.key(1), 3, 1, warping)
+    assert not np.any(np.asarray(bad))
+    plain = eagle.EagleDrafter(heads.packed(target), target, 3, None, heads_lib.unembedding(heads, target))
+    want = teacher_forced(plain, state.drafter_state, prop.x[:, 0], tokens, 3, warping)
+    np.testing.assert_allclose(np.asarray(prop.p[:, 0]), np.asarray(want), rtol=1e-4, atol=1e-5)
+
+
+def teacher_forced(drafter, state, x, tokens, K, warping):
+    """The unfolded layer's warped p along the chain x: its window pass, then its D-wide
+    feature scored by the draft vocabulary's columns and fed back through w_feature."""
+    positions = state.start[:, None] + jnp.arange(K + 1)[None, :]
+    after = jnp.take_along_axis(tokens, jnp.clip(positions + 1, 0, tokens.shape[1] - 1), axis=1)
+    predicted, cache = drafter.heads.eagle_step(drafter.target, state.window, after, positions, state.cache)
+    pending = state.start + state.count
+    cache = cache.with_lengths(pending)
+    feature = jnp.take_along_axis(predicted, (state.count - 1)[:, None, None], axis=1)
+    out = []
+    for j in range(K):
+        probs, _ = warp(drafter.unembed.logits(feature)[:, 0], warping)
+        out.append(drafter.unembed.spread(probs))
+        if j < K - 1:
+            feature, cache = drafter.heads.eagle_step(drafter.target, feature, x[:, j:j + 1], (pending + j)[:, None],
+                                                      cache)
+    return jnp.stack(out, axis=1)
 
 
 @pytest.fixture(scope="module")

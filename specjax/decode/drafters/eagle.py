@@ -68,6 +68,9 @@ class EagleDrafter(Drafter):
     # What a predicted feature is scored against: the target's unembedding, or its columns
     # for the layer's draft vocabulary (`heads.Unembedding`).
     unembed: Any = None
+    # A narrow layer with a draft vocabulary: its draft steps fold w_up into the columns
+    # and the next step's w_feature (`heads.Folded`; then `unembed` is the folded one).
+    feature_weight: Any = None
 
     name = "eagle"
     needs_heads = True
@@ -75,8 +78,11 @@ class EagleDrafter(Drafter):
 
     @classmethod
     def make(cls, sampling: SamplingConfig, target: LM, draft, datastore, mesh):
-        heads = heads_lib.checked(draft, target.cfg, "eagle", sampling.drafter).packed(target)
-        return cls(heads, target, sampling.lookahead, whole_table(target), heads_lib.unembedding(heads, target))
+        heads = heads_lib.checked(draft, target.cfg, "eagle", sampling.drafter)
+        fold = heads_lib.folded(heads, target)  # from the float layer, quantized and packed as the layer is
+        unembed = fold.unembed if fold is not None else heads_lib.unembedding(heads, target)
+        return cls(heads.packed(target), target, sampling.lookahead, whole_table(target), unembed,
+                   None if fold is None else fold.feature)
 
     def init_state(self, prompts, prompt_lens, size, num_drafts, prefilled) -> EagleState:
         features = prefilled.features
@@ -92,11 +98,12 @@ class EagleDrafter(Drafter):
         batch, K = tokens.shape[0], lookahead
         positions = state.start[:, None] + jnp.arange(K + 1)[None, :]
         after = jnp.take_along_axis(tokens, jnp.clip(positions + 1, 0, tokens.shape[1] - 1), axis=1)
+        folded = self.feature_weight is not None  # then `feature` below is the block's W-wide output
         predicted, cache = self.heads.eagle_step(self.target, state.window, after, positions, state.cache,
-                                                 self.table)
+                                                 self.table, up=not folded)
         pending = state.start + state.count  # the pending token's position
         cache = cache.with_lengths(pending)  # the pairs of true features; the rest is rewritten
-        feature = jnp.take_along_axis(predicted, (state.count - 1)[:, None, None], axis=1)  # [B, 1, D] at pending
+        feature = jnp.take_along_axis(predicted, (state.count - 1)[:, None, None], axis=1)  # [B, 1, D or W] at pending
         keys = jax.random.split(key, K)
         unembed = self.unembed if self.unembed is not None else heads_lib.Unembedding(self.target)
 
@@ -111,7 +118,7 @@ class EagleDrafter(Drafter):
             feature, cache = carry
             x, probs, bad = draw(feature, j)
             feature, cache = self.heads.eagle_step(self.target, feature, x[:, None], (pending + j)[:, None], cache,
-                                                   self.table)
+                                                   self.table, self.feature_weight, up=not folded)
             return (feature, cache), (x, probs, bad)
 
         (feature, cache), (xs, ps, bads) = jax.lax.scan(step, (feature, cache), jnp.arange(K - 1))
