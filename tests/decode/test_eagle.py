@@ -117,19 +117,7 @@ def test_negative_control_p_before_warping_is_rejected(models, patch):
 
 def unwarped_distributions(drafter, state, x, tokens, K):
     """softmax of the layer's logits along the chain x (teacher-forced on x itself)."""
-    positions = state.start[:, None] + jnp.arange(K + 1)[None, :]
-    after = jnp.take_along_axis(tokens, jnp.clip(positions + 1, 0, tokens.shape[1] - 1), axis=1)
-    predicted, cache = drafter.heads.eagle_step(drafter.target, state.window, after, positions, state.cache)
-    pending = state.start + state.count
-    cache = cache.with_lengths(pending)
-    feature = jnp.take_along_axis(predicted, (state.count - 1)[:, None, None], axis=1)
-    out = []
-    for j in range(K):
-        out.append(jax.nn.softmax(drafter.target.logits(feature)[:, 0], axis=-1))
-        if j < K - 1:
-            feature, cache = drafter.heads.eagle_step(drafter.target, feature, x[:, j:j + 1], (pending + j)[:, None],
-                                                      cache)
-    return jnp.stack(out, axis=1)[:, None]
+    return teacher_forced(drafter, state, x, tokens, K)[:, None]
 
 
 @pytest.mark.parametrize("temperature,top_p", [(1.0, 1.0), (0.7, 0.8)])
@@ -159,19 +147,22 @@ def test_a_narrow_layer_folds_w_up_into_its_steps(narrow_models, temperature, to
     np.testing.assert_allclose(np.asarray(prop.p[:, 0]), np.asarray(want), rtol=1e-4, atol=1e-5)
 
 
-def teacher_forced(drafter, state, x, tokens, K, warping):
-    """The unfolded layer's warped p along the chain x: its window pass, then its D-wide
-    feature scored by the draft vocabulary's columns and fed back through w_feature."""
+def teacher_forced(drafter, state, x, tokens, K, warping=None):
+    """The layer's p along the chain x, teacher-forced on x itself, unfolded: its window
+    pass, then its d_model-wide feature scored by its unembedding (the draft vocabulary's
+    columns where it has one) and fed back through w_feature; warped by `warping`, or the
+    plain softmax where None."""
     positions = state.start[:, None] + jnp.arange(K + 1)[None, :]
     after = jnp.take_along_axis(tokens, jnp.clip(positions + 1, 0, tokens.shape[1] - 1), axis=1)
     predicted, cache = drafter.heads.eagle_step(drafter.target, state.window, after, positions, state.cache)
     pending = state.start + state.count
     cache = cache.with_lengths(pending)
     feature = jnp.take_along_axis(predicted, (state.count - 1)[:, None, None], axis=1)
+    unembed = drafter.unembed if drafter.unembed is not None else heads_lib.Unembedding(drafter.target)
     out = []
     for j in range(K):
-        probs, _ = warp(drafter.unembed.logits(feature)[:, 0], warping)
-        out.append(drafter.unembed.spread(probs))
+        logits = unembed.logits(feature)[:, 0]
+        out.append(unembed.spread(jax.nn.softmax(logits, axis=-1) if warping is None else warp(logits, warping)[0]))
         if j < K - 1:
             feature, cache = drafter.heads.eagle_step(drafter.target, feature, x[:, j:j + 1], (pending + j)[:, None],
                                                       cache)
