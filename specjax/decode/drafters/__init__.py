@@ -4,8 +4,8 @@ A drafter is a small frozen dataclass registered as a pytree (its arrays, such a
 model's params or a datastore's index, are leaves; its settings are static), passed into
 the compiled loop, plus a pytree `state` the loop carries. Its interface (`base.Drafter`):
 
-  make(sampling, vocab, draft, datastore, mesh)  the drafter for a run, or None (ArS);
-                                                 checks that what it needs was given
+  make(sampling, target, draft, datastore, mesh)  the drafter for a run, or None (ArS);
+                                                  checks that what it needs was given
   init_state(prompts, prompt_lens, size, M, Prefill)  its state after the prompts (a
       draft cache), given the target's prefill of them (its cache, and its hidden states
       when `needs_features`)
