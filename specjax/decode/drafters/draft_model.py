@@ -119,11 +119,6 @@ def shares_cache_layout(draft, target) -> bool:
     return draft.num_layers <= target.num_layers and fields(draft) == fields(target)
 
 
-def rows_of(a: jax.Array, num_drafts: int) -> jax.Array:
-    """A cache array [L, B, ...] with each row repeated for the M chains (row-major, as `rows`)."""
-    return jnp.repeat(a, num_drafts, axis=1) if num_drafts > 1 else a
-
-
 @jax.tree_util.register_dataclass
 @dataclasses.dataclass(frozen=True)
 class ModelDrafter(Drafter):
@@ -155,15 +150,15 @@ class ModelDrafter(Drafter):
                    isinstance(draft, SelfDraft) and shares_cache_layout(draft.cfg, target.cfg))
 
     def init_state(self, prompts, prompt_lens, size, num_drafts, prefilled) -> KVCache:
-        rows = lambda a: jnp.repeat(a, num_drafts, axis=0) if num_drafts > 1 else a  # noqa: E731
+        rows = lambda a, axis=0: jnp.repeat(a, num_drafts, axis=axis) if num_drafts > 1 else a  # noqa: E731
         if not self.from_target:
             return prefill(self.lm, rows(prompts), rows(prompt_lens), size)
         # The first N layers of every array with a layer axis (the position table too: W_r
         # is float in every self-draft, so the draft's table is the target's).
         first = lambda a: None if a is None else a[:self.lm.cfg.num_layers]  # noqa: E731
         cache = prefilled.cache
-        return KVCache(sharding.constrain(rows_of(first(cache.k), num_drafts), kv_cache.CACHE_AXES),
-                       sharding.constrain(rows_of(first(cache.v), num_drafts), kv_cache.CACHE_AXES),
+        return KVCache(sharding.constrain(rows(first(cache.k), axis=1), kv_cache.CACHE_AXES),
+                       sharding.constrain(rows(first(cache.v), axis=1), kv_cache.CACHE_AXES),
                        rows(cache.lengths), first(cache.position_table))
 
     def propose(self, state: KVCache, tokens, length, key, lookahead, num_drafts, warping, active=None):
