@@ -259,16 +259,20 @@ def unembedding(heads: Heads, target: LM, fold: bool = False) -> Unembedding:
     def gather(table, ids, up):
         whole = stored(table)
         columns = whole[ids].T if tied else whole[:, ids]
-        if up is None:
-            return columns
-        return jnp.matmul(stored(up).astype(jnp.float32), columns.astype(jnp.float32),
-                          precision=jax.lax.Precision.HIGHEST).astype(columns.dtype)
+        return columns if up is None else float_product(up, columns)
 
     columns = jax.jit(gather, out_shardings=everywhere)(table, heads.vocab, up)
     ids = heads.vocab if everywhere is None else jax.device_put(heads.vocab, everywhere)
     columns = decoding_weights({"columns": columns}, {"columns": (1, 2)}, heads.cfg.quantize, target.cfg,
                                target)["columns"]
     return Unembedding(target, ids, columns)
+
+
+def float_product(a, b) -> jax.Array:
+    """a @ b in float32 at full precision, in b's dtype: `Folded`'s products of two weights
+    (either as stored: a quantized one dequantized)."""
+    return jnp.matmul(stored(a).astype(jnp.float32), stored(b).astype(jnp.float32),
+                      precision=jax.lax.Precision.HIGHEST).astype(stored(b).dtype)
 
 
 def folded(heads: Heads, target: LM) -> Folded | None:
@@ -282,8 +286,7 @@ def folded(heads: Heads, target: LM) -> Folded | None:
         product = jax.ShapeDtypeStruct((up.shape[0], feature.shape[1]), feature.dtype,
                                        sharding=getattr(feature, "sharding", None))
     else:
-        product = jax.jit(lambda u, f: jnp.matmul(stored(u).astype(jnp.float32), stored(f).astype(jnp.float32),
-                                                  precision=jax.lax.Precision.HIGHEST).astype(f.dtype))(up, feature)
+        product = jax.jit(float_product)(up, feature)
         product = decoding_weights({"feature": product}, {"feature": (1, 2)}, heads.cfg.quantize, target.cfg,
                                    target)["feature"]
     return Folded(unembedding(heads, target, fold=True), product)
