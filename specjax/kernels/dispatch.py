@@ -39,11 +39,15 @@ def runs(enabled: bool) -> bool:
 # --------------------------------------------------------------------------- few-row matmul
 
 
-def use_matmul(x: jax.Array, dtype, setting: Kernels) -> bool:
-    """x [..., K] times a packed weight of `dtype`: float32 both, 1..MAX_ROWS rows."""
+def use_matmul(x: jax.Array, dtype, setting: Kernels, quantized: bool = False) -> bool:
+    """x [..., K] times a packed weight of `dtype`: float32 both, 1..MAX_ROWS rows, or any
+    number of rows for a quantized weight. The kernel sweeps each panel once per tile of up
+    to MAX_ROWS rows, so a prompt's prefill through it costs the tiles' arithmetic; XLA's
+    alternative for a quantized weight dequantizes all of it to float32 first (every call,
+    the whole model's weights), while for a float32 weight its own matmul is as fast there."""
     rows = math.prod(x.shape[:-1])
-    return (x.dtype == jnp.float32 and dtype == jnp.float32 and 1 <= rows <= MAX_ROWS and single_device()
-            and runs(setting.matmul))
+    return (x.dtype == jnp.float32 and dtype == jnp.float32 and 1 <= rows and (quantized or rows <= MAX_ROWS)
+            and single_device() and runs(setting.matmul))
 
 
 def panel_dot(x: jax.Array, panels: jax.Array, n: int) -> jax.Array:

@@ -1,14 +1,16 @@
-// y[T, N] = x[T, K] @ w[K, N] for a few rows (T <= 8), as XLA FFI custom calls for the
-// CPU backend, with w packed once into panels: wp[P, K, 64] holds columns 64p..64p+63 of w
-// (zeros past N), row after row, so each panel is one contiguous run. Three weight formats
-// share the one loop (`Tile<T, F>`): float32 panels; int8 panels with a float32 scale per
-// column (w = q * scale, symmetric per output channel), dequantized in registers: a
-// column's sum is over x[t, k] * q[k, n] and is scaled once at the end, so a quarter of
-// the bytes are read; and grouped panels, with a float16 scale and minimum per column and
-// group of 32 rows of k (w = code * scale + min), whose codes are multiplied as they are
-// and each group's scale and minimum applied once at its end: 4-bit codes, two per byte,
-// 32 bytes per panel row (GGUF's Q4_1 and, with min = -8 scale, Q4_0: an eighth of the
-// float32 bytes plus the groups' scales), or int8 codes (GGUF's Q8_0, min 0).
+// y[T, N] = x[T, K] @ w[K, N] in tiles of a few rows (at most 8: a decode step or a
+// scoring pass is one tile; a prompt's rows are many, each panel swept once per tile while
+// it is in cache), as XLA FFI custom calls for the CPU backend, with w packed once into
+// panels: wp[P, K, 64] holds columns 64p..64p+63 of w (zeros past N), row after row, so
+// each panel is one contiguous run. Three weight formats share the one loop
+// (`Tile<T, F>`): float32 panels; int8 panels with a float32 scale per column (w = q *
+// scale, symmetric per output channel), dequantized in registers: a column's sum is over
+// x[t, k] * q[k, n] and is scaled once at the end, so a quarter of the bytes are read; and
+// grouped panels, with a float16 scale and minimum per column and group of 32 rows of k (w
+// = code * scale + min), whose codes are multiplied as they are and each group's scale and
+// minimum applied once at its end: 4-bit codes, two per byte, 32 bytes per panel row
+// (GGUF's Q4_1 and, with min = -8 scale, Q4_0: an eighth of the float32 bytes plus the
+// groups' scales), or int8 codes (GGUF's Q8_0, min 0).
 //
 // The A8 formats multiply int8 *activations* by the codes, as llama.cpp does: each row of x
 // is rounded to int8 per group of 32 inputs (scale = the group's max |x| / 127), and the
@@ -203,27 +205,52 @@ inline void Tile(const float* x, const typename F::W* panel, const typename F::A
     for (int c = 0; c < C; ++c) Store(out + t * ldo + c * kWidth, acc[t][c]);
 }
 
-// y[:, 64p0 : 64p1] (clipped to N) for panels p0..p1-1; aux: each panel's F::Aux(K) floats.
-template <int T, typename F>
-void Panels(const float* x, const void* wv, const void* av, const float* xsum, float* y, int64_t K, int64_t N,
-            int64_t p0, int64_t p1) {
+// Rows per tile: all of them up to kMaxRows (one sweep of each panel); a longer run of
+// rows in tiles of 4, whose sums fit the vector registers better than 8 rows' (the panel
+// is in cache by then, so the sweeps are cheap and the arithmetic is what counts).
+inline int64_t TileRows(int64_t T) { return T <= kMaxRows ? T : 4; }
+
+template <typename F>
+using TileFn = void (*)(const float*, const typename F::W*, const typename F::A*, const float*, int64_t, float*,
+                        int64_t);
+template <typename F>
+constexpr TileFn<F> kTiles[kMaxRows + 1] = {nullptr,     Tile<1, F>, Tile<2, F>, Tile<3, F>, Tile<4, F>,
+                                            Tile<5, F>, Tile<6, F>, Tile<7, F>, Tile<8, F>};
+
+// y[:T, 64p0 : 64p1] (clipped to N) for panels p0..p1-1; aux: each panel's F::Aux(K)
+// values. Any T: each panel is swept once per tile of rows (`TileRows`), one tile after
+// the other, so a panel read from memory for the first tile is in L1/L2 for the rest.
+template <typename F>
+void Panels(const float* x, const void* wv, const void* av, const float* xsum, float* y, int64_t T, int64_t K,
+            int64_t N, int64_t p0, int64_t p1) {
   const typename F::W* wp = static_cast<const typename F::W*>(wv);
   const typename F::A* aux = static_cast<const typename F::A*>(av);
-  float last[T * kPanel];  // a panel that runs past N is computed here, then clipped
+  const int64_t G = (K + kGroup - 1) / kGroup, tile = TileRows(T);
+  float last[kMaxRows * kPanel];  // a panel that runs past N is computed here, then clipped
   for (int64_t p = p0; p < p1; ++p) {
     const bool full = (p + 1) * kPanel <= N;
-    float* out = full ? y + p * kPanel : last;
-    Tile<T, F>(x, wp + p * K * F::kElems, aux ? aux + p * F::Aux(K) : nullptr, xsum, K, out, full ? N : kPanel);
-    if (!full)
-      for (int t = 0; t < T; ++t) std::memcpy(y + t * N + p * kPanel, last + t * kPanel, (N - p * kPanel) * sizeof(float));
+    for (int64_t r = 0; r < T; r += tile) {
+      const int64_t n = std::min(tile, T - r);
+      float* out = full ? y + r * N + p * kPanel : last;
+      kTiles<F>[n](x + r * K, wp + p * K * F::kElems, aux ? aux + p * F::Aux(K) : nullptr, xsum ? xsum + r * G : nullptr,
+                   K, out, full ? N : kPanel);
+      if (!full)
+        for (int64_t t = 0; t < n; ++t)
+          std::memcpy(y + (r + t) * N + p * kPanel, last + t * kPanel, (N - p * kPanel) * sizeof(float));
+    }
   }
 }
 
 using PanelFn = void (*)(const float*, const void*, const void*, const float*, float*, int64_t, int64_t, int64_t,
-                         int64_t);
-template <typename F>
-constexpr PanelFn kPanels[kMaxRows + 1] = {nullptr,         Panels<1, F>, Panels<2, F>, Panels<3, F>, Panels<4, F>,
-                                           Panels<5, F>, Panels<6, F>, Panels<7, F>, Panels<8, F>};
+                         int64_t, int64_t);
+
+// Rows per pass over the panels (a multiple of kMaxRows): the passes' inputs (`row_bytes`
+// each) stay within about L2 while every panel streams past them, so a long run of rows
+// (a prompt's prefill) reads each weight once per pass, and the inputs do not spill.
+inline int64_t RowsPerPass(int64_t row_bytes) {
+  constexpr int64_t kBudget = 256 << 10;
+  return std::max<int64_t>(kMaxRows, kBudget / std::max<int64_t>(1, row_bytes) / kMaxRows * kMaxRows);
+}
 
 // fn(p0, p1) over the P panels: on this thread for a small matrix (k_by_n weights; a second
 // thread costs more to wake than it saves), else in as many ranges as the pool has threads,
@@ -239,12 +266,12 @@ void SplitPanels(ffi::ThreadPool& pool, int64_t k_by_n, int64_t P, Fn fn) {
 // The checks and the split between threads that the formats share (a panel row holds
 // `row` elements); scale (int8's float32 scales, the grouped formats' float16 aux) is null
 // for float32.
-ffi::Error Run(ffi::ThreadPool& pool, const char* name, PanelFn const* fns, int64_t row, ffi::AnyBuffer::Dimensions xd,
+ffi::Error Run(ffi::ThreadPool& pool, const char* name, PanelFn fn, int64_t row, ffi::AnyBuffer::Dimensions xd,
                ffi::AnyBuffer::Dimensions wd, ffi::AnyBuffer::Dimensions yd, const float* xs, const void* ws,
                const void* scale, float* ys, bool grouped = false) {
-  if (xd.size() != 2 || wd.size() != 3 || yd.size() != 2 || xd[0] < 1 || xd[0] > kMaxRows || xd[1] != wd[1] ||
+  if (xd.size() != 2 || wd.size() != 3 || yd.size() != 2 || xd[0] < 1 || xd[1] != wd[1] ||
       wd[2] != row || yd[0] != xd[0] || yd[1] > wd[0] * kPanel || yd[1] <= (wd[0] - 1) * kPanel)
-    return ffi::Error::InvalidArgument(std::string(name) + ": want x[T<=8, K], wp[P, K, " + std::to_string(row) +
+    return ffi::Error::InvalidArgument(std::string(name) + ": want x[T, K], wp[P, K, " + std::to_string(row) +
                                        "] and y[T, N] with 64(P-1) < N <= 64P");
   const int64_t T = xd[0], K = xd[1], N = yd[1], P = wd[0];
   if (K == 0) {
@@ -259,14 +286,19 @@ ffi::Error Run(ffi::ThreadPool& pool, const char* name, PanelFn const* fns, int6
   for (int64_t t = 0; grouped && t < T; ++t)
     for (int64_t k = 0; k < K; ++k) sums[t * G + k / kGroup] += xs[t * K + k];
   const float* xsum = grouped ? sums.data() : nullptr;
-  const PanelFn fn = fns[T];
-  SplitPanels(pool, K * N, P, [=](int64_t p0, int64_t p1) { fn(xs, ws, scale, xsum, ys, K, N, p0, p1); });
+  const int64_t pass = RowsPerPass(K * sizeof(float));
+  for (int64_t r = 0; r < T; r += pass) {
+    const int64_t n = std::min(pass, T - r);
+    SplitPanels(pool, K * N, P, [=](int64_t p0, int64_t p1) {
+      fn(xs + r * K, ws, scale, xsum ? xsum + r * G : nullptr, ys + r * N, n, K, N, p0, p1);
+    });
+  }
   return ffi::Error::Success();
 }
 
 ffi::Error FewRowMatmul(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::Buffer<ffi::F32> wp,
                         ffi::ResultBuffer<ffi::F32> y) {
-  return Run(pool, "specjax_fewrow_matmul", kPanels<F32>, kPanel, x.dimensions(), wp.dimensions(), y->dimensions(),
+  return Run(pool, "specjax_fewrow_matmul", Panels<F32>, kPanel, x.dimensions(), wp.dimensions(), y->dimensions(),
              x.typed_data(), wp.typed_data(), nullptr, y->typed_data());
 }
 
@@ -276,7 +308,7 @@ ffi::Error FewRowMatmulInt8(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::
   auto sd = scale.dimensions();
   if (sd.size() != 2 || sd[0] != wp.dimensions()[0] || sd[1] != kPanel)
     return ffi::Error::InvalidArgument("specjax_fewrow_matmul_int8: want scale[P, 64] for wp[P, K, 64]");
-  return Run(pool, "specjax_fewrow_matmul_int8", kPanels<I8>, kPanel, x.dimensions(), wp.dimensions(),
+  return Run(pool, "specjax_fewrow_matmul_int8", Panels<I8>, kPanel, x.dimensions(), wp.dimensions(),
              y->dimensions(), x.typed_data(), wp.typed_data(), scale.typed_data(), y->typed_data());
 }
 
@@ -292,7 +324,7 @@ ffi::Error RunGrouped(ffi::ThreadPool& pool, const char* name, ffi::Buffer<ffi::
       ad[3] != kPanel)
     return ffi::Error::InvalidArgument(std::string(name) + ": want aux[P, ceil(K/32), 2, 64] for wp[P, K, " +
                                        std::to_string(F::kElems) + "]");
-  return Run(pool, name, kPanels<F>, F::kElems, x.dimensions(), wd, y->dimensions(), x.typed_data(), wp,
+  return Run(pool, name, Panels<F>, F::kElems, x.dimensions(), wd, y->dimensions(), x.typed_data(), wp,
              aux.typed_data(), y->typed_data(), true);
 }
 
@@ -397,26 +429,34 @@ inline void TileA8(const int8_t* xq, const float* xd, const int32_t* xs, const u
     for (int c = 0; c < C; ++c) Store(out + t * ldo + c * kWidth, acc[t][c]);
 }
 
-template <int T, int Bits>
+template <int Bits>
+using TileA8Fn = void (*)(const int8_t*, const float*, const int32_t*, const uint8_t*, const uint16_t*, int64_t, float*,
+                          int64_t);
+template <int Bits>
+constexpr TileA8Fn<Bits> kTilesA8[kMaxRows + 1] = {nullptr,          TileA8<1, Bits>, TileA8<2, Bits>,
+                                                   TileA8<3, Bits>, TileA8<4, Bits>, TileA8<5, Bits>,
+                                                   TileA8<6, Bits>, TileA8<7, Bits>, TileA8<8, Bits>};
+
+// As `Panels`, for the rows as rounded (xq [T, G*32], xd and xs [T, G]).
+template <int Bits>
 void PanelsA8(const int8_t* xq, const float* xd, const int32_t* xs, const uint8_t* wp, const uint16_t* aux, float* y,
-              int64_t G, int64_t N, int64_t p0, int64_t p1) {
+              int64_t T, int64_t G, int64_t N, int64_t p0, int64_t p1) {
   constexpr int64_t kRow = Bits == 4 ? 2 * kPanel : 4 * kPanel;
-  float last[T * kPanel];
+  const int64_t tile = TileRows(T);
+  float last[kMaxRows * kPanel];
   for (int64_t p = p0; p < p1; ++p) {
     const bool full = (p + 1) * kPanel <= N;
-    float* out = full ? y + p * kPanel : last;
-    TileA8<T, Bits>(xq, xd, xs, wp + p * G * kQuads * kRow, aux + p * G * 2 * kPanel, G, out, full ? N : kPanel);
-    if (!full)
-      for (int t = 0; t < T; ++t) std::memcpy(y + t * N + p * kPanel, last + t * kPanel, (N - p * kPanel) * sizeof(float));
+    for (int64_t r = 0; r < T; r += tile) {
+      const int64_t n = std::min(tile, T - r);
+      float* out = full ? y + r * N + p * kPanel : last;
+      kTilesA8<Bits>[n](xq + r * G * kGroup, xd + r * G, xs + r * G, wp + p * G * kQuads * kRow,
+                        aux + p * G * 2 * kPanel, G, out, full ? N : kPanel);
+      if (!full)
+        for (int64_t t = 0; t < n; ++t)
+          std::memcpy(y + (r + t) * N + p * kPanel, last + t * kPanel, (N - p * kPanel) * sizeof(float));
+    }
   }
 }
-
-using PanelA8Fn = void (*)(const int8_t*, const float*, const int32_t*, const uint8_t*, const uint16_t*, float*,
-                           int64_t, int64_t, int64_t, int64_t);
-template <int Bits>
-constexpr PanelA8Fn kPanelsA8[kMaxRows + 1] = {nullptr,           PanelsA8<1, Bits>, PanelsA8<2, Bits>,
-                                               PanelsA8<3, Bits>, PanelsA8<4, Bits>, PanelsA8<5, Bits>,
-                                               PanelsA8<6, Bits>, PanelsA8<7, Bits>, PanelsA8<8, Bits>};
 
 // x [T, K] float32 times A8 panels wp [P, ceil(K/32) * 8, 128 (4-bit) or 256 (8-bit)] with
 // aux [P, ceil(K/32), 2, 64] float16 (each group's scales, then minimums; columns past N: any value).
@@ -425,11 +465,11 @@ ffi::Error FewRowMatmulA8(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::Bu
   auto xd = x.dimensions(), wd = wp.dimensions(), ad = aux.dimensions(), yd = y->dimensions();
   const bool shapes = xd.size() == 2 && wd.size() == 3 && ad.size() == 4 && yd.size() == 2;
   const int64_t T = shapes ? xd[0] : 0, K = shapes ? xd[1] : 0, G = (K + kGroup - 1) / kGroup;
-  if (!shapes || T < 1 || T > kMaxRows || wd[1] != G * kQuads || (wd[2] != 2 * kPanel && wd[2] != 4 * kPanel) ||
+  if (!shapes || T < 1 || wd[1] != G * kQuads || (wd[2] != 2 * kPanel && wd[2] != 4 * kPanel) ||
       ad[0] != wd[0] || ad[1] != G || ad[2] != 2 || ad[3] != kPanel || yd[0] != T || yd[1] > wd[0] * kPanel ||
       yd[1] <= (wd[0] - 1) * kPanel)
     return ffi::Error::InvalidArgument(
-        "specjax_fewrow_matmul_a8: want x[T<=8, K], wp[P, ceil(K/32)*8, 128 or 256], aux[P, ceil(K/32), 2, 64] "
+        "specjax_fewrow_matmul_a8: want x[T, K], wp[P, ceil(K/32)*8, 128 or 256], aux[P, ceil(K/32), 2, 64] "
         "and y[T, N] with 64(P-1) < N <= 64P");
   const int64_t N = yd[1], P = wd[0];
   float* ys = y->typed_data();
@@ -463,13 +503,19 @@ ffi::Error FewRowMatmulA8(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::Bu
       xdv[t * G + g] = d;
       xsv[t * G + g] = sum;
     }
-  const PanelA8Fn fn = (wd[2] == 2 * kPanel ? kPanelsA8<4> : kPanelsA8<8>)[T];
+  const auto fn = wd[2] == 2 * kPanel ? PanelsA8<4> : PanelsA8<8>;
   const int8_t* q = xq.data();
   const float* d = xdv.data();
   const int32_t* s = xsv.data();
   const uint8_t* w = wp.typed_data();
   const uint16_t* a = aux.typed_data();
-  SplitPanels(pool, K * N, P, [=](int64_t p0, int64_t p1) { fn(q, d, s, w, a, ys, G, N, p0, p1); });
+  const int64_t pass = RowsPerPass(Kp);
+  for (int64_t r = 0; r < T; r += pass) {
+    const int64_t n = std::min(pass, T - r);
+    SplitPanels(pool, K * N, P, [=](int64_t p0, int64_t p1) {
+      fn(q + r * Kp, d + r * G, s + r * G, w, a, ys + r * N, n, G, N, p0, p1);
+    });
+  }
   return ffi::Error::Success();
 }
 

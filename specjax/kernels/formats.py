@@ -194,10 +194,10 @@ class Int8:
         return self.q.astype(dtype) * self.scale.reshape(shape).astype(dtype)
 
     def project(self, spec: str, x: jax.Array, setting: Kernels, **kwargs) -> jax.Array:
-        """The int8 kernel where it applies (panels made, float32, few rows, one CPU
-        device), else XLA's einsum over q in x's dtype; either way the sum over k of
-        x * q, times the column's scale. `spec`'s output ends with w's `out` axes."""
-        if (self.panels is not None and dispatch.use_matmul(x, self.dtype, setting)
+        """The int8 kernel where it applies (panels made, float32, one CPU device; any
+        rows), else XLA's einsum over q in x's dtype; either way the sum over k of x * q,
+        times the column's scale. `spec`'s output ends with w's `out` axes."""
+        if (self.panels is not None and dispatch.use_matmul(x, self.dtype, setting, quantized=True)
                 and kwargs.get("preferred_element_type", jnp.float32) == jnp.float32):
             P = self.panels.shape[-3]
             scale = jnp.pad(self.scale, (0, P * PANEL - self.n)).reshape(P, PANEL)
@@ -370,10 +370,10 @@ class Grouped:
         return _groups_apply(code, self.scale, self.low, axis=-2).reshape(shape).astype(dtype)
 
     def project(self, spec: str, x: jax.Array, setting: Kernels, **kwargs) -> jax.Array:
-        """The grouped kernel where it applies (panels made, float32, few rows, one CPU
-        device), else XLA's einsum over the dequantized weight; with int8 activations, x
+        """The grouped kernel where it applies (panels made, float32, one CPU device; any
+        rows), else XLA's einsum over the dequantized weight; with int8 activations, x
         rounded first (the A8 kernel rounds it itself)."""
-        if (self.panels is not None and dispatch.use_matmul(x, self.dtype, setting)
+        if (self.panels is not None and dispatch.use_matmul(x, self.dtype, setting, quantized=True)
                 and kwargs.get("preferred_element_type", jnp.float32) == jnp.float32):
             run = dispatch.fewrow_matmul_a8 if self.activations == "int8" else dispatch.fewrow_matmul_grouped
             y = run(x.reshape(-1, x.shape[-1]), self.panels, self.aux, self.n)

@@ -51,12 +51,18 @@ def close(a, b):
 @pytest.mark.parametrize("K,N", [(1, 1), (3, 17), (33, 47), (100, 1000), (32, 64), (7, 130), (128, 512),
                                  (512, 512), (512, 2048), (2048, 512), (512, 4096)])
 def test_matches_dot_for_every_row_count(K, N):
-    x8, w = operands(kernels.MAX_ROWS, K, N, seed=K + N)
+    x, w = operands(13, K, N, seed=K + N)
+    x8 = x[:kernels.MAX_ROWS]
     rows = [np.asarray(matmul(x8[:T], w)) for T in range(1, kernels.MAX_ROWS + 1)]
     for T, y in enumerate(rows, 1):
         close(y, reference(x8[:T], w))
         # A row's value does not depend on the rows beside it (greedy ArS and SpS agree).
         np.testing.assert_array_equal(y, rows[-1][:T])
+    # The kernel takes any number of rows (in tiles; `project` sends a float weight more
+    # than MAX_ROWS rows to XLA's dot, a quantized one to the kernel: test_quantized.py).
+    long = np.asarray(matmul(x, w))
+    close(long, reference(x, w))
+    np.testing.assert_array_equal(long[:kernels.MAX_ROWS], rows[-1])
 
 
 def test_pack_layout():

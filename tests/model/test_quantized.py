@@ -137,6 +137,11 @@ def rounded(x: np.ndarray) -> np.ndarray:
 
 
 A8 = ("w4a8", "w8a8", "q8a8")  # int8 activations
+# Rows per call: every tile size, then runs of rows as a prefill makes them; LONG rows of
+# K >= 301 inputs take more than one pass of the kernel over the panels (its passes hold
+# about 256 KiB of inputs: 216 float rows of 301, 816 rows of 320 int8 codes).
+LONG = 820
+ROWS = (*range(1, 9), 9, 13, LONG)
 
 
 SHAPES = [(1, 1), (3, 17), (33, 47), (7, 130), (64, 64), (129, 200), (301, 1000)]
@@ -147,11 +152,13 @@ A8_SHAPES = {"w4a8": SHAPES[1:], "w8a8": SHAPES[1:], "q8a8": [(33, 47), (301, 10
 @pytest.mark.parametrize("kind,K,N", [(kind, K, N) for kind in KINDS + ("q8",) + A8
                                       for K, N in A8_SHAPES.get(kind, SHAPES)])
 def test_kernel_and_xla_path_match_float64_of_the_dequantized_weight(kind, K, N):
-    """Every T in 1..8, partial panels (N not a multiple of 64), odd K (and, for int4, K
-    not a multiple of its groups): the kernel (packed) and XLA's path (not packed) against
-    x @ the dequantized weight in float64 (with int8 activations, x rounded by numpy, and
-    the product of x unrounded far off: the rounding is really done); a row's value does
-    not depend on the rows beside it."""
+    """Every T in 1..8 (one tile), a prompt's runs of rows (9 and 13: tiles of 4 and a
+    short one; LONG: more than one pass over the panels for every K here), partial panels
+    (N not a multiple of 64), odd K (and, for int4, K not a multiple of its groups): the
+    kernel (packed) and XLA's path (not packed) against x @ the dequantized weight in
+    float64 (with int8 activations, x rounded by numpy, and the product of x unrounded far
+    off: the rounding is really done); a row's value does not depend on the rows beside
+    it, bitwise."""
     rng = np.random.default_rng(K * 1000 + N)
     w = (rng.standard_normal((K, N)) * K ** -0.5).astype(np.float32)
     qw = quantize(kind, w)
@@ -167,21 +174,22 @@ def test_kernel_and_xla_path_match_float64_of_the_dequantized_weight(kind, K, N)
         assert packed.panels.dtype == (jnp.uint8 if kind == "int4" else jnp.int8)
         assert packed.aux.shape == (-(-N // 64), -(-K // 32), 2, 64)
     deq = dequantized(qw)
-    x8 = rng.standard_normal((8, K)).astype(np.float32)
+    x_all = rng.standard_normal((LONG, K)).astype(np.float32)
     lowered = jax.jit(lambda x, w: kernels.project("TK,KN->TN", x, w, ON))
     with jax.set_mesh(mesh_for("1x1")):
-        assert CALLS[kind] in lowered.lower(x8[:3], packed).as_text()
-        assert CALLS[kind] not in lowered.lower(x8[:3], qw).as_text()  # no panels: XLA
-        by_kernel = [np.asarray(lowered(x8[:T], packed)) for T in range(1, 9)]
-        by_xla = [np.asarray(lowered(x8[:T], qw)) for T in range(1, 9)]
-    for T in range(1, 9):
-        x = rounded(x8[:T]) if kind in A8 else x8[:T].astype(np.float64)
+        assert CALLS[kind] in lowered.lower(x_all[:3], packed).as_text()
+        assert CALLS[kind] in lowered.lower(x_all, packed).as_text()  # a prompt's rows too
+        assert CALLS[kind] not in lowered.lower(x_all[:3], qw).as_text()  # no panels: XLA
+        by_kernel = {T: np.asarray(lowered(x_all[:T], packed)) for T in ROWS}
+        by_xla = {T: np.asarray(lowered(x_all[:T], qw)) for T in ROWS}
+    for T in ROWS:
+        x = rounded(x_all[:T]) if kind in A8 else x_all[:T].astype(np.float64)
         want = x @ deq
-        np.testing.assert_allclose(by_kernel[T - 1], want, rtol=1e-5, atol=1e-5)
-        np.testing.assert_allclose(by_xla[T - 1], want, rtol=1e-5, atol=1e-5)
-        np.testing.assert_array_equal(by_kernel[T - 1], by_kernel[-1][:T])
+        np.testing.assert_allclose(by_kernel[T], want, rtol=1e-5, atol=1e-5)
+        np.testing.assert_allclose(by_xla[T], want, rtol=1e-5, atol=1e-5)
+        np.testing.assert_array_equal(by_kernel[T], by_kernel[LONG][:T])
         if kind in A8 and K > 1:  # one input is its own group's max: rounded exactly
-            assert np.abs(x8[:T].astype(np.float64) @ deq - want).max() > 1e-3 * np.abs(want).max()
+            assert np.abs(x_all[:T].astype(np.float64) @ deq - want).max() > 1e-3 * np.abs(want).max()
 
 
 def kernel_outputs(text: str, kind: str) -> list[tuple[int, int]]:
@@ -202,8 +210,8 @@ def as_float(q_lm: model.LM) -> model.LM:
 @pytest.mark.parametrize("kind", KINDS)
 @pytest.mark.parametrize("tied", [False, True], ids=["untied", "tied"])
 def test_quantized_model_equals_its_dequantized_float_model(tiny, tied, kind):
-    """Prefill (11 tokens: XLA's dot), then decode passes of T = 1 and 5 (the kernel of
-    that format, where built: checked on the lowered program), against the float model of
+    """Prefill (11 tokens), then decode passes of T = 1 and 5, each by the kernel of that
+    format where built (checked on the lowered programs), against the float model of
     the dequantized weights with no kernels; every projection, the unembedding and the
     table are quantized. The model's parameter count is the float model's."""
     cfg = dataclasses.replace(tiny.target, tie_embeddings=tied)
@@ -223,7 +231,17 @@ def test_quantized_model_equals_its_dequantized_float_model(tiny, tied, kind):
     extend = jax.jit(lambda lm, t, p, c: lm.extend(t, p, c))
     with jax.set_mesh(mesh):
         first = (tokens[:, :prompt], jnp.arange(prompt)[None], kv_cache.init_cache(cfg, 1, 32))
-        assert kernel_outputs(extend.lower(decoding, *first).as_text(), kind) == []  # 11 rows: XLA's dot
+
+        def check_calls(*args):
+            T = args[1].shape[1]
+            calls = kernel_outputs(extend.lower(*args).as_text(), kind)
+            # Every layer's projections and the logits run the format's kernel, on T rows.
+            want = [(T, n) for n in [cfg.num_heads * cfg.head_dim] + [cfg.num_kv_heads * cfg.head_dim] * 2
+                    + [cfg.d_model, cfg.d_ff, cfg.d_model]] * cfg.num_layers + [(T, cfg.vocab_size)]
+            assert sorted(calls) == (sorted(want) if kernels.available() else []), (T, calls)
+            assert FLOAT_CALL + "(" not in extend.lower(*args).as_text()
+
+        check_calls(decoding, *first)  # the prompt's 11 rows too
         logits = {}
         for name, subject in (("quantized", decoding), ("float", reference)):
             out, cache = extend(subject, *first)
@@ -232,12 +250,7 @@ def test_quantized_model_equals_its_dequantized_float_model(tiny, tied, kind):
             for T in (1, 5):
                 args = (subject, tokens[:, start:start + T], (start + jnp.arange(T))[None], cache)
                 if name == "quantized":
-                    calls = kernel_outputs(extend.lower(*args).as_text(), kind)
-                    # Every layer's projections and the logits run the format's kernel, on T rows.
-                    want = [(T, n) for n in [cfg.num_heads * cfg.head_dim] + [cfg.num_kv_heads * cfg.head_dim] * 2
-                            + [cfg.d_model, cfg.d_ff, cfg.d_model]] * cfg.num_layers + [(T, cfg.vocab_size)]
-                    assert sorted(calls) == (sorted(want) if kernels.available() else []), (T, calls)
-                    assert FLOAT_CALL + "(" not in extend.lower(*args).as_text()
+                    check_calls(*args)
                 out, cache = extend(*args)
                 steps.append(out)
                 start += T
@@ -253,7 +266,7 @@ def test_quantized_model_equals_its_dequantized_float_model(tiny, tied, kind):
 @pytest.mark.parametrize("kind", ["w4a8", "w8a8"])
 def test_an_a8_model_decodes_by_the_kernel_as_xla_computes_it(tiny, kind):
     """A W4A8 / W8A8 model (tied table; every projection and the logits): prefill (11
-    tokens, XLA) then decode passes of T = 1 and 5 by the A8 kernel (checked on the lowered
+    tokens) then decode passes of T = 1 and 5 by the A8 kernel (checked on the lowered
     program: no float or float-activation grouped call left) against the same weights with
     no kernels (XLA: x rounded by `round_activations`, times the dequantized weight, which
     the kernel test checks against numpy). Where the two paths' x differ in a last bit, a
@@ -338,7 +351,8 @@ ISAS = {
     "avx2": ("-mno-avx512f -mno-avxvnni", ("avx2",)),
     "portable": ("-mno-avx512f -mno-avxvnni -mno-avx2 -mno-avx", ()),
 }
-ISA_SCRIPT = """
+ISA_ROWS = (*range(1, 9), 13)  # one tile each, then a run of tiles of 4 and a short one
+ISA_SCRIPT = f"ROWS = {ISA_ROWS}\n" + """
 import sys, numpy as np, jax, jax.numpy as jnp
 from specjax.kernels import Kernels, formats, available
 assert available()
@@ -350,7 +364,7 @@ for kind in ("w4a8", "q8a8", "int4", "q8"):
                         activations="int8" if kind.endswith("a8") else "float32")
     packed = formats.pack_params({"w": w}, {"w": (1, 2)})["w"]
     run = jax.jit(lambda x, w: w.project("TK,KN->TN", x, Kernels()))
-    out[kind] = np.concatenate([np.asarray(run(jnp.asarray(data["x"][:T]), packed)) for T in range(1, 9)])
+    out[kind] = np.concatenate([np.asarray(run(jnp.asarray(data["x"][:T]), packed)) for T in ROWS])
 np.savez(sys.argv[2], **out)
 """
 
@@ -369,7 +383,7 @@ def test_every_instruction_sets_grouped_kernels_match_float64(isa, tmp_path):
     """The A8 and grouped kernels compiled for each instruction set this CPU has (VNNI's
     byte dot products, AVX-512BW / AVX2 pair sums, plain integer vectors), in a fresh
     process with SPECJAX_KERNEL_FLAGS, against numpy: x (rounded for A8) @ the dequantized
-    weight, T = 1..8, K = 100 (a short last group), N = 150 (a partial panel)."""
+    weight, T = 1..8 and 13, K = 100 (a short last group), N = 150 (a partial panel)."""
     import platform
     if platform.machine() not in ("x86_64", "AMD64"):
         pytest.skip(f"the flags name x86 features; this is {platform.machine()}")
@@ -383,7 +397,7 @@ def test_every_instruction_sets_grouped_kernels_match_float64(isa, tmp_path):
     K, N = 100, 150
     G = -(-K // 32)
     scale = (rng.uniform(0.5, 1.5, (G, N)) / 64).astype(np.float16).astype(np.float32)  # as GGUF's
-    data = dict(x=rng.standard_normal((8, K)).astype(np.float32) * 2, scale=scale,
+    data = dict(x=rng.standard_normal((max(ISA_ROWS), K)).astype(np.float32) * 2, scale=scale,
                 w4a8_code=rng.integers(0, 16, (K, N)).astype(np.uint8),
                 w4a8_low=(-rng.uniform(0, 8, (G, N)) * scale).astype(np.float16).astype(np.float32),
                 q8a8_code=rng.integers(-128, 128, (K, N)).astype(np.int8), q8a8_low=np.zeros((G, N), np.float32))
@@ -398,7 +412,8 @@ def test_every_instruction_sets_grouped_kernels_match_float64(isa, tmp_path):
     for kind in ("w4a8", "q8a8", "int4", "q8"):
         g = np.arange(K) // 32
         deq = data[kind + "_code"].astype(np.float64) * scale[g] + data[kind + "_low"][g]
-        for T in range(1, 9):
+        ends = np.cumsum(ISA_ROWS)
+        for T, end in zip(ISA_ROWS, ends):
             x = rounded(data["x"][:T]) if kind.endswith("a8") else data["x"][:T].astype(np.float64)
-            rows = got[kind][T * (T - 1) // 2:T * (T + 1) // 2]
+            rows = got[kind][end - T:end]
             np.testing.assert_allclose(rows, x @ deq, rtol=1e-5, atol=1e-5 * np.abs(x @ deq).max(), err_msg=kind)
