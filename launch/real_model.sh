@@ -17,9 +17,11 @@
 #   bench     llama-bench -t $THREADS -p 0 -n $NEW (tg128) on the f32, Q8_0 and Q4_1 files
 #   lookup    llama-lookup (prompt lookup, --spec-draft-n-max $LOOKUP_DRAFT) on the $LOOKUP_TYPE
 #             file (F32, Q8_0 or Q4_1), greedy, $NEW tokens, EOS ignored, each prompt
-# Then a table of ms/token from all of them. Variables: PYTHON (specjax's, default python), OUT (default /tmp/specjax_real_model), THREADS (2),
-# KS (2,3,4,5,6,7,8), NEW (128), LOOKUP_DRAFT (4), QUANTIZE (none), LOOKUP_TYPE (F32), SPECJAX_CACHE (the
-# caches' root).
+# Then a table of ms/token from all of them: specjax's over whole runs and after the first
+# token (what llama-bench's tg and llama-lookup's "decoded" time measure: no prompt).
+# Variables: PYTHON (specjax's, default python), OUT (default /tmp/specjax_real_model),
+# THREADS (2), KS (2,3,4,5,6,7,8), NEW (128), LOOKUP_DRAFT (4), QUANTIZE (none), LOOKUP_TYPE
+# (F32), SPECJAX_CACHE (the caches' root).
 set -euo pipefail
 
 HERE=$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)
@@ -85,9 +87,14 @@ for name in names:
     if path.exists():
         r = json.loads(path.read_text())
         best = min(r["sps"], key=lambda row: row["ms_per_token"])
+        after = lambda row: row.get("ms_per_token_after_first") or float("nan")  # noqa: E731
         print(f"  specjax {name:16s} ArS {r['ars']['ms_per_token']:6.2f}   n-gram SpS "
               + " ".join(f"K={row['lookahead']} {row['ms_per_token']:.2f}" for row in r["sps"])
               + f"   best K={best['lookahead']} {best['speedup']:.2f}x ArS, {best['tokens_per_loop']:.2f} tokens/loop")
+        if "first_token_ms" in r:  # llama-bench's tg and llama-lookup's decode leave the prompt out
+            print(f"  {'':8s}{'after the 1st token':17s}ArS {after(r['ars']):6.2f}   n-gram SpS "
+                  + " ".join(f"K={row['lookahead']} {after(row):.2f}" for row in r["sps"])
+                  + f"   (first token after {r['first_token_ms']:.0f} ms)")
     log = out / f"lookup_{name}.log"
     if log.exists():
         m = re.search(r"decoded\s+(\d+) tokens in\s+([\d.]+) seconds", log.read_text())

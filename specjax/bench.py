@@ -2,7 +2,8 @@
 
 Same compiled models, same prompts, batch 1 (the paper's setting) unless --batch_sizes
 asks for more. For every K it reports the time to generate --max_new_tokens tokens
-(mean, std, P50/P90/P99 over prompts), ms/token, speedup over ArS, tokens per loop,
+(mean, std, P50/P90/P99 over prompts), ms/token (over whole runs, and after each prompt's
+first token, as llama.cpp's benchmarks count), speedup over ArS, tokens per loop,
 acceptance rate, and the time per loop next to its model: K draft steps + one target
 pass over K+1 tokens (both timed separately here), which says where the time goes.
 Writes --json and, with --plot, the three Figure-1 panels as one PNG.

@@ -96,8 +96,27 @@ def run_prompts(target, draft, prompts, sampling, seed, datastore=None):
     return out
 
 
-def describe(results) -> dict:
-    """Per-sequence spread and percentiles, and the totals (`Totals`: the one ms/token)."""
+def first_token_seconds(target, prompts, sampling, seed: int, repeats: int = 3) -> list[float]:
+    """Per prompt, the median seconds of an ArS run that generates one token: the
+    prompt's prefill and one step, what a run of that prompt pays before its first token."""
+    one = dataclasses.replace(sampling, max_new_tokens=1)
+    run_prompts(target, None, prompts[:1], one, seed)  # compile outside the timing
+    return [float(np.median([r.seconds for r in run_prompts(target, None, [p] * repeats, one, seed)]))
+            for p in prompts]
+
+
+def after(row: dict) -> str:
+    value = row.get("ms_per_token_after_first")
+    return "n/a (one new token)" if value is None else f"{value:.2f} ms/token"
+
+
+def describe(results, first: list[float] | None = None) -> dict:
+    """Per-sequence spread and percentiles, and the totals (`Totals`: the one ms/token).
+    With `first` (seconds before the first token of each prompt, `first_token_seconds`;
+    results cycle through the prompts in order), also ms per token after the first: the
+    rate a long run approaches, as llama.cpp's `llama-bench` tg and `llama-lookup` report
+    theirs (without the prompt). For SpS it subtracts ArS's first token, so a draft model's
+    own prefill stays in it (a lookup's or a self-draft's on the target's cache adds none)."""
     seconds = np.array([r.seconds for r in results])
     totals = Totals()
     for r in results:
@@ -107,6 +126,10 @@ def describe(results) -> dict:
            "p99": float(np.percentile(seconds, 99)),
            "ms_per_token": totals.ms_per_token, "tokens_per_loop": totals.tokens_per_loop,
            "ms_per_loop": 1000 * totals.seconds / totals.loops}
+    if first is not None:
+        later = sum(r.steps - 1 for r in results)  # batch 1: every token but the first
+        before = sum(first[i % len(first)] for i in range(len(results)))
+        row["ms_per_token_after_first"] = 1000 * (totals.seconds - before) / later if later > 0 else None
     if results[0].mode == "sps":
         row["acceptance_rate"] = totals.acceptance_rate
         row["accepted_per_k_plus_1"] = totals.accepted / totals.loops / (results[0].lookahead + 1)
@@ -189,8 +212,11 @@ def bench(target, draft, prompts, base, ks, batch_sizes, repeats: int, seed: int
         report["datastore"] = datastore.meta
     run_prompts(target, None, prompts[:1], ars_sampling, seed)  # compile outside the timing
     ars_runs = run_prompts(target, None, prompts, ars_sampling, seed)
-    log(f"ArS: {describe(ars_runs)['ms_per_token']:.2f} ms/token; draft forward {1000 * draft_step:.2f} ms, "
-        f"target forward {1000 * target_step:.2f} ms (1 token); lookups "
+    first = first_token_seconds(target, prompts, ars_sampling, seed)
+    report["first_token_ms"] = 1000 * float(np.mean(first))
+    log(f"ArS: {describe(ars_runs)['ms_per_token']:.2f} ms/token; first token after "
+        f"{report['first_token_ms']:.1f} ms (the prompt's prefill and one step); draft forward "
+        f"{1000 * draft_step:.2f} ms, target forward {1000 * target_step:.2f} ms (1 token); lookups "
         + ", ".join(f"{k} {v:.3f} ms" for k, v in report["lookup_ms"].items()))
     report["sps"] = []
     for k in ks:
@@ -216,7 +242,7 @@ def bench(target, draft, prompts, base, ks, batch_sizes, repeats: int, seed: int
         ars_runs += ars_k
         ars_near = describe(ars_k)["ms_per_token"]
         for (name, sampling), results in zip(samplings, runs):
-            row = describe(results)
+            row = describe(results, first)
             if name:
                 row["draft"] = name
             m = sampling.num_drafts
@@ -234,12 +260,14 @@ def bench(target, draft, prompts, base, ks, batch_sizes, repeats: int, seed: int
                        tokens_per_sequence=float(np.mean([r.total_tokens for r in results])))
             report["sps"].append(row)
             log(f"K={k} {label(row)}: SpS {row['ms_per_token']:.2f} ms/token ({row['speedup']:.2f}x ArS's "
-                f"{ars_near:.2f} in the same prompts' runs), "
+                f"{ars_near:.2f} in the same prompts' runs; after the first token {after(row)}), "
                 f"{row['tokens_per_loop']:.2f} tokens/loop, acceptance {row['acceptance_rate']:.3f} of "
                 f"{row['proposed_per_loop']:.2f} proposed/loop, loop {row['ms_per_loop']:.2f} ms vs model "
                 f"{row['model_ms_per_loop']:.2f} ms (target scoring {1 + m * k} tokens: {1000 * scoring:.2f} ms = "
                 f"{scoring / target_step:.2f}x one token)")
-    report["ars"] = describe(ars_runs)
+    report["ars"] = describe(ars_runs, first)
+    log(f"ArS over the run: {report['ars']['ms_per_token']:.2f} ms/token; after the first token "
+        f"{after(report['ars'])}")
     report["batch"] = []
     for b in batch_sizes:
         if b == 1:

@@ -1,12 +1,17 @@
-"""`specjax.bench` end to end on `tiny` (real CLI in a subprocess): JSON and Figure-1 PNG."""
+"""`specjax.bench` end to end on `tiny` (real CLI in a subprocess): JSON and Figure-1 PNG;
+the per-token time after the first token from hand-made run results."""
 import json
 import os
 import pathlib
 import subprocess
 import sys
 
+import numpy as np
 import pytest
 from clitools import xla_flags
+
+from specjax.analysis import timing
+from specjax.decode.metrics import Result
 
 ROOT = pathlib.Path(__file__).resolve().parents[2]
 
@@ -32,8 +37,30 @@ def test_bench_writes_json_and_png(tmp_path):
         assert row["ars_ms_per_token"] > 0 and row["speedup"] == pytest.approx(row["ars_ms_per_token"]
                                                                                 / row["ms_per_token"])
     assert report["ars"]["tokens_per_loop"] == 1.0  # one token per ArS step, by definition
+    # Before the first token: the prompt's prefill and one step, less than a whole run.
+    assert 0 < report["first_token_ms"] < 1000 * report["ars"]["seconds_mean"]
+    assert all(row["ms_per_token_after_first"] > 0 for row in [report["ars"], *report["sps"]])
     assert [row["batch"] for row in report["batch"]] == [2]
     assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+def ars_result(seconds: float, new: int) -> Result:
+    return Result(tokens=[[0] * new], mode="ars", lookahead=0, loops=np.array([new]), num_new=np.array([new]),
+                  accepted=np.array([0]), accepted_at=np.zeros((1, 0)), histogram=np.zeros((1, 1)),
+                  seconds=seconds, compile_seconds=0.0)
+
+
+def test_time_after_the_first_token_leaves_out_each_prompts_first_token():
+    """Two prompts whose first tokens take 0.1 s and 0.3 s, each run twice (the results
+    cycle through the prompts, as the bench makes them): 11 tokens in 1.1 s and 1.3 s, then
+    in 1.2 s and 1.4 s. Over the whole runs 5.0 s / 44 tokens; after each run's first token
+    (5.0 - 2 * 0.4) s / 40 tokens = 105 ms."""
+    runs = [ars_result(1.1, 11), ars_result(1.3, 11), ars_result(1.2, 11), ars_result(1.4, 11)]
+    row = timing.describe(runs, first=[0.1, 0.3])
+    assert row["ms_per_token"] == pytest.approx(5000 / 44)
+    assert row["ms_per_token_after_first"] == pytest.approx(105.0)
+    assert "ms_per_token_after_first" not in timing.describe(runs)
+    assert timing.describe([ars_result(0.2, 1)], first=[0.2])["ms_per_token_after_first"] is None
 
 
 @pytest.mark.slow
