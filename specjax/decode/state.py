@@ -6,6 +6,8 @@ buffer (the last one is "pending": not yet in any KV cache). Rows are ragged: ev
 """
 from __future__ import annotations
 
+import dataclasses
+
 import jax
 import jax.numpy as jnp
 
@@ -22,7 +24,12 @@ def prefill(lm: LM, prompts: jax.Array, prompt_lens: jax.Array, size: int, featu
     batch, width = prompts.shape
     positions = jnp.broadcast_to(jnp.arange(width, dtype=jnp.int32), (batch, width))
     cache = lm.with_position_table(kv_cache.empty(lm.cfg, batch, size))
-    _, fresh = lm(prompts, positions, cache, features=features)
+    # The prompt attends to its own keys only: over the cache's `size` slots, all empty yet,
+    # the pass would score (and copy per layer) slots in proportion to max_new_tokens. Its
+    # distances are below `width`: the table's last `width` entries (it is in reverse order).
+    table = None if cache.position_table is None else cache.position_table[:, :, -width:]
+    own_only = dataclasses.replace(kv_cache.empty(lm.cfg, batch, 0), position_table=table)
+    _, fresh = lm(prompts, positions, own_only, features=features)
     cache = kv_cache.commit(cache, fresh, 0).with_lengths(prompt_lens - 1)  # every row from slot 0
     return (cache, fresh.hidden) if features else cache
 

@@ -147,6 +147,39 @@ def test_the_loop_never_copies_a_cache(pairs, case):
     assert not copies, copies
 
 
+@pytest.mark.parametrize("pos_encoding", ["rope", "relative"])
+def test_the_prefill_costs_the_same_whatever_the_cache_size(tiny, pos_encoding):
+    """The prompt attends to its own keys, not to the empty slots of the cache it fills:
+    the compiled prefill's flops (XLA's cost analysis) for a cache of 64 slots and of 2048
+    are the same (attending over the slots made them grow with the cache; with relative
+    positions the one thing that grows is the cache's position table, W_r R for every slot,
+    which the loop reads), and so are the keys and values it writes (bitwise) and the
+    lengths; past the prompt the cache is zero."""
+    from specjax.decode.state import prefill
+    lm = model.init_lm(dataclasses.replace(tiny.target, pos_encoding=pos_encoding, max_seq_len=2048),
+                       mesh_for("1x1"))
+    prompts = jnp.asarray(np.array([[1, 2, 3, 4, 5, 6, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0],
+                                    [7, 8, 9, 10, 11, 12, 13, 14, 15, 16, 17, 18, 19, 20, 21, 22]], np.int32))
+    lens = jnp.asarray(np.array([6, 16], np.int32))
+    run = jax.jit(prefill, static_argnums=3)
+    flops, caches = {}, {}
+    with jax.set_mesh(mesh_for("1x1")):
+        for size in (64, 2048):
+            flops[size] = run.lower(lm, prompts, lens, size).compile().cost_analysis()["flops"]
+            caches[size] = run(lm, prompts, lens, size)
+    cfg = lm.cfg
+    # The table's einsum, and the sinusoids it is made of: [S, D] values, at most one flop each.
+    table, sinusoid = 2 * (2048 - 64) * cfg.d_model * cfg.num_heads * cfg.head_dim * cfg.num_layers, \
+        (2048 - 64) * cfg.d_model
+    grown = flops[2048] - flops[64] - (table if pos_encoding == "relative" else 0)
+    assert abs(grown) <= (sinusoid if pos_encoding == "relative" else 1e-3 * flops[64]), (flops, table)
+    small, large = caches[64], caches[2048]
+    np.testing.assert_array_equal(np.asarray(large.k)[..., :64, :], np.asarray(small.k))
+    np.testing.assert_array_equal(np.asarray(large.v)[..., :64, :], np.asarray(small.v))
+    np.testing.assert_array_equal(np.asarray(large.lengths), [5, 15])
+    assert not np.asarray(large.k)[..., 16:, :].any()
+
+
 @pytest.mark.parametrize("mode", ["tokenwise", "block", "ngram", "hybrid_adaptive"])
 def test_one_fused_while_loop_with_megatron_all_reduces(pairs, mode):
     """Block verification adds no all-reduce to a loop, n-gram drafting removes the
