@@ -217,28 +217,37 @@ template <typename F>
 constexpr TileFn<F> kTiles[kMaxRows + 1] = {nullptr,     Tile<1, F>, Tile<2, F>, Tile<3, F>, Tile<4, F>,
                                             Tile<5, F>, Tile<6, F>, Tile<7, F>, Tile<8, F>};
 
-// y[:T, 64p0 : 64p1] (clipped to N) for panels p0..p1-1; aux: each panel's F::Aux(K)
-// values. Any T: each panel is swept once per tile of rows (`TileRows`), one tile after
-// the other, so a panel read from memory for the first tile is in L1/L2 for the rest.
-template <typename F>
-void Panels(const float* x, const void* wv, const void* av, const float* xsum, float* y, int64_t T, int64_t K,
-            int64_t N, int64_t p0, int64_t p1) {
-  const typename F::W* wp = static_cast<const typename F::W*>(wv);
-  const typename F::A* aux = static_cast<const typename F::A*>(av);
-  const int64_t G = (K + kGroup - 1) / kGroup, tile = TileRows(T);
+// y[:T, 64p0 : 64p1] (clipped to N) for panels p0..p1-1, by `tile(p, r, n, out, ldo)`,
+// which writes rows r..r+n-1 of panel p's 64 columns at out (row stride ldo). Any T: each
+// panel is swept once per tile of rows (`TileRows`), one tile after the other, so a panel
+// read from memory for the first tile is in L1/L2 for the rest.
+template <typename TileAt>
+inline void SweepPanels(float* y, int64_t T, int64_t N, int64_t p0, int64_t p1, TileAt tile_at) {
+  const int64_t tile = TileRows(T);
   float last[kMaxRows * kPanel];  // a panel that runs past N is computed here, then clipped
   for (int64_t p = p0; p < p1; ++p) {
     const bool full = (p + 1) * kPanel <= N;
     for (int64_t r = 0; r < T; r += tile) {
       const int64_t n = std::min(tile, T - r);
-      float* out = full ? y + r * N + p * kPanel : last;
-      kTiles<F>[n](x + r * K, wp + p * K * F::kElems, aux ? aux + p * F::Aux(K) : nullptr, xsum ? xsum + r * G : nullptr,
-                   K, out, full ? N : kPanel);
+      tile_at(p, r, n, full ? y + r * N + p * kPanel : last, full ? N : kPanel);
       if (!full)
         for (int64_t t = 0; t < n; ++t)
           std::memcpy(y + (r + t) * N + p * kPanel, last + t * kPanel, (N - p * kPanel) * sizeof(float));
     }
   }
+}
+
+// The float-activation formats' panels; aux: each panel's F::Aux(K) values.
+template <typename F>
+void Panels(const float* x, const void* wv, const void* av, const float* xsum, float* y, int64_t T, int64_t K,
+            int64_t N, int64_t p0, int64_t p1) {
+  const typename F::W* wp = static_cast<const typename F::W*>(wv);
+  const typename F::A* aux = static_cast<const typename F::A*>(av);
+  const int64_t G = (K + kGroup - 1) / kGroup;
+  SweepPanels(y, T, N, p0, p1, [=](int64_t p, int64_t r, int64_t n, float* out, int64_t ldo) {
+    kTiles<F>[n](x + r * K, wp + p * K * F::kElems, aux ? aux + p * F::Aux(K) : nullptr,
+                 xsum ? xsum + r * G : nullptr, K, out, ldo);
+  });
 }
 
 using PanelFn = void (*)(const float*, const void*, const void*, const float*, float*, int64_t, int64_t, int64_t,
@@ -442,20 +451,10 @@ template <int Bits>
 void PanelsA8(const int8_t* xq, const float* xd, const int32_t* xs, const uint8_t* wp, const uint16_t* aux, float* y,
               int64_t T, int64_t G, int64_t N, int64_t p0, int64_t p1) {
   constexpr int64_t kRow = Bits == 4 ? 2 * kPanel : 4 * kPanel;
-  const int64_t tile = TileRows(T);
-  float last[kMaxRows * kPanel];
-  for (int64_t p = p0; p < p1; ++p) {
-    const bool full = (p + 1) * kPanel <= N;
-    for (int64_t r = 0; r < T; r += tile) {
-      const int64_t n = std::min(tile, T - r);
-      float* out = full ? y + r * N + p * kPanel : last;
-      kTilesA8<Bits>[n](xq + r * G * kGroup, xd + r * G, xs + r * G, wp + p * G * kQuads * kRow,
-                        aux + p * G * 2 * kPanel, G, out, full ? N : kPanel);
-      if (!full)
-        for (int64_t t = 0; t < n; ++t)
-          std::memcpy(y + (r + t) * N + p * kPanel, last + t * kPanel, (N - p * kPanel) * sizeof(float));
-    }
-  }
+  SweepPanels(y, T, N, p0, p1, [=](int64_t p, int64_t r, int64_t n, float* out, int64_t ldo) {
+    kTilesA8<Bits>[n](xq + r * G * kGroup, xd + r * G, xs + r * G, wp + p * G * kQuads * kRow,
+                      aux + p * G * 2 * kPanel, G, out, ldo);
+  });
 }
 
 // x [T, K] float32 times A8 panels wp [P, ceil(K/32) * 8, 128 (4-bit) or 256 (8-bit)] with
