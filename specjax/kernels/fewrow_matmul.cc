@@ -205,10 +205,11 @@ inline void Tile(const float* x, const typename F::W* panel, const typename F::A
     for (int c = 0; c < C; ++c) Store(out + t * ldo + c * kWidth, acc[t][c]);
 }
 
-// Rows per tile: all of them up to kMaxRows (one sweep of each panel); a longer run of
-// rows in tiles of 4, whose sums fit the vector registers better than 8 rows' (the panel
-// is in cache by then, so the sweeps are cheap and the arithmetic is what counts).
-inline int64_t TileRows(int64_t T) { return T <= kMaxRows ? T : 4; }
+// Rows per tile, at most: a float-activation tile of up to 8 rows sweeps a panel once (its
+// sums spill to L1, which costs less than a second sweep); an A8 tile's int32 sums and
+// byte dot products are cheap enough that spilling them is not, so more than 4 rows go in
+// tiles of 4, each sweeping the panel while it is in L1/L2 (benchmarks/real_model.md).
+constexpr int64_t kFloatTile = kMaxRows, kA8Tile = 4;
 
 template <typename F>
 using TileFn = void (*)(const float*, const typename F::W*, const typename F::A*, const float*, int64_t, float*,
@@ -217,13 +218,12 @@ template <typename F>
 constexpr TileFn<F> kTiles[kMaxRows + 1] = {nullptr,     Tile<1, F>, Tile<2, F>, Tile<3, F>, Tile<4, F>,
                                             Tile<5, F>, Tile<6, F>, Tile<7, F>, Tile<8, F>};
 
-// y[:T, 64p0 : 64p1] (clipped to N) for panels p0..p1-1, by `tile(p, r, n, out, ldo)`,
+// y[:T, 64p0 : 64p1] (clipped to N) for panels p0..p1-1, by `tile_at(p, r, n, out, ldo)`,
 // which writes rows r..r+n-1 of panel p's 64 columns at out (row stride ldo). Any T: each
-// panel is swept once per tile of rows (`TileRows`), one tile after the other, so a panel
-// read from memory for the first tile is in L1/L2 for the rest.
+// panel is swept once per tile of at most `tile` rows, one tile after the other, so a
+// panel read from memory for the first tile is in L1/L2 for the rest.
 template <typename TileAt>
-inline void SweepPanels(float* y, int64_t T, int64_t N, int64_t p0, int64_t p1, TileAt tile_at) {
-  const int64_t tile = TileRows(T);
+inline void SweepPanels(float* y, int64_t T, int64_t N, int64_t p0, int64_t p1, int64_t tile, TileAt tile_at) {
   float last[kMaxRows * kPanel];  // a panel that runs past N is computed here, then clipped
   for (int64_t p = p0; p < p1; ++p) {
     const bool full = (p + 1) * kPanel <= N;
@@ -244,7 +244,7 @@ void Panels(const float* x, const void* wv, const void* av, const float* xsum, f
   const typename F::W* wp = static_cast<const typename F::W*>(wv);
   const typename F::A* aux = static_cast<const typename F::A*>(av);
   const int64_t G = (K + kGroup - 1) / kGroup;
-  SweepPanels(y, T, N, p0, p1, [=](int64_t p, int64_t r, int64_t n, float* out, int64_t ldo) {
+  SweepPanels(y, T, N, p0, p1, kFloatTile, [=](int64_t p, int64_t r, int64_t n, float* out, int64_t ldo) {
     kTiles<F>[n](x + r * K, wp + p * K * F::kElems, aux ? aux + p * F::Aux(K) : nullptr,
                  xsum ? xsum + r * G : nullptr, K, out, ldo);
   });
@@ -442,16 +442,15 @@ template <int Bits>
 using TileA8Fn = void (*)(const int8_t*, const float*, const int32_t*, const uint8_t*, const uint16_t*, int64_t, float*,
                           int64_t);
 template <int Bits>
-constexpr TileA8Fn<Bits> kTilesA8[kMaxRows + 1] = {nullptr,          TileA8<1, Bits>, TileA8<2, Bits>,
-                                                   TileA8<3, Bits>, TileA8<4, Bits>, TileA8<5, Bits>,
-                                                   TileA8<6, Bits>, TileA8<7, Bits>, TileA8<8, Bits>};
+constexpr TileA8Fn<Bits> kTilesA8[kA8Tile + 1] = {nullptr, TileA8<1, Bits>, TileA8<2, Bits>, TileA8<3, Bits>,
+                                                  TileA8<4, Bits>};
 
 // As `Panels`, for the rows as rounded (xq [T, G*32], xd and xs [T, G]).
 template <int Bits>
 void PanelsA8(const int8_t* xq, const float* xd, const int32_t* xs, const uint8_t* wp, const uint16_t* aux, float* y,
               int64_t T, int64_t G, int64_t N, int64_t p0, int64_t p1) {
   constexpr int64_t kRow = Bits == 4 ? 2 * kPanel : 4 * kPanel;
-  SweepPanels(y, T, N, p0, p1, [=](int64_t p, int64_t r, int64_t n, float* out, int64_t ldo) {
+  SweepPanels(y, T, N, p0, p1, kA8Tile, [=](int64_t p, int64_t r, int64_t n, float* out, int64_t ldo) {
     kTilesA8<Bits>[n](xq + r * G * kGroup, xd + r * G, xs + r * G, wp + p * G * kQuads * kRow,
                       aux + p * G * 2 * kPanel, G, out, ldo);
   });
