@@ -3,7 +3,7 @@
 // it is in cache), as XLA FFI custom calls for the CPU backend, with w packed once into
 // panels: wp[P, K, 64] holds columns 64p..64p+63 of w (zeros past N), row after row, so
 // each panel is one contiguous run. Three weight formats share the one loop
-// (`Tile<T, F>`): float32 panels; int8 panels with a float32 scale per column (w = q *
+// (`Tile<T, C, F>`): float32 panels; int8 panels with a float32 scale per column (w = q *
 // scale, symmetric per output channel), dequantized in registers: a column's sum is over
 // x[t, k] * q[k, n] and is scaled once at the end, so a quarter of the bytes are read; and
 // grouped panels, with a float16 scale and minimum per column and group of 32 rows of k (w
@@ -162,20 +162,26 @@ inline Vec Codes(const uint8_t* row, int c) {
 // panel. Dequantizing each weight as it streamed past cost one more vector instruction per
 // kWidth weights, and at T = 1 the grouped kernels are bound by their instructions (a
 // load, a widening, a mask or shift and a conversion per kWidth codes), not by memory.
-template <int T, typename F>
+//
+// `C` vectors from the `c0`-th: the whole panel row (C = kVecs) for a decode step's or a
+// scoring pass's rows, read once from memory; a run of more rows (a prefill) re-reads the
+// panel from cache per tile anyway, so it goes in tiles whose sums fit the registers
+// (kRunRows x kRunVecs, below).
+template <int T, int C, typename F>
 inline void Tile(const float* x, const typename F::W* panel, const typename F::A* aux, const float* xsum, int64_t K,
-                 float* out, int64_t ldo) {
-  constexpr int C = kVecs;
+                 float* out, int64_t ldo, int c0) {
   constexpr int64_t kRow = F::kElems * sizeof(typename F::W);  // bytes per panel row
   Vec acc[T][C] = {};
   auto row = [&](int64_t k, Vec (&sums)[T][C]) {
     const typename F::W* wk = panel + k * F::kElems;
-    const char* ahead = reinterpret_cast<const char*>(wk) + kAhead;
-    for (int64_t b = 0; b < kRow; b += 64) __builtin_prefetch(ahead + b);
+    if (c0 == 0) {  // the whole row ahead: the first column tile brings the panel in for the rest
+      const char* ahead = reinterpret_cast<const char*>(wk) + kAhead;
+      for (int64_t b = 0; b < kRow; b += 64) __builtin_prefetch(ahead + b);
+    }
     Vec w[C];
     for (int c = 0; c < C; ++c) {
-      if constexpr (std::is_same_v<F, I4>) w[c] = Codes(wk, c);
-      else w[c] = Weights(wk + c * kWidth);
+      if constexpr (std::is_same_v<F, I4>) w[c] = Codes(wk, c0 + c);
+      else w[c] = Weights(wk + (c0 + c) * kWidth);
     }
     for (int t = 0; t < T; ++t) {
       const Vec b = Splat(x[t * K + k]);
@@ -189,7 +195,7 @@ inline void Tile(const float* x, const typename F::W* panel, const typename F::A
       for (int64_t k = g * kGroup; k < std::min(K, (g + 1) * kGroup); ++k) row(k, part);
       const uint16_t* a = aux + g * 2 * kPanel;
       for (int c = 0; c < C; ++c) {
-        const Vec scale = LoadHalf(a + c * kWidth), low = LoadHalf(a + kPanel + c * kWidth);
+        const Vec scale = LoadHalf(a + (c0 + c) * kWidth), low = LoadHalf(a + kPanel + (c0 + c) * kWidth);
         for (int t = 0; t < T; ++t) acc[t][c] += part[t][c] * scale + Splat(xsum[t * G + g]) * low;
       }
     }
@@ -198,25 +204,36 @@ inline void Tile(const float* x, const typename F::W* panel, const typename F::A
   }
   if constexpr (std::is_same_v<F, I8>)
     for (int c = 0; c < C; ++c) {
-      const Vec s = Load(aux + c * kWidth);
+      const Vec s = Load(aux + (c0 + c) * kWidth);
       for (int t = 0; t < T; ++t) acc[t][c] *= s;
     }
   for (int t = 0; t < T; ++t)
-    for (int c = 0; c < C; ++c) Store(out + t * ldo + c * kWidth, acc[t][c]);
+    for (int c = 0; c < C; ++c) Store(out + t * ldo + (c0 + c) * kWidth, acc[t][c]);
 }
 
 // Rows per tile, at most: a float-activation tile of up to 8 rows sweeps a panel once (its
 // sums spill to L1, which costs less than a second sweep); an A8 tile's int32 sums and
 // byte dot products are cheap enough that spilling them is not, so more than 4 rows go in
 // tiles of 4, each sweeping the panel while it is in L1/L2 (benchmarks/real_model.md).
+// A run of more than 8 float-activation rows goes in tiles of kRunRows rows by kRunVecs
+// vectors of columns: with AVX2's 16 registers, 6 x 2 sums, 2 weights and a broadcast
+// (8 x 8 sums spilled on every k and ran at a third of XLA's dot); AVX-512's 32 hold
+// the whole panel's 8 x 4.
 constexpr int64_t kFloatTile = kMaxRows, kA8Tile = 4;
+#if defined(__AVX512F__)
+constexpr int kRunRows = kMaxRows, kRunVecs = kVecs;
+#else
+constexpr int kRunRows = 6, kRunVecs = 2;
+#endif
+static_assert(kVecs % kRunVecs == 0 && kRunRows <= kMaxRows);
 
 template <typename F>
 using TileFn = void (*)(const float*, const typename F::W*, const typename F::A*, const float*, int64_t, float*,
-                        int64_t);
-template <typename F>
-constexpr TileFn<F> kTiles[kMaxRows + 1] = {nullptr,     Tile<1, F>, Tile<2, F>, Tile<3, F>, Tile<4, F>,
-                                            Tile<5, F>, Tile<6, F>, Tile<7, F>, Tile<8, F>};
+                        int64_t, int);
+template <int C, typename F>
+constexpr TileFn<F> kTiles[kMaxRows + 1] = {nullptr,          Tile<1, C, F>, Tile<2, C, F>, Tile<3, C, F>,
+                                            Tile<4, C, F>,    Tile<5, C, F>, Tile<6, C, F>, Tile<7, C, F>,
+                                            Tile<8, C, F>};
 
 // y[:T, 64p0 : 64p1] (clipped to N) for panels p0..p1-1, by `tile_at(p, r, n, out, ldo)`,
 // which writes rows r..r+n-1 of panel p's 64 columns at out (row stride ldo). Any T: each
@@ -244,9 +261,14 @@ void Panels(const float* x, const void* wv, const void* av, const float* xsum, f
   const typename F::W* wp = static_cast<const typename F::W*>(wv);
   const typename F::A* aux = static_cast<const typename F::A*>(av);
   const int64_t G = (K + kGroup - 1) / kGroup;
-  SweepPanels(y, T, N, p0, p1, kFloatTile, [=](int64_t p, int64_t r, int64_t n, float* out, int64_t ldo) {
-    kTiles<F>[n](x + r * K, wp + p * K * F::kElems, aux ? aux + p * F::Aux(K) : nullptr,
-                 xsum ? xsum + r * G : nullptr, K, out, ldo);
+  const bool run = T > kFloatTile;
+  SweepPanels(y, T, N, p0, p1, run ? kRunRows : kFloatTile, [=](int64_t p, int64_t r, int64_t n, float* out,
+                                                               int64_t ldo) {
+    const typename F::W* panel = wp + p * K * F::kElems;
+    const typename F::A* a = aux ? aux + p * F::Aux(K) : nullptr;
+    const float* xs = xsum ? xsum + r * G : nullptr;
+    if (!run) return kTiles<kVecs, F>[n](x + r * K, panel, a, xs, K, out, ldo, 0);
+    for (int c0 = 0; c0 < kVecs; c0 += kRunVecs) kTiles<kRunVecs, F>[n](x + r * K, panel, a, xs, K, out, ldo, c0);
   });
 }
 
