@@ -4,9 +4,11 @@ device, in float32, and where the program's static `Kernels` setting allows them
 
 * the few-row matmul (`fewrow_matmul.cc`) multiplies a decode step's or a scoring pass's
   few rows by a weight in the `Packed` format, or by an `Int8` or `Grouped` weight's panels
-  (`LM.packed()` packs a model's projections once, for decoding): XLA:CPU's dot for 2-8 rows runs well below the rate at which the
-  weights can be read; the kernel streams each panel once for all rows, with the rows'
-  sums in registers. More rows (a prefill) and plain arrays (training) use jnp.einsum.
+  (`LM.packed()` packs a model's projections once, for decoding): XLA:CPU's dot for 2-8
+  rows runs well below the rate at which the weights can be read; the kernel streams each
+  panel once for all rows, with the rows' sums in registers. A prefill's many rows go
+  through it in tiles of a few, each sweeping the panel while it is in cache. Plain arrays
+  (training) use jnp.einsum.
 * the attention (`cached_attention.cc`) of a pass's queries over one layer of the stacked
   cache, read in place (XLA copied each layer's slice every step) and only below each
   row's length, and over the pass's own keys under the caller's visibility mask.

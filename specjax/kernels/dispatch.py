@@ -2,9 +2,10 @@
 
 Decided at trace time from static facts only: the `Kernels` setting the program was traced
 with, the backend (CPU), the devices (one: multi-device meshes, fake CPU devices included,
-keep XLA's SPMD-partitioned ops), dtypes (float32) and the number of rows (at most
-MAX_ROWS: a decode step or a scoring pass; for attention, queries per batch row, as its
-work is split over (row, kv head) pairs), and whether the library could be built.
+keep XLA's SPMD-partitioned ops), dtypes (float32), for attention the number of queries
+per batch row (at most MAX_ROWS: a decode step or a scoring pass; its work is split over
+(row, kv head) pairs; the matmul takes any number of rows, in tiles), and whether the
+library could be built.
 Every kernel has the plain jnp computation as its fallback and as its gradient.
 """
 from __future__ import annotations
@@ -39,15 +40,16 @@ def runs(enabled: bool) -> bool:
 # --------------------------------------------------------------------------- few-row matmul
 
 
-def use_matmul(x: jax.Array, dtype, setting: Kernels, quantized: bool = False) -> bool:
-    """x [..., K] times a packed weight of `dtype`: float32 both, 1..MAX_ROWS rows, or any
-    number of rows for a quantized weight. The kernel sweeps each panel once per tile of up
-    to MAX_ROWS rows, so a prompt's prefill through it costs the tiles' arithmetic; XLA's
-    alternative for a quantized weight dequantizes all of it to float32 first (every call,
-    the whole model's weights), while for a float32 weight its own matmul is as fast there."""
+def use_matmul(x: jax.Array, dtype, setting: Kernels) -> bool:
+    """x [..., K] times a packed weight of `dtype`: float32 both, any number of rows. The
+    kernel sweeps each panel once per tile of a few rows, so a prompt's prefill is tiles of
+    a decode step's arithmetic over weights in cache. For float32 weights on SmolLM2's
+    shape it measured faster than XLA's dot from 9 to 256 rows with AVX-512 and level with
+    it with AVX2 (benchmarks/real_model.md); for a quantized weight XLA would first
+    dequantize all of it to float32, each call."""
     rows = math.prod(x.shape[:-1])
-    return (x.dtype == jnp.float32 and dtype == jnp.float32 and 1 <= rows and (quantized or rows <= MAX_ROWS)
-            and single_device() and runs(setting.matmul))
+    return (x.dtype == jnp.float32 and dtype == jnp.float32 and rows >= 1 and single_device()
+            and runs(setting.matmul))
 
 
 def panel_dot(x: jax.Array, panels: jax.Array, n: int) -> jax.Array:

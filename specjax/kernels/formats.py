@@ -124,7 +124,7 @@ class Packed:
         return self
 
     def project(self, spec: str, x: jax.Array, setting: Kernels, **kwargs) -> jax.Array:
-        """The kernel where it applies (float32, few rows, one CPU device), else jnp.einsum
+        """The kernel where it applies (float32, one CPU device; any rows), else jnp.einsum
         over the plain array, exactly as unpacked."""
         if (not dispatch.use_matmul(x, self.dtype, setting)
                 or kwargs.get("preferred_element_type", jnp.float32) != jnp.float32):
@@ -197,7 +197,7 @@ class Int8:
         """The int8 kernel where it applies (panels made, float32, one CPU device; any
         rows), else XLA's einsum over q in x's dtype; either way the sum over k of x * q,
         times the column's scale. `spec`'s output ends with w's `out` axes."""
-        if (self.panels is not None and dispatch.use_matmul(x, self.dtype, setting, quantized=True)
+        if (self.panels is not None and dispatch.use_matmul(x, self.dtype, setting)
                 and kwargs.get("preferred_element_type", jnp.float32) == jnp.float32):
             P = self.panels.shape[-3]
             scale = jnp.pad(self.scale, (0, P * PANEL - self.n)).reshape(P, PANEL)
@@ -373,7 +373,7 @@ class Grouped:
         """The grouped kernel where it applies (panels made, float32, one CPU device; any
         rows), else XLA's einsum over the dequantized weight; with int8 activations, x
         rounded first (the A8 kernel rounds it itself)."""
-        if (self.panels is not None and dispatch.use_matmul(x, self.dtype, setting, quantized=True)
+        if (self.panels is not None and dispatch.use_matmul(x, self.dtype, setting)
                 and kwargs.get("preferred_element_type", jnp.float32) == jnp.float32):
             run = dispatch.fewrow_matmul_a8 if self.activations == "int8" else dispatch.fewrow_matmul_grouped
             y = run(x.reshape(-1, x.shape[-1]), self.panels, self.aux, self.n)

@@ -1,8 +1,8 @@
 """The CPU kernels (specjax/kernels): the few-row matmul over packed weights equal to a
 float64 numpy product over shapes (panels cut short by N, every row count), inside jit
 and loops, with gradients, and a row's result independent of how many rows come with it;
-the packed model equal to the unpacked one, through prefill (XLA over the panels) and
-decode (the kernel); the attention over [cache; the pass's own keys] equal to a float64
+the packed model equal to the unpacked one, through prefill and decode (the kernel, in
+tiles of rows for a prompt); the attention over [cache; the pass's own keys] equal to a float64
 reference over ragged cache lengths, causal and tree visibilities, GQA and edge cases;
 the fallback where they are off or cannot be built; the model's logits with them equal
 those without; the static setting (`Kernels`) chosen per traced program, never by the
@@ -58,8 +58,7 @@ def test_matches_dot_for_every_row_count(K, N):
         close(y, reference(x8[:T], w))
         # A row's value does not depend on the rows beside it (greedy ArS and SpS agree).
         np.testing.assert_array_equal(y, rows[-1][:T])
-    # The kernel takes any number of rows (in tiles; `project` sends a float weight more
-    # than MAX_ROWS rows to XLA's dot, a quantized one to the kernel: test_quantized.py).
+    # Any number of rows (a prefill's): tiles of up to MAX_ROWS, each row as alone.
     long = np.asarray(matmul(x, w))
     close(long, reference(x, w))
     np.testing.assert_array_equal(long[:kernels.MAX_ROWS], rows[-1])
@@ -120,7 +119,7 @@ def test_project_dispatch_decided_from_static_facts(monkeypatch):
     with jax.set_mesh(mesh_for("1x1")):
         assert (CUSTOM_CALL in hlo()) == kernels.available()
         assert CUSTOM_CALL not in hlo(w=jnp.ones((64, 4, 16)))  # a plain array: jnp.einsum
-        assert CUSTOM_CALL not in hlo(x=jnp.ones((3, 3, 64)))  # 9 rows: more than MAX_ROWS
+        assert (CUSTOM_CALL in hlo(x=jnp.ones((3, 3, 64)))) == kernels.available()  # 9 rows: tiles of the kernel
         assert CUSTOM_CALL not in hlo(x=x.astype(jnp.bfloat16), w=w.astype(jnp.bfloat16))
         assert CUSTOM_CALL not in hlo(preferred_element_type=jnp.bfloat16)
         assert CUSTOM_CALL not in hlo(setting=NONE)
