@@ -217,8 +217,8 @@ inline void Tile(const float* x, const typename F::W* panel, const typename F::A
 // tiles of 4, each sweeping the panel while it is in L1/L2 (benchmarks/real_model.md).
 // A run of more than 8 float-activation rows goes in tiles of kRunRows rows by kRunVecs
 // vectors of columns: with AVX2's 16 registers, 6 x 2 sums, 2 weights and a broadcast
-// (8 x 8 sums spilled on every k and ran at a third of XLA's dot); AVX-512's 32 hold
-// the whole panel's 8 x 4.
+// (8 x 8 sums spilled on every k, slower than XLA's dot: benchmarks/real_model.md);
+// AVX-512's 32 hold the whole panel's 8 x 4.
 constexpr int64_t kFloatTile = kMaxRows, kA8Tile = 4;
 #if defined(__AVX512F__)
 constexpr int kRunRows = kMaxRows, kRunVecs = kVecs;
