@@ -351,7 +351,7 @@ ISAS = {
     "avx2": ("-mno-avx512f -mno-avxvnni", ("avx2",)),
     "portable": ("-mno-avx512f -mno-avxvnni -mno-avx2 -mno-avx", ()),
 }
-ISA_ROWS = (*range(1, 9), 13)  # one tile each, then a run of tiles of 4 and a short one
+ISA_ROWS = (*range(1, 9), 13)  # one tile each, then a run of tiles (A8: 4 rows; float, AVX2: 6) and a short one
 ISA_SCRIPT = f"ROWS = {ISA_ROWS}\n" + """
 import sys, numpy as np, jax, jax.numpy as jnp
 from specjax.kernels import Kernels, formats, available
@@ -365,6 +365,12 @@ for kind in ("w4a8", "q8a8", "int4", "q8"):
     packed = formats.pack_params({"w": w}, {"w": (1, 2)})["w"]
     run = jax.jit(lambda x, w: w.project("TK,KN->TN", x, Kernels()))
     out[kind] = np.concatenate([np.asarray(run(jnp.asarray(data["x"][:T]), packed)) for T in ROWS])
+# The float-activation formats without groups: float32 panels and int8 with column scales.
+for kind, w in (("f32", formats.pack(jnp.asarray(data["f32_w"]), 1)),
+                ("i8", formats.pack_params({"w": formats.Int8(jnp.asarray(data["q8a8_code"]), jnp.asarray(data["i8_scale"]),
+                                                              (data["i8_scale"].shape[0],))}, {"w": (1, 2)})["w"])):
+    run = jax.jit(lambda x, w: w.project("TK,KN->TN", x, Kernels()))
+    out[kind] = np.concatenate([np.asarray(run(jnp.asarray(data["x"][:T]), w)) for T in ROWS])
 np.savez(sys.argv[2], **out)
 """
 
@@ -379,9 +385,10 @@ def cpu_flags() -> set[str]:
 @needs_kernel
 @pytest.mark.slow  # a build of the kernels per instruction set (~30 s each)
 @pytest.mark.parametrize("isa", sorted(ISAS))
-def test_every_instruction_sets_grouped_kernels_match_float64(isa, tmp_path):
-    """The A8 and grouped kernels compiled for each instruction set this CPU has (VNNI's
-    byte dot products, AVX-512BW / AVX2 pair sums, plain integer vectors), in a fresh
+def test_every_instruction_sets_matmul_kernels_match_float64(isa, tmp_path):
+    """The few-row matmul's formats (A8, grouped, int8, float32) compiled for each
+    instruction set this CPU has (VNNI's byte dot products, AVX-512BW / AVX2 pair sums,
+    plain integer vectors; AVX2's register-sized tiles for a run of rows), in a fresh
     process with SPECJAX_KERNEL_FLAGS, against numpy: x (rounded for A8) @ the dequantized
     weight, T = 1..8 and 13, K = 100 (a short last group), N = 150 (a partial panel)."""
     import platform
@@ -402,7 +409,8 @@ def test_every_instruction_sets_grouped_kernels_match_float64(isa, tmp_path):
                 w4a8_low=(-rng.uniform(0, 8, (G, N)) * scale).astype(np.float16).astype(np.float32),
                 q8a8_code=rng.integers(-128, 128, (K, N)).astype(np.int8), q8a8_low=np.zeros((G, N), np.float32))
     data.update(int4_code=data["w4a8_code"], int4_low=data["w4a8_low"], q8_code=data["q8a8_code"],
-                q8_low=data["q8a8_low"])
+                q8_low=data["q8a8_low"], f32_w=rng.standard_normal((K, N)).astype(np.float32) / 10,
+                i8_scale=rng.uniform(0.5, 1.5, N).astype(np.float32) / 100)
     np.savez(tmp_path / "in.npz", **data)
     env = {**os.environ, "SPECJAX_KERNEL_FLAGS": extra, "JAX_PLATFORMS": "cpu", "XLA_FLAGS": ""}
     done = subprocess.run([sys.executable, "-c", ISA_SCRIPT, str(tmp_path / "in.npz"), str(tmp_path / "out.npz")],
@@ -417,3 +425,9 @@ def test_every_instruction_sets_grouped_kernels_match_float64(isa, tmp_path):
             x = rounded(data["x"][:T]) if kind.endswith("a8") else data["x"][:T].astype(np.float64)
             rows = got[kind][end - T:end]
             np.testing.assert_allclose(rows, x @ deq, rtol=1e-5, atol=1e-5 * np.abs(x @ deq).max(), err_msg=kind)
+    for kind, w in (("f32", data["f32_w"].astype(np.float64)),
+                    ("i8", data["q8a8_code"].astype(np.float64) * data["i8_scale"])):
+        want = data["x"][:max(ISA_ROWS)].astype(np.float64) @ w
+        for T, end in zip(ISA_ROWS, np.cumsum(ISA_ROWS)):
+            np.testing.assert_allclose(got[kind][end - T:end], want[:T], rtol=1e-5, atol=1e-5 * np.abs(want).max(),
+                                       err_msg=kind)
