@@ -294,6 +294,17 @@ void SplitPanels(ffi::ThreadPool& pool, int64_t k_by_n, int64_t P, Fn fn) {
   ParallelFor(pool, ranges, ranges - 1, [=](int64_t r) { fn(r * per, std::min(P, (r + 1) * per)); });
 }
 
+// fn(r, n, p0, p1) for T rows in passes of RowsPerPass(row_bytes) (rows r..r+n-1), each
+// pass over all P panels, split between threads as SplitPanels does.
+template <typename Fn>
+void InPasses(ffi::ThreadPool& pool, int64_t T, int64_t row_bytes, int64_t k_by_n, int64_t P, Fn fn) {
+  const int64_t pass = RowsPerPass(row_bytes);
+  for (int64_t r = 0; r < T; r += pass) {
+    const int64_t n = std::min(pass, T - r);
+    SplitPanels(pool, k_by_n, P, [=](int64_t p0, int64_t p1) { fn(r, n, p0, p1); });
+  }
+}
+
 // The checks and the split between threads that the formats share (a panel row holds
 // `row` elements); scale (int8's float32 scales, the grouped formats' float16 aux) is null
 // for float32.
@@ -317,13 +328,9 @@ ffi::Error Run(ffi::ThreadPool& pool, const char* name, PanelFn fn, int64_t row,
   for (int64_t t = 0; grouped && t < T; ++t)
     for (int64_t k = 0; k < K; ++k) sums[t * G + k / kGroup] += xs[t * K + k];
   const float* xsum = grouped ? sums.data() : nullptr;
-  const int64_t pass = RowsPerPass(K * sizeof(float));
-  for (int64_t r = 0; r < T; r += pass) {
-    const int64_t n = std::min(pass, T - r);
-    SplitPanels(pool, K * N, P, [=](int64_t p0, int64_t p1) {
-      fn(xs + r * K, ws, scale, xsum ? xsum + r * G : nullptr, ys + r * N, n, K, N, p0, p1);
-    });
-  }
+  InPasses(pool, T, K * sizeof(float), K * N, P, [=](int64_t r, int64_t n, int64_t p0, int64_t p1) {
+    fn(xs + r * K, ws, scale, xsum ? xsum + r * G : nullptr, ys + r * N, n, K, N, p0, p1);
+  });
   return ffi::Error::Success();
 }
 
@@ -529,13 +536,9 @@ ffi::Error FewRowMatmulA8(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::Bu
   const int32_t* s = xsv.data();
   const uint8_t* w = wp.typed_data();
   const uint16_t* a = aux.typed_data();
-  const int64_t pass = RowsPerPass(Kp);
-  for (int64_t r = 0; r < T; r += pass) {
-    const int64_t n = std::min(pass, T - r);
-    SplitPanels(pool, K * N, P, [=](int64_t p0, int64_t p1) {
-      fn(q + r * Kp, d + r * G, s + r * G, w, a, ys + r * N, n, G, N, p0, p1);
-    });
-  }
+  InPasses(pool, T, Kp, K * N, P, [=](int64_t r, int64_t n, int64_t p0, int64_t p1) {
+    fn(q + r * Kp, d + r * G, s + r * G, w, a, ys + r * N, n, G, N, p0, p1);
+  });
   return ffi::Error::Success();
 }
 
