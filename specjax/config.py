@@ -94,6 +94,28 @@ SEED_LIMIT = 2 ** 63  # seeds are integers in [0, SEED_LIMIT)
 
 
 @dataclasses.dataclass(frozen=True)
+class Quantization:
+    """A way to quantize a model's float weights on load (`--quantize`, a quantized
+    self-draft, an EAGLE layer's decode precision): THE registry is `QUANTIZATIONS`;
+    `kernels.formats.QUANTIZERS` maps each to the function that makes its weight format."""
+
+    name: str
+    bits: int
+    grouped: bool  # a scale (and minimum) per output column and group of 32 inputs; else per column
+    activations: str  # what the weights multiply: 'float32' (x as it is) or 'int8' (x rounded per group of 32)
+    help: str
+
+
+QUANTIZATIONS = {q.name: q for q in (
+    Quantization("int8", 8, False, "float32", "symmetric per output channel"),
+    Quantization("int4", 4, True, "float32", "a scale and minimum per output channel and group of 32 inputs"),
+    Quantization("w4a8", 4, True, "int8", "int4 groups times activations rounded to int8 per group of 32 "
+                 "(llama.cpp's Q4 arithmetic: integer dot products on CPU)"),
+    Quantization("w8a8", 8, True, "int8", "symmetric 8-bit groups of 32 (Q8_0) times int8-rounded activations"),
+)}
+
+
+@dataclasses.dataclass(frozen=True)
 class ModelConfig:
     """A decoder-only transformer. Letters used across the repo: D=d_model, N=num_heads,
     K=num_kv_heads, H=head_dim, F=d_ff, V=vocab_size, L=num_layers."""
@@ -322,8 +344,7 @@ class HeadsConfig:
     # (EAGLE-3's draft vocabulary): a step's unembedding costs N/V of the whole one. Exact
     # either way: p is the softmax over those N, zero elsewhere.
     draft_vocab: int = 0
-    # eagle: the precision the layer decodes in ('' float, 'int8', 'int4', 'w4a8', 'w8a8'
-    # (int4 / 8-bit groups times int8-rounded activations: kernels.formats); training is
+    # eagle: the precision the layer decodes in ('' float, or a `QUANTIZATIONS` name); training is
     # float either way): a quantized copy of its projections and draft-vocabulary columns,
     # made on load. The draft is whatever proposes, so sampling stays exact; a run's own
     # heads setting (`--config.heads.quantize=...` with heads of this kind) overrides the
@@ -339,7 +360,7 @@ class HeadsConfig:
         _integer(self, "init_seed", 0, SEED_LIMIT - 1)
         _integer(self, "width", 0, hint=" (0: the target's d_model)")
         _integer(self, "draft_vocab", 0, hint=" (0: the target's whole vocabulary)")
-        _choice(self, "quantize", {"", "int8", "int4", "w4a8", "w8a8"})
+        _choice(self, "quantize", {"", *QUANTIZATIONS})
         if self.kind != "eagle" and (self.width or self.draft_vocab or self.quantize):
             raise ConfigError(f"heads.width={self.width}, heads.draft_vocab={self.draft_vocab}, heads.quantize="
                               f"{self.quantize!r}: only EAGLE heads (heads.kind='eagle') have them, these are "

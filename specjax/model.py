@@ -30,7 +30,7 @@ import numpy as np
 from flax import nnx
 
 from specjax import kv_cache, kv_heads, sharding
-from specjax.config import ModelConfig
+from specjax.config import QUANTIZATIONS, ModelConfig
 from specjax.kernels import (DEFAULT as DEFAULT_KERNELS, QUANTIZED, Kernels, Packed, dispatch, pack_params, project,
                              quantize_params, rows, should_pack, stored)
 from specjax.kv_cache import CACHE_AXES, Fresh, KVCache
@@ -448,7 +448,6 @@ def causal(size: int) -> jax.Array:
 # one layer's weight).
 PROJECTIONS = {"wq": (1, 3), "wk": (1, 3), "wv": (1, 3), "wo": (2, 3), "w_in": (1, 2), "w_gate": (1, 2),
                "w_out": (1, 2), "unembed": (1, 2)}
-QUANTIZE = ("int8", "int4", "w4a8", "w8a8")  # what `LM.quantized` makes (kernels.formats.QUANTIZERS)
 
 
 @jax.tree_util.register_pytree_node_class
@@ -513,7 +512,7 @@ class LM:
         return out
 
     def quantized(self, kind: str) -> LM:
-        """This model with its weights quantized (`QUANTIZE`; 'int8': `kernels.Int8`,
+        """This model with its weights quantized (`config.QUANTIZATIONS`; 'int8': `kernels.Int8`,
         symmetric per output column; 'int4': `kernels.Grouped` of 4 bits, a scale and minimum per output
         column and group of 32 inputs; 'w4a8' / 'w8a8': int4 / symmetric 8-bit groups (GGUF's
         Q8_0) multiplying activations rounded to int8 per group of 32, as llama.cpp does): every
@@ -522,8 +521,8 @@ class LM:
         lookup dequantizes only the rows it reads). The norms, Transformer-XL's W_r and
         biases stay float. The result is a model of its own, the one that sampling from it
         (SpS included) samples exactly; `packed()` gives it the kernel's panels."""
-        if kind not in QUANTIZE:
-            raise ValueError(f"quantization {kind!r}: not one of {', '.join(QUANTIZE)}")
+        if kind not in QUANTIZATIONS:
+            raise ValueError(f"quantization {kind!r}: not one of {', '.join(QUANTIZATIONS)}")
         names = {**PROJECTIONS, "embed": (1, 2)}
         return dataclasses.replace(self, params=quantize_params(self.params, names, ("embed",), kind))  # subclasses stay
 
