@@ -234,8 +234,11 @@ MAX_TREE_NODES = 64  # num_drafts * lookahead
 
 VERIFY_RULES = ("block", "tokenwise")
 DRAFTERS = ("model", "ngram", "retrieval", "hybrid", "medusa", "eagle")
-# The drafters that draw several independent chains per loop (each chain a fresh draw).
+# What the drafters declare (`decode.drafters`, which this layer does not import; a test
+# checks the two agree): those that draw several independent chains per loop (each chain
+# a fresh draw), and those with an adaptive draft length (draft_confidence).
 SEVERAL_CHAINS = ("model", "hybrid", "medusa")
+ADAPTIVE = ("model", "hybrid")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -300,6 +303,10 @@ class SamplingConfig:
             raise ConfigError(f"num_drafts={self.num_drafts} x lookahead={self.lookahead} = "
                               f"{self.num_drafts * self.lookahead} tree nodes: at most {MAX_TREE_NODES} (the tree is "
                               "verified node by node, so its compile time grows with it)")
+        if self.draft_confidence > 0 and self.drafter not in ADAPTIVE:
+            raise ConfigError(f"draft_confidence={self.draft_confidence} with drafter={self.drafter!r}: only "
+                              f"drafter {' or '.join(map(repr, ADAPTIVE))} stops drafting on its own confidence; "
+                              f"{self.drafter!r} always proposes its whole chain (leave draft_confidence at 0)")
         if self.num_drafts > 1 and self.drafter not in SEVERAL_CHAINS:
             raise ConfigError(f"num_drafts={self.num_drafts} with drafter={self.drafter!r}: several drafts are "
                               f"independent draws, so they need drafter {', '.join(map(repr, SEVERAL_CHAINS[:-1]))} "

@@ -19,13 +19,12 @@ import time
 import numpy as np
 from absl import flags
 
-from specjax.app import cli, output
-from specjax.app.locate import Weights, train_command
-from specjax.config import MAX_NGRAM, UsageError, load_config, user_path
+from specjax.app import cli, output, setup
+from specjax.app.locate import Sources
+from specjax.config import MAX_NGRAM, UsageError, load_config
 from specjax.decode.retrieval_index import Datastore, file_sha256
 from specjax.training import data
 from specjax.training.corpus import load_corpus
-from specjax.weights import checkpoint as ckpt_lib
 
 FLAGS = flags.FLAGS
 
@@ -67,17 +66,12 @@ def main(argv):
         source = dataclasses.replace(source, train=dataclasses.replace(source.train, corpus=FLAGS.corpus))
     tokenizer = None
     if source.tokenizer_vocab:  # the target checkpoint's tokenizer, never a freshly trained one
-        name = config.target_from or config.name
-        directory = user_path(FLAGS.checkpoint) if FLAGS.checkpoint else ckpt_lib.default_dir(name)
-        if not directory.is_dir():
-            where = f"--checkpoint={FLAGS.checkpoint!r}" if FLAGS.checkpoint else f"no checkpoint for config {name!r}"
-            raise UsageError(f"{where}: {directory} {'is a file' if directory.exists() else 'does not exist'}; the "
-                             f"datastore is tokenised with the target checkpoint's tokenizer: train it first "
-                             f"(`{train_command(name)}`) or pass --checkpoint=DIR")
-        weights = Weights(config, "checkpoint", directory, None)
-        tokenizer = weights.tokenizer()
+        # The one run setup (ArS: the target alone), whose weight checks name the missing
+        # checkpoint and how to train it.
+        run = setup.prepare(setup.Request(config, sources=Sources(checkpoint=FLAGS.checkpoint))).locate()
+        tokenizer = run.tokenizer
         if tokenizer is None:
-            raise UsageError(f"{weights.no_tokenizer_reason}: the datastore must use the target's tokenizer")
+            raise UsageError(f"{run.no_tokenizer_reason}: the datastore must use the target's tokenizer")
     start = time.perf_counter()
     corpus = load_corpus(source, teacher_tokenizer=tokenizer)
     tokens = np.concatenate([corpus.train, corpus.val]) if FLAGS.include_validation else corpus.train

@@ -148,6 +148,11 @@ def sources():
                    gguf_target=FLAGS.gguf_target, gguf_draft=FLAGS.gguf_draft, self_draft=FLAGS.self_draft)
 
 
+def define_chat_flag() -> None:
+    flags.DEFINE_bool("chat", False, "Put each text prompt through the model's own chat template as a user message "
+                      "(an instruct model given a plain prompt often ends at once); needs a tokenizer with one.")
+
+
 def define_quantize_flag() -> None:
     kinds = "; ".join(f"{q.name} = {q.help}" for q in QUANTIZATIONS.values())
     flags.DEFINE_enum("quantize", "none", ["none", *QUANTIZATIONS], "Quantize the float weights on load (every "

@@ -210,7 +210,49 @@ def test_weights_from_a_hugging_face_directory_with_a_self_draft(text_pair):
     assert result["hf_target"] == str(hf) and result["self_draft"] == "layers:1"
     greedy = result["settings"][1]
     assert greedy["name"] == "greedy" and all(r["ars"]["text"] == r["sps"]["text"] for r in greedy["samples"])
-    assert_one_line(no_draft, 2, ["no draft model", "--hf_draft=DIR", "--self_draft=layers:N"])
+    assert_one_line(no_draft, 2, ["needs a draft", "--hf_draft=DIR", "--self_draft=layers:N"])
+    # A prompt starts as the tokenizer starts one (as sample encodes it): this one's BOS
+    # (config.json's bos_token_id), where evaluate put an EOS before every prompt.
+    bos, eos = (json.loads((hf / "config.json").read_text())[k] for k in ("bos_token_id", "eos_token_id"))
+    assert {r["prompt_tokens"][0] for r in greedy["samples"]} == {bos} != {eos}
+
+
+def test_a_tokenizer_without_eos_runs_to_the_budget(text_pair):
+    """A Hugging Face directory that names no EOS anywhere: evaluate stops on nothing but
+    the budget (it crashed on `None + list`)."""
+    base, env, _ = text_pair
+    src, hf = ROOT / "tests" / "fixtures" / "hf" / "llama_gqa", base / "no_eos"
+    hf.mkdir()
+    for f in src.iterdir():
+        data = f.read_bytes()
+        if f.name in ("config.json", "generation_config.json", "tokenizer_config.json"):
+            data = json.dumps({k: v for k, v in json.loads(data).items()
+                               if k not in ("eos_token_id", "eos_token")}).encode()
+        (hf / f.name).write_bytes(data)
+    docs = base / "no_eos_docs.jsonl"
+    docs.write_text(json.dumps({"document": "x = 1", "summary": "One."}) + "\n")
+    out = base / "no_eos.json"
+    [proc] = run_many("specjax.evaluate", [([f"--hf_target={hf}", "--self_draft=layers:1", "--task=xsum",
+                                             f"--xsum_file={docs}", "--max_new_tokens=4", "--noprogress",
+                                             f"--output={out}"], {})], env=env, cwd=ROOT)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    assert all(r[m]["num_new"] == 4 for s in json.loads(out.read_text())["settings"] for r in s["samples"]
+               for m in ("ars", "sps"))
+
+
+def test_ars_is_autoregressive_whatever_the_drafter(text_pair):
+    """With a lookup drafter (ngram) the ArS side ran n-gram SpS too: a draft=None run of
+    a drafter that needs no draft is speculative. ArS makes one token per loop."""
+    base, env, args = text_pair
+    docs = base / "ngram_docs.jsonl"
+    docs.write_text(json.dumps({"document": "x = 1\nx = 1\nx = 1", "summary": "Ones."}) + "\n")
+    out = base / "ngram.json"
+    [proc] = run_many("specjax.evaluate", [([*args, "--drafter=ngram", "--task=xsum", f"--xsum_file={docs}",
+                                             "--max_new_tokens=8", f"--output={out}"], {})], env=env, cwd=ROOT)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    for setting in json.loads(out.read_text())["settings"]:
+        assert setting["modes"]["ars"]["tokens"] == setting["modes"]["ars"]["loops"] > 0
+        assert all(r["ars"]["loops"] == r["ars"]["num_new"] for r in setting["samples"])
 
 
 def test_humaneval_end_to_end_with_execution(text_pair):

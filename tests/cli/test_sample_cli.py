@@ -23,6 +23,7 @@ import pytest
 from clitools import TEXT_CONFIG, assert_one_line, cli_env, interruptible, kernels_only_cache, run_many, xla_flags
 
 ROOT = pathlib.Path(__file__).resolve().parents[2]
+HF = ROOT / "tests" / "fixtures" / "hf"
 TINY = ["--config=tiny", "--init=random"]
 # Two prompts x two samples in batches of two: two batches, one compiled program per mode.
 GREEDY = ["--temperature=0", "--prompt_tokens=1,2,3", "--prompt_tokens=4,5,6,7,8", "--num_samples=2",
@@ -426,6 +427,18 @@ BAD_INPUTS = [
      ["--self_draft='layers:1' and --gguf_draft", "pick one"]),
     ("self_draft with hf_draft", ["--self_draft=layers:1", "--hf_draft={files}"], {},
      ["--self_draft='layers:1' and --hf_draft", "pick one"]),
+    # Flags that were accepted and ignored (the fourth hostile round, items 12 and 13).
+    ("self_draft with ArS", ["--mode=ars", "--self_draft=layers:1"], {},
+     ["--self_draft=layers:1 names a draft model", "--mode=ars (the target alone) uses none", "model or hybrid"]),
+    ("self_draft with a lookup", ["--drafter=ngram", "--self_draft=layers:1"], {},
+     ["--self_draft=layers:1 names a draft model", "--drafter=ngram uses none"]),
+    ("hf_draft with a lookup", ["--drafter=ngram", "--init=checkpoint", f"--hf_target={HF / 'pair_target'}",
+                                f"--hf_draft={HF / 'pair_draft'}"], {},
+     ["--hf_draft=", "names a draft model", "--drafter=ngram uses none"]),
+    ("draft_confidence with a lookup", ["--drafter=ngram", "--draft_confidence=0.5"], {},
+     ["draft_confidence=0.5 with drafter='ngram'", "only drafter 'model' or 'hybrid'"]),
+    ("chat without a template", ["--config={files}/tiny_text.py", "--checkpoint={files}/tiny_text", "--mode=ars",
+                                 "--prompt=def f():", "--chat"], {}, ["--chat", "has no chat template"]),
     ("the headline command without weights", ["--config=chinchilla_70b", "--init=checkpoint"], {},
      ["config 'chinchilla_70b' has no weights", "--init=random --prompt_tokens=1,2,3",
       "--checkpoint=DIR --draft_checkpoint=DIR", "--hf_target=DIR --hf_draft=DIR"]),
@@ -658,3 +671,38 @@ def test_side_by_side_keeps_indentation_and_wraps():
     assert out[0].startswith("ArS") and " | SpS" in out[0]
     assert out[2].startswith("def f():") and out[2].endswith("x" * 30)
     assert out[3].startswith("    return 1") and out[3].endswith("x" * 20)
+
+
+def test_side_by_side_wraps_headers_and_indents_continuations():
+    """At 80 columns the header was cut ("acceptance 0.3" for 0.36) and a wrapped line's
+    continuation lost its indentation."""
+    from specjax.app.report import side_by_side
+
+    header = "SpS K=4: 5.67 ms/token, acceptance 0.36 (model, block)"
+    out = side_by_side([("ArS: 12.76 ms/token", "x"), (header, "    " + "word " * 12)], width=80).splitlines()
+    assert "acceptance" in "".join(out[:3]) and "0.36" in "".join(out[:3])
+    body = [line.split(" | ")[1] for line in out if " | " in line and "word" in line]
+    assert len(body) >= 2 and all(line.startswith("    word") for line in body)
+
+
+def test_a_row_that_ends_at_once_says_so():
+    """An instruct model given a plain prompt wrote an empty completion with no word of why."""
+    import io
+    import numpy as np
+    from specjax.decode.metrics import Result
+    from specjax.config import SamplingConfig
+    from specjax.app.report import Report
+
+    out = io.StringIO()
+    report = Report(["ars"], SamplingConfig(eos_id=7), None, out=out)
+    prompts = [type("P", (), dict(source="p", text=None, tokens=[1]))()]
+    rows = [(0, 0), (0, 1)]
+    result = Result(tokens=[[7], [3, 4, 7]], mode="ars", lookahead=1, loops=np.array([1, 3]),
+                    num_new=np.array([1, 3]), accepted=np.array([0, 0]), accepted_at=np.zeros((2, 1), int),
+                    histogram=np.zeros((2, 2), int), seconds=0.1, compile_seconds=0.0)
+    report.add_batch(0, 0, prompts, rows, {"ars": result})
+    assert out.getvalue().count("stopped at end-of-sequence after 1 token") == 1
+    lines = report.summary_lines()
+    assert lines[0].startswith("ArS: 2 samples, 4 tokens")
+    assert lines[1] == ("ArS: 1 sample stopped at end-of-sequence after 1 token (an instruct model given a plain "
+                        "prompt often ends at once: try --chat)")

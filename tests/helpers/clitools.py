@@ -2,10 +2,13 @@
 interruptible command line, and many short runs forked from one process."""
 from __future__ import annotations
 
+import contextlib
 import os
 import pathlib
 import shutil
+import subprocess
 import sys
+import tempfile
 
 ROOT = pathlib.Path(__file__).resolve().parents[2]
 
@@ -158,3 +161,28 @@ def run_many(module: str, cases: list, *, env: dict, cwd=None, parallel: int = 2
     assert proc.returncode == 0, proc.stderr[-4000:]
     return [subprocess.CompletedProcess([sys.executable, "-m", module, *a], r["returncode"], r["stdout"], r["stderr"])
             for (a, _), r in zip(cases, json.loads(proc.stdout))]
+
+
+@contextlib.contextmanager
+def read_only(path):
+    """`path` and everything below it unwritable for the runs this test starts: permission
+    bits, or for root (whom they do not stop) the immutable flag; skipped where neither works."""
+    def writable():
+        try:
+            with tempfile.TemporaryFile(dir=path):
+                return True
+        except OSError:
+            return False
+
+    subprocess.run(["chmod", "-R", "a-w", str(path)], check=True)
+    undo = ["chmod", "-R", "u+w", str(path)]
+    if writable():
+        subprocess.run(undo, check=True)
+        if subprocess.run(["chattr", "-R", "+i", str(path)], capture_output=True).returncode or writable():
+            import pytest
+            pytest.skip("cannot make a directory read-only here (root without chattr)")
+        undo = ["chattr", "-R", "-i", str(path)]
+    try:
+        yield
+    finally:
+        subprocess.run(undo, check=True)
