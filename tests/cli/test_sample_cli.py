@@ -706,3 +706,29 @@ def test_a_row_that_ends_at_once_says_so():
     assert lines[0].startswith("ArS: 2 samples, 4 tokens")
     assert lines[1] == ("ArS: 1 sample stopped at end-of-sequence after 1 token (an instruct model given a plain "
                         "prompt often ends at once: try --chat)")
+
+
+CHAT_TEMPLATE = ("{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n{% endfor %}"
+                 "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}")
+
+
+def test_chat_renders_each_prompt_through_the_models_template(env, tmp_path):
+    """--chat: the prompt as one user message through the directory's own chat template,
+    encoded without the BOS a plain prompt gets (the template writes what it needs). The
+    expected ids come from the `tokenizers` library on the text rendered by hand."""
+    import tokenizers
+    hf = tmp_path / "chat_model"
+    src = HF / "llama_gqa"
+    hf.mkdir()
+    for f in src.iterdir():
+        (hf / f.name).write_bytes(f.read_bytes())
+    config = json.loads((hf / "tokenizer_config.json").read_text())
+    (hf / "tokenizer_config.json").write_text(json.dumps({**config, "chat_template": CHAT_TEMPLATE}))
+    out = tmp_path / "out.jsonl"
+    proc = sample(env, f"--hf_target={hf}", "--mode=ars", "--chat", "--prompt=Tell me a story.", "--temperature=0",
+                  "--max_new_tokens=2", f"--output={out}", "--noprint_samples")
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    rendered = "<|im_start|>user\nTell me a story.<|im_end|>\n<|im_start|>assistant\n"
+    expected = tokenizers.Tokenizer.from_file(str(hf / "tokenizer.json")).encode(rendered, add_special_tokens=False)
+    [record] = read_jsonl(out)
+    assert record["prompt_tokens"] == expected.ids and record["prompt"] == "Tell me a story."
