@@ -109,17 +109,16 @@ class Report:
         if {"ars", "sps"} <= set(self.totals) and self.totals["sps"].steps:
             speedup = self.totals["ars"].ms_per_token / self.totals["sps"].ms_per_token
             lines.append(f"SpS speedup over ArS: {speedup:.2f}x (ms/token)")
-        if self.load_seconds:
-            lines.append(f"loading the models: {self.load_seconds:.1f} s")
         return lines
 
     def print_summary(self, interrupted: str = "", output: Optional[str] = None) -> None:
         if not self.is_main:
             return
         s = self.sampling
+        loaded = f"; models loaded in {self.load_seconds:.1f} s" if self.load_seconds else ""
         print(f"\nsummary (temperature={s.temperature}, top_k={s.top_k}, top_p={s.top_p}, "
-              f"max_new_tokens={s.max_new_tokens})" + (f", interrupted after {interrupted}" if interrupted else ""),
-              file=self.out)
+              f"max_new_tokens={s.max_new_tokens}{loaded})" + (f", interrupted after {interrupted}" if interrupted
+                                                              else ""), file=self.out)
         for line in self.summary_lines():
             print(line, file=self.out)
         if output:

@@ -230,7 +230,8 @@ def test_a_tokenizer_without_eos_runs_to_the_budget(text_pair):
                                if k not in ("eos_token_id", "eos_token")}).encode()
         (hf / f.name).write_bytes(data)
     docs = base / "no_eos_docs.jsonl"
-    docs.write_text(json.dumps({"document": "x = 1", "summary": "One."}) + "\n")
+    docs.write_text("".join(json.dumps({"document": d, "summary": t}) + "\n" for d, t in [("x = 1", "One."),
+                                                                                      ("y = 2", "Two.")]))
     out = base / "no_eos.json"
     [proc] = run_many("specjax.evaluate", [([f"--hf_target={hf}", "--self_draft=layers:1", "--task=xsum",
                                              f"--xsum_file={docs}", "--max_new_tokens=4", "--noprogress",
@@ -245,14 +246,17 @@ def test_ars_is_autoregressive_whatever_the_drafter(text_pair):
     a drafter that needs no draft is speculative. ArS makes one token per loop."""
     base, env, args = text_pair
     docs = base / "ngram_docs.jsonl"
-    docs.write_text(json.dumps({"document": "x = 1\nx = 1\nx = 1", "summary": "Ones."}) + "\n")
+    docs.write_text("".join(json.dumps({"document": "x = 1\nx = 1\nx = 1", "summary": t}) + "\n"
+                            for t in ("Ones.", "Still ones.")))
     out = base / "ngram.json"
-    [proc] = run_many("specjax.evaluate", [([*args, "--drafter=ngram", "--task=xsum", f"--xsum_file={docs}",
+    target_only = [a for a in args if not a.startswith("--draft_checkpoint=")]  # a lookup draws from no draft
+    [proc] = run_many("specjax.evaluate", [([*target_only, "--drafter=ngram", "--task=xsum", f"--xsum_file={docs}",
                                              "--max_new_tokens=8", f"--output={out}"], {})], env=env, cwd=ROOT)
     assert proc.returncode == 0, proc.stderr[-2000:]
     for setting in json.loads(out.read_text())["settings"]:
         assert setting["modes"]["ars"]["tokens"] == setting["modes"]["ars"]["loops"] > 0
-        assert all(r["ars"]["loops"] == r["ars"]["num_new"] for r in setting["samples"])
+        assert all(r["ars"]["loops"] == r["ars"]["num_new"] and "proposed" not in r["ars"] for r in setting["samples"])
+        assert all("proposed" in r["sps"] for r in setting["samples"])
 
 
 def test_humaneval_end_to_end_with_execution(text_pair):
