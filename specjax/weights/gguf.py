@@ -41,7 +41,6 @@ import math
 import mmap
 import os
 import re
-import stat
 import sys
 from typing import Optional, Union
 
@@ -49,7 +48,7 @@ import ml_dtypes
 import numpy as np
 
 from specjax.config import ConfigError, ModelConfig, UsageError
-from specjax.weights import hf
+from specjax.weights import hf, hf_files
 from specjax.weights.gguf_meta import BOOL, INT, INTS, NUMBER, NUMBERS, TEXT, TEXTS, Metadata
 from specjax.weights.tokenizer import HFTokenizer
 
@@ -215,15 +214,6 @@ BIG_ENDIAN_HALVES = {"Q8_0": (0,), "Q4_0": (0,)}
 _FLOAT_BYTES = {"F32": 4, "F16": 2, "BF16": 2, "F64": 8}
 
 
-def _not_regular(mode: int) -> Optional[str]:
-    """What a path that is not a regular file is ('a named pipe', ...), else None."""
-    for test, words in ((stat.S_ISFIFO, "a named pipe"), (stat.S_ISCHR, "a character device"),
-                        (stat.S_ISBLK, "a block device"), (stat.S_ISSOCK, "a socket")):
-        if test(mode):
-            return words
-    return None if stat.S_ISREG(mode) else "not a regular file"
-
-
 class GGUFFile:
     """One GGUF file's metadata and tensors (the reader's memory map; nothing read yet).
     Refused in one line: anything but a local regular file in GGUF versions 2 or 3, a
@@ -241,7 +231,7 @@ class GGUFFile:
                              "--hf_target / --hf_draft)")
         if not os.path.exists(self.path):
             raise UsageError(f"{self.path}: no such file")
-        what = _not_regular(os.stat(self.path).st_mode)
+        what = hf_files.special_file(os.stat(self.path).st_mode)
         if what is not None:  # opening a pipe waits for a writer; a device never ends
             raise UsageError(f"{self.path}: is {what}, not a GGUF file (GGUF files are memory-mapped from disk)")
         with open(self.path, "rb") as f:
@@ -367,7 +357,10 @@ def _open(path: str, size: int, mtime: int) -> GGUFFile:
 def open_file(path) -> GGUFFile:
     """The file, parsed once per process (config, tokenizer and weights read the same
     metadata, and a large vocabulary takes seconds to parse)."""
-    text = os.path.abspath(os.path.expanduser(os.fspath(path))) if "://" not in os.fspath(path) else os.fspath(path)
+    given = os.fspath(path)
+    if "://" in given or not given.strip():
+        return GGUFFile(given)  # says what is wrong
+    text = os.path.abspath(os.path.expanduser(given))
     try:
         st = os.stat(text)
     except OSError:
@@ -379,7 +372,7 @@ def open_file(path) -> GGUFFile:
 
 
 PER_LAYER = INT.layered()  # keys llama.cpp reads as one value or one per layer
-_BLOCK = re.compile(r"blk\.(\d+)\.")
+_BLOCK = re.compile(r"blk\.([0-9]+)\.")
 
 
 def _llama3_scaling(f: GGUFFile, theta: float, head_dim: int, context: int) -> dict:

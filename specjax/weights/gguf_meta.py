@@ -117,7 +117,7 @@ class Metadata:
         field = self.fields.get(key)
         stored = f" ({type_words(field.types)})" if field is not None else ""
         if field is not None and [int(t) for t in field.types] == [FLOAT32] and isinstance(value, float):
-            return UsageError(f"{self.where}: metadata {key}={np.float32(value)}{stored}: {rule}")  # as written
+            return UsageError(f"{self.where}: metadata {key}={str(np.float32(value))}{stored}: {rule}")  # as written
         return UsageError(f"{self.where}: metadata {key}={show(value)}{stored}: {rule}")
 
     def get(self, key: str, kind: Kind, default=_MISSING):

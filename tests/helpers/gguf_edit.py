@@ -138,3 +138,30 @@ def write_big_endian_as_is(src, dst) -> pathlib.Path:
 def value(path, key: str) -> Any:
     field = gguf.GGUFReader(path).fields.get(key)
     return None if field is None else field.contents()
+
+
+def named_pipe(path) -> pathlib.Path:
+    """A named pipe at `path`, with a writer that, for 2 minutes, feeds a GGUF-looking header to
+    whoever opens it for reading (so a reader that should not have opened it gets data
+    instead of waiting forever, and a test of it fails instead of hanging)."""
+    import os
+    import threading
+    import time
+    os.mkfifo(path)
+
+    def writer():
+        deadline = time.monotonic() + 120
+        while time.monotonic() < deadline:
+            try:  # succeeds only while someone has the pipe open for reading
+                fd = os.open(path, os.O_WRONLY | os.O_NONBLOCK)
+            except OSError:
+                time.sleep(0.02)
+                continue
+            try:
+                os.write(fd, b"GGUF" + b"\0" * 60)
+            except OSError:
+                pass
+            os.close(fd)
+
+    threading.Thread(target=writer, daemon=True).start()
+    return pathlib.Path(path)

@@ -18,6 +18,7 @@ import pytest
 
 from specjax.config import UsageError
 from specjax.weights import gguf, gguf_meta
+from clitools import python_limited
 from gguf_edit import V, fixture, rewrite
 
 NAN, INF = math.nan, math.inf
@@ -125,8 +126,6 @@ UNUSABLE = [
     ("bpe_F32", "llama.attention.head_count", (3, V.UINT32),
      "llama.attention.head_count=3 (uint32): must divide embedding_length=32"),
     ("bpe_F32", "llama.attention.head_count_kv", (0, V.UINT32), "head_count_kv=0 (uint32): must be at least 1"),
-    ("bpe_F32", "llama.block_count", (1_000_000_000, V.UINT32),
-     "llama.block_count=1000000000 (uint32): the tensor table holds 2 blocks (blk.0 .. blk.1)"),
     ("bpe_F32", "llama.block_count", (1, V.UINT32), "llama.block_count=1 (uint32): the tensor table holds 2 blocks"),
     ("bpe_F32", "llama.block_count", (-1, V.INT32), "llama.block_count=-1 (int32): the tensor table holds 2 blocks"),
 ]
@@ -159,3 +158,17 @@ def test_integers_of_any_width_and_integer_numbers_are_read(tmp_path):
     path = rewrite(fixture("bpe_F32"), tmp_path / "widths.gguf", fields=widths)
     a, b = gguf.read_config(path), gguf.read_config(fixture("bpe_F32"))
     assert (a.model, a.bos_id, a.eos_ids) == (b.model, b.bos_id, b.eos_ids)
+
+
+def test_a_huge_block_count_is_refused_before_anything_counts_layers(tmp_path):
+    """llama.block_count=1e9 once made 9e9 tensor names (a MemoryError after 26 s, or the
+    OOM killer): read in a child whose address space is capped at 4 GiB."""
+    path = rewrite(fixture("bpe_F32"), tmp_path / "huge.gguf", fields={"llama.block_count": (10**9, V.UINT32)})
+    proc = python_limited("from specjax.config import UsageError\n"
+                          "from specjax.weights import gguf\n"
+                          "try:\n"
+                          f"    gguf.check_weights({str(path)!r}, gguf.read_config({str(path)!r}).model)\n"
+                          "except UsageError as e:\n"
+                          "    print(e)\n")
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    assert "llama.block_count=1000000000 (uint32): the tensor table holds 2 blocks (blk.0 .. blk.1)" in proc.stdout
