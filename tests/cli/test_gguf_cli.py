@@ -54,7 +54,7 @@ def test_gguf_target_with_a_hf_draft_gives_transformers_greedy_tokens_in_both_mo
     out = {r["mode"]: r for r in records(tmp_path / "out.jsonl")}
     assert out["ars"]["prompt_tokens"] == prompt and prompt[0] == 301
     assert out["ars"]["tokens"] == out["sps"]["tokens"] == expected
-    assert "SpS speedup over ArS" in proc.stdout
+    assert "SpS speedup over ArS" in proc.stdout and "weights ready in " in proc.stdout
     assert "dequantized" not in proc.stderr  # F32: nothing to say
 
 

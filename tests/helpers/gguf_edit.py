@@ -165,3 +165,37 @@ def named_pipe(path) -> pathlib.Path:
 
     threading.Thread(target=writer, daemon=True).start()
     return pathlib.Path(path)
+
+
+def with_layers(src, dst, layers: int) -> pathlib.Path:
+    """A copy of `src` with `layers` layers: its blocks repeated in turn (blk.i is a copy of
+    blk.(i mod the file's count)), block_count set to match."""
+    reader = gguf.GGUFReader(src)
+    arch = reader.fields["general.architecture"].contents()
+    w = gguf.GGUFWriter(str(dst), arch)
+    for key, field in reader.fields.items():
+        if key.startswith("GGUF.") or key == "general.architecture" or key == f"{arch}.block_count":
+            continue
+        w.add_key_value(key, field.contents(), field.types[0], field.types[-1] if field.types[0] == V.ARRAY else None)
+    w.add_key_value(f"{arch}.block_count", layers, V.UINT32)
+    tensors = {t.name: t for t in reader.tensors}
+    have = reader.fields[f"{arch}.block_count"].contents()
+
+    def add(name, t):
+        data = np.array(t.data)
+        if t.tensor_type in (T.F32, T.F16):
+            w.add_tensor(name, data)
+        else:
+            w.add_tensor(name, data, raw_dtype=t.tensor_type)
+    for name, t in tensors.items():
+        if not name.startswith("blk."):
+            add(name, t)
+    for i in range(layers):
+        for name, t in tensors.items():
+            if name.startswith(f"blk.{i % have}."):
+                add(f"blk.{i}." + name.split(".", 2)[2], t)
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+    return pathlib.Path(dst)
