@@ -3,7 +3,9 @@ tokenizer its metadata describes.
 
 Read with the `gguf` package (the format's own reader, memory-mapped). The file holds the
 model's hyperparameters as `llama.*` metadata, the tokenizer as `tokenizer.ggml.*`
-metadata, and the tensors under llama.cpp's names, each in its GGML type:
+metadata (every key read with its type through `gguf_meta.Metadata`), and the tensors
+under llama.cpp's names, each in its GGML type (in a big-endian file, byte-swapped as
+read: `GGUFFile._little_endian`):
 
     token_embd.weight        [V, D]   -> embed            output_norm.weight -> final_norm.scale
     output.weight            [V, D]   -> unembed (absent: tied to token_embd)
