@@ -74,7 +74,8 @@ class Report:
                                width), file=self.out, flush=True)
 
     def summary_lines(self) -> list[str]:
-        lines = []
+        lines = [] if self.load_seconds is None else [
+            f"weights ready in {self.load_seconds:.1f} s (read or initialised, placed, quantized)"]
         for mode, t in self.totals.items():
             line = (f"{LABEL[mode]}: {t.rows} samples, {t.tokens} tokens, {t.ms_per_token:.2f} ms/token, "
                     f"{t.tokens / max(1, t.loops):.2f} tokens/loop")
@@ -94,8 +95,6 @@ class Report:
         if {"ars", "sps"} <= set(self.totals) and self.totals["sps"].steps:
             speedup = self.totals["ars"].ms_per_token / self.totals["sps"].ms_per_token
             lines.append(f"SpS speedup over ArS: {speedup:.2f}x (ms/token)")
-        if self.load_seconds is not None:
-            lines.append(f"weights ready in {self.load_seconds:.1f} s (read or initialised, placed, quantized)")
         return lines
 
     def print_summary(self, interrupted: str = "", output: Optional[str] = None) -> None:

@@ -654,7 +654,7 @@ def test_report_totals_skip_padding_rows_and_weigh_batches_by_time():
     assert speedup == "SpS speedup over ArS: 2.86x (ms/token)"
     timed = Report(["ars"], SamplingConfig(lookahead=4), None, out=io.StringIO(), load_seconds=4.25)
     timed.add_batch(0, 0, prompts, [(0, 0)], {"ars": result("ars", [10], [10], [0], 0.1)})
-    assert timed.summary_lines()[-1] == "weights ready in 4.2 s (read or initialised, placed, quantized)"
+    assert timed.summary_lines()[0] == "weights ready in 4.2 s (read or initialised, placed, quantized)"
 
 
 def test_side_by_side_keeps_indentation_and_wraps():
