@@ -20,7 +20,7 @@ class Report:
     """Collects per-batch results into JSONL records, prints samples and the summary."""
 
     def __init__(self, modes: Sequence[str], sampling: SamplingConfig, tokenizer, print_samples: bool = True,
-                 out=sys.stdout, load_seconds: float = 0.0):
+                 out=sys.stdout, load_seconds: Optional[float] = None):
         self.modes, self.sampling, self.tokenizer = list(modes), sampling, tokenizer
         self.print_samples, self.out, self.load_seconds = print_samples, out, load_seconds
         self.totals = {m: Totals() for m in self.modes}
@@ -86,7 +86,8 @@ class Report:
                                width), file=self.out, flush=True)
 
     def summary_lines(self) -> list[str]:
-        lines = []
+        lines = [] if self.load_seconds is None else [
+            f"weights ready in {self.load_seconds:.1f} s (read or initialised, placed, quantized)"]
         for mode, t in self.totals.items():
             line = (f"{LABEL[mode]}: {plural(t.rows, 'sample')}, {plural(t.tokens, 'token')}, "
                     f"{t.ms_per_token:.2f} ms/token, {t.tokens / max(1, t.loops):.2f} tokens/loop")
@@ -115,10 +116,9 @@ class Report:
         if not self.is_main:
             return
         s = self.sampling
-        loaded = f"; models loaded in {self.load_seconds:.1f} s" if self.load_seconds else ""
         print(f"\nsummary (temperature={s.temperature}, top_k={s.top_k}, top_p={s.top_p}, "
-              f"max_new_tokens={s.max_new_tokens}{loaded})" + (f", interrupted after {interrupted}" if interrupted
-                                                              else ""), file=self.out)
+              f"max_new_tokens={s.max_new_tokens})" + (f", interrupted after {interrupted}" if interrupted else ""),
+              file=self.out)
         for line in self.summary_lines():
             print(line, file=self.out)
         if output:

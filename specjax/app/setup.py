@@ -18,6 +18,8 @@ import dataclasses
 import time
 from typing import Optional, Sequence
 
+import jax
+
 from specjax import distributed, sharding
 from specjax.app import locate
 from specjax.app.locate import Sources, Weights
@@ -58,7 +60,7 @@ class Run:
     weights: Optional[Weights] = None
     stop_ids: tuple[int, ...] = ()
     datastore: object = None
-    load_seconds: float = 0.0
+    load_seconds: Optional[float] = None  # `load`'s: read or initialised, placed, quantized
     mesh: object = None
     target: object = None
     # What the drafters draw from: 'model' (the draft model), each self-draft's text, each
@@ -141,6 +143,7 @@ class Run:
                 self.drafts["model"] = draft
         for kind in self.heads:
             self.drafts[kind] = self.weights.heads(target, self.mesh, kind)
+        jax.block_until_ready((target.params, self.drafts))  # quantizing runs asynchronously: count it here
         self.load_seconds = time.perf_counter() - start
         return self
 

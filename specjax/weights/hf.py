@@ -48,6 +48,7 @@ import json
 import math
 import os
 import pathlib
+import re
 import shutil
 from typing import Any, Optional
 
@@ -85,6 +86,7 @@ PARAMS = {
     "ffw/w_in": ("model.layers.{i}.mlp.up_proj.weight", "transpose"),
     "ffw/w_out": ("model.layers.{i}.mlp.down_proj.weight", "transpose"),
 }
+_LAYER = re.compile(r"model\.layers\.([0-9]+)\.")
 # Saved by some older transformers versions though computed from the config: not a weight.
 IGNORED_SUFFIXES = (".rotary_emb.inv_freq",)
 
@@ -98,6 +100,8 @@ def as_path(directory) -> epath.Path:
 
 def model_dir(directory) -> epath.Path:
     """`directory` as a path, refused (one line) unless it is a directory."""
+    if not os.fspath(directory).strip():
+        raise UsageError(f"{os.fspath(directory)!r}: an empty path, not a Hugging Face model directory")
     path = as_path(directory)
     if path.exists() and not path.is_dir():
         raise UsageError(f"{path}: is a file, not a Hugging Face model directory (give the directory that holds "
@@ -384,6 +388,12 @@ class WeightFiles:
     def check(self, cfg: ModelConfig, directory) -> None:
         """Every tensor the model needs is there with its shape and a float dtype, and
         nothing is left over that the model would silently drop (biases, extra heads)."""
+        # Before anything counts layers: a wrong count must not make a billion tensor names.
+        layers = {int(m[1]) for n in self.where if (m := _LAYER.match(n))}
+        if cfg.num_layers != len(layers) or (layers and max(layers) != cfg.num_layers - 1):
+            raise UsageError(f"{as_path(directory) / 'config.json'}: num_hidden_layers={cfg.num_layers}: the "
+                             f"safetensors files hold {len(layers)} layers"
+                             + (f" (model.layers.{min(layers)} .. model.layers.{max(layers)})" if layers else ""))
         wanted = expected_tensors(cfg)
         missing = [n for n in wanted if n not in self.where]
         if missing:
