@@ -234,11 +234,12 @@ def test_export_folds_an_untied_embedding_scale_into_the_table(tiny, tmp_path):
 
 
 @pytest.mark.parametrize("change,needle", [
-    (dict(ffw="gelu"), "GELU MLP"),
+    (dict(ffw="gelu"), "LlamaForCausalLM: ffw='gelu'"),
     (dict(ffw="swiglu", pos_encoding="relative"), "no Transformer-XL relative position terms"),
     (dict(ffw="swiglu", tie_embeddings=True), "scaled by 5.65685"),  # sqrt(32): the tied default
+    (dict(ffw="swiglu", qkv_bias=True, qk_norm=True), "Qwen3ForCausalLM: qkv_bias=True"),
 ])
-def test_export_refuses_what_llama_cannot_express(tiny, change, needle, tmp_path):
+def test_export_refuses_what_no_family_can_express(tiny, change, needle, tmp_path):
     with pytest.raises(UsageError, match="cannot export") as err:
         hf.export(model.abstract_lm(dataclasses.replace(tiny.target, **change)), tmp_path)
     assert needle in str(err.value)

@@ -1,0 +1,108 @@
+"""Gemma 3, text only: `Gemma3ForCausalLM` (model_type `gemma3_text`), GGUF `gemma3`.
+
+Against Llama: four norms per layer (`post_attention_layernorm` is the norm on the
+attention's OUTPUT here, `pre_feedforward_layernorm` the one before the MLP), every norm
+(the q/k norms too) multiplying by 1 + w in float32 before the cast; GeGLU with the tanh
+GELU (`gelu_pytorch_tanh`); input embeddings times sqrt(hidden_size); attention logits
+scaled by query_pre_attn_scalar**-0.5; sliding-window layers (five to one global in the
+releases: `layer_types`, or every `sliding_window_pattern`-th layer global) rotating with
+their own base (`rope_local_base_freq`, or `rope_parameters.sliding_attention`), the
+global ones with `rope_theta` and its scaling (linear in the 4B-27B releases); a tied
+262k vocabulary. llama.cpp's converter stores q and k unpermuted and every norm weight as
+1 + w (so a GGUF model reads its norms with norm_offset 0).
+
+Refused: logit softcapping (Gemma 2's; null in Gemma 3's releases), bidirectional
+attention (EmbeddingGemma), attention biases, and the multimodal
+`Gemma3ForConditionalGeneration` (`weights/arch/__init__.py`).
+"""
+from __future__ import annotations
+
+import math
+
+from specjax.config import ModelConfig, UsageError
+from specjax.weights.arch import common
+from specjax.weights.arch.common import Tensor
+from specjax.weights.hf_files import BOOL, INT, NUMBER, OBJECT, Fields
+
+HF_ARCHITECTURES = ("Gemma3ForCausalLM",)
+MODEL_TYPES = ("gemma3_text",)
+GGUF_ARCHITECTURE = "gemma3"
+GGUF_PERMUTED_QK = False
+_LAYER = "model.layers.{i}."
+TENSORS = {
+    **common.LLAMA,
+    "attn_post_norm/scale": Tensor(_LAYER + "post_attention_layernorm.weight", "blk.{i}.post_attention_norm.weight",
+                                   "same"),
+    "ffw_norm/scale": Tensor(_LAYER + "pre_feedforward_layernorm.weight", "blk.{i}.ffn_norm.weight", "same"),
+    "ffw_post_norm/scale": Tensor(_LAYER + "post_feedforward_layernorm.weight", "blk.{i}.post_ffw_norm.weight",
+                                  "same"),
+}
+REFUSED = {"final_logit_softcapping": "a final logit softcap", "attn_logit_softcapping": "an attention logit softcap"}
+
+
+def _rope(f: Fields, max_len: int) -> dict:
+    """Global and local rotary settings from either layout: transformers 5's
+    rope_parameters {full_attention: {...}, sliding_attention: {...}}, or top-level
+    rope_theta (1e6), rope_scaling (the global layers') and rope_local_base_freq (1e4)."""
+    params = f.section("rope_parameters")
+    if "full_attention" in params or "sliding_attention" in params:
+        full, local = params.section("full_attention"), params.section("sliding_attention")
+        theta, local_theta = 1e6, 1e4
+    else:
+        full = f.section("rope_scaling") if f.get("rope_scaling", OBJECT.or_null(), None) else params
+        local = Fields({}, f.where)
+        theta, local_theta = f.get("rope_theta", NUMBER, 1e6), f.get("rope_local_base_freq", NUMBER, 1e4)
+    out = common.rope_section(f, full, theta=theta, max_len=max_len)
+    sliding = common.rope_section(f, local, theta=local_theta, max_len=max_len, where="sliding layers' ")
+    if set(sliding) != {"rope_theta"}:
+        raise UsageError(f"{f.where}: the sliding layers' rotary scaling {sliding}: only plain rotary is supported "
+                         "there")
+    return dict(out, local_rope_theta=sliding["rope_theta"])
+
+
+def from_hf(f: Fields) -> dict:
+    for key, what in REFUSED.items():
+        if f.get(key, NUMBER.or_null(), None) is not None:
+            raise UsageError(f"{f.where}: {key}={f.raw[key]}: {what} is not supported")
+    for key in ("use_bidirectional_attention", "attention_bias"):
+        if f.get(key, BOOL.or_null(), False):
+            raise UsageError(f"{f.where}: {key}=true: not supported (Gemma 3's causal language models have neither)")
+    out = common.fields(f, max_len=131072, kv_heads=4, head_dim=256, tied=True)
+    L = out["num_layers"]
+    every = f.get("sliding_window_pattern", INT, 6)
+    default = ["sliding_attention" if (i + 1) % every else "full_attention" for i in range(L)]
+    window = f.get("sliding_window", INT.or_null(), 4096)
+    return dict(out, **common.activation(f, "hidden_activation", "gelu_pytorch_tanh", "gelu_pytorch_tanh", "geglu"),
+                **_rope(f, out["max_seq_len"]), **common.attention_pattern(f, default, window, L), qk_norm=True,
+                post_norms=True, norm_offset=1.0, norm_weight_after_cast=False,
+                query_scale=f.get("query_pre_attn_scalar", NUMBER, 256.0) ** -0.5,
+                embed_scale=math.sqrt(out["d_model"]))
+
+
+def unlike(cfg: ModelConfig) -> list[str]:
+    return common.differences(
+        cfg, ffw="geglu", pos_encoding="rope", qkv_bias=False, qk_norm=True, post_norms=True,
+        norm_offset=lambda v: v in (0.0, 1.0), norm_weight_after_cast=False,
+        embed_scale=lambda v: not cfg.tie_embeddings or math.isclose(cfg.input_embedding_scale,
+                                                                     math.sqrt(cfg.d_model), rel_tol=1e-6),
+        local_rope_theta=lambda v: v or cfg.rope_scaling == "none")
+
+
+def hf_embed_scale(cfg: ModelConfig) -> float:
+    return math.sqrt(cfg.d_model)
+
+
+def to_hf(cfg: ModelConfig) -> dict:
+    scalar = cfg.head_dim if cfg.query_scale is None else cfg.query_scale ** -2
+    return {"architectures": ["Gemma3ForCausalLM"], "model_type": "gemma3_text", **common.hf_sizes(cfg),
+            "hidden_activation": "gelu_pytorch_tanh", "rope_local_base_freq": cfg.local_rope_theta or cfg.rope_theta,
+            "query_pre_attn_scalar": int(scalar) if float(scalar).is_integer() else scalar,
+            "sliding_window": cfg.sliding_window or cfg.max_seq_len, "layer_types": common.hf_layer_types(cfg),
+            "final_logit_softcapping": None, "attn_logit_softcapping": None, "attention_bias": False,
+            "use_bidirectional_attention": False}
+
+
+def to_hf_value(cfg: ModelConfig, key: str, x):
+    """A param as transformers' Gemma holds it: a norm weight w of a model whose offset is 0
+    (read from a GGUF file, which stores 1 + w) as w - 1."""
+    return x - 1.0 if key.endswith("norm/scale") and cfg.norm_offset == 0.0 else x
