@@ -129,3 +129,60 @@ def test_old_config_layout_of_gemma_reads_the_same_model(tmp_path):
     assert hf.read_config(tmp_path).model == hf.read_config(FIXTURES / "gemma3").model
     layers = edited(tmp_path / "b", "gemma3", {"layer_types": None, "sliding_window_pattern": 3})
     assert hf.read_config(layers).model.attention_pattern == "LLG"
+
+
+# ------------------------------------------------------------------ transformers loads an export (slow)
+
+TINY = dict(vocab_size=64, d_model=32, num_layers=6, num_heads=4, num_kv_heads=2, head_dim=8, d_ff=48,
+            max_seq_len=64, pos_encoding="rope", norm_eps=1e-6)
+GEMMA = dict(ffw="geglu", qk_norm=True, post_norms=True, norm_offset=1.0, norm_weight_after_cast=False,
+             attention_pattern="LLLLLG", sliding_window=5, local_rope_theta=10000.0, rope_theta=1e6,
+             rope_scaling="linear", rope_scaling_factor=4.0, query_scale=24 ** -0.5, tie_embeddings=True,
+             embed_scale=math.sqrt(32))
+EXPORTS = {
+    "Qwen2ForCausalLM": dict(ffw="swiglu", qkv_bias=True, tie_embeddings=True, embed_scale=1.0,
+                             norm_weight_after_cast=True, rope_theta=1e6),
+    "Qwen3ForCausalLM": dict(ffw="swiglu", qk_norm=True, embed_scale=1.0, norm_weight_after_cast=True),
+    "Gemma3ForCausalLM": GEMMA,
+    # a Gemma read from GGUF: its norms hold 1 + w (norm_offset 0); the export writes w
+    "Gemma3ForCausalLM-offset0": dict(GEMMA, norm_offset=0.0),
+    "MistralForCausalLM": dict(ffw="swiglu", attention_pattern="L", sliding_window=5, embed_scale=1.0,
+                               norm_weight_after_cast=True),
+}
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("architecture", list(EXPORTS))
+def test_transformers_loads_each_familys_export_to_the_same_logits(architecture, tmp_path):
+    """A random model with a family's switches (every param random, norms included)
+    exported, then loaded by transformers in a Python that has torch: the class its
+    config.json names, the same logits over 20 tokens (past every window)."""
+    import importlib.util
+    import os
+    import subprocess
+    import sys
+    from specjax.config import ModelConfig
+    from models import random_lm
+    here = all(importlib.util.find_spec(m) for m in ("torch", "transformers"))
+    python = os.environ.get("SPECJAX_TORCH_PYTHON") or (sys.executable if here else None)
+    if not python:
+        pytest.skip("no torch and transformers in this Python: set SPECJAX_TORCH_PYTHON to a Python that has "
+                    "them to run this check")
+    cfg = ModelConfig(**TINY, **EXPORTS[architecture]).validate()
+    lm = random_lm(cfg, mesh_for("1x1"), seed=4)
+    hf.export(lm, tmp_path / "out", bos_id=0, eos_ids=(1,))
+    ids = np.array([[0, 3, 17, 5, 9, 30, 2, 11, 4, 27, 6, 12, 19, 25, 8, 31, 22, 14, 1, 7]])
+    code = ("import json, sys, numpy as np, torch, transformers\n"
+            "m = transformers.AutoModelForCausalLM.from_pretrained(sys.argv[1], dtype=torch.float32).eval()\n"
+            "print(type(m).__name__)\n"
+            "with torch.no_grad():\n"
+            "    print(json.dumps(m(torch.tensor(json.loads(sys.argv[2]))).logits.numpy().tolist()))\n")
+    proc = subprocess.run([python, "-c", code, str(tmp_path / "out"), json.dumps(ids.tolist())], capture_output=True,
+                          text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    name, logits = proc.stdout.strip().splitlines()[-2:]
+    assert name == architecture.split("-")[0]
+    theirs = np.array(json.loads(logits), np.float32)
+    np.testing.assert_allclose(logits_of(lm, ids), theirs, rtol=0, atol=1e-4)
+    again, _ = hf.load(tmp_path / "out", mesh_for("1x1"))  # and specjax reads it back to the same model
+    np.testing.assert_allclose(logits_of(again, ids), logits_of(lm, ids), rtol=0, atol=1e-5)
