@@ -118,8 +118,13 @@ def attention_pattern(f: Fields, layer_types: Optional[list[str]], window: Optio
         return {}
     if not window:
         raise UsageError(f"{f.where}: sliding layers but sliding_window={window}")
-    period = next(p for p in range(1, layers + 1) if all(letters[i] == letters[i % p] for i in range(layers)))
-    return dict(attention_pattern=letters[:period], sliding_window=window)
+    return dict(attention_pattern=shortest(letters), sliding_window=window)
+
+
+def shortest(letters: str) -> str:
+    """The shortest pattern that, repeated, spells every layer's letter."""
+    n = len(letters)
+    return letters[:next(p for p in range(1, n + 1) if all(letters[i] == letters[i % p] for i in range(n)))]
 
 
 def hf_layer_types(cfg: ModelConfig) -> list[str]:

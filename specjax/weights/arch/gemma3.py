@@ -79,6 +79,41 @@ def from_hf(f: Fields) -> dict:
                 embed_scale=math.sqrt(out["d_model"]))
 
 
+def from_gguf(m, f) -> dict:
+    """What llama.cpp reads from a `gemma3` file (llama-model's gemma3 loader): the window
+    (`attention.sliding_window`; none: every layer global), its pattern
+    (`attention.sliding_window_pattern`: an int n, layer i sliding unless i % n == n - 1,
+    default 6; or one bool per layer), the sliding layers' base (`rope.freq_base_swa`,
+    default 1e4, unscaled); the query scale head_dim**-0.5, or (hidden / heads)**-0.5 for
+    the 62-layer 27B (query_pre_attn_scalar, which the file does not hold); the norms as
+    stored (1 + w: norm_offset 0); embeddings times sqrt(hidden)."""
+    from specjax.weights.gguf_meta import INT, NUMBER, Kind
+    cap = m.get("{arch}.final_logit_softcapping", NUMBER, 0.0)
+    if cap:
+        raise m.refuse("{arch}.final_logit_softcapping", cap, "a final logit softcap is not supported")
+    d_model, layers = m.get("{arch}.embedding_length", INT), m.get("{arch}.block_count", INT)
+    heads = m.get("{arch}.attention.head_count", INT.layered())
+    head_dim = m.get("{arch}.attention.key_length", INT, d_model // heads)
+    out = dict(ffw="geglu", qk_norm=True, post_norms=True, norm_offset=0.0, norm_weight_after_cast=False,
+               embed_scale=math.sqrt(d_model), query_scale=(d_model // heads if layers == 62 else head_dim) ** -0.5)
+    window = m.get("{arch}.attention.sliding_window", INT, 0)
+    if window:
+        key = "{arch}.attention.sliding_window_pattern"
+        flags = m.get(key, Kind("one bool per layer", items=frozenset({7})), None) if key in m and \
+            isinstance(m.fields[m.name(key)].contents(), list) else None
+        if flags is not None:
+            if len(flags) != layers:
+                raise m.refuse(key, flags, f"must hold one bool per layer ({layers})")
+            letters = "".join("L" if x else "G" for x in flags)
+        else:
+            every = m.get(key, INT, 6)
+            letters = "".join("L" if every == 0 or i % every < every - 1 else "G" for i in range(layers))
+        if "L" in letters:
+            out.update(attention_pattern=common.shortest(letters), sliding_window=window,
+                       local_rope_theta=m.get("{arch}.rope.freq_base_swa", NUMBER, 10000.0))
+    return out
+
+
 def unlike(cfg: ModelConfig) -> list[str]:
     return common.differences(
         cfg, ffw="geglu", pos_encoding="rope", qkv_bias=False, qk_norm=True, post_norms=True,

@@ -30,6 +30,17 @@ def from_hf(f: Fields) -> dict:
                 **common.rope(f, out["max_seq_len"]), embed_scale=1.0, norm_weight_after_cast=True)
 
 
+def from_gguf(m, f) -> dict:
+    """The fields a `llama` file's metadata sets beyond the ones every family shares
+    (`gguf.read_config`): no window (llama.cpp's Llama has none)."""
+    from specjax.weights.gguf_meta import INT
+    window = m.get("{arch}.attention.sliding_window", INT, 0)
+    if window:
+        raise m.refuse("{arch}.attention.sliding_window", window, "sliding-window attention is not read for this "
+                       "architecture")
+    return dict(ffw="swiglu", embed_scale=1.0, norm_weight_after_cast=True)
+
+
 def unlike(cfg: ModelConfig) -> list[str]:
     """What Llama cannot express in `cfg` (an untied model's input scale is folded into its table)."""
     out = common.differences(cfg, ffw="swiglu", pos_encoding="rope", qkv_bias=False, qk_norm=False, post_norms=False,

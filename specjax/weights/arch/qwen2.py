@@ -33,6 +33,10 @@ def from_hf(f: Fields) -> dict:
                 embed_scale=1.0, norm_weight_after_cast=True)
 
 
+def from_gguf(m, f) -> dict:
+    return dict(llama.from_gguf(m, f), qkv_bias=True)
+
+
 def unlike(cfg: ModelConfig) -> list[str]:
     return [d for d in llama.unlike(cfg) if not d.startswith(("qkv_bias=", "attention_pattern="))] + \
         common.differences(cfg, qkv_bias=True, attention_pattern=lambda v: v in ("", "G"))

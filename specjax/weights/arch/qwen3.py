@@ -28,6 +28,10 @@ def from_hf(f: Fields) -> dict:
                 embed_scale=1.0, norm_weight_after_cast=True)
 
 
+def from_gguf(m, f) -> dict:
+    return dict(llama.from_gguf(m, f), qk_norm=True)
+
+
 def unlike(cfg: ModelConfig) -> list[str]:
     return [d for d in llama.unlike(cfg) if not d.startswith(("qk_norm=", "attention_pattern="))] + \
         common.differences(cfg, qk_norm=True, attention_pattern=lambda v: v in ("", "G"))
