@@ -114,6 +114,31 @@ def from_gguf(m, f) -> dict:
     return out
 
 
+def gguf_tokenizer(tokens: list[str], bpe):
+    """The `tokenizers` pipeline of a `gemma3` file's SentencePiece vocabulary, built as
+    transformers' GGUF loader builds it (and as the directory's tokenizer.json runs):
+    runs of spaces stored as spaces are spelled with U+2581 as Gemma's BPE looks them up;
+    the file holds no merges, so they are the vocabulary's splits ordered by the tokens'
+    places in the file (Gemma's scores do not follow its merge order); spaces become U+2581
+    before the BPE, no prefix space, byte fallback. `bpe(vocab, merges, **options)` makes
+    the model (`gguf`'s, which refuses a bad vocabulary in one line)."""
+    from tokenizers import decoders, normalizers, pre_tokenizers
+    spelled = ["\u2581" * len(t) if " " in t and not t.strip() else t for t in tokens]
+    vocab = {t: i for i, t in enumerate(spelled)}
+    place = {t: -i for i, t in enumerate(spelled)}
+    merges = []
+    for piece, score in place.items():
+        local = [(piece[:k], piece[k:], score) for k in range(1, len(piece))
+                 if piece[:k] in vocab and piece[k:] in vocab]
+        merges.extend(sorted(local, key=lambda m: (vocab[m[0]], vocab[m[1]])))
+    merges.sort(key=lambda m: (m[2], len(m[0]), len(m[1])), reverse=True)
+    tok = bpe(vocab, [(a, b) for a, b, _ in merges], fuse_unk=True, unk_token="<unk>", byte_fallback=True)
+    tok.normalizer = normalizers.Replace(" ", "\u2581")
+    tok.pre_tokenizer = pre_tokenizers.Split(" ", behavior="merged_with_previous")
+    tok.decoder = decoders.Sequence([decoders.Replace("\u2581", " "), decoders.ByteFallback(), decoders.Fuse()])
+    return tok
+
+
 def unlike(cfg: ModelConfig) -> list[str]:
     return common.differences(
         cfg, ffw="geglu", pos_encoding="rope", qkv_bias=False, qk_norm=True, post_norms=True,
