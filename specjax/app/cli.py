@@ -278,7 +278,7 @@ def parse_mesh(value: Optional[str], default: MeshConfig) -> MeshConfig:
     """--mesh=DATAxMODEL, e.g. 1x8 or 2x4 (None: `default`)."""
     if value is None:
         return default
-    match = re.fullmatch(r"\s*(\d+)\s*x\s*(\d+)\s*", value)
+    match = re.fullmatch(r"\s*([0-9]+)\s*x\s*([0-9]+)\s*", value)  # not \d: it matches every script's digits
     if not match or int(match[1]) < 1 or int(match[2]) < 1:
         raise UsageError(f"--mesh={value!r}: expected DATAxMODEL with positive integers, e.g. 1x8 or 2x4")
     return MeshConfig(int(match[1]), int(match[2])).validate()

@@ -20,9 +20,9 @@ class Report:
     """Collects per-batch results into JSONL records, prints samples and the summary."""
 
     def __init__(self, modes: Sequence[str], sampling: SamplingConfig, tokenizer, print_samples: bool = True,
-                 out=sys.stdout):
+                 out=sys.stdout, load_seconds: Optional[float] = None):
         self.modes, self.sampling, self.tokenizer = list(modes), sampling, tokenizer
-        self.print_samples, self.out = print_samples, out
+        self.print_samples, self.out, self.load_seconds = print_samples, out, load_seconds
         self.totals = {m: Totals() for m in self.modes}
         self.done_batches = 0
         import jax
@@ -94,6 +94,8 @@ class Report:
         if {"ars", "sps"} <= set(self.totals) and self.totals["sps"].steps:
             speedup = self.totals["ars"].ms_per_token / self.totals["sps"].ms_per_token
             lines.append(f"SpS speedup over ArS: {speedup:.2f}x (ms/token)")
+        if self.load_seconds is not None:
+            lines.append(f"weights ready in {self.load_seconds:.1f} s (read or initialised, placed, quantized)")
         return lines
 
     def print_summary(self, interrupted: str = "", output: Optional[str] = None) -> None:

@@ -5,7 +5,10 @@ from __future__ import annotations
 
 import dataclasses
 import itertools
+import time
 from typing import Optional, Sequence
+
+import jax
 
 from specjax import distributed, sharding
 from specjax.app import cli, locate, prompts as prompts_lib
@@ -135,10 +138,13 @@ def run(req: Request) -> None:
                                  need_heads=heads)
     inputs = distributed.agreed(lambda: read_inputs(req, raw_prompts, weights))
     mesh = sharding.make_checked_mesh(req.mesh, models(req))  # first device work: all input is valid by now
+    started = time.perf_counter()
     target, draft = weights.load(mesh, need_draft=need_draft(req), quantize=req.quantize)
+    jax.block_until_ready(target.params)  # quantizing runs asynchronously: count it here
+    load_seconds = time.perf_counter() - started
     by_mode = {"sps": inputs.sampling, "ars": dataclasses.replace(inputs.sampling, drafter="model")}  # ArS: target alone
     report = Report(req.modes, inputs.sampling, weights.tokenizer() if distributed.is_main() else None,
-                    print_samples=req.print_samples)
+                    print_samples=req.print_samples, load_seconds=load_seconds)
     row_ids = [(i, s) for i in range(len(inputs.prompts)) for s in range(req.num_samples)]
     with JsonlWriter(req.output) as writer:
         try:

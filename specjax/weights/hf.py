@@ -34,6 +34,7 @@ import json
 import math
 import os
 import pathlib
+import re
 import shutil
 from typing import Any, Optional
 
@@ -56,6 +57,7 @@ TOKENIZER_FILES = ("tokenizer.json", "tokenizer.model", "tokenizer_config.json",
 MAX_SHARD_BYTES = 5 << 30
 # Llama's table as (HF name, layout), for the GGUF reader until it reads the families' tables.
 PARAMS = {key: (t.hf, t.layout) for key, t in LLAMA.items()}
+_LAYER = re.compile(r"model\.layers\.([0-9]+)\.")
 # Saved by some older transformers versions though computed from the config: not a weight.
 IGNORED_SUFFIXES = (".rotary_emb.inv_freq",)
 
@@ -69,6 +71,8 @@ def as_path(directory) -> epath.Path:
 
 def model_dir(directory) -> epath.Path:
     """`directory` as a path, refused (one line) unless it is a directory."""
+    if not os.fspath(directory).strip():
+        raise UsageError(f"{os.fspath(directory)!r}: an empty path, not a Hugging Face model directory")
     path = as_path(directory)
     if path.exists() and not path.is_dir():
         raise UsageError(f"{path}: is a file, not a Hugging Face model directory (give the directory that holds "
@@ -290,6 +294,12 @@ class WeightFiles:
         """Every tensor the model needs (named by its family's `tensors`) is there with its
         shape and a float dtype, and nothing is left over that the model would silently
         drop (biases it lacks, extra heads)."""
+        # Before anything counts layers: a wrong count must not make a billion tensor names.
+        layers = {int(m[1]) for n in self.where if (m := _LAYER.match(n))}
+        if cfg.num_layers != len(layers) or (layers and max(layers) != cfg.num_layers - 1):
+            raise UsageError(f"{as_path(directory) / 'config.json'}: num_hidden_layers={cfg.num_layers}: the "
+                             f"safetensors files hold {len(layers)} layers"
+                             + (f" (model.layers.{min(layers)} .. model.layers.{max(layers)})" if layers else ""))
         wanted = expected_tensors(cfg, tensors)
         missing = [n for n in wanted if n not in self.where]
         if missing:

@@ -75,7 +75,7 @@ def parse(text: str, name: str = "--self_draft") -> Spec:
                 raise UsageError(f"{name}={text!r}: a quantized form given twice; expected {FORMS}")
             quantize = form
             continue
-        match = re.fullmatch(r"layers:(\d+)", form)
+        match = re.fullmatch(r"layers:([0-9]+)", form)  # not \d: it matches every script's digits
         if match is None or layers is not None:
             why = "layers given twice" if match is not None else f"unknown form {form!r}"
             raise UsageError(f"{name}={text!r}: {why}; expected {FORMS}")

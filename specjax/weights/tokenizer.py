@@ -260,6 +260,7 @@ class HFTokenizer:
         if (directory / "tokenizer.json").exists():
             import tokenizers
             self.path = directory / "tokenizer.json"
+            hf_files.check_regular(self.path)
             try:
                 self._impl = tokenizers.Tokenizer.from_str(self.path.read_text(encoding="utf-8"))
             except Exception as e:  # noqa: BLE001 (any parse failure is a bad file)
@@ -370,6 +371,8 @@ class _SentencePieceAsTransformers:
     def __init__(self, path, config):
         from specjax.weights.hf_files import BOOL
         from sentencepiece import sentencepiece_model_pb2
+        from specjax.weights import hf_files
+        hf_files.check_regular(path)
         try:
             proto = sentencepiece_model_pb2.ModelProto.FromString(path.read_bytes())
             proto.normalizer_spec.add_dummy_prefix = False

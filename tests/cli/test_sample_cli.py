@@ -415,6 +415,9 @@ BAD_INPUTS = [
      ["--self_draft='layers:2'", "N in 1..1", "the target has 2 layers"]),
     ("self_draft N = 0", ["--self_draft=layers:0"], {}, ["--self_draft='layers:0'", "N in 1..1"]),
     ("self_draft unknown form", ["--self_draft=half"], {}, ["--self_draft='half'", "unknown form", "layers:N"]),
+    ("self_draft with a non-ASCII digit", ["--self_draft=layers:\u0661"], {},
+     ["--self_draft='layers:\u0661'", "unknown form"]),
+    ("mesh with full-width digits", ["--mesh=\uff11x1"], {}, ["--mesh='\uff11x1'", "expected DATAxMODEL"]),
     ("self_draft int8 of an int8 target", ["--self_draft=int8", "--quantize=int8"], {},
      ["--self_draft='int8' with --quantize=int8", "is int8 already"]),
     ("self_draft int4 of an int4 target", ["--self_draft=int4+layers:1", "--quantize=int4"], {},
@@ -649,6 +652,9 @@ def test_report_totals_skip_padding_rows_and_weigh_batches_by_time():
     assert sps.startswith("SpS: 2 samples, 40 tokens, 3.50 ms/token, 2.86 tokens/loop, acceptance rate 0.429 (K=4, "
                           "model drafter, block verification);")
     assert speedup == "SpS speedup over ArS: 2.86x (ms/token)"
+    timed = Report(["ars"], SamplingConfig(lookahead=4), None, out=io.StringIO(), load_seconds=4.25)
+    timed.add_batch(0, 0, prompts, [(0, 0)], {"ars": result("ars", [10], [10], [0], 0.1)})
+    assert timed.summary_lines()[-1] == "weights ready in 4.2 s (read or initialised, placed, quantized)"
 
 
 def test_side_by_side_keeps_indentation_and_wraps():

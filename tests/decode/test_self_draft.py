@@ -118,6 +118,7 @@ def test_greedy_sps_with_a_self_draft_equals_greedy_ars(target, name, overrides)
     ("int4+layers:3", "N in 1..2"), ("layers:1+layers:2", "layers given twice"),
     ("int8+layers:3", "N in 1..2"),
     ("layers:1,layers:2", "one self-draft here"), ("first:2", "unknown form"),
+    ("layers:\u0661", "unknown form"), ("layers:\uff11", "unknown form"),  # an Arabic-Indic, a full-width 1
 ])
 def test_bad_self_drafts_are_refused_in_one_line(tiny, text, needle):
     with pytest.raises(UsageError, match=needle) as e:  # `specjax.self_draft` checks the same way first
