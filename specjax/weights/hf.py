@@ -55,8 +55,6 @@ from specjax.weights.tokenizer import HFTokenizer, TokenizerError, load_hf_token
 DTYPES = ("float32", "bfloat16", "float16")
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer.model", "tokenizer_config.json", "special_tokens_map.json")
 MAX_SHARD_BYTES = 5 << 30
-# Llama's table as (HF name, layout), for the GGUF reader until it reads the families' tables.
-PARAMS = {key: (t.hf, t.layout) for key, t in LLAMA.items()}
 _LAYER = re.compile(r"model\.layers\.([0-9]+)\.")
 # Saved by some older transformers versions though computed from the config: not a weight.
 IGNORED_SUFFIXES = (".rotary_emb.inv_freq",)
@@ -131,8 +129,7 @@ def read_config(directory, *, param_dtype: Optional[str] = None, compute_dtype: 
     f = hf_files.read_json(directory / "config.json", "config.json describes the model")
     cfg, architecture = model_config(f, param_dtype=param_dtype, compute_dtype=compute_dtype, scan_layers=scan_layers)
     bos, eos = hf_files.generation_ids(directory, cfg.vocab_size, fallback=f)
-    family = arch.for_hf(f)[0].__name__.rsplit(".", 1)[-1]
-    return HFModel(str(directory), cfg, architecture, _stored_dtype(f), bos, eos or (), family)
+    return HFModel(str(directory), cfg, architecture, _stored_dtype(f), bos, eos or (), arch.name(arch.for_hf(f)[0]))
 
 
 def tokenizer(directory) -> Optional[HFTokenizer]:

@@ -61,9 +61,16 @@ def for_hf(f: Fields) -> tuple[ModuleType, str]:
     return family, arch
 
 
-def for_gguf(arch: Optional[str], where: str) -> ModuleType:
+def name(family: ModuleType) -> str:
+    """The family's module name ('qwen2'): `HFModel.family`."""
+    return family.__name__.rsplit(".", 1)[-1]
+
+
+def for_gguf(arch: Optional[str], where: str, required: bool = True) -> Optional[ModuleType]:
+    """The family whose GGUF files say `general.architecture` `arch` (None, or a UsageError
+    where `required`, when none does)."""
     family = next((m for m in FAMILIES if m.GGUF_ARCHITECTURE and m.GGUF_ARCHITECTURE == arch), None)
-    if family is None:
+    if family is None and required:
         supported = ", ".join(m.GGUF_ARCHITECTURE for m in FAMILIES if m.GGUF_ARCHITECTURE)
         raise UsageError(f"{where}: architecture {arch!r} is not supported; supported: {supported}")
     return family
