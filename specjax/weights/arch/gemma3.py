@@ -87,7 +87,7 @@ def from_gguf(m, f) -> dict:
     default 1e4, unscaled); the query scale head_dim**-0.5, or (hidden / heads)**-0.5 for
     the 62-layer 27B (query_pre_attn_scalar, which the file does not hold); the norms as
     stored (1 + w: norm_offset 0); embeddings times sqrt(hidden)."""
-    from specjax.weights.gguf_meta import INT, NUMBER, Kind
+    from specjax.weights.gguf_meta import BOOL_TYPE, INT, INTEGER_TYPES, NUMBER, Kind
     cap = m.get("{arch}.final_logit_softcapping", NUMBER, 0.0)
     if cap:
         raise m.refuse("{arch}.final_logit_softcapping", cap, "a final logit softcap is not supported")
@@ -99,15 +99,14 @@ def from_gguf(m, f) -> dict:
     window = m.get("{arch}.attention.sliding_window", INT, 0)
     if window:
         key = "{arch}.attention.sliding_window_pattern"
-        flags = m.get(key, Kind("one bool per layer", items=frozenset({7})), None) if key in m and \
-            isinstance(m.fields[m.name(key)].contents(), list) else None
-        if flags is not None:
-            if len(flags) != layers:
-                raise m.refuse(key, flags, f"must hold one bool per layer ({layers})")
-            letters = "".join("L" if x else "G" for x in flags)
+        pattern = m.get(key, Kind("an integer, or one bool per layer", scalar=INTEGER_TYPES,
+                                  items=frozenset({BOOL_TYPE})), 6)
+        if isinstance(pattern, list):
+            if len(pattern) != layers:
+                raise m.refuse(key, pattern, f"must hold one bool per layer ({layers})")
+            letters = "".join("L" if x else "G" for x in pattern)
         else:
-            every = m.get(key, INT, 6)
-            letters = "".join("L" if every == 0 or i % every < every - 1 else "G" for i in range(layers))
+            letters = "".join("L" if pattern == 0 or i % pattern < pattern - 1 else "G" for i in range(layers))
         if "L" in letters:
             out.update(attention_pattern=common.shortest(letters), sliding_window=window,
                        local_rope_theta=m.get("{arch}.rope.freq_base_swa", NUMBER, 10000.0))
