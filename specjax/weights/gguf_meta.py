@@ -99,6 +99,12 @@ class Metadata:
 
     def __init__(self, fields: Mapping[str, Any], where: str):
         self.fields, self.where = fields, where
+        self._contents: dict[str, Any] = {}  # a 49k-token vocabulary takes a while to decode: once
+
+    def _value(self, key: str):
+        if key not in self._contents:
+            self._contents[key] = self.fields[key].contents()
+        return self._contents[key]
 
     @property
     def arch(self) -> str:
@@ -129,7 +135,7 @@ class Metadata:
             if default is _MISSING:
                 raise UsageError(f"{self.where}: metadata {key} is missing (it must be {kind.words})")
             return default
-        value = field.contents()
+        value = self._value(key)
         if not kind.accepts(field.types, value):
             raise self.refuse(key, value, f"must be {kind.words}")
         if kind.per_layer and isinstance(value, list):
