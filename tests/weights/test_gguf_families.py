@@ -13,11 +13,13 @@ import pathlib
 
 import numpy as np
 import pytest
+from gguf import GGUFValueType as V
 
 import specjax
 from specjax import model, sharding
 from specjax.config import SamplingConfig
 from specjax.weights import gguf, hf
+import gguf_edit
 from conftest import mesh_for
 from models import assert_tokenizer_cases, logits_of
 
@@ -90,3 +92,19 @@ def test_tokenizer_ids_decodes_and_chat_template_equal_transformers(name):
     for chat in chats:
         assert tok.render_chat(chat["messages"]) == chat["text"]
         assert tok.encode(chat["text"]) == chat["ids"]
+
+
+@pytest.mark.parametrize("fields,pattern,theta", [
+    ({"gemma3.attention.sliding_window_pattern": (3, V.UINT32)}, "LLG", 1e4),
+    ({"gemma3.attention.sliding_window_pattern": ([True, False, True, True, False, False], V.ARRAY, V.BOOL)},
+     "LGLLGG", 1e4),
+    ({"gemma3.rope.freq_base_swa": (5e4, V.FLOAT32)}, "LLLLLG", 5e4),
+    ({"gemma3.attention.sliding_window": gguf_edit.DROP}, "", 0.0),
+])
+def test_gemma_window_keys_as_llama_cpp_reads_them(tmp_path, fields, pattern, theta):
+    """attention.sliding_window_pattern (an int n: layer i slides unless i % n == n - 1;
+    or one bool per layer), rope.freq_base_swa; no window: every layer global."""
+    edited = gguf_edit.rewrite(path("gemma3_F32"), tmp_path / "g.gguf", fields=fields)
+    cfg = gguf.read_config(edited).model
+    assert (cfg.attention_pattern, cfg.local_rope_theta) == (pattern, theta)
+    assert cfg.sliding_window == (4 if pattern else 0)
