@@ -95,6 +95,8 @@ def bad(tmp_path_factory):
     rewrite(src, base / "phi3.gguf", arch="phi3")
     rewrite(src, base / "missing.gguf", drop=("blk.1.ffn_down.weight",))
     rewrite(src, base / "yarn.gguf", fields={"llama.rope.scaling.type": ("yarn", gguf_package.GGUFValueType.STRING)})
+    rewrite(src, base / "experts.gguf", fields={"llama.expert_count": (8, gguf_package.GGUFValueType.UINT32)})
+    rewrite(FIXTURES / "qwen3_F32.gguf", base / "moe.gguf", arch="qwen3moe")
     rewrite(FIXTURES / "gemma3_F32.gguf", base / "softcap.gguf",
             fields={"gemma3.final_logit_softcapping": (30.0, gguf_package.GGUFValueType.FLOAT32)})
     (base / "notes.txt").write_text("not a model\n")
@@ -138,6 +140,10 @@ BAD_INPUTS = [  # (name, args, fragments of the one error line)
      ["notes.txt: not a GGUF file", "b'not '"]),
     ("a directory", [f"--gguf_target={HF_FIXTURES / 'pair_target'}", "--mode=ars"],
      ["pair_target is a directory, not a GGUF file", "--hf_target"]),
+    ("experts in a llama file", ["--gguf_target={bad}/experts.gguf", "--mode=ars"],
+     ["metadata llama.expert_count=8 (uint32): MoE layers are not supported"]),
+    ("a MoE architecture", ["--gguf_target={bad}/moe.gguf", "--mode=ars"],
+     ["architecture 'qwen3moe' is not supported: it has MoE layers"]),
     ("a softcap", ["--gguf_target={bad}/softcap.gguf", "--mode=ars"],
      ["metadata gemma3.final_logit_softcapping=30.0 (float32): a final logit softcap is not supported"]),
     ("unsupported architecture", ["--gguf_target={bad}/phi3.gguf", "--mode=ars"],

@@ -61,6 +61,11 @@ def for_hf(f: Fields) -> tuple[ModuleType, str]:
     return family, arch
 
 
+# GGUF architectures of that kind.
+REFUSED_GGUF = {"qwen2moe": "MoE layers", "qwen3moe": "MoE layers", "gemma2": "attention and final logit softcaps",
+                "gemma3n": "per-layer embeddings and altered attention (Gemma 3n)"}
+
+
 def name(family: ModuleType) -> str:
     """The family's module name ('qwen2'): `HFModel.family`."""
     return family.__name__.rsplit(".", 1)[-1]
@@ -70,6 +75,8 @@ def for_gguf(arch: Optional[str], where: str, required: bool = True) -> Optional
     """The family whose GGUF files say `general.architecture` `arch` (None, or a UsageError
     where `required`, when none does)."""
     family = next((m for m in FAMILIES if m.GGUF_ARCHITECTURE and m.GGUF_ARCHITECTURE == arch), None)
+    if family is None and required and arch in REFUSED_GGUF:
+        raise UsageError(f"{where}: architecture {arch!r} is not supported: it has {REFUSED_GGUF[arch]}")
     if family is None and required:
         supported = ", ".join(m.GGUF_ARCHITECTURE for m in FAMILIES if m.GGUF_ARCHITECTURE)
         raise UsageError(f"{where}: architecture {arch!r} is not supported; supported: {supported}")

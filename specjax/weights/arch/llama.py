@@ -34,6 +34,9 @@ def from_gguf(m, f) -> dict:
     """The fields a `llama` file's metadata sets beyond the ones every family shares
     (`gguf.read_config`): no window (llama.cpp's Llama has none)."""
     from specjax.weights.gguf_meta import INT
+    experts = m.get("{arch}.expert_count", INT, 0)
+    if experts:  # Mixtral's files say `llama`
+        raise m.refuse("{arch}.expert_count", experts, "MoE layers are not supported")
     window = m.get("{arch}.attention.sliding_window", INT, 0)
     if window:
         raise m.refuse("{arch}.attention.sliding_window", window, "sliding-window attention is not read for this "
