@@ -1,11 +1,16 @@
-"""GGUF files (llama.cpp's format): import a `llama` model as a sharded `LM`, with the
+"""GGUF files (llama.cpp's format): import a model of the families `weights/arch/` reads
+(`general.architecture` `llama`, `qwen2`, `qwen3`, `gemma3`) as a sharded `LM`, with the
 tokenizer its metadata describes.
 
 Read with the `gguf` package (the format's own reader, memory-mapped). The file holds the
-model's hyperparameters as `llama.*` metadata, the tokenizer as `tokenizer.ggml.*`
+model's hyperparameters as `{arch}.*` metadata, the tokenizer as `tokenizer.ggml.*`
 metadata (every key read with its type through `gguf_meta.Metadata`), and the tensors
 under llama.cpp's names, each in its GGML type (in a big-endian file, byte-swapped as
-read: `GGUFFile._little_endian`):
+read: `GGUFFile._little_endian`). What every family shares (sizes, heads, context, rotary
+base and scaling, tied output) is read here; what is the family's (its feed-forward and
+norms, biases, windows, query scale; its tensor names `Tensor.gguf`; whether q and k rows
+are permuted; Gemma's tokenizer pipeline) is its module's (`from_gguf`, `TENSORS`,
+`GGUF_PERMUTED_QK`, `gguf_tokenizer`). Llama's, for example:
 
     token_embd.weight        [V, D]   -> embed            output_norm.weight -> final_norm.scale
     output.weight            [V, D]   -> unembed (absent: tied to token_embd)
@@ -23,7 +28,7 @@ so each tensor is read as the Hugging Face tensor of the same role and handed to
 the memory map by rows and by whole blocks (`GGUFWeights.read`), so no host reads a
 whole tensor it does not hold.
 
-llama.cpp's converter permutes the rows of q and k within each head, from the
+For `llama` files llama.cpp's converter permutes the rows of q and k within each head, from the
 rotate-half pairs (i, i + H/2) that transformers' Llama rotates to the adjacent pairs
 (2i, 2i + 1) its own rotary kernel rotates; `unpermute` undoes it exactly (transformers'
 GGUF loader does the same), on raw blocks as well, since it only reorders rows.
@@ -50,33 +55,27 @@ import ml_dtypes
 import numpy as np
 
 from specjax.config import ConfigError, ModelConfig, UsageError
-from specjax.weights import hf, hf_files
+from specjax.weights import arch, hf, hf_files
+from specjax.weights.arch.common import LLAMA, Tensor
 from specjax.weights.gguf_meta import BOOL, INT, INTS, NUMBER, NUMBERS, TEXT, TEXTS, Metadata
 from specjax.weights.tokenizer import HFTokenizer
 
-ARCHITECTURES = ("llama",)
 FLOAT_TYPES = ("F32", "F16", "BF16", "F64")
 LOSSLESS_TYPES = ("Q8_0", "Q4_0", "Q4_1")  # map onto int8 / int4 weights without changing a value
 BLOCK = 32  # values per block of the lossless types
 
-GLOBAL_NAMES = {"model.embed_tokens.weight": "token_embd.weight", "model.norm.weight": "output_norm.weight",
-                "lm_head.weight": "output.weight"}
-LAYER_NAMES = {"input_layernorm.weight": "attn_norm.weight", "self_attn.q_proj.weight": "attn_q.weight",
-               "self_attn.k_proj.weight": "attn_k.weight", "self_attn.v_proj.weight": "attn_v.weight",
-               "self_attn.o_proj.weight": "attn_output.weight", "post_attention_layernorm.weight": "ffn_norm.weight",
-               "mlp.gate_proj.weight": "ffn_gate.weight", "mlp.up_proj.weight": "ffn_up.weight",
-               "mlp.down_proj.weight": "ffn_down.weight"}
-# Tensors a llama file may hold that are not weights of the model (recomputed or folded in).
+# Tensors a file may hold that are not weights of the model (recomputed or folded in).
 KNOWN_EXTRA = ("rope_freqs.weight",)
 _LAYER = re.compile(r"model\.layers\.(\d+)\.(.+)")
 
 
-def gguf_name(hf_name: str) -> str:
-    """llama.cpp's name of the tensor that transformers' Llama calls `hf_name`."""
-    if hf_name in GLOBAL_NAMES:
-        return GLOBAL_NAMES[hf_name]
+def gguf_name(hf_name: str, tensors: dict[str, Tensor] = LLAMA) -> str:
+    """llama.cpp's name of the tensor that transformers calls `hf_name`, in a family's
+    `tensors` (`weights/arch/`)."""
     m = _LAYER.fullmatch(hf_name)
-    return f"blk.{m[1]}.{LAYER_NAMES[m[2]]}"
+    template = f"model.layers.{{i}}.{m[2]}" if m else hf_name
+    found = next(t.gguf for t in tensors.values() if t.hf == template)
+    return found.format(i=m[1]) if m else found
 
 
 def _gguf():
@@ -442,10 +441,7 @@ def read_config(path, *, param_dtype: Optional[str] = None, compute_dtype: Optio
     to float16 / bfloat16 when every matrix is stored so, else float32."""
     f = open_file(path)
     m = f.meta
-    arch = m.arch
-    if arch not in ARCHITECTURES:
-        raise UsageError(f"{f.path}: architecture {arch!r} is not supported; supported: {', '.join(ARCHITECTURES)} "
-                         "(Llama family: rotary, SwiGLU, RMSNorm, no biases)")
+    family = arch.for_gguf(m.arch, f.path)
     if "token_embd.weight" not in f.tensors:
         raise UsageError(f"{f.path}: tensor token_embd.weight is missing")
     V, D = f.shape("token_embd.weight") if len(f.shape("token_embd.weight")) == 2 else (0, 0)
@@ -480,13 +476,10 @@ def read_config(path, *, param_dtype: Optional[str] = None, compute_dtype: Optio
         raise UsageError(f"{f.path}: token_embd.weight has shape {[V, D]}, the metadata says vocab_size={vocab}, "
                          f"embedding_length={d_model}")
     scaling = m.get("{arch}.rope.scaling.type", TEXT, "none")
-    if scaling not in ("none", "") and not (scaling == "linear"
-                                            and m.get("{arch}.rope.scaling.factor", NUMBER, 1.0) == 1):
-        raise m.refuse("{arch}.rope.scaling.type", scaling, "is not supported; supported: none, and Llama 3.1's "
-                       "frequency scaling (rope_freqs.weight)")
-    window = m.get("{arch}.attention.sliding_window", INT, 0)
-    if window:
-        raise m.refuse("{arch}.attention.sliding_window", window, "sliding-window attention is not supported")
+    if scaling not in ("none", "", "linear"):
+        raise m.refuse("{arch}.rope.scaling.type", scaling, "is not supported; supported: none, linear, and Llama "
+                       "3.1's frequency scaling (rope_freqs.weight)")
+    factor = m.get("{arch}.rope.scaling.factor", NUMBER, 1.0) if scaling == "linear" else 1.0
     theta = m.get("{arch}.rope.freq_base", NUMBER, 10000.0)
     context = m.get("{arch}.context_length", INT, 2048)
     matrices = {f.type_name(n) for n, t in f.tensors.items() if len(t.shape) == 2}
@@ -494,10 +487,12 @@ def read_config(path, *, param_dtype: Optional[str] = None, compute_dtype: Optio
         else "float32"
     fields = dict(vocab_size=vocab, d_model=d_model, num_layers=layers, num_heads=heads, num_kv_heads=kv_heads,
                   head_dim=head_dim, d_ff=m.get("{arch}.feed_forward_length", PER_LAYER), max_seq_len=context,
-                  ffw="swiglu", pos_encoding="rope", rope_theta=theta, tie_embeddings="output.weight" not in f.tensors,
-                  norm_eps=m.get("{arch}.attention.layer_norm_rms_epsilon", NUMBER, 1e-5), embed_scale=1.0,
-                  norm_weight_after_cast=True, param_dtype=param_dtype or stored,
-                  compute_dtype=compute_dtype or param_dtype or stored, scan_layers=scan_layers)
+                  pos_encoding="rope", rope_theta=theta, tie_embeddings="output.weight" not in f.tensors,
+                  norm_eps=m.get("{arch}.attention.layer_norm_rms_epsilon", NUMBER, 1e-5),
+                  param_dtype=param_dtype or stored, compute_dtype=compute_dtype or param_dtype or stored,
+                  scan_layers=scan_layers, **family.from_gguf(m, f))
+    if factor != 1.0:
+        fields.update(rope_scaling="linear", rope_scaling_factor=factor)
     if "rope_freqs.weight" in f.tensors:
         fields.update(_llama3_scaling(f, theta, head_dim, context))
     try:
@@ -506,7 +501,8 @@ def read_config(path, *, param_dtype: Optional[str] = None, compute_dtype: Optio
         raise UsageError(f"{f.path}: {e}") from None
     eos, eot = (m.token_id(f"tokenizer.ggml.{k}_token_id", vocab) for k in ("eos", "eot"))
     eos_ids = tuple(dict.fromkeys(i for i in (eos, eot) if i is not None))
-    return hf.HFModel(f.path, cfg, arch, stored, m.token_id("tokenizer.ggml.bos_token_id", vocab), eos_ids)
+    return hf.HFModel(f.path, cfg, m.arch, stored, m.token_id("tokenizer.ggml.bos_token_id", vocab), eos_ids,
+                      arch.name(family))
 
 
 # --------------------------------------------------------------------------- weights
@@ -517,10 +513,16 @@ _SAID: set = set()
 
 class GGUFWeights:
     """The file's tensors under transformers' names and in its layout: what
-    `hf.load_params` reads, slice by slice."""
+    `hf.load_params` reads, slice by slice. The names, and whether q and k rows are
+    permuted, are the family's (`weights/arch/`, from `general.architecture`)."""
 
     def __init__(self, f: GGUFFile, cfg: ModelConfig):
         self.file, self.cfg = f, cfg
+        self.family = arch.for_gguf(f.meta.arch, f.path)
+        self.tensors = self.family.TENSORS
+
+    def name(self, hf_name: str) -> str:
+        return gguf_name(hf_name, self.tensors)
 
     @property
     def bytes_read(self) -> int:
@@ -529,7 +531,7 @@ class GGUFWeights:
     def tensor(self, name: str, index=None) -> Union[np.ndarray, Blocks]:
         """HF tensor `name`[index] (a tuple of unit-step slices): float values, or the
         lossless types' Blocks where `index` covers whole blocks of every row it takes."""
-        f, gname = self.file, gguf_name(name)
+        f, gname = self.file, self.name(name)
         shape = f.shape(gname)
         index = tuple(slice(None) for _ in shape) if index is None else tuple(index)
         rows, cols = (slice(0, 1), index[0]) if len(shape) == 1 else index
@@ -546,7 +548,7 @@ class GGUFWeights:
         """(the file rows to read for `rows` of tensor `gname`, a function from what was read
         to those rows): llama.cpp stores q and k with each head's rows permuted, and
         un-permuting needs whole heads, so those around the slice are read."""
-        role = gname.rsplit(".", 2)[-2] if gname.startswith("blk.") else ""
+        role = gname.rsplit(".", 2)[-2] if gname.startswith("blk.") and self.family.GGUF_PERMUTED_QK else ""
         heads = {"attn_q": self.cfg.num_heads, "attn_k": self.cfg.num_kv_heads}.get(role)
         if not heads:
             return rows, lambda value: value
@@ -564,7 +566,7 @@ class GGUFWeights:
         """(scale, low) float32 [rows, blocks] of HF tensor `name`'s rows and blocks
         `index` (Q8_0, Q4_0 or Q4_1), as `_stored_arrays` makes them, read from the
         blocks' scale (and min) bytes alone."""
-        f, gname = self.file, gguf_name(name)
+        f, gname = self.file, self.name(name)
         rows, blocks = index
         read_rows, finish = self._rows(gname, rows, f.shape(gname)[0])
         head = f.block_heads(gname, read_rows, blocks)  # [rows, blocks, 2 or 4] bytes
@@ -582,7 +584,7 @@ class GGUFWeights:
         types that are not kept as stored are named once on stderr."""
         f = self.file
         gguf = _gguf()
-        wanted = {gguf_name(n): s for n, s in hf.expected_tensors(cfg).items()}
+        wanted = {self.name(n): s for n, s in hf.expected_tensors(cfg, self.tensors).items()}
         missing = [n for n in wanted if n not in f.tensors]
         if missing:
             raise UsageError(f"{f.path}: tensor {missing[0]} is missing"
@@ -600,7 +602,7 @@ class GGUFWeights:
         if extra:
             raise UsageError(f"{f.path}: unexpected tensors {extra[:3]}" + (f" and {len(extra) - 3} more"
                                                                           if len(extra) > 3 else "")
-                             + ": not a plain Llama model")
+                             + f": the model of a {f.meta.arch!r} file has no such weights")
         others = sorted({f.type_name(n) for n in wanted} - set(FLOAT_TYPES) - set(LOSSLESS_TYPES))
         import jax
         if others and (f.path, cfg.compute_dtype) not in _SAID and jax.process_index() == 0:
@@ -610,7 +612,7 @@ class GGUFWeights:
                   file=sys.stderr)
 
     def nbytes(self, cfg: ModelConfig) -> int:
-        return sum(int(self.file.tensors[gguf_name(n)].n_bytes) for n in hf.expected_tensors(cfg))
+        return sum(int(self.file.tensors[self.name(n)].n_bytes) for n in hf.expected_tensors(cfg, self.tensors))
 
 
 def check_weights(path, cfg: ModelConfig) -> None:
@@ -645,7 +647,7 @@ def load_with_stats(path, mesh, *, param_dtype=None, compute_dtype=None, scan_la
     sharding.check_divisible(cfg, mesh)
     before = weights.bytes_read
     keep = stored_maker(cfg, path, quantize) if quantize is not None else None
-    lm = hf.load_params(cfg, mesh, weights, keep=keep)
+    lm = hf.load_params(cfg, mesh, weights, keep=keep, tensors=weights.tensors)
     jax.block_until_ready(lm.params)
     return lm, tok, {"bytes_read": weights.bytes_read - before, "file_bytes": weights.nbytes(info.model)}
 
@@ -714,14 +716,14 @@ def stored_maker(cfg: ModelConfig, path, kind: str):
     weights = GGUFWeights(open_file(path), kv_heads.original(cfg))
     activations = "int8" if kind in ("w4a8", "w8a8") else "float32"
     contracted = {**PROJECTIONS, "embed": (1, 2)}
-    hf_shapes = hf.expected_tensors(dataclasses.replace(cfg, scan_layers=False))
+    hf_shapes = hf.expected_tensors(dataclasses.replace(cfg, scan_layers=False), weights.tensors)
     c, H = cfg.kv_copies, cfg.head_dim
 
     def one(key: str, name: str, layer: Optional[int], layout: str, w) -> Optional[Grouped]:
         shape, where = tuple(w.shape), w.sharding
         stacked = layer is None and name.startswith("model.layers.")
         names = [name.format(i=i) for i in range(shape[0])] if stacked else [name.format(i=layer)]
-        types = {weights.file.type_name(gguf_name(n)) for n in names}
+        types = {weights.file.type_name(weights.name(n)) for n in names}
         if not types <= set(LOSSLESS_TYPES) or len({t == "Q8_0" for t in types}) > 1:
             return None  # one Grouped has one code width
         lead = int(stacked)
@@ -776,8 +778,8 @@ def stored_maker(cfg: ModelConfig, path, kind: str):
         key, layer = hf._param_key(where)
         if key.rsplit("/", 1)[-1] not in contracted:
             return None
-        name, layout = hf.PARAMS[key]
-        made = one(key, name, layer, layout, v.value)
+        t = weights.tensors[key]
+        made = one(key, t.hf, layer, t.layout, v.value)
         return None if made is None else v.replace(made)
 
     return make
@@ -863,6 +865,8 @@ def build_tokenizer(f: GGUFFile):
     (SentencePiece files that do not say: yes)."""
     from tokenizers import AddedToken, Regex, decoders, pre_tokenizers, processors
     m = f.meta
+    family = arch.for_gguf(m.arch, f.path, required=False)
+    defined_ok = lambda t: True  # noqa: E731
     kind = m.get("tokenizer.ggml.model", TEXT)
     tokens = m.get("tokenizer.ggml.tokens", TEXTS)
     types = m.per_token("tokenizer.ggml.token_type", INTS, len(tokens)) or [1] * len(tokens)
@@ -882,6 +886,12 @@ def build_tokenizer(f: GGUFFile):
         tok.decoder = decoders.ByteLevel()
         add_bos = m.get("tokenizer.ggml.add_bos_token", BOOL, False)
         control_ok = lambda t: set(t) <= alphabet  # noqa: E731 (a byte-level vocabulary spells every real token so)
+    elif kind == "llama" and hasattr(family, "gguf_tokenizer"):  # a family's own SentencePiece pipeline (Gemma)
+        tok = family.gguf_tokenizer(tokens, lambda vocab, pairs, **options: _bpe(f, vocab, pairs, **options))
+        add_bos = m.get("tokenizer.ggml.add_bos_token", BOOL, True)
+        control_ok = lambda t: True  # noqa: E731
+        # transformers adds a user-defined token only under its spelling in the vocabulary
+        defined_ok = lambda t: tok.token_to_id(t) is not None  # noqa: E731
     elif kind == "llama":
         scores = m.per_token("tokenizer.ggml.scores", NUMBERS, len(tokens)) or [0.0] * len(tokens)
         vocab = {t: i for i, t in enumerate(tokens)}
@@ -902,7 +912,7 @@ def build_tokenizer(f: GGUFFile):
     tok.add_special_tokens([AddedToken(tokens[i], normalized=False, special=True) for i, t in enumerate(types)
                             if (t == CONTROL and control_ok(tokens[i])) or i in special])
     tok.add_tokens([AddedToken(tokens[i], normalized=False, special=False) for i, t in enumerate(types)
-                    if t == USER_DEFINED])
+                    if t == USER_DEFINED and defined_ok(tokens[i])])
     add_eos = m.get("tokenizer.ggml.add_eos_token", BOOL, False)
     if (add_bos and "bos" in ids) or (add_eos and "eos" in ids):
         bos = [(tokens[ids["bos"]], ids["bos"])] if add_bos and "bos" in ids else []

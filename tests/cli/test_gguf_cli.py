@@ -92,9 +92,13 @@ def bad(tmp_path_factory):
     data = src.read_bytes()
     (base / "truncated.gguf").write_bytes(data[:-100])
     (base / "header_cut.gguf").write_bytes(data[:300])
-    rewrite(src, base / "qwen2.gguf", arch="qwen2")
+    rewrite(src, base / "phi3.gguf", arch="phi3")
     rewrite(src, base / "missing.gguf", drop=("blk.1.ffn_down.weight",))
     rewrite(src, base / "yarn.gguf", fields={"llama.rope.scaling.type": ("yarn", gguf_package.GGUFValueType.STRING)})
+    rewrite(src, base / "experts.gguf", fields={"llama.expert_count": (8, gguf_package.GGUFValueType.UINT32)})
+    rewrite(FIXTURES / "qwen3_F32.gguf", base / "moe.gguf", arch="qwen3moe")
+    rewrite(FIXTURES / "gemma3_F32.gguf", base / "softcap.gguf",
+            fields={"gemma3.final_logit_softcapping": (30.0, gguf_package.GGUFValueType.FLOAT32)})
     (base / "notes.txt").write_text("not a model\n")
     gguf_edit.write_big_endian_as_is(src.with_name("bpe_Q4_1.gguf"), base / "big_endian_q4_1.gguf")
     offsets = gguf_edit.tensor_offsets(src)
@@ -136,8 +140,14 @@ BAD_INPUTS = [  # (name, args, fragments of the one error line)
      ["notes.txt: not a GGUF file", "b'not '"]),
     ("a directory", [f"--gguf_target={HF_FIXTURES / 'pair_target'}", "--mode=ars"],
      ["pair_target is a directory, not a GGUF file", "--hf_target"]),
-    ("unsupported architecture", ["--gguf_target={bad}/qwen2.gguf", "--mode=ars"],
-     ["architecture 'qwen2' is not supported; supported: llama"]),
+    ("experts in a llama file", ["--gguf_target={bad}/experts.gguf", "--mode=ars"],
+     ["metadata llama.expert_count=8 (uint32): MoE layers are not supported"]),
+    ("a MoE architecture", ["--gguf_target={bad}/moe.gguf", "--mode=ars"],
+     ["architecture 'qwen3moe' is not supported: it has MoE layers"]),
+    ("a softcap", ["--gguf_target={bad}/softcap.gguf", "--mode=ars"],
+     ["metadata gemma3.final_logit_softcapping=30.0 (float32): a final logit softcap is not supported"]),
+    ("unsupported architecture", ["--gguf_target={bad}/phi3.gguf", "--mode=ars"],
+     ["architecture 'phi3' is not supported; supported: llama, qwen2, qwen3, gemma3"]),
     ("truncated tensors", ["--gguf_target={bad}/truncated.gguf", "--mode=ars"],
      ["truncated.gguf: damaged or truncated GGUF file", "cannot reshape"]),
     ("truncated header", ["--gguf_target={bad}/header_cut.gguf", "--mode=ars"],

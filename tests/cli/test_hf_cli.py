@@ -232,7 +232,7 @@ def bad(tmp_path_factory):
     (d / "generation_config.json").write_text(json.dumps({"bos_token_id": 0, "eos_token_id": [1, None]}))
     d = copy_model("llama_gqa", base / "tokenizer_config_broken")
     (d / "tokenizer_config.json").write_text('{"bos_token": ')
-    copy_model("mistral", base / "mistral_window", sliding_window=64, use_sliding_window=False)
+    copy_model("gemma3", base / "gemma_vision", architectures=["Gemma3ForConditionalGeneration"], model_type="gemma3")
     copy_model("pair_target", base / "short_context", max_position_embeddings=8)
     d = copy_model("pair_target", base / "eos_text")
     (d / "generation_config.json").write_text(json.dumps({"bos_token_id": 0, "eos_token_id": ["a"]}))
@@ -313,8 +313,8 @@ BAD_INPUTS = [  # (name, args, fragments of the one error line)
      ["tokenizer_config_broken/tokenizer_config.json: not valid JSON"]),
     ("architectures a string", ["--hf_target={bad}/arch_string", "--mode=ars"],
      ["config.json: architectures=\"LlamaForCausalLM\": must be a list of strings or null"]),
-    ("mistral window despite use_sliding_window", ["--hf_target={bad}/mistral_window", "--mode=ars"],
-     ["sliding_window=64 is below max_position_embeddings=256"]),
+    ("a vision tower", ["--hf_target={bad}/gemma_vision", "--mode=ars"],
+     ["architecture 'Gemma3ForConditionalGeneration' is not supported: it has a vision tower"]),
     ("generation eos not ids", ["--hf_target={bad}/eos_text", "--mode=ars"],
      ["generation_config.json: eos_token_id=[\"a\"]: must be an integer or a list of integers or null"]),
     ("index entry not a file name", ["--hf_target={bad}/index_number", "--mode=ars"],

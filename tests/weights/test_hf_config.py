@@ -242,19 +242,19 @@ def test_files_and_directories_in_the_wrong_place_are_one_line(tmp_path, what):
 
 def test_mistral_applies_its_sliding_window_whatever_use_sliding_window_says(tmp_path):
     """transformers' Mistral masks with `sliding_window` whenever it is not null (it has
-    no use_sliding_window key: that is Qwen2's), so a short window is refused."""
+    no use_sliding_window key: that is Qwen2's): every layer slides."""
     d = edited(tmp_path, "mistral", {"config.json": {"sliding_window": 64, "use_sliding_window": False}})
-    with pytest.raises(UsageError, match="sliding_window=64 is below max_position_embeddings=256"):
-        hf.read_config(d)
+    cfg = hf.read_config(d).model
+    assert (cfg.attention_pattern, cfg.sliding_window) == ("L", 64)
 
 
 def test_mistral_without_a_sliding_window_key_has_transformers_default_window(tmp_path):
     """MistralConfig defaults sliding_window to 4096 and max_position_embeddings to
-    131072: a config.json with neither key describes a windowed model, refused; with a
-    context within the window it is the plain model."""
+    131072: a config.json with neither key describes a windowed model; with a context
+    within the window it is the plain model."""
     d = edited(tmp_path, "mistral", {"config.json": {"sliding_window": DELETE, "max_position_embeddings": DELETE}})
-    with pytest.raises(UsageError, match="sliding_window=4096 is below max_position_embeddings=131072"):
-        hf.read_config(d)
+    cfg = hf.read_config(d).model
+    assert (cfg.attention_pattern, cfg.sliding_window, cfg.max_seq_len) == ("L", 4096, 131072)
     d = edited(tmp_path / "b", "mistral", {"config.json": {"sliding_window": DELETE}})
     assert hf.read_config(d).model == hf.read_config(FIXTURES / "mistral").model
 
