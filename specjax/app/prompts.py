@@ -201,35 +201,13 @@ def raw_text(source: str, text: str) -> _Raw:
 
 
 def chat_renderer(tokenizer) -> "Callable[[str], str]":
-    """text -> the chat template's rendering of it as one user message, ready for the
-    assistant's answer (transformers renders chat templates with a sandboxed Jinja
-    environment, trim_blocks and lstrip_blocks, and these names in scope)."""
-    template = getattr(tokenizer, "chat_template", None)
-    if not template:
+    """text -> the model's chat template's rendering of it as one user message, ready for
+    the assistant's answer (`HFTokenizer.render_chat`, as transformers renders it)."""
+    if not getattr(tokenizer, "chat_template", None):
         raise UsageError(f"--chat: {getattr(tokenizer, 'path', 'the tokenizer')} has no chat template (a Hugging Face "
-                         "directory's tokenizer_config.json or a GGUF file's tokenizer.chat_template); drop --chat")
-    import jinja2
-    from jinja2.sandbox import ImmutableSandboxedEnvironment
-
-    def raise_exception(message):
-        raise jinja2.TemplateError(message)
-
-    env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True)
-    env.globals["raise_exception"] = raise_exception
-    try:
-        compiled = env.from_string(template)
-    except jinja2.TemplateError as e:
-        raise UsageError(f"--chat: the model's chat template does not parse: {e}") from None
-    names = {"bos_token": getattr(tokenizer, "bos_id", None), "eos_token": getattr(tokenizer, "eos_id", None)}
-    specials = {k: tokenizer.decode([i]) if isinstance(i, int) else "" for k, i in names.items()}
-
-    def render(text: str) -> str:
-        try:
-            return compiled.render(messages=[{"role": "user", "content": text}], add_generation_prompt=True,
-                                   **specials)
-        except jinja2.TemplateError as e:
-            raise UsageError(f"--chat: the model's chat template failed on a prompt: {e}") from None
-    return render
+                         "directory's tokenizer_config.json or chat_template.jinja, a GGUF file's "
+                         "tokenizer.chat_template); drop --chat")
+    return lambda text: tokenizer.render_chat([{"role": "user", "content": text}])
 
 
 def encode(raw: Sequence[_Raw], tokenizer: Optional[TextCodec], no_tokenizer_reason: str = "",
