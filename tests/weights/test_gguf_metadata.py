@@ -45,6 +45,7 @@ WRONG = [
     ("llama_tp_F32", "{arch}.attention.value_length", [(8.0, V.FLOAT32), (False, V.BOOL)]),
     ("bpe_F32", "{arch}.rope.dimension_count", [(8.0, V.FLOAT32), ("8", V.STRING)]),
     ("bpe_F32", "{arch}.vocab_size", [(304.0, V.FLOAT32), ("304", V.STRING)]),
+    ("bpe_F32", "{arch}.expert_count", [(2.0, V.FLOAT32), ("2", V.STRING)]),
     ("bpe_F32", "{arch}.context_length", [(128.5, V.FLOAT32), ("128", V.STRING)]),
     ("bpe_F32", "{arch}.rope.freq_base", [("10000", V.STRING), (True, V.BOOL), (INF, V.FLOAT32), (NAN, V.FLOAT32)]),
     ("bpe_F32", "{arch}.attention.layer_norm_rms_epsilon", [("1e-5", V.STRING), (NAN, V.FLOAT32)]),
