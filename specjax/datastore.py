@@ -20,11 +20,12 @@ import numpy as np
 from absl import flags
 
 from specjax.app import cli, output, setup
-from specjax.app.locate import Sources
-from specjax.config import MAX_NGRAM, UsageError, load_config
+from specjax.app.locate import Sources, train_command
+from specjax.config import MAX_NGRAM, UsageError, load_config, user_path
 from specjax.decode.retrieval_index import Datastore, file_sha256
 from specjax.training import data
 from specjax.training.corpus import load_corpus
+from specjax.weights import checkpoint as ckpt_lib
 
 FLAGS = flags.FLAGS
 
@@ -66,8 +67,14 @@ def main(argv):
         source = dataclasses.replace(source, train=dataclasses.replace(source.train, corpus=FLAGS.corpus))
     tokenizer = None
     if source.tokenizer_vocab:  # the target checkpoint's tokenizer, never a freshly trained one
-        # The one run setup (ArS: the target alone), whose weight checks name the missing
-        # checkpoint and how to train it.
+        name = config.target_from or config.name
+        directory = user_path(FLAGS.checkpoint) if FLAGS.checkpoint else ckpt_lib.default_dir(name)
+        if not directory.is_dir():  # said for this command, which has no --init=random to offer
+            where = f"--checkpoint={FLAGS.checkpoint!r}" if FLAGS.checkpoint else f"no checkpoint for config {name!r}"
+            raise UsageError(f"{where}: {directory} {'is a file' if directory.exists() else 'does not exist'}; the "
+                             f"datastore is tokenised with the target checkpoint's tokenizer: train it first "
+                             f"(`{train_command(name)}`) or pass --checkpoint=DIR")
+        # The one run setup (ArS: the target alone) finds the checkpoint and its tokenizer.
         run = setup.prepare(setup.Request(config, sources=Sources(checkpoint=FLAGS.checkpoint))).locate()
         tokenizer = run.tokenizer
         if tokenizer is None:

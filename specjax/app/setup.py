@@ -205,12 +205,12 @@ def prepare(req: Request) -> Run:
     sampling = (req.sampling or req.config.sampling).validate()
     draft_model, heads = uses(req.drafters)
     s = req.sources
-    if s.init == "random" and (s.checkpoint or s.draft_checkpoint):
-        raise UsageError("--checkpoint/--draft_checkpoint have no effect with --init=random: drop one of them")
     check_draft_flags(req, draft_model, heads)
     texts = req.self_drafts if req.self_drafts is not None else ([s.self_draft] if s.self_draft else [])
     each = [dataclasses.replace(s, self_draft=text) for text in texts] or [s]
-    specs = tuple(e.self_draft_spec() for e in each if e.self_draft is not None)
+    specs = tuple(e.self_draft_spec() for e in each if e.self_draft is not None)  # names the draft twice?
+    if s.init == "random" and (s.checkpoint or s.draft_checkpoint):
+        raise UsageError("--checkpoint/--draft_checkpoint have no effect with --init=random: drop one of them")
     for spec in specs:
         self_draft_lib.check_quantize(spec, req.quantize)
     # The models' own config files (Hugging Face, GGUF) and the first self-draft's; the
