@@ -17,7 +17,8 @@ from specjax.decode.api import generate
 from specjax.decode.metrics import Totals
 from specjax.evaluation.metrics import execute_humaneval, parses, pass_at_k, rouge, summary_of
 from specjax.evaluation.stats import mean_ci, paired_agreement
-from specjax.evaluation.tasks import SETTINGS, Item, Setting, humaneval_items, truncate_completion, xsum_items
+from specjax.evaluation.tasks import (CHAT_HUMANEVAL, SETTINGS, Item, Setting, completion, humaneval_items,
+                                      xsum_items)
 
 
 def continuation(tokenizer, prompt_ids: Sequence[int], new_ids: Sequence[int]) -> str:
@@ -77,7 +78,7 @@ def run_setting(setting: Setting, items: Sequence[Item], prompts: Sequence[list[
 
 
 def score_setting(task: str, items: Sequence[Item], records: list[dict], ks: list[int], execute: bool,
-                  timeout: float) -> dict:
+                  timeout: float, chat: bool = False) -> dict:
     """Per-item scores per mode (only items whose samples all finished)."""
     by_item = {}
     for r in records:
@@ -102,14 +103,14 @@ def score_setting(task: str, items: Sequence[Item], records: list[dict], ks: lis
         secondary = {"parses": {"ars": [], "sps": []}}
         for it in done:
             for mode in per_item:
-                oks = [parses(it.prompt, truncate_completion(r[mode]["text"])) for r in by_item[it.id]]
+                oks = [parses(it.prompt, completion(r[mode]["text"], chat)) for r in by_item[it.id]]
                 for r, ok in zip(by_item[it.id], oks):
                     r[mode]["parses"] = ok
                 secondary["parses"][mode].append(float(np.mean(oks)))
     if task == "humaneval" and execute:
         metric = f"pass@{ks[-1]}"
         for mode in per_item:
-            samples = [{"task_id": r["id"], "completion": truncate_completion(r[mode]["text"])} for r in records]
+            samples = [{"task_id": r["id"], "completion": completion(r[mode]["text"], chat)} for r in records]
             passed = execute_humaneval([it.reference for it in done], samples, timeout)
             for r, s, ok in zip(records, samples, passed):
                 r[mode].update(completion=s["completion"], passed=ok)
@@ -201,7 +202,8 @@ def evaluate(config, task: str, *, limit=None, num_samples: int, ks: Sequence[in
         raise UsageError(f"evaluate works on text and {run.no_tokenizer_reason}")
     # As `sample` encodes a text prompt: the tokenizer's own rule for what starts one (its
     # BOS where it adds one; the mini models' EOS document separator), or the chat template.
-    encoded = [p.tokens for p in prompts_lib.encode([prompts_lib.raw_text(it.id, it.prompt) for it in items],
+    asked = [CHAT_HUMANEVAL.format(prompt=it.prompt) if chat and task == "humaneval" else it.prompt for it in items]
+    encoded = [p.tokens for p in prompts_lib.encode([prompts_lib.raw_text(it.id, text) for it, text in zip(items, asked)],
                                                     tokenizer, run.no_tokenizer_reason, chat=chat)]
     room = run.context - budget
     kept = [(it, p) for it, p in zip(items, encoded) if len(p) <= room]
@@ -225,7 +227,7 @@ def evaluate(config, task: str, *, limit=None, num_samples: int, ks: Sequence[in
             records, totals, interrupted = run_setting(setting, items, encoded, num_samples, target, draft,
                                                        tokenizer, seed, bar, run.datastore)
             complete = [r for r in records if sum(x["id"] == r["id"] for x in records) == num_samples]
-            scored = score_setting(task, items, complete, ks, execute, timeout)
+            scored = score_setting(task, items, complete, ks, execute, timeout, chat)
             result["settings"].append({"name": setting.name, "sampling": dataclasses.asdict(setting.sampling),
                                        "modes": {m: t.as_dict() for m, t in totals.items()},
                                        **scored, "samples": complete})

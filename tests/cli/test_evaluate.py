@@ -31,6 +31,22 @@ def test_truncate_completion_stops_at_the_next_top_level_statement():
     assert tasks.truncate_completion("    y = 2\n    return y") == "    y = 2\n    return y"
 
 
+def test_a_chat_answer_is_read_from_its_first_code_block():
+    """--chat: the program run is the prompt, then the answer's code block (which defines
+    the function again); prose around it, or a second block, is not run."""
+    prompt = "def add(a, b):\n    \"\"\"Add.\"\"\"\n"
+    answer = ("Here it is:\n```python\ndef add(a, b):\n    return a + b\n```\nAnd a test:\n```python\n"
+              "assert add(1, 2) == 4\n```")
+    body = tasks.completion(answer, chat=True)
+    assert body == "\ndef add(a, b):\n    return a + b\n"
+    namespace = {}
+    exec(prompt + body, namespace)  # noqa: S102 -- the test's own two lines
+    assert namespace["add"](1, 2) == 3
+    assert tasks.completion("no code here", chat=True) == ""
+    assert tasks.completion("```\nx = 1", chat=True) == "\nx = 1"  # a block cut by the budget
+    assert tasks.completion("    return a + b\ndef g():", chat=False) == "    return a + b"
+
+
 def test_pass_at_k_matches_the_binomial_formula():
     # 1 - C(n-c, k) / C(n, k), by hand.
     assert metrics.pass_at_k([True, False], 1) == pytest.approx(0.5)
