@@ -73,6 +73,7 @@ def main(argv):
         config, base, tuple(dict.fromkeys(v["drafter"] for v in variants)), lookahead=max(ks), sources=sources,
         self_drafts=self_draft.split_list(FLAGS.self_draft) if FLAGS.self_draft is not None else None,
         quantize=cli.quantize(), datastore=FLAGS.datastore))
+    config = run.config  # the models the weight flags name (an imported target's own shapes)
     run.locate()
     tokenizer = run.tokenizer
     if raw_prompts is not None:

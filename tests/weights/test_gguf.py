@@ -368,7 +368,7 @@ def test_a_gguf_teacher_is_loaded_and_its_tokenizer_exported(tmp_path):
                                   f"train.teacher_gguf={path('spm_Q4_0')}"])
     mesh = mesh_for("1x1")
     with jax.set_mesh(mesh):
-        teacher, teacher_tok = trainer._teacher(config, mesh)
+        teacher, teacher_tok = trainer._teacher(config, mesh)()  # checked, then loaded
     ref = reference("spm_Q4_0")
     np.testing.assert_allclose(logits_of(teacher, ref["input_ids"]), ref["logits"], rtol=0, atol=ATOL)
     checkpoint.save_lm(init_lm(config.target, mesh), tmp_path / "work", config_name=config.name)
