@@ -31,7 +31,7 @@ XSUM_TEMPLATE = "{document}\n# Summary: {summary}\n\n"
 # EvalPlus asks instruct models): the answer is read back from its first code block.
 CHAT_HUMANEVAL = ("Complete the following Python function. Answer with the whole function in one ```python code "
                   "block.\n\n```python\n{prompt}```")
-CODE_BLOCK = re.compile(r"```[ \t]*(?:python|py|Python)?[ \t]*\n(.*?)(?:```|$)", re.S)
+FENCE = re.compile(r"^[ \t]*```[^\n]*$", re.M)  # a code block's opening or closing line
 
 
 @dataclasses.dataclass(frozen=True)
@@ -68,13 +68,19 @@ def truncate_completion(text: str) -> str:
 
 def completion(text: str, chat: bool = False) -> str:
     """What follows the HumanEval prompt in the program that is run: the continuation up
-    to the first stop sequence, or, for a chat answer, its first code block on a line of
-    its own (it defines the function again, so the prompt's body-less definition, whose
-    docstring is a body, is replaced; an answer without one adds nothing and fails)."""
+    to the first stop sequence, or, for a chat answer, its code: the first code block that
+    defines a function (else the first block), where an answer that opens with code and
+    no fence counts its text up to the first fence as one. The code defines the function
+    again, so the prompt's body-less definition (its docstring is a body) is replaced; an
+    answer without code adds nothing and fails."""
     if not chat:
         return truncate_completion(text)
-    match = CODE_BLOCK.search(text)
-    return "\n" + match[1] if match else ""
+    parts = FENCE.split(text)  # outside, inside, outside, ... (a block cut by the budget ends the text)
+    blocks = parts[1::2]
+    if re.match(r"\s*(from |import |def |@)", parts[0]):
+        blocks.insert(0, parts[0])
+    code = next((b for b in blocks if re.search(r"^\s*def ", b, re.M)), blocks[0] if blocks else None)
+    return "" if code is None else "\n" + code.strip("\n") + "\n"
 
 
 def read_xsum(path: str) -> list[dict]:

@@ -43,7 +43,10 @@ def test_a_chat_answer_is_read_from_its_first_code_block():
     exec(prompt + body, namespace)  # noqa: S102 -- the test's own two lines
     assert namespace["add"](1, 2) == 3
     assert tasks.completion("no code here", chat=True) == ""
-    assert tasks.completion("```\nx = 1", chat=True) == "\nx = 1"  # a block cut by the budget
+    assert tasks.completion("```\nx = 1", chat=True) == "\nx = 1\n"  # a block cut by the budget
+    # An answer that opens with the code and closes a fence it never opened, then an example.
+    assert tasks.completion("def add(a, b):\n    return a + b\n```\n\n```python\nprint(add(1, 2))\n```",
+                            chat=True) == "\ndef add(a, b):\n    return a + b\n"
     assert tasks.completion("    return a + b\ndef g():", chat=False) == "    return a + b"
 
 
