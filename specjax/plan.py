@@ -109,10 +109,10 @@ def main(argv):
     batch, prompt_len = cli.positive("batch", FLAGS.batch), cli.positive("prompt_len", FLAGS.prompt_len)
     cache_len = cli.positive("cache_len", FLAGS.cache_len)
     latency = cli.finite("collective_latency_us", FLAGS.collective_latency_us, 0.0, 1e6)
+    configure_xla(data * model, FLAGS.licm)  # before anything below asks JAX for its processes
+    jax.config.update("jax_platforms", "cpu")
     sampling, heads = drafting(cfg)
     output.check_writable(FLAGS.json, "--json")
-    configure_xla(data * model, FLAGS.licm)
-    jax.config.update("jax_platforms", "cpu")
     chip = dataclasses.replace(CHIPS[FLAGS.chip], collective_latency_s=latency * 1e-6)
     report = compile_lib.plan(dataclasses.replace(cfg, sampling=dataclasses.replace(sampling, num_drafts=1)), data,
                               model, batch, prompt_len, cache_len, chip, sampling.num_drafts, cli.quantize(), heads)

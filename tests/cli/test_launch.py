@@ -170,7 +170,7 @@ def test_loop_parts_times_each_part_of_a_loop(drafter, parts):
         assert "tiny, self-draft int8: drafter model" in proc.stdout, proc.stdout
         bad = subprocess.run([sys.executable, "launch/loop_parts.py", "--config=tiny", "--drafter=ngram",
                               "--self_draft=int8"], cwd=REPO, capture_output=True, text=True, timeout=600)
-        assert bad.returncode == 2 and "--self_draft=int8: a draft model, and --drafter=ngram uses none" in bad.stderr
+        assert bad.returncode == 2 and "--self_draft=int8 names a draft model, and --drafter=ngram uses none" in bad.stderr
 
 
 def test_forward_cost_reports_the_temporaries_and_weight_bytes_of_each_format():
