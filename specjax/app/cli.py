@@ -154,8 +154,9 @@ def define_quantize_flag() -> None:
                       "projection, the unembedding and the embedding table): int8 = symmetric per output channel; "
                       "int4 = a scale and minimum per output channel and group of 32 inputs; w4a8 / w8a8 = int4 / "
                       "8-bit groups of 32 (Q8_0) times activations rounded to int8 per group of 32 (llama.cpp's "
-                      "arithmetic: integer dot products on CPU). A GGUF file's Q8_0/Q4_0/Q4_1 tensors are taken as "
-                      "stored. The run samples the quantized model exactly. Applies to the target and the draft.")
+                      "arithmetic: integer dot products on CPU). A GGUF file's quantized tensors (Q8_0, Q4_0/1, Q5_0/1 "
+                      "and the K-quants) are taken as stored. The run samples the quantized model exactly. Applies "
+                      "to the target and the draft.")
 
 
 def quantize() -> Optional[str]:
