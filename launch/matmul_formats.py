@@ -43,7 +43,7 @@ def gguf_form(kind: str, K: int, N: int, rng) -> formats.Grouped:
     G = -(-K // c.group)
     S = -(-G // c.per)
     half = lambda: jnp.asarray(rng.uniform(-1, 1, (S, N)).astype(np.float16).astype(np.float32) / K)  # noqa: E731
-    factor = lambda: jnp.asarray(rng.integers(0, 64, (G, N)).astype(np.int8)) if c.per > 1 else None  # noqa: E731
+    factor = lambda: jnp.asarray(rng.integers(0, 64, (S * c.per, N)).astype(np.int8)) if c.per > 1 else None  # noqa: E731
     return formats.Grouped(jnp.asarray(rng.integers(0, 2 ** c.bits, (K, N)).astype(np.uint8)), half(),
                            half() if c.minimums else None, (N,), bits=c.bits, group=c.group, offset=c.offset,
                            activations="int8" if kind.endswith("/a8") else "float32", scale_factor=factor(),

@@ -132,7 +132,7 @@ inline IVec RowCodes(const uint8_t* row, int c) {
   for (int j = 0; j < Bits - 4; ++j) {
     uint16_t m;
     std::memcpy(&m, planes + j * kPanel / 8 + c * kWidth / 8, 2);
-    v = _mm512_mask_or_epi32(v, (__mmask16)m, v, _mm512_set1_epi32(16 << j));
+    v = _mm512_or_si512(v, _mm512_maskz_mov_epi32((__mmask16)m, _mm512_set1_epi32(16 << j)));
   }
   return (IVec)v;
 #elif defined(__AVX2__)
@@ -181,20 +181,20 @@ struct Codes {
 
 // One panel's side data: int8's column scales, or a grouped format's scales and minimums:
 // `half` [S, parts, 64] float16 per group or, with `factor` [G, parts, 64] int8, per
-// super-block of `per` groups (scale = half * factor); parts = 2 holds minimums, 1 an
+// super-block of 2^per_shift groups (scale = half * factor); parts = 2 holds minimums, 1 an
 // integer `offset` instead.
 struct Side {
   const float* column = nullptr;
   const uint16_t* half = nullptr;
   const int8_t* factor = nullptr;
-  int64_t per = 1;
+  int per_shift = 0;  // a shift, not a division: one per group was a fifth of a K-quant tile's time
   int parts = 1;
   int32_t offset = 0;
 
   // Group g's scale and minimum for the vectors c0.. (low untouched with parts == 1).
   template <int C>
   inline void At(int64_t g, int c0, Vec (&scale)[C], Vec (&low)[C]) const {
-    const uint16_t* h = half + (factor ? g / per : g) * parts * kPanel;
+    const uint16_t* h = half + (g >> per_shift) * parts * kPanel;
     for (int c = 0; c < C; ++c) {
       scale[c] = LoadHalf(h + (c0 + c) * kWidth);
       if (parts == 2) low[c] = LoadHalf(h + kPanel + (c0 + c) * kWidth);
@@ -431,19 +431,21 @@ ffi::Error FewRowMatmulInt8(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::
 }
 
 // A grouped weight's side data from its buffers: half [P, S, parts, 64] float16, factor
-// [P, G, parts, 64] int8 with G = 0 (one level: S = G groups of `group` inputs over K) or
-// G = ceil(K / group) a multiple of S (two levels). Empty message: the shapes fit.
+// [P, F, parts, 64] int8 with F = 0 (one level: S = ceil(K / group) groups) or F >=
+// ceil(K / group) groups, S super-blocks of F / S (a power of two) each (two levels). Empty
+// message: the shapes fit.
 std::string GroupedSide(ffi::AnyBuffer::Dimensions hd, ffi::AnyBuffer::Dimensions fd, int64_t P, int64_t K,
                         int32_t group, int32_t offset, const uint16_t* half, const int8_t* factor, SideData& side) {
   const int64_t G = group > 0 ? (K + group - 1) / group : 0;
+  const int64_t F = fd.size() == 4 ? fd[1] : 0, S = hd.size() == 4 ? hd[1] : 0, per = F && S ? F / S : 1;
   if (hd.size() != 4 || fd.size() != 4 || hd[0] != P || fd[0] != P || (hd[2] != 1 && hd[2] != 2) ||
-      fd[2] != hd[2] || hd[3] != kPanel || fd[3] != kPanel || hd[1] < 1 || (fd[1] != 0 && fd[1] != G) ||
-      (fd[1] == 0 && hd[1] != G) || (fd[1] == G && G % hd[1] != 0))
-    return "want scales[P, S, 1 or 2, 64] and factors[P, 0, ., 64] with S = ceil(K / group), or factors[P, "
-           "ceil(K / group), ., 64] with S dividing it";
+      fd[2] != hd[2] || hd[3] != kPanel || fd[3] != kPanel || S < 1 || (F == 0 && S != G) ||
+      (F != 0 && (F < G || F % S != 0 || (per & (per - 1)) != 0)))
+    return "want scales[P, S, 1 or 2, 64] and factors[P, 0, ., 64] with S = ceil(K / group), or factors[P, F, ., "
+           "64] with F >= ceil(K / group) a power-of-two multiple of S";
   side.base.half = half;
-  side.base.factor = fd[1] ? factor : nullptr;
-  side.base.per = fd[1] ? G / hd[1] : 1;
+  side.base.factor = F ? factor : nullptr;
+  for (int64_t p = per; p > 1; p >>= 1) ++side.base.per_shift;
   side.base.parts = static_cast<int>(hd[2]);
   side.base.offset = offset;
   side.half_per_panel = hd[1] * hd[2] * kPanel;
@@ -549,9 +551,10 @@ inline IVec QuadCodes(const uint8_t* row, int c) {
     for (int j = 0; j < Bits - 4; ++j) {
       const uint8_t* plane = planes + j * kPanel / 2;
 #if defined(__AVX512F__) && defined(__AVX512BW__)
+      // A zero-masked move and an OR: an in-place masked add made GCC copy the vector first.
       uint64_t m;
       std::memcpy(&m, plane, 8);
-      v = (IVec)_mm512_mask_add_epi8((__m512i)v, (__mmask64)m, (__m512i)v, _mm512_set1_epi8((char)(16 << j)));
+      v = (IVec)_mm512_or_si512((__m512i)v, _mm512_maskz_mov_epi8((__mmask64)m, _mm512_set1_epi8((char)(16 << j))));
 #elif !defined(__AVX512F__) && defined(__AVX2__)
       uint32_t m;
       std::memcpy(&m, plane, 4);

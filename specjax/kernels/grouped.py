@@ -52,8 +52,9 @@ class Grouped:
     [*lead, *contracted, *out] (`transposed`: [*lead, N, K], a table multiplied by as its
     transpose and looked up by rows); `scale`, `low` float32 [*lead, S, N] (a transposed
     table's [*lead, N, S]) whose values are float16's (the kernel reads them so), S = G =
-    ceil(K / group) groups, or S super-blocks of G / S groups each when `scale_factor`
-    (and `low_factor`) int8 [*lead, G, N] are given; `low` None: the scale alone, with
+    ceil(K / group) groups, or S super-blocks of a power of two of groups each when
+    `scale_factor` (and `low_factor`) int8 [*lead, S * per, N] (at least G rows: the last
+    super-block padded) are given; `low` None: the scale alone, with
     `offset`. `panels`, `aux` [*lead, P, S, 1 or 2, PANEL] float16 and `aux_factor`
     [*lead, P, G, 1 or 2, PANEL] int8 are the kernel's (`pack_grouped`), made by
     `pack_params` where it runs, else None."""
@@ -78,6 +79,12 @@ class Grouped:
             raise ValueError(f"activations {self.activations!r}: not one of {', '.join(ACTIVATIONS)}")
         if self.bits not in BITS:
             raise ValueError(f"bits {self.bits}: not one of {BITS}")
+        if self.scale_factor is not None and hasattr(self.scale, "shape"):  # (not a pytree's placeholder)
+            axis = -1 if self.transposed else -2
+            f, s = self.scale_factor.shape[axis], self.scale.shape[axis]
+            if f % s or (f // s) & (f // s - 1):
+                raise ValueError(f"{f} group factors for {s} super-block scales: want whole super-blocks of a "
+                                 "power of two of groups")
 
     _CHILDREN = ("code", "scale", "low", "scale_factor", "low_factor", "panels", "aux", "aux_factor")
     _STATIC = ("out", "transposed", "bits", "activations", "group", "offset")
@@ -186,13 +193,13 @@ def groups_apply(code: jax.Array, scale: jax.Array, low: jax.Array | None, axis:
     along `axis` (-2: code [..., K, N], scale [..., G, N]; -1: code [..., N, K], scale
     [..., N, G]); low None: none."""
     K = code.shape[axis]
-    pad = -K % group
+    pad, G = -K % group, -(-K // group)
     c = jnp.moveaxis(code, axis, -1) if axis == -2 else code  # [..., N, K]
-    s = jnp.swapaxes(scale, -1, -2) if axis == -2 else scale  # [..., N, G]
+    s = (jnp.swapaxes(scale, -1, -2) if axis == -2 else scale)[..., :G]  # [..., N, G] (a padded super-block cut)
     c = jnp.pad(c, [(0, 0)] * (c.ndim - 1) + [(0, pad)]).astype(jnp.float32) - offset
     w = c.reshape(*c.shape[:-1], -1, group) * s[..., None]
     if low is not None:
-        w = w + (jnp.swapaxes(low, -1, -2) if axis == -2 else low)[..., None]
+        w = w + (jnp.swapaxes(low, -1, -2) if axis == -2 else low)[..., :G, None]
     w = w.reshape(*c.shape[:-1], -1)[..., :K]
     return jnp.moveaxis(w, -1, -2) if axis == -2 else w
 
@@ -291,8 +298,8 @@ def pack_grouped(w: Grouped) -> tuple[jax.Array, jax.Array, jax.Array]:
     [*lead, P, K, row bytes] uint8 (float activations) or the A8 quad-rows [*lead, P,
     ceil(K/32) * 8, quad-row bytes] (K padded with zero codes, which zero inputs multiply);
     aux [*lead, P, S, parts, PANEL] float16 the scales (then minimums: parts 2), aux_factor
-    [*lead, P, G, parts, PANEL] int8 the two-level factors (G = 0: one level). Columns past N
-    are zeros."""
+    [*lead, P, S * per, parts, PANEL] int8 the two-level factors of S super-blocks of `per`
+    groups (0 rows: one level). Columns past N are zeros."""
     def untransposed(a):
         return None if a is None else jnp.swapaxes(a, -1, -2)
     if w.transposed:
@@ -319,10 +326,11 @@ def pack_grouped(w: Grouped) -> tuple[jax.Array, jax.Array, jax.Array]:
     tops = [scale] if low is None else [scale, low]
     if sf is None:
         aux, aux_factor = by_panel(tops, G, jnp.float16), jnp.zeros((*lead_shape, P, 0, len(tops), PANEL), jnp.int8)
-    else:
+    else:  # whole super-blocks of factors (the last one padded with zeros)
         per = sf.shape[-2] // scale.shape[-2]
-        aux = by_panel(tops, -(-G // per), jnp.float16)
-        aux_factor = by_panel([sf] if low is None else [sf, lf], G, jnp.int8)
+        S = -(-G // per)
+        aux = by_panel(tops, S, jnp.float16)
+        aux_factor = by_panel([sf] if low is None else [sf, lf], S * per, jnp.int8)
     c = jnp.pad(code, [(0, 0)] * lead + [(0, Kp - K), (0, P * PANEL - N)])
     if a8:
         c = jnp.moveaxis(c.reshape(*lead_shape, Kp // 4, 4, P, PANEL), -2, -4)  # [*lead, P, Q, 4, PANEL]

@@ -85,7 +85,7 @@ def random_grouped(type_name: str, K: int, N: int, rng, activations: str = "floa
         return (rng.uniform(0.5, 1.5, shape) * rng.choice([-1, 1], shape) * size).astype(np.float16).astype(np.float32)
     scale = half((S, N), 1 / (2 ** c.bits * K ** 0.5 * (64 if two else 1)))
     low = half((S, N), 1 / (K ** 0.5 * (64 if two else 1))) if c.minimums else None
-    factor = lambda: rng.integers(-128, 128, (G, N)).astype(np.int8) if two else None  # noqa: E731
+    factor = lambda: rng.integers(-128, 128, (S * c.per, N)).astype(np.int8) if two else None  # noqa: E731
     sf, lf = factor(), factor() if c.minimums else None
     code = rng.integers(0, 2 ** c.bits, (K, N)).astype(np.uint8)
     arrays = dict(code=code, scale=scale, low=low, scale_factor=sf, low_factor=lf)
@@ -185,9 +185,10 @@ GGUF_ROWS = (1, 4, 5, 8, 13, LONG)  # for the GGUF forms (every T: the slow per-
 
 SHAPES = [(1, 1), (3, 17), (33, 47), (7, 130), (64, 64), (129, 200), (301, 1000)]
 # The GGUF forms share the int4 / 8-bit code paths but for their bits and groups: one shape
-# each, a short last group (one level) or two super-blocks (K-quants), and a partial panel.
+# each, a short last group (one level) or two super-blocks (K-quants), and a partial panel;
+# Q4_K and Q6_K also with a last super-block cut short (K = 300: the format takes any K).
 A8_SHAPES = {"w4a8": SHAPES[1:], "w8a8": SHAPES[1:],
-             **{t + suffix: [(100, 150) if CODECS[t].per == 1 else (512, 150)]
+             **{t + suffix: [(100, 150)] if CODECS[t].per == 1 else [(512, 150)] + [(300, 70)] * (t in ("Q4_K", "Q6_K"))
                 for t in GGUF_FORMS for suffix in ("", "/a8")}}
 ROW_BYTES = {4: 32, 5: 40, 6: 48, 8: 64}  # per panel row of 64 columns: nibbles, then a bit plane per bit above 4
 QUAD_BYTES = {4: 128, 5: 160, 6: 192, 8: 256}  # per A8 quad-row: 4 inputs of 64 columns
@@ -219,11 +220,11 @@ def test_kernel_and_xla_path_match_float64_of_the_dequantized_weight(kind, K, N)
         shape = (P, Kp // 4, QUAD_BYTES[qw.bits]) if a8 else (P, K, ROW_BYTES[qw.bits])
         assert packed.panels.dtype == jnp.uint8 and packed.panels.shape == shape
         G = -(-Kp // qw.group)
-        two = qw.scale_factor is not None
+        per = CODECS[kind.split("/")[0]].per if kind.split("/")[0] in CODECS else 1
         parts = 1 if qw.low is None else 2
         assert packed.aux.dtype == jnp.float16 and packed.aux_factor.dtype == jnp.int8
-        assert packed.aux.shape == (P, -(-G // (G // qw.scale.shape[0])) if two else G, parts, 64)
-        assert packed.aux_factor.shape == (P, G if two else 0, parts, 64)
+        assert packed.aux.shape == (P, -(-G // per), parts, 64)
+        assert packed.aux_factor.shape == (P, -(-G // per) * per if per > 1 else 0, parts, 64)
     deq = dequantized(qw)
     x_all = rng.standard_normal((LONG, K)).astype(np.float32)
     lowered = jax.jit(lambda x, w: kernels.project("TK,KN->TN", x, w, ON))
