@@ -400,7 +400,7 @@ class GGUFWeights:
 
     def tensor(self, name: str, index=None) -> Union[np.ndarray, Blocks]:
         """HF tensor `name`[index] (a tuple of unit-step slices): float values, or the
-        lossless types' Blocks where `index` covers whole blocks of every row it takes."""
+        Blocks of the types with a codec where `index` covers whole blocks of every row it takes."""
         f, gname = self.file, gguf_name(name)
         shape = f.shape(gname)
         index = tuple(slice(None) for _ in shape) if index is None else tuple(index)
@@ -490,9 +490,9 @@ def load(path, mesh, *, param_dtype: Optional[str] = None, compute_dtype: Option
          scan_layers: bool = False, quantize: Optional[str] = None):
     """(LM, tokenizer or None) of a GGUF file, the params sharded on `mesh` as
     `sharding.RULES` says, each device's slice read from the memory map. With a quantized
-    kind `quantize` (`model.QUANTIZE`), the file's Q8_0/Q4_0/Q4_1 weights are taken as
-    stored (`stored_maker`), never read as floats; the rest stay float (`LM.quantized`
-    quantizes them). Every problem a file can have is a one-line UsageError raised before
+    kind `quantize` (`model.QUANTIZE`), the file's weights of the types with a codec are
+    taken as stored (`stored_maker`), never read as floats; the rest stay float
+    (`LM.quantized` quantizes them). Every problem a file can have is a one-line UsageError raised before
     any device work."""
     lm, tok, _ = load_with_stats(path, mesh, param_dtype=param_dtype, compute_dtype=compute_dtype,
                                  scan_layers=scan_layers, quantize=quantize)
