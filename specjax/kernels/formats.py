@@ -40,6 +40,7 @@ import pathlib
 import jax
 import jax.numpy as jnp
 
+from specjax.config import QUANTIZATIONS
 from specjax.kernels import dispatch
 from specjax.kernels.grouped import PANEL, Grouped, pack_grouped, quantize_int4
 from specjax.kernels.setting import Kernels
@@ -279,10 +280,10 @@ def group_sharding(where: jax.sharding.NamedSharding, lead: int, contracted: int
     return jax.sharding.NamedSharding(where.mesh, jax.sharding.PartitionSpec(*parts))
 
 
-QUANTIZERS = {"int8": quantize_int8, "int4": quantize_int4,
-              "w4a8": functools.partial(quantize_int4, activations="int8"),
-              "w8a8": functools.partial(quantize_int4, bits=8, activations="int8")}
-A8_KINDS = ("w4a8", "w8a8")  # the kinds whose weights multiply int8 activations
+# `config.QUANTIZATIONS`, each kind's quantizer: per-channel int8, or groups of its bits.
+QUANTIZERS = {q.name: functools.partial(quantize_int4, bits=q.bits, activations=q.activations) if q.grouped
+              else quantize_int8 for q in QUANTIZATIONS.values()}
+A8_KINDS = tuple(q.name for q in QUANTIZATIONS.values() if q.activations == "int8")  # multiply int8 activations
 QUANTIZED = (Int8, Grouped)  # the quantized formats
 
 

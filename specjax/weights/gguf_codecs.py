@@ -5,10 +5,11 @@ so a file's quantized tensors are read as stored, never through a float copy.
 Every entry is a `Codec`: the codes' width, the inputs per scale (`group`), the offset of
 symmetric blocks (or minimums), the groups per float16 scale (`per`: 1, or the K-quants'
 super-block of 256 inputs, whose groups carry integer factors), how many leading bytes of a
-block hold all its scales (a scale-only read), and `unpack`, [rows, blocks, bytes] -> the
-arrays. Adding a type is one entry and its `unpack` here; the reader (`gguf.py`), the weight
-format and the CPU kernel take it from there, for any (bits, group) the kernel reads
-(`kernels.dispatch.GROUPED_FORMATS`; another one runs through XLA's dots).
+block hold all its scales (a scale-only read), which float16 fields a big-endian file swaps,
+and `unpack`, [rows, blocks, bytes] -> the arrays. Adding a type is one entry and its
+`unpack` here; the reader (`gguf.py`), the weight format and the CPU kernel take it from
+there, for any (bits, group) the kernel reads (`kernels.dispatch.GROUPED_FORMATS`; another
+one runs through XLA's dots).
 
 The values are the `gguf` package's own dequantization exactly (tests/weights/test_gguf_codecs.py):
 every product of a code and a scale is exact in float32 (a float16 scale's 11-bit
@@ -134,6 +135,10 @@ class Codec:
     unpack: Callable
     per: int = 1  # groups per float16 scale: 1, or the groups of a K-quant super-block (then integer factors)
     head: Optional[int] = None  # leading bytes holding every scale of a block (None: they are spread over it)
+    # The float16 fields of a block that a big-endian file stores big-endian (what the gguf
+    # package's byte-order converter, gguf_convert_endian.py, swaps); None: it does not
+    # convert the type, so no big-endian file says how such blocks are stored (refused).
+    big_endian: Optional[tuple[int, ...]] = None
 
     @property
     def block(self) -> int:
@@ -147,16 +152,16 @@ class Codec:
 
 
 CODECS = {  # type: its bytes per block, the form its blocks keep, the unpacking
-    "Q8_0": Codec(34, bits=8, group=32, offset=128, minimums=False, unpack=_q8_0, head=2),
-    "Q4_0": Codec(18, bits=4, group=32, offset=8, minimums=False, unpack=_q4_0, head=2),
+    "Q8_0": Codec(34, bits=8, group=32, offset=128, minimums=False, unpack=_q8_0, head=2, big_endian=(0,)),
+    "Q4_0": Codec(18, bits=4, group=32, offset=8, minimums=False, unpack=_q4_0, head=2, big_endian=(0,)),
     "Q4_1": Codec(20, bits=4, group=32, offset=0, minimums=True, unpack=_q4_1, head=4),
     "Q5_0": Codec(22, bits=5, group=32, offset=16, minimums=False, unpack=_q5_0, head=2),
     "Q5_1": Codec(24, bits=5, group=32, offset=0, minimums=True, unpack=_q5_1, head=4),
     "Q2_K": Codec(84, bits=4, group=16, offset=0, minimums=True, unpack=_q2_k, per=16),
     "Q3_K": Codec(110, bits=4, group=16, offset=4, minimums=False, unpack=_q3_k, per=16),
-    "Q4_K": Codec(144, bits=4, group=32, offset=0, minimums=True, unpack=_q4_k, per=8, head=16),
+    "Q4_K": Codec(144, bits=4, group=32, offset=0, minimums=True, unpack=_q4_k, per=8, head=16, big_endian=(0, 2)),
     "Q5_K": Codec(176, bits=5, group=32, offset=0, minimums=True, unpack=_q5_k, per=8, head=16),
-    "Q6_K": Codec(210, bits=6, group=16, offset=32, minimums=False, unpack=_q6_k, per=16),
+    "Q6_K": Codec(210, bits=6, group=16, offset=32, minimums=False, unpack=_q6_k, per=16, big_endian=(208,)),
 }
 
 
