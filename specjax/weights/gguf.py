@@ -33,12 +33,13 @@ rotate-half pairs (i, i + H/2) that transformers' Llama rotates to the adjacent 
 (2i, 2i + 1) its own rotary kernel rotates; `unpermute` undoes it exactly (transformers'
 GGUF loader does the same), on raw blocks as well, since it only reorders rows.
 
-Types. F32, F16 and BF16 are floats. Q8_0, Q4_0 and Q4_1 are unpacked by `unpack` into
-integer codes with a float16 scale (and min) per block of 32 along the input dimension
-(`Blocks`), the form a quantized weight keeps; for now the model dequantizes them to its
-float param_dtype. Every other type the `gguf` package can dequantize (the K-quants, the
-IQ types, Q5_0, Q5_1, ...) is dequantized to the compute dtype, which is said once on
-stderr. Only local files: the reader memory-maps them.
+Types. F32, F16 and BF16 are floats. Every type with a codec (`gguf_codecs.CODECS`: Q8_0,
+Q4_0, Q4_1, Q5_0, Q5_1 and the K-quants Q2_K..Q6_K) is unpacked into integer codes with
+their scales (`Blocks`), the form a quantized weight keeps (`stored_maker`, with
+`--quantize`); without it the model dequantizes them to its float param_dtype, exactly.
+Every other type the `gguf` package can dequantize (the IQ types, ...) is dequantized to
+the compute dtype, which is said once on stderr. Only local files: the reader memory-maps
+them.
 """
 from __future__ import annotations
 
@@ -58,11 +59,11 @@ from specjax.config import ConfigError, ModelConfig, UsageError
 from specjax.weights import arch, hf, hf_files
 from specjax.weights.arch.common import LLAMA, Tensor
 from specjax.weights.gguf_meta import BOOL, INT, INTS, NUMBER, NUMBERS, TEXT, TEXTS, Metadata
+from specjax.weights.gguf_codecs import CODECS, Blocks, unpack
 from specjax.weights.tokenizer import HFTokenizer
 
 FLOAT_TYPES = ("F32", "F16", "BF16", "F64")
-LOSSLESS_TYPES = ("Q8_0", "Q4_0", "Q4_1")  # map onto int8 / int4 weights without changing a value
-BLOCK = 32  # values per block of the lossless types
+LOSSLESS_TYPES = tuple(CODECS)  # kept as stored, value for value (`gguf_codecs`)
 
 # Tensors a file may hold that are not weights of the model (recomputed or folded in).
 KNOWN_EXTRA = ("rope_freqs.weight",)
@@ -89,70 +90,9 @@ def _gguf():
 # --------------------------------------------------------------------------- blocks
 
 
-@dataclasses.dataclass(frozen=True)
-class Blocks:
-    """A block-quantized weight, value = codes * scale + min, in the file's layout: rows
-    are outputs, and each run of BLOCK codes along a row (the input dimension) shares one
-    scale and one min. Scales and mins are the file's float16 values, exactly."""
-
-    codes: np.ndarray  # int8 [rows, cols]: Q8_0 in [-128, 127], Q4_0 in [-8, 7], Q4_1 in [0, 15]
-    scales: np.ndarray  # float16 [rows, cols // BLOCK]
-    mins: Optional[np.ndarray]  # float16 [rows, cols // BLOCK], or None (symmetric: Q8_0, Q4_0)
-    bits: int  # 8 or 4
-
-    @property
-    def shape(self) -> tuple[int, int]:
-        return self.codes.shape
-
-    def dequantize(self) -> np.ndarray:
-        """float32 values, computed as ggml does (one float32 product, then the min)."""
-        rows, cols = self.codes.shape
-        grouped = self.codes.reshape(rows, cols // BLOCK, BLOCK).astype(np.float32)
-        out = grouped * self.scales.astype(np.float32)[..., None]
-        if self.mins is not None:
-            out = out + self.mins.astype(np.float32)[..., None]
-        return out.reshape(rows, cols)
-
-    def rows(self, index) -> "Blocks":
-        take = lambda a: None if a is None else a[index]  # noqa: E731
-        return Blocks(self.codes[index], self.scales[index], take(self.mins), self.bits)
-
-
-def _nibbles(qs: np.ndarray) -> np.ndarray:
-    """[n, 16] bytes of packed 4-bit codes -> [n, 32]: ggml puts value j in the low nibble
-    of byte j and value j + 16 in its high nibble."""
-    return np.concatenate([qs & 0x0F, qs >> 4], axis=-1)
-
-
-def _unpack_q8_0(b):  # 2-byte float16 scale, 32 int8 codes
-    return b[..., 2:].view(np.int8), b[..., :2].copy().view(np.float16)[..., 0], None, 8
-
-
-def _unpack_q4_0(b):  # 2-byte scale, 16 bytes of codes offset by 8
-    return (_nibbles(b[..., 2:]).astype(np.int8) - 8, b[..., :2].copy().view(np.float16)[..., 0], None, 4)
-
-
-def _unpack_q4_1(b):  # 2-byte scale, 2-byte min, 16 bytes of codes
-    return (_nibbles(b[..., 4:]).astype(np.int8), b[..., :2].copy().view(np.float16)[..., 0],
-            b[..., 2:4].copy().view(np.float16)[..., 0], 4)
-
-
-UNPACK = {"Q8_0": _unpack_q8_0, "Q4_0": _unpack_q4_0, "Q4_1": _unpack_q4_1}
-
-
-def unpack(type_name: str, raw: np.ndarray) -> Blocks:
-    """The Blocks of a [rows, bytes] uint8 array of Q8_0, Q4_0 or Q4_1 blocks."""
-    gguf = _gguf()
-    block, size = gguf.GGML_QUANT_SIZES[gguf.GGMLQuantizationType[type_name]]
-    rows = raw.shape[0]
-    blocks = np.ascontiguousarray(raw).reshape(rows, -1, size)
-    codes, scales, mins, bits = UNPACK[type_name](blocks)
-    return Blocks(np.ascontiguousarray(codes).reshape(rows, -1), scales, mins, bits)
-
-
 def decode(type_name: str, raw: np.ndarray) -> Union[np.ndarray, Blocks]:
     """A [rows, bytes] uint8 slice of whole blocks as values: a float array for the float
-    types, `Blocks` for the lossless quantized ones, float32 for every other type."""
+    types, `Blocks` for the types with a codec, float32 for every other type."""
     if type_name == "F32":
         return raw.view(np.float32)
     if type_name == "F16":
@@ -161,7 +101,7 @@ def decode(type_name: str, raw: np.ndarray) -> Union[np.ndarray, Blocks]:
         return raw.view(ml_dtypes.bfloat16)
     if type_name == "F64":
         return raw.view(np.float64).astype(np.float32)
-    if type_name in UNPACK:
+    if type_name in CODECS:
         return unpack(type_name, raw)
     gguf = _gguf()
     return gguf.quants.dequantize(np.ascontiguousarray(raw), gguf.GGMLQuantizationType[type_name])
@@ -209,9 +149,10 @@ class _Reader:
 
 SUPPORTED_VERSIONS = (2, 3)  # the gguf package's reader's, and llama.cpp's
 # The 2-byte float16 fields inside each block of a type, which a big-endian file stores
-# big-endian (what gguf_convert_endian.py, the gguf package's byte-order converter, swaps);
-# the float types are swapped element by element. Other types are refused in such a file.
-BIG_ENDIAN_HALVES = {"Q8_0": (0,), "Q4_0": (0,)}
+# big-endian (`Codec.big_endian`: what gguf_convert_endian.py, the gguf package's byte-order
+# converter, swaps); the float types are swapped element by element. Other types are refused
+# in such a file.
+BIG_ENDIAN_HALVES = {t: c.big_endian for t, c in CODECS.items() if c.big_endian is not None}
 _FLOAT_BYTES = {"F32": 4, "F16": 2, "BF16": 2, "F64": 8}
 
 
@@ -324,16 +265,18 @@ class GGUFFile:
         return out, slice(cols.start - first * block, cols.stop - first * block)
 
     def block_heads(self, name: str, rows: slice, blocks: slice) -> np.ndarray:
-        """The first bytes of blocks `blocks` of rows `rows` of a Q8_0, Q4_0 (2: the
-        float16 scale) or Q4_1 (4: scale, min) tensor, [rows, blocks, 2 or 4] uint8,
-        copied out of the memory map (counted in `bytes_read` as those bytes alone)."""
+        """Blocks `blocks` of rows `rows` of a tensor whose type has a codec, [rows, blocks,
+        bytes] uint8, with only the leading bytes that hold the blocks' scales copied out of
+        the memory map (`Codec.head`; the rest zeros), counted in `bytes_read` as those
+        bytes alone; a type whose scales are spread over its blocks is read whole."""
         t = self.tensors[name]
         _, size = _gguf().GGML_QUANT_SIZES[t.tensor_type]
+        head = CODECS[self.type_name(name)].head or size
         data = t.data.view(np.uint8)
         blocks_of = data.reshape(data.shape[0], -1, size)[rows, blocks]
-        head = blocks_of[..., :4 if self.type_name(name) == "Q4_1" else 2]
-        out = self._little_endian(t.tensor_type.name, np.array(head))
-        self.bytes_read += out.nbytes
+        out = np.zeros(blocks_of.shape, np.uint8)
+        out[..., :head] = self._little_endian(t.tensor_type.name, np.array(blocks_of[..., :head]))
+        self.bytes_read += head * math.prod(blocks_of.shape[:-1])
         self._release(t)
         return out
 
@@ -530,7 +473,7 @@ class GGUFWeights:
 
     def tensor(self, name: str, index=None) -> Union[np.ndarray, Blocks]:
         """HF tensor `name`[index] (a tuple of unit-step slices): float values, or the
-        lossless types' Blocks where `index` covers whole blocks of every row it takes."""
+        Blocks of the types with a codec where `index` covers whole blocks of every row it takes."""
         f, gname = self.file, self.name(name)
         shape = f.shape(gname)
         index = tuple(slice(None) for _ in shape) if index is None else tuple(index)
@@ -562,19 +505,15 @@ class GGUFWeights:
             return value.rows(taken) if isinstance(value, Blocks) else value[taken]
         return read_rows, finish
 
-    def block_scales(self, name: str, index) -> tuple[np.ndarray, np.ndarray]:
-        """(scale, low) float32 [rows, blocks] of HF tensor `name`'s rows and blocks
-        `index` (Q8_0, Q4_0 or Q4_1), as `_stored_arrays` makes them, read from the
-        blocks' scale (and min) bytes alone."""
+    def block_scales(self, name: str, index) -> Blocks:
+        """The Blocks of HF tensor `name`'s rows and blocks `index` read from the blocks'
+        scale bytes alone (`GGUFFile.block_heads`): their scales, minimums and factors are
+        the file's, their codes not."""
         f, gname = self.file, self.name(name)
         rows, blocks = index
         read_rows, finish = self._rows(gname, rows, f.shape(gname)[0])
-        head = f.block_heads(gname, read_rows, blocks)  # [rows, blocks, 2 or 4] bytes
-        scale = finish(head[..., :2].copy().view(np.float16)[..., 0]).astype(np.float32)
-        t = f.type_name(gname)
-        low = (np.zeros_like(scale) if t == "Q8_0" else -8 * scale if t == "Q4_0"
-               else finish(head[..., 2:4].copy().view(np.float16)[..., 0]).astype(np.float32))
-        return scale, low
+        heads = f.block_heads(gname, read_rows, blocks)
+        return finish(unpack(f.type_name(gname), heads))
 
     def read(self, name: str, index=None) -> np.ndarray:
         return as_float(self.tensor(name, index))
@@ -608,8 +547,8 @@ class GGUFWeights:
         if others and (f.path, cfg.compute_dtype) not in _SAID and jax.process_index() == 0:
             _SAID.add((f.path, cfg.compute_dtype))
             print(f"specjax: {os.path.basename(f.path)}: {', '.join(others)} tensors are dequantized to "
-                  f"{cfg.compute_dtype} (only F32, F16, BF16, Q8_0, Q4_0 and Q4_1 have an exact weight format)",
-                  file=sys.stderr)
+                  f"{cfg.compute_dtype} (only F32, F16, BF16, {', '.join(LOSSLESS_TYPES)} have an exact weight "
+                  "format)", file=sys.stderr)
 
     def nbytes(self, cfg: ModelConfig) -> int:
         return sum(int(self.file.tensors[self.name(n)].n_bytes) for n in hf.expected_tensors(cfg, self.tensors))
@@ -624,9 +563,9 @@ def load(path, mesh, *, param_dtype: Optional[str] = None, compute_dtype: Option
          scan_layers: bool = False, quantize: Optional[str] = None):
     """(LM, tokenizer or None) of a GGUF file, the params sharded on `mesh` as
     `sharding.RULES` says, each device's slice read from the memory map. With a quantized
-    kind `quantize` (`model.QUANTIZE`), the file's Q8_0/Q4_0/Q4_1 weights are taken as
-    stored (`stored_maker`), never read as floats; the rest stay float (`LM.quantized`
-    quantizes them). Every problem a file can have is a one-line UsageError raised before
+    kind `quantize` (`model.QUANTIZE`), the file's weights of the types with a codec are
+    taken as stored (`stored_maker`), never read as floats; the rest stay float
+    (`LM.quantized` quantizes them). Every problem a file can have is a one-line UsageError raised before
     any device work."""
     lm, tok, _ = load_with_stats(path, mesh, param_dtype=param_dtype, compute_dtype=compute_dtype,
                                  scan_layers=scan_layers, quantize=quantize)
@@ -670,17 +609,6 @@ def take_stored(lm, path, kind: Optional[str]):
     return dataclasses.replace(lm, params=params)
 
 
-def _stored_arrays(b: Blocks) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-    """(code, scale, low) of `b` in the file's layout ([rows, cols], [rows, cols / BLOCK]
-    twice) as a `Grouped` holds them: Q8_0's 8-bit codes with min 0; Q4_1 as it is; Q4_0's
-    codes -8..7 as 0..15 with min = -8 scale (exact: a power of two)."""
-    scale = b.scales.astype(np.float32)
-    if b.bits == 8:
-        return b.codes, scale, np.zeros_like(scale)
-    code = (b.codes + (8 if b.mins is None else 0)).astype(np.uint8)
-    return code, scale, -8 * scale if b.mins is None else b.mins.astype(np.float32)
-
-
 @functools.lru_cache(maxsize=None)
 def _swap_last(out):
     """The last two axes swapped on the devices, into sharding `out`: one program per
@@ -692,21 +620,20 @@ def _swap_last(out):
 def stored_maker(cfg: ModelConfig, path, kind: str):
     """`make(tree_path, variable)`: the variable with its weight as stored in the GGUF file
     `path` for the model `cfg` (`kv_heads.for_mesh`'s), or None where it is not taken (a
-    norm; a tensor of another type; a stack of layers of mixed types or code widths: each
-    stays float, quantized from its values by `LM.quantized(kind)`). The variable's array
-    (a loaded float one, or an abstract one) gives the shape and sharding. Every Q8_0, Q4_0
-    and Q4_1 projection, unembedding and embedding becomes a `kernels.Grouped` of the
-    file's own codes, scales and minimums, re-blocked into specjax's layout without
-    changing a value; with 'w4a8' or 'w8a8' it multiplies activations rounded to int8, as
-    llama.cpp multiplies them. The codes are placed as the float weight is, the scales and
-    minimums as `LM.quantized` places a grouped weight's; stacked layers (scan) take every
-    layer's blocks; duplicated kv heads repeat the file's heads' blocks as the float load
-    repeats their rows. Each process reads only the blocks of the boxes its own devices
-    hold (`hf.read_once`), once: codes, scales and minimums of a box come from one read of
-    its blocks, and scales held beyond a process's codes (a matrix with too few groups to
-    split) from their blocks' scale bytes alone. A column split inside a block reads that
-    block on both sides."""
-    import jax
+    norm; a tensor of a type with no codec; a stack of layers whose types keep different
+    forms: each stays float, quantized from its values by `LM.quantized(kind)`). The
+    variable's array (a loaded float one, or an abstract one) gives the shape and sharding.
+    Every projection, unembedding and embedding of a type in `gguf_codecs.CODECS` becomes a
+    `kernels.Grouped` of the file's own codes, scales, minimums and factors, re-blocked into
+    specjax's layout without changing a value; with 'w4a8' or 'w8a8' it multiplies
+    activations rounded to int8, as llama.cpp multiplies them. The codes are placed as the
+    float weight is, the scales and factors as `LM.quantized` places a grouped weight's;
+    stacked layers (scan) take every layer's blocks; duplicated kv heads repeat the file's
+    heads' blocks as the float load repeats their rows. Each process reads only the blocks
+    of the boxes its own devices hold (`hf.read_once`), once: codes and scales of a box
+    come from one read of its blocks, and scales held beyond a process's codes (a matrix
+    with too few groups to split) from their blocks' scale bytes alone. A column split
+    inside a block reads that block on both sides."""
     from jax.sharding import NamedSharding, PartitionSpec as P
 
     from specjax import kv_heads
@@ -724,55 +651,74 @@ def stored_maker(cfg: ModelConfig, path, kind: str):
         stacked = layer is None and name.startswith("model.layers.")
         names = [name.format(i=i) for i in range(shape[0])] if stacked else [name.format(i=layer)]
         types = {weights.file.type_name(weights.name(n)) for n in names}
-        if not types <= set(LOSSLESS_TYPES) or len({t == "Q8_0" for t in types}) > 1:
-            return None  # one Grouped has one code width
+        if not types <= set(CODECS) or len({CODECS[t].form for t in types}) > 1:
+            return None  # one Grouped has one form
+        codec = CODECS[min(types)]
+        block = max(CODECS[t].block for t in types)
         lead = int(stacked)
         spec = tuple(where.spec) + (None,) * (len(shape) - len(where.spec))
         rows, cols = hf_shapes[names[0]]
-        G = -(-cols // BLOCK)
-        code_hf, scale_hf = (len(names),) * lead + (rows, cols), (len(names),) * lead + (rows, G)
-        code_at = NamedSharding(where.mesh, P(*spec[:lead], *hf.hf_spec(layout, spec[lead:])))
         transposed = layout == "same"
         axes = 1 if transposed else contracted[key.rsplit("/", 1)[-1]][0]
-        groups = group_sharding(where, lead, axes, len(shape), transposed,
-                                scale_hf if transposed else (len(names),) * lead + (G, rows))
-        g = tuple(groups.spec) + (None,) * (lead + 2 - len(groups.spec))
-        scale_at = groups if transposed else NamedSharding(where.mesh, P(*g[:lead], g[lead + 1], g[lead]))
+        # What is read, as Blocks fields, each [*lead, rows, width] in the file's layout, with the
+        # values each entry of a row covers.
+        units = {"codes": 1, "scale": codec.group * codec.per}
+        if codec.minimums:
+            units["low"] = units["scale"]
+        if codec.per > 1:
+            units.update({"scale_factor": codec.group, **({"low_factor": codec.group} if codec.minimums else {})})
         # Duplicated kv heads: the file's heads' blocks repeated as the float load repeats their rows.
         source = hf.kv_source(c, H, stacked) if kv_heads.is_kv(key) and c > 1 else None
 
-        boxes: dict = {}  # (layer name, rows, first block, last block) -> (code, scale, low) read for the codes
-        alone: dict = {}  # (layer name, rows, blocks) -> (None, scale, low) read from the scale bytes alone
+        boxes: dict = {}  # (layer name, rows, first block, last block) -> Blocks read for the codes
+        alone: dict = {}  # the same from the blocks' scale bytes alone
 
-        def read(part: int, box):
+        def read(part: str, box):
+            unit = units[part]
+
             def layer_box(n, r, cs):
-                if part == 0:  # the blocks covering the columns, then the columns' codes
-                    first, last = cs.start // BLOCK, -(-cs.stop // BLOCK)
-                    b = weights.tensor(n, (r, slice(first * BLOCK, min(last * BLOCK, cols))))
-                    boxes[n, r.start, r.stop, first, last] = arrays = _stored_arrays(b)
-                    return arrays[0][:, cs.start - first * BLOCK:cs.stop - first * BLOCK]
-                near = [(f, z) for (m, a, e, f, z) in boxes if (m, a, e) == (n, r.start, r.stop)
-                        and f <= cs.start and cs.stop <= z]
-                if near:
-                    f, z = near[0]
-                    return boxes[n, r.start, r.stop, f, z][part][:, cs.start - f:cs.stop - f]
-                at = (n, r.start, r.stop, cs.start, cs.stop)  # the minimums come with the scales
-                if at not in alone:
-                    alone[at] = (None, *weights.block_scales(n, (r, cs)))
-                return alone[at][part]
+                first, last = cs.start * unit // block, -(-min(cs.stop * unit, cols) // block)
+                skip = cs.start - first * block // unit
+                if part == "codes":  # the blocks covering the columns, then the columns' codes
+                    b = weights.tensor(n, (r, slice(first * block, min(last * block, cols))))
+                    boxes[n, r.start, r.stop, first, last] = b
+                else:
+                    near = [(f, z) for (m, a, e, f, z) in boxes if (m, a, e) == (n, r.start, r.stop)
+                            and f <= first and last <= z]
+                    if near:
+                        f, z = near[0]
+                        b, skip = boxes[n, r.start, r.stop, f, z], cs.start - f * block // unit
+                    else:
+                        at = (n, r.start, r.stop, first, last)
+                        if at not in alone:
+                            alone[at] = weights.block_scales(n, (r, slice(first, last)))
+                        b = alone[at]
+                return getattr(b, part)[:, skip:skip + cs.stop - cs.start]
             if not stacked:
                 return layer_box(names[0], *box)
             return np.stack([layer_box(names[i], *box[1:]) for i in range(box[0].start, box[0].stop)])
 
-        code, scale, low = (hf.read_once(at_shape, at, functools.partial(read, part), source)
-                            for part, at, at_shape in ((0, code_at, code_hf), (1, scale_at, scale_hf),
-                                                       (2, scale_at, scale_hf)))
-        code = hf._on_device(layout, shape, code.dtype, where)(code)
-        if not transposed:  # [*lead, rows, G] -> [*lead, G, N]
-            scale, low = (_swap_last(groups)(a) for a in (scale, low))
+        arrays = {}
+        for part, unit in units.items():
+            width = -(-cols // unit)
+            hf_shape = (len(names),) * lead + (rows, width)
+            if part == "codes":
+                hf_at = NamedSharding(where.mesh, P(*spec[:lead], *hf.hf_spec(layout, spec[lead:])))
+                a = hf.read_once(hf_shape, hf_at, functools.partial(read, part), source)
+                arrays[part] = hf._on_device(layout, shape, a.dtype, where)(a)
+                continue
+            at = group_sharding(where, lead, axes, len(shape), transposed,
+                                hf_shape if transposed else (len(names),) * lead + (width, rows))
+            g = tuple(at.spec) + (None,) * (lead + 2 - len(at.spec))
+            hf_at = at if transposed else NamedSharding(where.mesh, P(*g[:lead], g[lead + 1], g[lead]))
+            a = hf.read_once(hf_shape, hf_at, functools.partial(read, part), source)
+            if not transposed:  # [*lead, rows, width] -> [*lead, width, N]
+                a = _swap_last(at)(a)
+            arrays[part] = a
         out = (shape[lead],) if transposed else tuple(shape[lead + axes:])
-        return Grouped(code, scale, low, out, transposed, bits=8 if types == {"Q8_0"} else 4,
-                       activations=activations)
+        return Grouped(arrays["codes"], arrays["scale"], arrays.get("low"), out, transposed, bits=codec.bits,
+                       activations=activations, group=codec.group, offset=codec.offset,
+                       scale_factor=arrays.get("scale_factor"), low_factor=arrays.get("low_factor"))
 
     def make(where, v):
         key, layer = hf._param_key(where)

@@ -69,17 +69,23 @@ def test_sharded_over_a_1x8_mesh(env, tmp_path):
 
 
 def test_bench_measures_a_gguf_pair_and_says_once_what_it_dequantizes(env, tmp_path):
-    """kquant.gguf (K-quant tensors: one line on stderr, once, though two models read it)
-    drafting for itself: p == q, so (nearly) every draft token is accepted."""
-    kquant = FIXTURES / "kquant.gguf"
+    """kquant.gguf (K-quants, Q5_0/Q5_1, Q8_0: every one with a codec, kept exactly) with one
+    matrix as IQ4_NL blocks (no exact weight format here: one line on stderr naming it
+    alone, once, though two models read it) drafting for itself: p == q, so (nearly) every
+    draft token is accepted."""
+    rng = np.random.default_rng(0)
+    iq4 = rng.integers(0, 256, (256, 8, 18), dtype=np.uint8)  # [rows, blocks of 32, bytes]: float16 d, 16 of codes
+    iq4[..., :2] = np.full((256, 8), 0.002, np.float16).view(np.uint8).reshape(256, 8, 2)
+    kquant = rewrite(FIXTURES / "kquant.gguf", tmp_path / "kquant_iq4.gguf",
+                     blocks={"blk.0.ffn_up.weight": ("IQ4_NL", iq4.reshape(256, -1))})
     proc = run(env, "bench", f"--gguf_target={kquant}", f"--gguf_draft={kquant}", "--lookahead=2", "--num_prompts=2",
                "--prompt_len=4", "--max_new_tokens=8", "--repeats=2", f"--json={tmp_path / 'b.json'}")
     assert proc.returncode == 0, proc.stderr[-3000:]
     report = json.loads((tmp_path / "b.json").read_text())
-    assert report["gguf_target"].endswith("kquant.gguf") and report["ars"]["ms_per_token"] > 0
+    assert report["gguf_target"].endswith("kquant_iq4.gguf") and report["ars"]["ms_per_token"] > 0
     assert [r["lookahead"] for r in report["sps"]] == [2] and report["sps"][0]["acceptance_rate"] > 0.9
     said = [line for line in proc.stderr.splitlines() if "dequantized" in line]
-    assert len(said) == 1 and "Q2_K, Q3_K, Q4_K, Q5_0, Q5_1, Q5_K, Q6_K tensors are dequantized to float32" in said[0]
+    assert len(said) == 1 and ": IQ4_NL tensors are dequantized to float32" in said[0]
 
 
 # ------------------------------------------------------------------ bad input

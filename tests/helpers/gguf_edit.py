@@ -24,11 +24,14 @@ def fixture(name: str) -> pathlib.Path:
 
 
 def rewrite(src, dst, *, drop=(), fields: Optional[dict] = None, arch: Optional[str] = None,
-            types: Optional[dict] = None, version: Optional[int] = None) -> pathlib.Path:
+            types: Optional[dict] = None, version: Optional[int] = None,
+            blocks: Optional[dict] = None) -> pathlib.Path:
     """A copy of GGUF file `src` written again with the gguf package's writer: tensors in
     `drop` left out, metadata `fields` ({key: (value, type) or (value, ARRAY, item type)
     or DROP}) added, replaced or removed, tensors of `types` ({name: GGML type name})
-    re-stored in that type (quantized by the package from the file's values)."""
+    re-stored in that type (quantized by the package from the file's values), tensors in
+    `blocks` ({name: (GGML type name, raw blocks [rows, bytes])}) written as those blocks
+    (a type the package cannot quantize)."""
     reader = gguf.GGUFReader(src)
     arch = arch or reader.fields["general.architecture"].contents()
     w = gguf.GGUFWriter(str(dst), arch)
@@ -45,7 +48,9 @@ def rewrite(src, dst, *, drop=(), fields: Optional[dict] = None, arch: Optional[
         if t.name in drop:
             continue
         data = np.array(t.data)
-        if types and t.name in types:
+        if blocks and t.name in blocks:
+            w.add_tensor(t.name, blocks[t.name][1], raw_dtype=T[blocks[t.name][0]])
+        elif types and t.name in types:
             values = gguf.quants.dequantize(data, t.tensor_type).astype(np.float32)
             new = T[types[t.name]]
             if new == T.F32:

