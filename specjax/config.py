@@ -132,6 +132,11 @@ class ModelConfig:
     # duplication, set at load time by `kv_heads.for_mesh`, never in a config file): the
     # model's own kv heads are num_kv_heads // kv_copies.
     kv_copies: int = 1
+    # A parallel draft model (PARD, An et al. 2025, arXiv 2504.18583; the drafter 'parallel'):
+    # the most tokens it proposes from one forward, the pending token followed by that many
+    # less one mask tokens (id vocab_size, whose input embedding is one extra learned row);
+    # 0: an ordinary LM, without the mask embedding.
+    parallel_draft: int = 0
 
     def __post_init__(self):
         _plain_numbers(self)
@@ -158,6 +163,7 @@ class ModelConfig:
         _choice(self, "param_dtype", {"float32", "bfloat16", "float16"})
         _choice(self, "compute_dtype", {"float32", "bfloat16", "float16"})
         _positive(self, "kv_copies")
+        _integer(self, "parallel_draft", 0, hint=" (0: an ordinary LM; K > 0: drafts K tokens in one forward)")
         if self.num_kv_heads % self.kv_copies:
             raise ConfigError(f"ModelConfig.num_kv_heads={self.num_kv_heads} is not a multiple of "
                               f"kv_copies={self.kv_copies}")
@@ -181,7 +187,7 @@ class ModelConfig:
         attn = D * N * H * 2 + D * K * H * 2
         ffw = D * F * (3 if self.ffw == "swiglu" else 2)
         rel = (D * N * H + 2 * N * H) if self.pos_encoding == "relative" else 0
-        embed = V * D * (1 if self.tie_embeddings else 2)
+        embed = V * D * (1 if self.tie_embeddings else 2) + (D if self.parallel_draft else 0)
         return L * (attn + ffw + rel + 2 * D) + embed + D
 
 
@@ -211,9 +217,9 @@ MAX_NUM_DRAFTS = 16
 MAX_TREE_NODES = 64  # num_drafts * lookahead
 
 VERIFY_RULES = ("block", "tokenwise")
-DRAFTERS = ("model", "ngram", "retrieval", "hybrid", "medusa", "eagle")
+DRAFTERS = ("model", "ngram", "retrieval", "hybrid", "medusa", "eagle", "parallel")
 # The drafters that draw several independent chains per loop (each chain a fresh draw).
-SEVERAL_CHAINS = ("model", "hybrid", "medusa")
+SEVERAL_CHAINS = ("model", "hybrid", "medusa", "parallel")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -238,7 +244,7 @@ class SamplingConfig:
     eos_id: Union[int, tuple[int, ...], None] = None
     verify: str = "block"  # 'block' (Sun et al. 2025: jointly, never worse) | 'tokenwise' (the paper's rule)
     # 'model' | 'ngram' (prompt lookup) | 'retrieval' (a datastore) | 'hybrid' | 'medusa' | 'eagle' (heads on
-    # the target: `specjax.heads`)
+    # the target: `specjax.heads`) | 'parallel' (a draft model with mask tokens: K tokens from one forward)
     drafter: str = "model"
     ngram: int = 3  # longest context suffix the lookup drafters match (shorter ones down to 1 as fallback)
     draft_confidence: float = 0.0  # > 0: a row stops drafting after a draft distribution whose top p is below it

@@ -11,7 +11,7 @@ from specjax.config import SamplingConfig
 
 # Proposal.source indexes this: the drafters that propose tokens of their own (hybrid
 # picks one of theirs per row and chain). A new such drafter adds its name here.
-SOURCES = ("model", "ngram", "retrieval", "medusa", "eagle")
+SOURCES = ("model", "ngram", "retrieval", "medusa", "eagle", "parallel")
 
 
 class Proposal(NamedTuple):
