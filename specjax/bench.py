@@ -92,6 +92,8 @@ def main(argv):
                          "model)")
     if need_draft and config.draft is None:
         raise UsageError(f"--config={FLAGS.config}: has no draft model, which --drafter=model|hybrid needs")
+    for name in names if need_draft else ():  # before any weights are looked for
+        drafters.kind(name).check_draft(dataclasses.replace(base, drafter=name, lookahead=max(ks)), config.draft)
     locate.check_datastore_flag(FLAGS.datastore, sorted({v["drafter"] for v in variants}))
     models = {"target": config.target, **({"draft": config.draft} if need_draft else {})}
     dataclasses.replace(base, lookahead=max(ks)).check_context(min(m.max_seq_len for m in models.values()))

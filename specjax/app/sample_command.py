@@ -63,6 +63,8 @@ def check(req: Request) -> None:
         raise UsageError(f"--mode={'both' if len(req.modes) == 2 else 'sps'} with --drafter={sampling.drafter} "
                          f"needs a draft model, and config {config.name!r} has none; use --mode=ars, "
                          "--drafter=ngram, or a config with a draft")
+    if need_draft(req) == "model" and config.draft is not None:
+        drafters.kind(sampling.drafter).check_draft(sampling, config.draft)
     locate.check_datastore_flag(req.datastore, [sampling.drafter])
     self_draft.check_quantize(req.sources.self_draft_spec(), req.quantize)
     if req.sources.init == "random" and (req.sources.checkpoint or req.sources.draft_checkpoint):

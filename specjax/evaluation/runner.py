@@ -179,6 +179,9 @@ def evaluate(config, task: str, *, limit=None, num_samples: int, ks: Sequence[in
                          "--gguf_draft=FILE or --self_draft=layers:N (or a config whose sampling.drafter needs "
                          "none: ngram, medusa)")
     lookahead = lookahead or config.sampling.lookahead
+    if kind == "model":
+        drafters.kind(config.sampling.drafter).check_draft(dataclasses.replace(config.sampling, lookahead=lookahead),
+                                                           config.draft)
     if config.sampling.drafter == "retrieval":
         raise UsageError("config sampling.drafter='retrieval' needs a datastore, which evaluate does not take: use "
                          "sample or bench with --datastore")

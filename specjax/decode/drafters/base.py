@@ -67,6 +67,11 @@ class Drafter:
         naming what is missing."""
         raise NotImplementedError
 
+    @classmethod
+    def check_draft(cls, sampling: SamplingConfig, draft) -> None:
+        """What the configs alone refuse, before any weights are found, trained or loaded:
+        `draft` is the run's draft ModelConfig (None without one). UsageError."""
+
     def init_state(self, prompts: jax.Array, prompt_lens: jax.Array, size: int, num_drafts: int,
                    prefilled: Prefill) -> Any:
         """The drafter's state after the prompts (a pytree carried by the loop); `prefilled`:

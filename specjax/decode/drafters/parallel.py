@@ -29,7 +29,7 @@ import jax
 import jax.numpy as jnp
 
 from specjax import kv_cache
-from specjax.config import SamplingConfig, UsageError
+from specjax.config import ModelConfig, SamplingConfig, UsageError
 from specjax.decode.drafters.base import SOURCES, Drafter, Proposal, Verdict, point_mass
 from specjax.decode.state import prefill
 from specjax.decode.warping import sample, warp
@@ -65,17 +65,21 @@ class ParallelDrafter(Drafter):
     several_chains = True
 
     @classmethod
-    def make(cls, sampling: SamplingConfig, target: LM, draft: LM | None, datastore, mesh):
-        if not isinstance(draft, LM) or not draft.cfg.parallel_draft:
-            got = "no draft model" if draft is None else (
-                f"a draft model without mask tokens (parallel_draft=0)" if isinstance(draft, LM) else type(draft).__name__)
-            raise UsageError(f"drafter={sampling.drafter!r} needs a parallel draft model (ModelConfig.parallel_draft "
-                             f"> 0: trained with mask tokens, e.g. by `python -m specjax.train --config=mini_parallel`; "
-                             f"random: --config.draft.parallel_draft=K), got {got}")
-        if sampling.lookahead > draft.cfg.parallel_draft:
+    def check_draft(cls, sampling: SamplingConfig, draft: ModelConfig | None) -> None:
+        if draft is None or not draft.parallel_draft:
+            got = "no draft model" if draft is None else "a draft model without mask tokens (parallel_draft=0)"
+            raise UsageError(f"drafter={sampling.drafter!r} needs a parallel draft model (parallel_draft > 0: trained "
+                             f"with mask tokens, e.g. by `python -m specjax.train --config=mini_parallel`; random: "
+                             f"--config.draft.parallel_draft=K), got {got}")
+        if sampling.lookahead > draft.parallel_draft:
             raise UsageError(f"lookahead={sampling.lookahead} with drafter={sampling.drafter!r}: the draft proposes at "
-                             f"most {draft.cfg.parallel_draft} tokens a loop (parallel_draft="
-                             f"{draft.cfg.parallel_draft})")
+                             f"most {draft.parallel_draft} tokens a loop (parallel_draft={draft.parallel_draft})")
+
+    @classmethod
+    def make(cls, sampling: SamplingConfig, target: LM, draft: LM | None, datastore, mesh):
+        if draft is not None and not isinstance(draft, LM):
+            raise UsageError(f"drafter={sampling.drafter!r} needs a parallel draft model, got {type(draft).__name__}")
+        cls.check_draft(sampling, None if draft is None else draft.cfg)
         return cls(draft.packed(), sampling.lookahead + 1)  # packed where the CPU kernel runs
 
     def init_state(self, prompts, prompt_lens, size, num_drafts, prefilled) -> KVCache:
