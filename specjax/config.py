@@ -377,6 +377,11 @@ class TrainConfig:
     teacher_gguf: str = ""  # or: a GGUF file (specjax.weights.gguf) as the teacher
     distill_temperature: float = 1.0
     distill_weight: float = 1.0  # loss = w * KL(teacher || student) + (1 - w) * LM loss
+    # Start from another trained model's params instead of a random init (PARD's low-cost
+    # adaptation of an autoregressive draft into a parallel one): a config name (its default
+    # checkpoint) or a checkpoint directory, of the same model but for parallel_draft; the
+    # params it lacks (the mask embedding) keep their init. '' = random init.
+    init_from: str = ""
 
     def __post_init__(self):
         _plain_numbers(self)
@@ -399,7 +404,7 @@ class TrainConfig:
                 finite(0, 1))
         _number(self, "distill_weight", "in [0, 1]", lambda v: 0 <= v <= 1)
         _number(self, "distill_temperature", "a finite number > 0", finite(0, math.inf))
-        _text(self, "teacher_hf", "teacher_gguf")
+        _text(self, "teacher_hf", "teacher_gguf", "init_from")
         given = [f"{k}={getattr(self, k)!r}" for k in ("teacher", "teacher_hf", "teacher_gguf") if getattr(self, k)]
         if len(given) > 1:
             raise ConfigError(f"TrainConfig.{' and '.join(given)}: give one teacher (a config's checkpoint, a Hugging "

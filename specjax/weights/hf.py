@@ -555,6 +555,10 @@ def exportable(cfg: ModelConfig) -> None:
         raise UsageError(f"cannot export a tied model whose input embeddings are scaled by "
                          f"{cfg.input_embedding_scale:g} as Hugging Face Llama: Llama applies no embedding "
                          "scale, and with one table for input and output the scale cannot be folded into it")
+    if cfg.parallel_draft:
+        raise UsageError(f"cannot export a parallel draft model (parallel_draft={cfg.parallel_draft}) as Hugging Face "
+                         "Llama: its mask token's input embedding is a row past the vocabulary, which no Llama "
+                         "config expresses")
 
 
 def hf_config(cfg: ModelConfig, bos_id: Optional[int] = None, eos_ids=()) -> dict:

@@ -54,6 +54,13 @@ BAD = [
       "--checkpoint={tmp}/none", "--draft_checkpoint={tmp}/none"], ["lookahead=3 with drafter='parallel'"]),
     ("train", "parallel_draft negative", ["--config=tiny", "--config.target.parallel_draft=-2", "--workdir={tmp}/w"],
      ["ModelConfig.parallel_draft=-2", "integer >= 0"]),
+    ("train", "a parallel draft exported to Hugging Face", ["--config=tiny", "--config.target.parallel_draft=4",
+                                                           "--config.target.ffw=swiglu", "--export_hf={tmp}/hf",
+                                                           "--workdir={tmp}/w"],
+     ["cannot export a parallel draft model (parallel_draft=4)"]),
+    ("train", "init_from without a checkpoint", ["--config=tiny", "--config.target.parallel_draft=4",
+                                                 "--config.train.init_from={tmp}/none", "--workdir={tmp}/w"],
+     ["train.init_from=", "holds no finished checkpoint"]),
 ]
 
 

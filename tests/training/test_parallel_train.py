@@ -13,7 +13,7 @@ import numpy as np
 import pytest
 
 from specjax import model
-from specjax.config import TrainConfig, load_config
+from specjax.config import TrainConfig, UsageError
 from specjax.training import losses, trainer
 from specjax.training.workdir import read_metrics
 from specjax.weights import checkpoint
@@ -90,3 +90,25 @@ def test_a_run_resumes_exactly_from_its_checkpoint(tiny, tmp_path):
     for field in ("loss", "ce", "kl", "grad_norm"):
         np.testing.assert_allclose([first[s][field] for s in first], [second[s][field] for s in second], rtol=1e-6)
     assert first[STEPS]["loss"] < first[2]["loss"]
+
+
+def test_init_from_starts_with_an_autoregressive_drafts_params(tiny, tmp_path):
+    """train.init_from (PARD's adaptation): every param of the named checkpoint (a plain
+    draft of the same shape), the mask embedding from the fresh init; a checkpoint of
+    another shape is refused before any workdir is made."""
+    mesh = mesh_for("1x1")
+    ar = model.init_lm(tiny.draft, mesh, seed=21)
+    checkpoint.save_lm(ar, tmp_path / "ar", config_name="tiny_draft")
+    cfg = dataclasses.replace(config(tiny, tmp_path), train=TrainConfig(init_from=str(tmp_path / "ar")))
+    source = trainer._init_source(cfg)
+    fresh = model.init_lm(cfg.target, mesh, duplicate_kv=False).params
+    with jax.set_mesh(mesh):
+        params = trainer._init_params(fresh, source, mesh)
+    for name in ar.params:
+        for a, b in zip(jax.tree.leaves(params[name]), jax.tree.leaves(ar.params[name])):
+            np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+    np.testing.assert_array_equal(np.asarray(params["mask_embed"].value), np.asarray(fresh["mask_embed"].value))
+    wide = dataclasses.replace(cfg, target=dataclasses.replace(cfg.target, d_model=32))
+    with pytest.raises(UsageError, match="train.init_from=.*d_model=16 \\(checkpoint\\) vs 32 \\(config\\)"):
+        trainer.train(wide, tmp_path / "never", progress=False, devices=jax.devices()[:1])
+    assert not (tmp_path / "never").exists()
