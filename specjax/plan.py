@@ -38,6 +38,7 @@ from specjax.analysis import compile as compile_lib, plan_report as report_lib
 from specjax.analysis.roofline import CHIPS, Chip
 from specjax.app import cli, output
 from specjax.config import HeadsConfig, MeshConfig, SamplingConfig, UsageError
+from specjax.decode import drafters
 
 FLAGS = flags.FLAGS
 
@@ -80,7 +81,7 @@ def configure_xla(devices: int, licm: bool) -> None:
     os.environ["JAX_PLATFORMS"] = "cpu"  # plan on fake CPU devices even on a TPU host
 
 
-PLANNED_DRAFTERS = ("model", "medusa", "eagle")  # the lookup drafters hold no weights to plan
+PLANNED_DRAFTERS = ("model", "medusa", "eagle", "parallel")  # the lookup drafters hold no weights to plan
 
 
 def drafting(cfg) -> tuple[SamplingConfig, HeadsConfig | None]:
@@ -90,12 +91,15 @@ def drafting(cfg) -> tuple[SamplingConfig, HeadsConfig | None]:
     if sampling.drafter not in PLANNED_DRAFTERS:
         raise UsageError(f"--drafter={sampling.drafter}: plan compiles draft models and draft heads "
                          f"({', '.join(PLANNED_DRAFTERS)}); a lookup drafter has no weights to size")
-    heads = cfg.heads_for(sampling.drafter) if sampling.drafter != "model" else None
+    kind = drafters.draft_kind(sampling.drafter)
+    heads = cfg.heads_for(sampling.drafter) if kind == "heads" else None
     sampling.validate()
+    if kind == "model" and cfg.draft is not None:
+        drafters.kind(sampling.drafter).check_draft(sampling, cfg.draft)
     if sampling.num_drafts > 1 and heads is None and cfg.draft is None:
         raise UsageError(f"--num_drafts={sampling.num_drafts}: --config={FLAGS.config} has no draft model to draw "
                          "chains from")
-    return dataclasses.replace(sampling, drafter="model"), heads
+    return dataclasses.replace(sampling, drafter=sampling.drafter if kind == "model" else "model"), heads
 
 
 def main(argv):
