@@ -64,22 +64,25 @@ class ParallelDrafter(Drafter):
     needs_draft_model = True
     several_chains = True
 
+    trained_by = "mini_parallel"
+
     @classmethod
-    def check_draft(cls, sampling: SamplingConfig, draft: ModelConfig | None) -> None:
-        if draft is None or not draft.parallel_draft:
-            got = "no draft model" if draft is None else "a draft model without mask tokens (parallel_draft=0)"
-            raise UsageError(f"drafter={sampling.drafter!r} needs a parallel draft model (parallel_draft > 0: trained "
-                             f"with mask tokens, e.g. by `python -m specjax.train --config=mini_parallel`; random: "
+    def max_lookahead(cls, draft_cfg: ModelConfig | None) -> int:
+        if draft_cfg is None or not draft_cfg.parallel_draft:
+            got = "no draft model" if draft_cfg is None else "a draft model without mask tokens (parallel_draft=0)"
+            raise UsageError(f"drafter={cls.name!r} needs a parallel draft model (parallel_draft > 0: trained with "
+                             f"mask tokens, e.g. by `python -m specjax.train --config={cls.trained_by}`; random: "
                              f"--config.draft.parallel_draft=K), got {got}")
-        if sampling.lookahead > draft.parallel_draft:
-            raise UsageError(f"lookahead={sampling.lookahead} with drafter={sampling.drafter!r}: the draft proposes at "
-                             f"most {draft.parallel_draft} tokens a loop (parallel_draft={draft.parallel_draft})")
+        return draft_cfg.parallel_draft
 
     @classmethod
     def make(cls, sampling: SamplingConfig, target: LM, draft: LM | None, datastore, mesh):
         if draft is not None and not isinstance(draft, LM):
             raise UsageError(f"drafter={sampling.drafter!r} needs a parallel draft model, got {type(draft).__name__}")
-        cls.check_draft(sampling, None if draft is None else draft.cfg)
+        cap = cls.max_lookahead(None if draft is None else draft.cfg)
+        if sampling.lookahead > cap:
+            raise UsageError(f"lookahead={sampling.lookahead} with drafter={sampling.drafter!r}: the draft proposes at "
+                             f"most {cap} tokens a loop (parallel_draft={cap})")
         return cls(draft.packed(), sampling.lookahead + 1)  # packed where the CPU kernel runs
 
     def init_state(self, prompts, prompt_lens, size, num_drafts, prefilled) -> KVCache:
