@@ -4,6 +4,7 @@
     python launch/loop_parts.py --drafter=ngram --shape=smollm2_135m --context=distinct,repeating
     python launch/loop_parts.py --config=mini --self_draft=int8 --lookahead=6   # the target's own int8 copy
     python launch/loop_parts.py --config=mini_eagle --drafter=eagle --lookahead=6  # random heads of its setting
+    python launch/loop_parts.py --config=mini --drafter=parallel --config.draft.parallel_draft=8 --lookahead=8
 
 Each part runs N times inside one jitted `fori_loop` from the same prefilled state, as
 `generate` compiles it (api.compile_lowered), at batch 1:
@@ -76,7 +77,7 @@ def define_flags() -> None:
 
 
 CONTEXTS = ("random", "distinct", "repeating")
-DRAFTERS = ("model", "ngram", "eagle", "medusa")  # one chain each; hybrid and retrieval are not timed here
+DRAFTERS = ("model", "ngram", "eagle", "medusa", "parallel")  # one chain each; hybrid and retrieval are not timed here
 
 
 def token_buffer(context: str, size: int, prompt_len: int, vocab: int) -> jax.Array:

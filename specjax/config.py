@@ -175,6 +175,11 @@ class ModelConfig:
     sliding_window: int = 0
     # The 'L' layers' rotary base, plain (no rope_scaling); 0: they rotate as the 'G' ones.
     local_rope_theta: float = 0.0
+    # A parallel draft model (PARD, An et al. 2025, arXiv 2504.18583; the drafter 'parallel'):
+    # the most tokens it proposes from one forward, the pending token followed by that many
+    # less one mask tokens (id vocab_size, whose input embedding is one extra learned row);
+    # 0: an ordinary LM, without the mask embedding.
+    parallel_draft: int = 0
 
     def __post_init__(self):
         _plain_numbers(self)
@@ -219,6 +224,7 @@ class ModelConfig:
         _choice(self, "param_dtype", {"float32", "bfloat16", "float16"})
         _choice(self, "compute_dtype", {"float32", "bfloat16", "float16"})
         _positive(self, "kv_copies")
+        _integer(self, "parallel_draft", 0, hint=" (0: an ordinary LM; K > 0: drafts K tokens in one forward)")
         if self.num_kv_heads % self.kv_copies:
             raise ConfigError(f"ModelConfig.num_kv_heads={self.num_kv_heads} is not a multiple of "
                               f"kv_copies={self.kv_copies}")
@@ -246,7 +252,7 @@ class ModelConfig:
         attn = D * N * H * 2 + D * K * H * 2 + ((N + 2 * K) * H if self.qkv_bias else 0) + 2 * H * self.qk_norm
         ffw = D * F * (2 if self.ffw == "gelu" else 3)
         rel = (D * N * H + 2 * N * H) if self.pos_encoding == "relative" else 0
-        embed = V * D * (1 if self.tie_embeddings else 2)
+        embed = V * D * (1 if self.tie_embeddings else 2) + (D if self.parallel_draft else 0)
         return L * (attn + ffw + rel + (4 if self.post_norms else 2) * D) + embed + D
 
 
@@ -276,11 +282,11 @@ MAX_NUM_DRAFTS = 16
 MAX_TREE_NODES = 64  # num_drafts * lookahead
 
 VERIFY_RULES = ("block", "tokenwise")
-DRAFTERS = ("model", "ngram", "retrieval", "hybrid", "medusa", "eagle")
+DRAFTERS = ("model", "ngram", "retrieval", "hybrid", "medusa", "eagle", "parallel")
 # What the drafters declare (`decode.drafters`, which this layer does not import; a test
 # checks the two agree): those that draw several independent chains per loop (each chain
 # a fresh draw), and those with an adaptive draft length (draft_confidence).
-SEVERAL_CHAINS = ("model", "hybrid", "medusa")
+SEVERAL_CHAINS = ("model", "hybrid", "medusa", "parallel")
 ADAPTIVE = ("model", "hybrid")
 
 
@@ -306,7 +312,7 @@ class SamplingConfig:
     eos_id: Union[int, tuple[int, ...], None] = None
     verify: str = "block"  # 'block' (Sun et al. 2025: jointly, never worse) | 'tokenwise' (the paper's rule)
     # 'model' | 'ngram' (prompt lookup) | 'retrieval' (a datastore) | 'hybrid' | 'medusa' | 'eagle' (heads on
-    # the target: `specjax.heads`)
+    # the target: `specjax.heads`) | 'parallel' (a draft model with mask tokens: K tokens from one forward)
     drafter: str = "model"
     ngram: int = 3  # longest context suffix the lookup drafters match (shorter ones down to 1 as fallback)
     draft_confidence: float = 0.0  # > 0: a row stops drafting after a draft distribution whose top p is below it
@@ -442,6 +448,11 @@ class TrainConfig:
     teacher_gguf: str = ""  # or: a GGUF file (specjax.weights.gguf) as the teacher
     distill_temperature: float = 1.0
     distill_weight: float = 1.0  # loss = w * KL(teacher || student) + (1 - w) * LM loss
+    # Start from another trained model's params instead of a random init (PARD's low-cost
+    # adaptation of an autoregressive draft into a parallel one): a config name (its default
+    # checkpoint) or a checkpoint directory, of the same model but for parallel_draft; the
+    # params it lacks (the mask embedding) keep their init. '' = random init.
+    init_from: str = ""
 
     def __post_init__(self):
         _plain_numbers(self)
@@ -464,7 +475,7 @@ class TrainConfig:
                 finite(0, 1))
         _number(self, "distill_weight", "in [0, 1]", lambda v: 0 <= v <= 1)
         _number(self, "distill_temperature", "a finite number > 0", finite(0, math.inf))
-        _text(self, "teacher_hf", "teacher_gguf")
+        _text(self, "teacher_hf", "teacher_gguf", "init_from")
         given = [f"{k}={getattr(self, k)!r}" for k in ("teacher", "teacher_hf", "teacher_gguf") if getattr(self, k)]
         if len(given) > 1:
             raise ConfigError(f"TrainConfig.{' and '.join(given)}: give one teacher (a config's checkpoint, a Hugging "

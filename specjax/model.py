@@ -379,6 +379,8 @@ class Transformer(nnx.Module):
         self.final_norm = RMSNorm(cfg)
         if not cfg.tie_embeddings:
             self.unembed = _param(keys, (D, V), ("embed", "vocab"), D ** -0.5, dt)
+        if cfg.parallel_draft:  # made last: the other params are those of the same model without it
+            self.mask_embed = _param(keys, (D,), ("embed",), 1.0, dt)
 
     def position_table(self, size: int) -> jax.Array | None:
         """Every layer's W_r R for a cache of `size` slots, [L, N, S, H] sharded over heads
@@ -415,6 +417,9 @@ class Transformer(nnx.Module):
         cfg = self.cfg
         ct = jnp.dtype(cfg.compute_dtype)
         mesh = jax.sharding.get_abstract_mesh()
+        masked = tokens == mask_id(cfg) if cfg.parallel_draft else None
+        if masked is not None:  # PARD's mask token: an input row of its own, never an output
+            tokens = jnp.where(masked, 0, tokens)
         if table is not None:
             x = rows(table, tokens, ct)
         elif not mesh.empty and mesh.shape.get("model", 1) > 1:
@@ -424,6 +429,8 @@ class Transformer(nnx.Module):
             x = jnp.einsum("BTV,VD->BTD", one_hot, stored(self.embed.value).astype(ct))
         else:  # one device holds the table: a gather costs B*T*D, not B*T*V*D
             x = rows(self.embed.value, tokens, ct)
+        if masked is not None:
+            x = jnp.where(masked[..., None], self.mask_embed.value.astype(ct), x)
         if cfg.input_embedding_scale != 1.0:
             x = x * cfg.input_embedding_scale
         return x
@@ -472,6 +479,12 @@ class Transformer(nnx.Module):
         # The hidden states stay whole rows (like the residual stream): a consumer that
         # wanted them split over 'model' would otherwise split the pass's own activations.
         return logits, Fresh(k, v, sharding.constrain(x, ("batch", None, "embed")) if features else None)
+
+
+def mask_id(cfg: ModelConfig) -> int:
+    """The mask token of a parallel draft model (`ModelConfig.parallel_draft`): the id
+    past its vocabulary, embedded by its own row and never predicted."""
+    return cfg.vocab_size
 
 
 def cache_limit(cache: KVCache, positions: jax.Array) -> jax.Array:

@@ -100,7 +100,8 @@ def drafting(cfg) -> tuple[SamplingConfig, HeadsConfig | None]:
     used = () if cls.needs_draft_model and cfg.draft is None else (sampling.drafter,)
     setup.prepare(setup.Request(cfg, sampling, used, sources=Sources(init="random")))
     heads = cfg.heads_for(cls.heads_kind) if cls.heads_kind else None
-    return dataclasses.replace(sampling, drafter="model"), heads
+    # A draft-model drafter (model, parallel) drafts the 'sps' program; heads draft 'sps_<kind>'.
+    return dataclasses.replace(sampling, drafter=sampling.drafter if cls.needs_draft_model else "model"), heads
 
 
 def main(argv):

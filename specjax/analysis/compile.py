@@ -145,7 +145,8 @@ def plan(cfg, data: int, model: int, batch: int = 1, prompt_len: int = 128, cach
                                       [kv_cache.table_shape(lm.cfg, cache_len, mesh)]),
                                   "layers": lm.cfg.num_layers,
                                   "pos_encoding": lm.cfg.pos_encoding, "init": compile_init(lm.cfg, mesh)}
-    runs = [("ars_target", lms["target"], None, cfg.sampling)]
+    ars = dataclasses.replace(cfg.sampling, drafter="model")  # a model alone, whatever drafts for SpS
+    runs = [("ars_target", lms["target"], None, ars)]
     if heads is not None:
         abstract = abstract_heads(heads, kv_heads.original(cfg.target), mesh)
         report["heads"] = {"kind": heads.kind, "params": abstract.num_params, "num_heads": heads.num_heads,
@@ -153,8 +154,7 @@ def plan(cfg, data: int, model: int, batch: int = 1, prompt_len: int = 128, cach
         drafting = dataclasses.replace(cfg.sampling, drafter=heads.kind, num_drafts=num_drafts).validate()
         runs.insert(0, (f"sps_{heads.kind}", lms["target"], abstract, drafting))
     if "draft" in lms:
-        runs = [("sps", lms["target"], lms["draft"], cfg.sampling)] + runs + [("ars_draft", lms["draft"], None,
-                                                                              cfg.sampling)]
+        runs = [("sps", lms["target"], lms["draft"], cfg.sampling)] + runs + [("ars_draft", lms["draft"], None, ars)]
         if num_drafts > 1:
             tree = dataclasses.replace(cfg.sampling, num_drafts=num_drafts).validate()
             runs.insert(1, ("sps_tree", lms["target"], lms["draft"], tree))

@@ -93,10 +93,13 @@ class Run:
             return checkpoint.heads_config(directory)
         return self.config.heads_for(kind)
 
-    def check_caps(self, lookahead: int) -> None:
-        """K against each drafter's declared cap (Medusa: its number of heads)."""
+    def check_caps(self, lookahead: int, heads: bool = True) -> None:
+        """K against each drafter's declared cap (Medusa: its number of heads; a parallel
+        draft: its parallel_draft); without `heads`, the draft-model drafters' only."""
         for name in self.request.drafters:
             cls = drafters.kind(name)
+            if cls.heads_kind and not heads:
+                continue
             cap = cls.max_lookahead(self.heads_config(cls.heads_kind) if cls.heads_kind else self.config.draft)
             if cap is not None and lookahead > cap:
                 raise UsageError(f"--lookahead={lookahead} with --drafter={name}: it proposes at most {cap} tokens a "
@@ -235,6 +238,7 @@ def prepare(req: Request) -> Run:
     if req.drafters and lookahead >= run.context:
         raise UsageError(f"--lookahead={lookahead}: must be below the model's context of {run.context} tokens")
     dataclasses.replace(sampling, lookahead=lookahead).check_context(run.context)
-    if s.init == "random":  # random heads: their config is known now (a checkpoint's, once located)
-        run.check_caps(lookahead)
+    # A draft model's cap is its config's (its checkpoint must match it); random heads' is
+    # known now too, a checkpoint's heads' once located.
+    run.check_caps(lookahead, heads=s.init == "random")
     return run

@@ -3,8 +3,9 @@
 Decided at trace time from static facts only: the `Kernels` setting the program was traced
 with, the backend (CPU), the devices (one: multi-device meshes, fake CPU devices included,
 keep XLA's SPMD-partitioned ops), dtypes (float32), for attention the number of queries
-per batch row (at most MAX_ROWS: a decode step or a scoring pass; its work is split over
-(row, kv head) pairs; the matmul takes any number of rows, in tiles), and whether the
+per batch row (at most ATTENTION_ROWS: a decode step, a scoring pass, a tree's, a parallel
+draft's pass; its work is split over (row, kv head) pairs; the matmul takes any number of
+rows, in tiles), and whether the
 library could be built.
 Every kernel has the plain jnp computation as its fallback and as its gradient.
 """
@@ -22,6 +23,11 @@ from specjax.kernels.library import (ATTENTION_TARGET, MATMUL_A8_TARGET, MATMUL_
 from specjax.kernels.setting import Kernels
 
 MAX_ROWS = 8
+# Queries per row the attention kernel takes. 9-16 (a scoring pass at K >= 8, a tree of
+# M*K+1 nodes, a parallel draft's K+1 tokens and K-1 masks) ran 25-35% faster through it
+# than through XLA's dots over a 400-slot cache (mini_target's shape; the parallel draft's
+# 12- and 16-row pass 0.65 -> 0.26 and 0.71 -> 0.33 ms; benchmarks/heads.md).
+ATTENTION_ROWS = 16
 GROUP = 32  # A8 formats: inputs per activation scale (fewrow_matmul.cc's kGroup; GGUF's block)
 # The grouped formats the kernel reads, as (bits, inputs per group) (fewrow_matmul.cc's ByFormat).
 GROUPED_FORMATS = ((4, 32), (4, 16), (5, 32), (6, 16), (8, 32))
@@ -118,10 +124,10 @@ def round_activations(x: jax.Array) -> jax.Array:
 
 
 def use_attention(q: jax.Array, k_all: jax.Array, setting: Kernels) -> bool:
-    """q [B, T, N, H] against caches [L, B, G, S, H]: float32, T <= MAX_ROWS queries per row,
+    """q [B, T, N, H] against caches [L, B, G, S, H]: float32, T <= ATTENTION_ROWS queries per row,
     any batch (for batch 16 XLA:CPU's batched dots were ~3x slower: benchmarks/kernels.md)."""
     B, T = q.shape[:2]
-    return (q.dtype == k_all.dtype == jnp.float32 and B >= 1 and 1 <= T <= MAX_ROWS and single_device()
+    return (q.dtype == k_all.dtype == jnp.float32 and B >= 1 and 1 <= T <= ATTENTION_ROWS and single_device()
             and runs(setting.attention))
 
 

@@ -40,6 +40,7 @@ import math
 import pathlib
 import signal
 import time
+from contextlib import nullcontext
 from typing import Any, Callable, Optional
 
 import jax
@@ -53,7 +54,7 @@ from specjax.training.corpus import Batches, load_corpus
 from specjax.training.losses import make_loss
 from specjax.training.workdir import METRICS_FILE, MetricsLog, StopRequest, WorkdirLock
 from specjax.weights import checkpoint
-from specjax.config import Config, ConfigError, TrainConfig, load_config, user_path
+from specjax.config import Config, ConfigError, TrainConfig, UsageError, load_config, user_path
 from specjax.heads import Heads, abstract_heads, draft_vocabulary, heads_loss, init_heads, most_frequent
 from specjax.model import LM, abstract_lm, init_lm
 from specjax.weights.tokenizer import Tokenizer
@@ -184,6 +185,39 @@ def _teacher(config: Config, mesh) -> Callable[[], tuple[Optional[LM], Any]]:
                           f"{config.target.vocab_size}: distillation needs one vocabulary")
     return load
 
+def _init_source(config: Config):
+    """(checkpoint directory, step, its model's config) of `train.init_from`, checked to
+    be `config.target` but for parallel_draft; None without one. Before any workdir is made."""
+    source = config.train.init_from
+    if not source:
+        return None
+    is_path = "/" in source or source.startswith((".", "~"))
+    directory = user_path(source) if is_path else checkpoint.default_dir(source)
+    with checkpoint.Checkpoints(directory, read_only=True) if directory.is_dir() else nullcontext() as ckpt:
+        step = ckpt.latest_step() if ckpt is not None else None
+        if step is None:
+            raise UsageError(f"train.init_from={source!r}: {directory} holds no finished checkpoint; train it first "
+                             f"(`python -m specjax.train --config={source if not is_path else 'CONFIG'}`)")
+        saved = ckpt.meta(step)["model"]
+    wanted = dataclasses.replace(config.target, parallel_draft=saved.get("parallel_draft", 0))
+    diffs = checkpoint.config_differences(saved, wanted)
+    if diffs:
+        raise UsageError(f"train.init_from={source!r}: its model is not {config.name!r}'s (parallel_draft aside): "
+                         f"{'; '.join(diffs)}")
+    return directory, step, wanted
+
+
+def _init_params(params, source, mesh):
+    """`params` (a fresh init) with every param the `_init_source` checkpoint holds."""
+    directory, step, cfg = source
+    with checkpoint.Checkpoints(directory, read_only=True) as ckpt:
+        loaded, _ = ckpt.restore(step, abstract_lm(cfg, mesh).params)  # the model's own kv heads, as trained
+    out = jax.tree.map(lambda x: x, params)
+    for name in loaded:
+        out[name] = loaded[name]
+    return out
+
+
 def _train_differences(saved: dict, tc: TrainConfig) -> list[str]:
     now = dataclasses.asdict(tc)
     return [f"{k}: {saved[k]!r} -> {now[k]!r}" for k in sorted(now) if k in saved and saved[k] != now[k]]
@@ -206,6 +240,10 @@ def train(config: Config, workdir=None, progress: bool = True, devices=None) -> 
 
     if config.heads is not None:  # their shapes on the config's target, checked before the workdir is touched
         abstract_heads(config.heads, config.target)
+    if config.heads is not None and tc.init_from:
+        raise ConfigError(f"train.init_from={tc.init_from!r}: starts a model's params; draft heads start from their "
+                          "own init")
+    source = _init_source(config)
 
     load_teacher = _teacher(config, mesh)
     with WorkdirLock(workdir), jax.set_mesh(mesh):
@@ -242,6 +280,8 @@ def train(config: Config, workdir=None, progress: bool = True, devices=None) -> 
             else:
                 params = (init_heads(config.heads, config.target, mesh) if config.heads is not None else
                           init_lm(config.target, mesh, seed=config.target.init_seed, duplicate_kv=False)).params
+                if source is not None:
+                    params = _init_params(params, source, mesh)
                 opt_state = jax.jit(optimizer.init, out_shardings=opt_sh)(params)
                 log.write("event", 0, event="start", config=config.name, params=num_params)
             student = dataclasses.replace(trainee, params=params)

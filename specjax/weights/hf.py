@@ -465,6 +465,10 @@ def exportable(cfg: ModelConfig):
     if cfg.pos_encoding != "rope":
         raise UsageError(f"cannot export a model with pos_encoding={cfg.pos_encoding!r} as a Hugging Face directory: "
                          "the families have rotary positions only, no Transformer-XL relative position terms")
+    if cfg.parallel_draft:
+        raise UsageError(f"cannot export a parallel draft model (parallel_draft={cfg.parallel_draft}) as a Hugging Face "
+                         "directory: its mask token's input embedding is a row past the vocabulary, which no family's "
+                         "config expresses")
     return arch.for_export(cfg)
 
 

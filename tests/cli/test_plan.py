@@ -317,7 +317,7 @@ def test_plan_duplicates_kv_heads_on_a_wider_model_axis_and_sizes_another_chip(t
     (["--batch=0"], "--batch=0: must be a positive integer"),
     (["--num_drafts=0"], "num_drafts=0: must be"),
     (["--drafter=medusa:3"], "--drafter"),  # the sampling group's names, as in sample (count: --config.heads)
-    (["--drafter=ngram"], "--drafter=ngram: plan compiles draft models and draft heads (model, medusa, eagle)"),
+    (["--drafter=ngram"], "--drafter=ngram: plan compiles draft models and draft heads (model, medusa, eagle, parallel)"),
     (["--drafter=medusa", "--config.heads.num_heads=0"], "num_heads=0"),
     (["--drafter=eagle", "--num_drafts=2"], "num_drafts=2 with drafter='eagle'"),
     # What sample and bench refuse, plan refuses too (it planned K=4 and reported 6).

@@ -365,7 +365,7 @@ BAD_INPUTS = [
     ("num_drafts x lookahead", ["--num_drafts=16", "--lookahead=8"], {},
      ["num_drafts=16 x lookahead=8 = 128 tree nodes", "at most 64"]),
     ("num_drafts with a lookup", ["--drafter=ngram", "--num_drafts=2"], {},
-     ["num_drafts=2 with drafter='ngram'", "'model', 'hybrid' or 'medusa'"]),
+     ["num_drafts=2 with drafter='ngram'", "'model', 'hybrid', 'medusa' or 'parallel'"]),
     ("hybrid without a draft", ["--config=mini_target", "--drafter=hybrid"], {},
      ["--drafter=hybrid needs a draft model", "'mini_target' has none"]),
     ("retrieval without a datastore", ["--drafter=retrieval"], {}, ["--drafter=retrieval needs --datastore=PATH"]),

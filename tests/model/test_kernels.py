@@ -272,7 +272,8 @@ def ancestors(T):
 @needs_kernel
 @pytest.mark.parametrize("B,T,N,G,H,S", [(1, 1, 8, 8, 64, 512), (1, 5, 8, 8, 64, 64), (2, 4, 8, 4, 8, 40),
                                          (8, 1, 8, 8, 16, 33), (1, 8, 4, 1, 20, 17), (2, 3, 6, 2, 3, 5),
-                                         (16, 3, 4, 1, 8, 9)])  # a batch of many short rows
+                                         (16, 3, 4, 1, 8, 9),  # a batch of many short rows
+                                         (1, 12, 8, 8, 16, 64), (2, 16, 4, 2, 8, 40)])  # up to ATTENTION_ROWS
 @pytest.mark.parametrize("mask", ["causal", "tree", "one query sees nothing"])
 def test_cached_attention_matches_the_reference(B, T, N, G, H, S, mask):
     L = 3
@@ -338,8 +339,8 @@ def test_attention_dispatch_counts_queries_per_row_not_rows():
         with jax.set_mesh(mesh_for(devices)):
             return dispatch.use_attention(q, k_all, setting)
 
-    assert uses(1, 1) == uses(64, 1) == uses(64, kernels.MAX_ROWS) == kernels.available()
-    assert not uses(1, kernels.MAX_ROWS + 1)
+    assert uses(1, 1) == uses(64, 1) == uses(64, dispatch.ATTENTION_ROWS) == kernels.available()
+    assert not uses(1, dispatch.ATTENTION_ROWS + 1)
     assert not uses(64, 1, "1x8")
     assert not dispatch.use_attention(jnp.ones((64, 1, 4, 8)), jnp.ones((2, 64, 2, 16, 8)), NONE)
 

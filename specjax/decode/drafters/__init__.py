@@ -33,6 +33,7 @@ only (invariant 9).
   hybrid     per row a full-suffix lookup, else the draft model (`hybrid`)
   medusa     heads on the target's last hidden state propose all K at once (`medusa`)
   eagle      one layer drafts autoregressively in the target's feature space (`eagle`)
+  parallel   a draft model with mask tokens proposes all K from one forward (`parallel`)
 
 A new drafter is one more class and one line in REGISTRY (and its name in
 `config.DRAFTERS`, with `SEVERAL_CHAINS` / `ADAPTIVE` where it declares them: the config
@@ -52,12 +53,14 @@ from specjax.decode.drafters.hybrid import HybridDrafter
 from specjax.decode.drafters.lookup import NgramDrafter, RetrievalDrafter, ngram_match
 from specjax.decode.drafters.eagle import EagleDrafter
 from specjax.decode.drafters.medusa import MedusaDrafter
+from specjax.decode.drafters.parallel import ParallelDrafter
 
 REGISTRY: dict[str, type[Drafter]] = {cls.name: cls for cls in (ModelDrafter, NgramDrafter, RetrievalDrafter,
-                                                                 HybridDrafter, MedusaDrafter, EagleDrafter)}
+                                                                 HybridDrafter, MedusaDrafter, EagleDrafter,
+                                                                 ParallelDrafter)}
 
 __all__ = ["REGISTRY", "SOURCES", "Drafter", "EagleDrafter", "HybridDrafter", "MedusaDrafter", "ModelDrafter", "NgramDrafter",
-           "Prefill", "Proposal",
+           "ParallelDrafter", "Prefill", "Proposal",
            "RetrievalDrafter", "Verdict", "kind", "make", "model_proposal", "ngram_match", "point_mass",
            "refeed_window", "select"]
 

@@ -11,7 +11,7 @@ from specjax.config import SamplingConfig
 
 # Proposal.source indexes this: the drafters that propose tokens of their own (hybrid
 # picks one of theirs per row and chain). A new such drafter adds its name here.
-SOURCES = ("model", "ngram", "retrieval", "medusa", "eagle")
+SOURCES = ("model", "ngram", "retrieval", "medusa", "eagle", "parallel")
 
 
 class Proposal(NamedTuple):
@@ -67,7 +67,8 @@ class Drafter:
     def max_lookahead(cls, draft_cfg) -> int | None:
         """The most tokens one loop can propose with these weights (`draft_cfg`: the heads'
         `HeadsConfig` for a heads drafter, else the draft's `ModelConfig` or None); None:
-        no cap but the context's."""
+        no cap but the context's. UsageError where these weights cannot serve it at all
+        (a draft model without what the drafter needs)."""
         return None
 
     @classmethod
