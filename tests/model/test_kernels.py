@@ -220,7 +220,8 @@ def attention_reference(q, k, v, k_all, v_all, layer, limit, visible):
     cached = jnp.einsum("BTGRH,BGSH->BGRTS", qc, k_all[layer])
     own = jnp.einsum("BTGRH,BUGH->BGRTU", qc, k)
     cached = jnp.where((jnp.arange(S)[None] < limit[:, None])[:, None, None, None], cached, model.MASKED)
-    own = jnp.where(jnp.asarray(visible)[None, None, None], own, model.MASKED)
+    visible = jnp.asarray(visible)
+    own = jnp.where(visible[:, None, None] if visible.ndim == 3 else visible[None, None, None], own, model.MASKED)
     weights = jax.nn.softmax(jnp.concatenate([cached, own], -1) * H ** -0.5, axis=-1)
     out = (jnp.einsum("BGRTS,BGSH->BTGRH", weights[..., :S], v_all[layer])
            + jnp.einsum("BGRTU,BUGH->BTGRH", weights[..., S:], v))
@@ -229,14 +230,16 @@ def attention_reference(q, k, v, k_all, v_all, layer, limit, visible):
 
 def attention_float64(q, k, v, k_all, v_all, layer, limit, visible):
     """The same in float64 numpy, one query at a time: the keys a query sees, softmax, the
-    weighted values (a query that sees none averages every cache slot and own key)."""
+    weighted values (a query that sees none averages every cache slot and own key).
+    visible: [T, U] or, per row, [B, T, U]."""
     q, k, v, k_all, v_all = (np.asarray(a, np.float64) for a in (q, k, v, k_all, v_all))
     B, T, N, H = q.shape
     G, S = k_all.shape[2], k_all.shape[3]
     out = np.zeros(q.shape)
+    visible = np.broadcast_to(visible, (B,) + np.shape(visible)[-2:])
     for b, t, n in np.ndindex(B, T, N):
         g = n // (N // G)
-        own = np.flatnonzero(np.asarray(visible)[t])
+        own = np.flatnonzero(visible[b, t])
         keys = np.concatenate([k_all[layer, b, g, :limit[b]], k[b, own, g]])
         values = np.concatenate([v_all[layer, b, g, :limit[b]], v[b, own, g]])
         if len(keys) == 0:
@@ -285,6 +288,24 @@ def test_cached_attention_matches_the_reference(B, T, N, G, H, S, mask):
         # Op by op: jitted, XLA:CPU's fused softmax gives NaN for a row whose every logit is
         # masked (which the model never asks for: a query always sees its own key).
         close(got, np.asarray(attention_reference(*args, visible)))
+
+
+@needs_kernel
+@pytest.mark.parametrize("B,T,U,N,G,H,S", [(1, 2, 9, 4, 2, 16, 20), (3, 4, 12, 8, 4, 8, 40), (2, 8, 8, 4, 1, 20, 17)])
+def test_cached_attention_sees_earlier_keys_through_each_rows_own_tree(B, T, U, N, G, H, S):
+    """A dynamic draft tree's pass: U own keys (earlier rounds' nodes, then the pass's T)
+    and a different visibility per row ([B, T, U]: each row grew its own tree)."""
+    keys = jax.random.split(jax.random.key(U), 6)
+    q = jax.random.normal(keys[0], (B, T, N, H))
+    k_all, v_all = (jax.random.normal(k, (2, B, G, S, H)) for k in keys[1:3])
+    k, v = (jax.random.normal(k, (B, U, G, H)) for k in keys[3:5])
+    limit = jnp.asarray(np.resize([S // 2, 3, S], B), jnp.int32)
+    visible = np.random.default_rng(U).random((B, T, U)) < 0.5
+    visible[:, np.arange(T), U - T + np.arange(T)] = True  # each query sees its own key
+    fn = jax.jit(lambda q, k, v, ka, va, n: dispatch.attention(q, k, v, ka, va, 1, n, visible, H ** -0.5, None))
+    got = np.asarray(fn(q, k, v, k_all, v_all, limit))
+    close(got, attention_float64(q, k, v, k_all, v_all, 1, limit, visible))
+    close(got, np.asarray(attention_reference(q, k, v, k_all, v_all, 1, limit, visible)))
 
 
 def test_attention_dispatch_counts_queries_per_row_not_rows():
