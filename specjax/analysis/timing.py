@@ -33,9 +33,10 @@ def time_forward(lm, tokens: int, context: int, repeats: int, batch: int = 1, tr
             jnp.full((batch,), context))
         cache = lm.with_position_table(cache)  # as after a prefill: not timed as part of the step
         ids = jnp.zeros((batch, tokens), jnp.int32)
-        offsets = jnp.arange(tokens, dtype=jnp.int32) if tree is None else jnp.asarray(tree_lib.depths(*tree))
+        parent, depth = tree_lib.chain_parents(*tree) if tree is not None else (None, None)
+        offsets = jnp.arange(tokens, dtype=jnp.int32) if tree is None else jnp.asarray(np.concatenate([[0], depth]))
         pos = jnp.broadcast_to(context + offsets[None], (batch, tokens))
-        ancestors = None if tree is None else tree_lib.ancestors(*tree)
+        ancestors = None if tree is None else tree_lib.ancestors(parent)
         step = program_lib.compile_lowered(
             jax.jit(lambda lm, t, p, c: lm(t, p, c, ancestors)[0]).lower(lm, ids, pos, cache))
         jax.block_until_ready(step(lm, ids, pos, cache))
