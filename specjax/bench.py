@@ -32,7 +32,8 @@ from specjax.decode import drafters
 from specjax.weights import self_draft
 
 FLAGS = flags.FLAGS
-SWEPT = ("lookahead", "verify", "drafter", "draft_confidence", "num_drafts")  # comma lists: one Figure-1 line each
+# comma lists: one Figure-1 line each
+SWEPT = ("lookahead", "verify", "drafter", "draft_confidence", "num_drafts", "draft_tree")
 
 
 def define_flags() -> None:
@@ -83,7 +84,7 @@ def main(argv):
     variants = timing.variants(  # validated at the largest K measured
         dataclasses.replace(base, lookahead=max(ks + [base.lookahead])), names,
         cli.swept("verify", base.verify), cli.swept("draft_confidence", base.draft_confidence),
-        cli.swept("num_drafts", base.num_drafts))
+        cli.swept("num_drafts", base.num_drafts), cli.swept("draft_tree", base.draft_tree))
     need_draft = any(drafters.draft_kind(v["drafter"]) == "model" for v in variants)
     need_heads = sorted({v["drafter"] for v in variants if drafters.draft_kind(v["drafter"]) == "heads"})
     if target is not None and need_draft and draft is None and not specs:

@@ -72,14 +72,19 @@ def time_lookup(mesh, datastore, lookahead: int, ngram: int, context: int, repea
     return out
 
 
-def variants(base, drafter_names, verify_rules, confidences, num_drafts) -> list[dict]:
+def variants(base, drafter_names, verify_rules, confidences, num_drafts, draft_trees=("chains",)) -> list[dict]:
     """The SpS variants to compare: every combination of the given drafters, verifiers,
-    adaptive-length thresholds and draft counts that means something (a lookup has no
-    draft distribution to be unsure about, and proposes one chain; heads draw all K at
-    once, so no adaptive length either), each validated."""
-    out = [dict(verify=v, drafter=d, draft_confidence=c, num_drafts=m)
-           for d in drafter_names for m in num_drafts for v in verify_rules for c in confidences
-           if drafters.kind(d).needs_draft_model or (c == 0 and (m == 1 or drafters.kind(d).several_chains))]
+    adaptive-length thresholds, draft counts and tree kinds that means something (a lookup
+    has no draft distribution to be unsure about, and proposes one chain; heads draw all K
+    at once, so no adaptive length either; a dynamic tree is one per drafter that grows
+    them, verified by the tree rule, without chains or adaptive length), each validated."""
+    def means_something(d, m, v, c, t):
+        if t == "dynamic":
+            return drafters.kind(d).grows_trees and m == 1 and c == 0 and v == verify_rules[0]
+        return drafters.kind(d).needs_draft_model or (c == 0 and (m == 1 or drafters.kind(d).several_chains))
+    out = [dict(verify=v, drafter=d, draft_confidence=c, num_drafts=m, draft_tree=t)
+           for d in drafter_names for t in draft_trees for m in num_drafts for v in verify_rules for c in confidences
+           if means_something(d, m, v, c, t)]
     if not out:
         raise UsageError(f"--drafter={','.join(drafter_names)}: lookup drafters propose one chain with no draft "
                          "distribution, so --num_drafts > 1 and --draft_confidence > 0 leave nothing to compare")
@@ -146,6 +151,8 @@ def label(row: dict) -> str:
     drafter = f"{row['drafter']} {row['draft']}" if row.get("draft") else row["drafter"]
     text = f"{drafter}, {row['verify']}" if row.get("num_drafts", 1) == 1 else \
         f"{drafter}, {row['num_drafts']} drafts"
+    if row.get("draft_tree") == "dynamic":
+        text = f"{drafter}, dynamic tree of {row['tree_nodes']}"
     return text + (f", confidence {row['draft_confidence']}" if row.get("draft_confidence") else "")
 
 
@@ -253,8 +260,12 @@ def bench(target, draft, prompts, base, ks, batch_sizes, repeats: int, seed: int
                     step = time_forward(drafts[name], 1, context, repeats, batch=m)
                 scoring = time_forward(target, 0, context, repeats, tree=(m, k))
                 report["target_scoring_ms"][f"tree {m}x{k}"] = 1000 * scoring
+            if sampling.draft_tree == "dynamic":  # (its tree pass's visibility is per row: timed as a chain of N + 1)
+                scoring = time_forward(target, sampling.tree_nodes + 1, context, repeats)
+                report["target_scoring_ms"][f"dynamic {sampling.tree_nodes}"] = 1000 * scoring
             steps = k * step if drafters.kind(sampling.drafter).needs_draft_model else 0.0
             row.update(lookahead=k, verify=sampling.verify, drafter=sampling.drafter, num_drafts=m,
+                       draft_tree=sampling.draft_tree, tree_nodes=sampling.tree_nodes,
                        draft_confidence=sampling.draft_confidence, speedup=ars_near / row["ms_per_token"],
                        ars_ms_per_token=ars_near,
                        model_ms_per_loop=1000 * (steps + scoring), scoring_ms=1000 * scoring,

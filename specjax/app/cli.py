@@ -26,8 +26,8 @@ from typing import Callable, Optional
 
 from absl import app, flags, logging
 
-from specjax.config import (DRAFTERS, VERIFY_RULES, Config, MeshConfig, SamplingConfig, UsageError, cache_dir,
-                            load_config)
+from specjax.config import (DRAFT_TREES, DRAFTERS, VERIFY_RULES, Config, MeshConfig, SamplingConfig, UsageError,
+                            cache_dir, load_config)
 
 FLAGS = flags.FLAGS
 _OVERRIDES: list[str] = []
@@ -95,6 +95,10 @@ SAMPLING_FLAGS = {
                          "probability is below this (--lookahead is the most); 0 = fixed K"),
     "num_drafts": (int, "M draft chains per loop, scored as one tree and verified jointly (exact multi-draft "
                    "rejection sampling); 1 = one chain"),
+    "draft_tree": (DRAFT_TREES, "chains (--num_drafts chains of --lookahead tokens) or dynamic (a tree of "
+                   "--tree_nodes draft tokens at most --lookahead deep, grown where the drafter is confident; "
+                   "drafter model or eagle)"),
+    "tree_nodes": (int, "N, a dynamic draft tree's draft tokens per loop (the target scores N + 1)"),
 }
 
 

@@ -2,7 +2,8 @@
 
 Each loop, for every row at once (`speculate`):
   1. the drafter proposes M chains of up to K tokens x_1..x_K with the exact
-     distributions p_j they were drawn from (`drafters`; M = 1 is the paper's one chain);
+     distributions p_j they were drawn from (`drafters`; M = 1 is the paper's one chain),
+     or grows a tree of N nodes at most K deep (`growth`, `Settings.tree_nodes`);
   2. the target scores [pending, every proposed token] in ONE pass -> q at every node.
      The proposal is one tree layout (`tree.Tree`: parents per node) whose nodes share
      the pending token and each see the cache and their own path; one chain is a tree
@@ -11,7 +12,7 @@ Each loop, for every row at once (`speculate`):
      rule, x_j kept with probability min(1, q_j(x_j) / p_j(x_j)) left to right and the
      first rejected one replaced by a sample from norm(max(0, q - p)), a bonus token from
      q_{K+1} when all are kept; block verification (the same outputs decided jointly);
-     SpecInfer's multi-round rule over several chains;
+     SpecInfer's multi-round rule over several chains or a grown tree;
   4. the pending token and the kept path's nodes are written into the target's cache
      (`kv_cache.commit`; past the kept ones they are masked by the rollback).
 So each loop emits 1..K+1 tokens and (Theorem 1) the output is distributed exactly as q.
@@ -29,7 +30,7 @@ import jax
 import jax.numpy as jnp
 
 from specjax import kv_cache
-from specjax.decode import drafters, tree, verify
+from specjax.decode import drafters, growth, tree, verify
 from specjax.decode.drafters import Drafter, Prefill, Verdict
 from specjax.decode.metrics import Stats, counted
 from specjax.decode.warping import Warp, warp
@@ -46,6 +47,7 @@ class Settings(NamedTuple):
     warping: Warp
     verify: str = "block"  # the rule for one chain: 'block' | 'tokenwise' (several: the tree rule)
     num_drafts: int = 1  # M: draft chains per loop, verified jointly as a tree when > 1
+    tree_nodes: int = 0  # N > 0: grow a tree of N nodes (`growth`) instead of chains
 
     def bind(self, warp_values: jax.Array) -> "Settings":
         """Inside a program keyed on `warping.static()`: its traced temperature and top-p."""
@@ -101,8 +103,13 @@ def speculate(target: LM, drafter: Drafter, s: SpsState, settings: Settings):
     kept path. Returns (the state's next key, Speculation)."""
     K, M, warping = settings.lookahead, settings.num_drafts, settings.warping
     key, draft_key, accept_key = jax.random.split(s.key, 3)
-    chains, drafter_state, draft_bad = drafter.propose(s.drafter_state, s.tokens, s.length, draft_key, K, M, warping)
-    nodes = tree.of_chains(chains, K)
+    if settings.tree_nodes:
+        nodes, drafter_state, draft_bad = growth.grow(drafter, s.drafter_state, s.tokens, s.length, draft_key, K,
+                                                      settings.tree_nodes, warping, target.cfg.vocab_size)
+    else:
+        chains, drafter_state, draft_bad = drafter.propose(s.drafter_state, s.tokens, s.length, draft_key, K, M,
+                                                           warping)
+        nodes = tree.of_chains(chains, K)
     pending = s.length - 1
     scored = jnp.concatenate([gather_rows(s.tokens, pending)[:, None], nodes.x], axis=1)
     positions = pending[:, None] + tree.depths(nodes)
@@ -115,7 +122,7 @@ def speculate(target: LM, drafter: Drafter, s: SpsState, settings: Settings):
     logits, fresh = target(scored, positions, s.target_cache, visible, features=drafter.needs_features)
     q, target_bad = warp(logits, warping)
     target_bad = jnp.any(target_bad, axis=1)
-    num_accepted, path, next_token, empty = verify.select(settings.verify, M)(
+    num_accepted, path, next_token, empty = verify.select(settings.verify, M, bool(settings.tree_nodes))(
         accept_key, nodes, q)
     # One chain: its nodes in order are the kept path (no gather, and the commit writes them as a block).
     kept = None if nodes.single_chain else path

@@ -162,22 +162,27 @@ def run_tables(verifier, M: int, K: int, proposal: str, kind: str = "pair", seed
     n, path, token = np.asarray(n), np.asarray(path), np.asarray(token)
     win = (np.maximum(path[np.arange(N), np.maximum(n, 1)], 1) - 1) // K  # the chain of the last kept node
     assert (n <= length[np.arange(N), win]).all()
+    return completed_pvalue(rng, q_table, K, x.reshape(N, M * K), n, path, token), n.mean()
+
+
+def completed_pvalue(rng, q_table, K, x, n, path, token) -> float:
+    """The chi-square p-value of the K+1 tokens: the kept path's (x [N, nodes] at `path`),
+    the verifier's token, then the target's own samples, against q's exact joint."""
     seqs = np.zeros((N, K + 1), np.int64)
     cur = np.zeros(N, np.int64)
-    flat = x.reshape(N, M * K)
-    for i in range(K + 1):  # the kept path, the verifier's token, then the target's own samples
-        kept = flat[np.arange(N), np.maximum(path[:, min(i + 1, K)] - 1, 0)]
+    for i in range(K + 1):
+        kept = x[np.arange(N), np.maximum(path[:, min(i + 1, K)] - 1, 0)]
         t = np.where(i < n, kept, np.where(i == n, token, sample_rows(rng, q_table[cur])))
         seqs[:, i] = t
         cur = cur * V + 1 + t
     observed = np.bincount(np.ravel_multi_index(seqs.T, [V] * (K + 1)), minlength=V ** (K + 1))
     expected = exact_joint(q_table, K).ravel() * N
     if observed[expected == 0].sum():
-        return 0.0, n.mean()
+        return 0.0
     big = expected >= 5
     o, e = np.append(observed[big], observed[~big].sum()), np.append(expected[big], expected[~big].sum())
     keep = e > 0
-    return float(scipy_stats.chi2.sf(np.sum((o[keep] - e[keep]) ** 2 / e[keep]), keep.sum() - 1)), n.mean()
+    return float(scipy_stats.chi2.sf(np.sum((o[keep] - e[keep]) ** 2 / e[keep]), keep.sum() - 1))
 
 
 TABLE_CASES = [(2, 1, "sampled", "pair"), (3, 1, "sampled", "pair"), (2, 3, "sampled", "pair"),
@@ -201,6 +206,71 @@ def test_more_drafts_keep_more():
     one = run_tables(tree.accept, 1, 3, "sampled")[1]
     three = run_tables(tree.accept, 3, 3, "sampled")[1]
     assert three > one + 0.2
+
+
+# A tree's siblings drawn WITHOUT replacement (a grown tree's, `decode/growth.py`), of a
+# fixed shape: node i's parent. The root has three children, its first child two, and
+# each of those one; each node's children are drawn in order from p at the node without
+# the earlier ones. V = 4 and p has zeros, so a node's support is sometimes used up: the
+# slot is then not drafted.
+SHAPE = np.array([0, 0, 0, 1, 1, 4, 5], np.int32)
+
+
+def run_grown(shape, kind: str = "pair", seed: int = 0, keep_if_likely: float = 0.0):
+    """(p-value, mean kept) of `tree.accept` over N trees of `shape` drawn without
+    replacement from the tables. `keep_if_likely` > 0: the negative control, a drawn
+    child kept only if its own p is at least that (its slot decided by its own token)."""
+    depth = np.zeros(len(shape) + 1, np.int32)
+    for i, parent in enumerate(shape):
+        depth[i + 1] = depth[parent] + 1
+    K = int(depth.max())
+    p_table, q_table = make_tables(K, kind)
+    rng = np.random.default_rng(seed)
+    rows, count = np.arange(N), len(shape)
+    x = np.zeros((N, count), np.int64)
+    p = np.zeros((N, count, V), np.float32)
+    q = np.zeros((N, count + 1, V), np.float32)
+    drafted = np.zeros((N, count), bool)
+    prefix = np.zeros((N, count + 1), np.int64)  # each node's path as an index into the tables
+    left = {}
+    q[:, 0] = q_table[0]
+    for i, parent in enumerate(shape):
+        rest = left.get(parent, p_table[prefix[:, parent]].copy())
+        total = rest.sum(1, keepdims=True)
+        dist = rest / np.maximum(total, 1e-30)
+        token = sample_rows(rng, dist)
+        made = (total[:, 0] > 0) & (drafted[:, parent - 1] if parent > 0 else True)
+        if keep_if_likely:
+            made &= p_table[prefix[:, parent]][rows, token] >= keep_if_likely
+        x[:, i], p[:, i], drafted[:, i] = token, dist, made
+        rest[rows, token] = np.where(made, 0.0, rest[rows, token])
+        left[parent] = rest
+        prefix[:, i + 1] = prefix[:, parent] * V + 1 + token
+        q[:, i + 1] = q_table[prefix[:, i + 1]]
+    nodes = tree.Tree(jnp.asarray(x, jnp.int32), jnp.asarray(p), shape, depth[1:], jnp.asarray(drafted),
+                      jnp.zeros((N, count), jnp.int32), jnp.zeros((N, count), jnp.int32), K)
+    n, path, token, _ = jax.jit(tree.accept)(jax.random.key(seed), nodes, jnp.asarray(q))
+    n, path, token = np.asarray(n), np.asarray(path), np.asarray(token)
+    return completed_pvalue(rng, q_table, K, x, n, path, token), n.mean()
+
+
+@pytest.mark.parametrize("kind", ["pair", "same", "disjoint"])
+def test_siblings_drawn_without_replacement_are_verified_losslessly(kind):
+    pvalue, kept = run_grown(SHAPE, kind)
+    print(f"grown {kind}: p = {pvalue:.4f}, mean kept {kept:.3f}")
+    assert pvalue > ALPHA
+    if kind == "same":
+        assert kept == 3  # p == q: every first child is kept, down to depth 3
+    if kind == "disjoint":
+        assert kept == 0
+
+
+def test_negative_control_a_child_that_exists_because_of_its_own_token_is_rejected():
+    """The pitfall of growing by a node's own probability (EAGLE-2's reranking), at its
+    plainest: a drawn child is kept only if its own draft probability is high."""
+    pvalue, _ = run_grown(SHAPE, keep_if_likely=0.3)
+    print(f"grown, children kept by their own p: p = {pvalue:.2e}")
+    assert pvalue < ALPHA
 
 
 # Deliberately wrong multi-draft rules (negative controls), same signature as tree.accept.

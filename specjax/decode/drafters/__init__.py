@@ -19,8 +19,14 @@ the compiled loop, plus a pytree `state` the loop carries. Its interface (`base.
                           token, the kept chain and (when `needs_features`) the target's
                           hidden states along the kept path (the draft cache's rollback)
 
+and, to grow dynamic draft trees (`grows_trees`; `decode/growth.py`), one more method:
+
+  expand(state, carry, tokens, length, Expansion) -> (logits [B, W, V'], state, carry)
+      the next-token logits after each node of a round (the first call: after the
+      pending token), given its path; `draft_vocab` says which tokens V' are
+
 and class attributes that say what it needs (`needs_draft_model`, `uses_datastore`,
-`needs_datastore`, `several_chains`, `needs_features`): the loop
+`needs_datastore`, `several_chains`, `needs_features`, `grows_trees`): the loop
 and the command lines read those, never the drafter's name. Any rule that decides how
 much to draft looks at the drafter's side only (invariant 9).
 
@@ -41,7 +47,8 @@ along the kept path).
 from __future__ import annotations
 
 from specjax.config import SamplingConfig, UsageError
-from specjax.decode.drafters.base import SOURCES, Drafter, Prefill, Proposal, Verdict, point_mass, select
+from specjax.decode.drafters.base import (SOURCES, Drafter, Expansion, Prefill, Proposal, Verdict, point_mass,
+                                          select)
 from specjax.decode.drafters.draft_model import ModelDrafter, model_proposal, refeed_window
 from specjax.decode.drafters.hybrid import HybridDrafter
 from specjax.decode.drafters.lookup import NgramDrafter, RetrievalDrafter, ngram_match
@@ -51,7 +58,7 @@ from specjax.decode.drafters.medusa import MedusaDrafter
 REGISTRY: dict[str, type[Drafter]] = {cls.name: cls for cls in (ModelDrafter, NgramDrafter, RetrievalDrafter,
                                                                  HybridDrafter, MedusaDrafter, EagleDrafter)}
 
-__all__ = ["REGISTRY", "SOURCES", "Drafter", "EagleDrafter", "HybridDrafter", "MedusaDrafter", "ModelDrafter", "NgramDrafter",
+__all__ = ["REGISTRY", "SOURCES", "Drafter", "EagleDrafter", "Expansion", "HybridDrafter", "MedusaDrafter", "ModelDrafter", "NgramDrafter",
            "Prefill", "Proposal",
            "RetrievalDrafter", "Verdict", "kind", "make", "model_proposal", "ngram_match", "point_mass",
            "refeed_window", "select"]
