@@ -37,7 +37,7 @@ from absl import flags
 from specjax.analysis import compile as compile_lib, plan_report as report_lib
 from specjax.analysis.roofline import CHIPS, Chip
 from specjax.app import cli, output
-from specjax.config import HeadsConfig, MeshConfig, SamplingConfig, UsageError
+from specjax.config import GROWN_TREES, HeadsConfig, MeshConfig, SamplingConfig, UsageError
 
 FLAGS = flags.FLAGS
 
@@ -58,7 +58,8 @@ def define_flags() -> None:
     # programs compiled sample with them. --drafter=medusa|eagle also compiles drafting by
     # random draft heads on the target (the config's, else the defaults: size them with
     # --config.heads.num_heads=N), next to the config's draft model; --num_drafts > 1 also
-    # compiles the tree loop of that many chains next to the chain.
+    # compiles the tree loop of that many chains next to the chain, --draft_tree=dynamic the
+    # loops that grow a tree of --tree_nodes nodes (by the draft model, and by EAGLE heads).
     cli.define_sampling_flags([name for name in cli.SAMPLING_FLAGS if name != "max_new_tokens"])
     flags.DEFINE_bool("licm", False, "Keep XLA's while-loop-invariant-code-motion pass (XLA:CPU then hoists "
                       "the f32 copy of the stacked weights out of the layer loop; unrealistic temporaries).")
@@ -95,6 +96,9 @@ def drafting(cfg) -> tuple[SamplingConfig, HeadsConfig | None]:
     if sampling.num_drafts > 1 and heads is None and cfg.draft is None:
         raise UsageError(f"--num_drafts={sampling.num_drafts}: --config={FLAGS.config} has no draft model to draw "
                          "chains from")
+    if sampling.draft_tree == "dynamic" and cfg.draft is None and (heads is None or heads.kind not in GROWN_TREES):
+        raise UsageError(f"--draft_tree=dynamic: --config={FLAGS.config} has no draft model to grow a tree with "
+                         "(or pass --drafter=eagle)")
     return dataclasses.replace(sampling, drafter="model"), heads
 
 
@@ -109,8 +113,10 @@ def main(argv):
     configure_xla(data * model, FLAGS.licm)
     jax.config.update("jax_platforms", "cpu")
     chip = dataclasses.replace(CHIPS[FLAGS.chip], collective_latency_s=latency * 1e-6)
-    report = compile_lib.plan(dataclasses.replace(cfg, sampling=dataclasses.replace(sampling, num_drafts=1)), data,
-                              model, batch, prompt_len, cache_len, chip, sampling.num_drafts, cli.quantize(), heads)
+    chains = dataclasses.replace(sampling, num_drafts=1, draft_tree="chains")
+    report = compile_lib.plan(dataclasses.replace(cfg, sampling=chains), data, model, batch, prompt_len, cache_len,
+                              chip, sampling.num_drafts, cli.quantize(), heads,
+                              sampling.tree_nodes if sampling.draft_tree == "dynamic" else 0)
     print(report_lib.format_report(report))
     if FLAGS.json:
         output.save(FLAGS.json, json.dumps(report, indent=1, default=str), "--json")
