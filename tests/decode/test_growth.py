@@ -11,7 +11,7 @@
    with a draft vocabulary (folded); ragged rows.
 2. Greedy SpS with a grown tree gives greedy ArS's tokens (model: a random draft and the
    target itself; eagle with -m slow; 8 devices with -m slow), in one fused loop with no
-   host round trip and no copy of either cache.
+   host round trip and no copy of either cache; `explain_loop` shows the first loop.
 Theorem 1 for grown trees: test_growth_theorem1.py; the verification of siblings drawn
 without replacement over whole tables: test_tree.py.
 """
@@ -190,3 +190,16 @@ def test_greedy_grown_tree_with_eagle_equals_greedy_ars(pairs):
                                                                       tree_nodes=8))
     assert sps.tokens == ars.tokens
     assert sps.accepted.sum() > 0 and sps.summary()["proposed_by"].keys() == {"eagle"}
+
+
+@pytest.mark.slow
+def test_explain_loop_shows_the_first_grown_trees_kept_path(pairs):
+    """explain_loop's first loop is generate's: its kept path, then the first child of each
+    node below it, with the residual or bonus token after the kept ones."""
+    target, draft = pairs["1x1"]
+    sampling = SamplingConfig(temperature=1.0, lookahead=K, max_new_tokens=8, draft_tree="dynamic", tree_nodes=6)
+    for seed in range(3):
+        trace = specjax.explain_loop(target, draft, RAGGED[1], sampling, seed=seed)
+        assert trace.verify == "tree" and trace.num_accepted <= trace.lookahead <= K
+        tokens = specjax.generate(target, draft, [RAGGED[1]], sampling, seed=seed).tokens[0]
+        assert tokens[:len(trace.tokens)] == trace.tokens

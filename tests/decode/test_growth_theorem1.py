@@ -71,12 +71,12 @@ def test_grown_tree_samples_follow_the_exact_target_distribution(models, name, p
         assert result.histogram[:, 2:].sum() > 0  # kept paths below depth 1: the trees grew down, not only wide
 
 
-def keep_by_own_probability(key, left, mass, weight, open_, greedy):
+def keep_by_own_probability(key, left, reach, score, greedy):
     """EAGLE-2's reranking as one pick: a child drawn for every open node, the one kept
-    whose own path probability P(v) p_v(c) is highest."""
+    whose own path probability R(v) p_v(c) is highest."""
     c, empty = sample(key, left)  # [B, N+1]: a candidate child per node
     own = jnp.take_along_axis(left, c[..., None], axis=-1)[..., 0]
-    score = jnp.where(open_ & (mass > 0), weight * own, -1.0)
+    score = jnp.where(score > 0, reach * own, -1.0)
     v = jnp.argmax(score, axis=1)
     pick = lambda a: jnp.take_along_axis(a, v[:, None], axis=1)[:, 0]  # noqa: E731
     return v.astype(jnp.int32), pick(c), jnp.max(score, axis=1) > 0, pick(empty)

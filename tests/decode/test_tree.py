@@ -441,6 +441,12 @@ def test_config_and_registry_agree_on_drafters_and_chains():
         else:
             with pytest.raises(ConfigError, match="num_drafts=2"):
                 sampling.validate()
+        grown = SamplingConfig(drafter=name, draft_tree="dynamic")  # and which grow dynamic trees
+        if kind.grows_trees:
+            grown.validate()
+        else:
+            with pytest.raises(ConfigError, match="draft_tree='dynamic'"):
+                grown.validate()
 
 
 @pytest.mark.parametrize("bad,message", [(dict(num_drafts=0), "num_drafts=0"),

@@ -252,11 +252,11 @@ def attention_float64(q, k, v, k_all, v_all, layer, limit, visible):
 
 
 def ancestors(T):
-    """A tree's visibility: node 0, then two branches (as `tree.ancestors(2, (T-1)//2)`)."""
+    """A tree's visibility: node 0, then two branches (as two chains' `tree.ancestors`)."""
     from specjax.decode import tree
     M = 2 if T >= 3 else 1
     a = np.eye(T, dtype=bool)
-    a[:1 + M * ((T - 1) // M), :1 + M * ((T - 1) // M)] = tree.ancestors(M, (T - 1) // M)
+    a[:1 + M * ((T - 1) // M), :1 + M * ((T - 1) // M)] = tree.ancestors(tree.chain_parents(M, (T - 1) // M)[0])
     return a
 
 
