@@ -429,24 +429,22 @@ def test_explain_loop_shows_the_winning_chain_of_the_first_tree_loop(pairs):
 
 
 def test_config_and_registry_agree_on_drafters_and_chains():
-    """SamplingConfig (which cannot import the decode layer) names the drafters and which
-    draw several chains as the registry's classes say."""
+    """SamplingConfig (which cannot import the decode layer) names the drafters, which
+    draw several chains, which honour draft_confidence and which grow dynamic trees as the
+    registry's classes declare."""
     from specjax.config import DRAFTERS
     from specjax.decode import drafters
     assert set(DRAFTERS) == set(drafters.REGISTRY)
     for name, kind in drafters.REGISTRY.items():
-        sampling = SamplingConfig(drafter=name, num_drafts=2)
-        if kind.several_chains:
-            sampling.validate()
-        else:
-            with pytest.raises(ConfigError, match="num_drafts=2"):
+        for declared, setting, message in ((kind.several_chains, dict(num_drafts=2), "num_drafts=2"),
+                                           (kind.adaptive, dict(draft_confidence=0.5), "draft_confidence=0.5"),
+                                           (kind.grows_trees, dict(draft_tree="dynamic"), "draft_tree='dynamic'")):
+            sampling = SamplingConfig(drafter=name, **setting)
+            if declared:
                 sampling.validate()
-        grown = SamplingConfig(drafter=name, draft_tree="dynamic")  # and which grow dynamic trees
-        if kind.grows_trees:
-            grown.validate()
-        else:
-            with pytest.raises(ConfigError, match="draft_tree='dynamic'"):
-                grown.validate()
+            else:
+                with pytest.raises(ConfigError, match=message):
+                    sampling.validate()
 
 
 @pytest.mark.parametrize("bad,message", [(dict(num_drafts=0), "num_drafts=0"),

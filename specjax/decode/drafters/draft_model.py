@@ -145,6 +145,7 @@ class ModelDrafter(Drafter):
     name = "model"
     needs_draft_model = True
     several_chains = True
+    adaptive = True
     grows_trees = True
 
     @classmethod
