@@ -383,6 +383,8 @@ BAD_INPUTS = [
     ("tree_nodes 65", ["--draft_tree=dynamic", "--tree_nodes=65"], {}, ["tree_nodes=65", "integer in [1, 64]",
                                                                         "compile time"]),
     ("tree_nodes not a number", ["--draft_tree=dynamic", "--tree_nodes=eight"], {}, ["--tree_nodes", "eight"]),
+    ("tree_nodes without a dynamic tree", ["--tree_nodes=4"], {}, ["--tree_nodes=4 applies to a dynamic draft tree",
+                                                                   "--draft_tree=dynamic"]),
     ("dynamic tree with a lookup", ["--drafter=ngram", "--draft_tree=dynamic"], {},
      ["draft_tree='dynamic' with drafter='ngram'", "'model' or 'eagle'"]),
     ("dynamic tree with chains", ["--draft_tree=dynamic", "--num_drafts=2"], {},
