@@ -29,7 +29,8 @@ from specjax.app import cli, output, prompts as prompts_lib, setup
 from specjax.weights import self_draft
 
 FLAGS = flags.FLAGS
-SWEPT = ("lookahead", "verify", "drafter", "draft_confidence", "num_drafts")  # comma lists: one Figure-1 line each
+# comma lists: one Figure-1 line each
+SWEPT = ("lookahead", "verify", "drafter", "draft_confidence", "num_drafts", "draft_tree")
 
 
 def define_flags() -> None:
@@ -67,7 +68,7 @@ def main(argv):
     variants = timing.variants(  # validated at the largest K measured
         dataclasses.replace(base, lookahead=max(ks + [base.lookahead])), names,
         cli.swept("verify", base.verify), cli.swept("draft_confidence", base.draft_confidence),
-        cli.swept("num_drafts", base.num_drafts))
+        cli.swept("num_drafts", base.num_drafts), cli.swept("draft_tree", base.draft_tree))
     sources = cli.sources()
     run = setup.prepare(setup.Request(
         config, base, tuple(dict.fromkeys(v["drafter"] for v in variants)), lookahead=max(ks), sources=sources,

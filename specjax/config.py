@@ -279,15 +279,18 @@ class MeshConfig:
 # is verified node by node.
 MAX_NGRAM = 16
 MAX_NUM_DRAFTS = 16
-MAX_TREE_NODES = 64  # num_drafts * lookahead
+MAX_TREE_NODES = 64  # num_drafts * lookahead, or tree_nodes
 
 VERIFY_RULES = ("block", "tokenwise")
 DRAFTERS = ("model", "ngram", "retrieval", "hybrid", "medusa", "eagle", "parallel")
 # What the drafters declare (`decode.drafters`, which this layer does not import; a test
 # checks the two agree): those that draw several independent chains per loop (each chain
-# a fresh draw), and those with an adaptive draft length (draft_confidence).
+# a fresh draw), those with an adaptive draft length (draft_confidence), and those that
+# grow dynamic draft trees (`Drafter.grows_trees`: they implement `expand`).
 SEVERAL_CHAINS = ("model", "hybrid", "medusa", "parallel")
 ADAPTIVE = ("model", "hybrid")
+GROWN_TREES = ("model", "eagle")
+DRAFT_TREES = ("chains", "dynamic")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -319,6 +322,10 @@ class SamplingConfig:
     # M draft chains per loop, scored as one tree and verified jointly (multi-draft rejection
     # sampling; `verify` picks the rule for a single chain). 'model' or 'hybrid' drafters only.
     num_drafts: int = 1
+    # 'chains': num_drafts chains of lookahead tokens; 'dynamic': a tree of tree_nodes draft
+    # nodes at most lookahead deep, grown where the drafter is confident (decode/growth.py).
+    draft_tree: str = "chains"
+    tree_nodes: int = 8  # N, a dynamic tree's draft nodes (the target scores N + 1 tokens a loop)
 
     def __post_init__(self):
         _plain_numbers(self)
@@ -356,6 +363,19 @@ class SamplingConfig:
             raise ConfigError(f"draft_confidence={self.draft_confidence} with drafter={self.drafter!r}: only "
                               f"drafter {' or '.join(map(repr, ADAPTIVE))} stops drafting on its own confidence; "
                               f"{self.drafter!r} always proposes its whole chain (leave draft_confidence at 0)")
+        if self.draft_tree not in DRAFT_TREES:
+            raise ConfigError(f"draft_tree={self.draft_tree!r}: allowed values are {', '.join(DRAFT_TREES)}")
+        _integer(self, "tree_nodes", 1, MAX_TREE_NODES, hint=" (a dynamic draft tree's nodes; the tree is verified "
+                 "node by node, so its compile time grows with it)", label="tree_nodes")
+        if self.draft_tree == "dynamic" and self.drafter not in GROWN_TREES:
+            raise ConfigError(f"draft_tree='dynamic' with drafter={self.drafter!r}: a dynamic tree is grown by "
+                              f"drafter {', '.join(map(repr, GROWN_TREES[:-1]))} or {GROWN_TREES[-1]!r}")
+        if self.draft_tree == "dynamic" and self.draft_confidence > 0:
+            raise ConfigError(f"draft_tree='dynamic' with draft_confidence={self.draft_confidence}: a dynamic tree "
+                              "decides its own shape from the draft's probabilities (draft_confidence stops chains)")
+        if self.draft_tree == "dynamic" and self.num_drafts > 1:
+            raise ConfigError(f"draft_tree='dynamic' with num_drafts={self.num_drafts}: a dynamic tree replaces the "
+                              "chains (its width is decided per row: tree_nodes is its size)")
         if self.num_drafts > 1 and self.drafter not in SEVERAL_CHAINS:
             raise ConfigError(f"num_drafts={self.num_drafts} with drafter={self.drafter!r}: several drafts are "
                               f"independent draws, so they need drafter {', '.join(map(repr, SEVERAL_CHAINS[:-1]))} "

@@ -94,20 +94,25 @@ class EagleHead(nnx.Module):
         self.compute_dtype = cfg.compute_dtype
 
     def __call__(self, features, embedded, positions, cache: KVCache, visible=None,
-                 kernels: Kernels = DEFAULT_KERNELS, feature_weight=None, up: bool = True) -> tuple[jax.Array, Fresh]:
+                 kernels: Kernels = DEFAULT_KERNELS, feature_weight=None, up: bool = True,
+                 prior: kv_cache.Prior | None = None) -> tuple[jax.Array, Fresh]:
         """features, embedded [B, T, D] (the target's feature at positions[t] and the
         embedding of the token after it) -> (predicted features [B, T, D] of the next
         positions, Fresh: this pass's keys and values for the layer's cache, read only).
         Decoding a narrow layer (`Folded`): up=False returns the block's output [B, T, W]
         before w_up, and `feature_weight` (w_up @ w_feature, [W, W]) reads such an output
-        as the feature input in place of w_feature."""
+        as the feature input in place of w_feature. `prior`: the layer's keys of earlier
+        passes that its cache does not hold (a grown draft tree's, `kv_cache.Prior` with
+        one layer), seen where `visible` [.., T, U + T] says."""
         ct = jnp.dtype(self.compute_dtype)
         x = (project("BTD,DW->BTW", features.astype(ct), self.w_feature.value if feature_weight is None
                      else feature_weight, kernels, ct)
              + project("BTD,DW->BTW", embedded.astype(ct), self.w_token.value, kernels, ct))
         T = x.shape[1]
         visible = causal(T) if visible is None else visible
-        x, k, v = self.block(x, positions, cache.k, cache.v, None, 0, cache_limit(cache, positions), visible, kernels)
+        layer_prior = None if prior is None else (prior.k[0], prior.v[0], prior.positions)
+        x, k, v = self.block(x, positions, cache.k, cache.v, None, 0, cache_limit(cache, positions), visible, kernels,
+                             layer_prior)
         if self.w_up is not None and up:
             x = project("BTW,WD->BTD", x, self.w_up.value, kernels, ct)
         return x, Fresh(*ordered_after(k[None], v[None], x))

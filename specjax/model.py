@@ -225,11 +225,12 @@ class Attention(nnx.Module):
             self.u = nnx.Param(jnp.zeros((N, H), dt), logical=("heads", "head_dim"))
             self.v = nnx.Param(jnp.zeros((N, H), dt), logical=("heads", "head_dim"))
 
-    def __call__(self, x, positions, k_all, v_all, table, layer, limit, visible, kernels: Kernels):
+    def __call__(self, x, positions, k_all, v_all, table, layer, limit, visible, kernels: Kernels, prior=None):
         """x [B,T,D] -> (out [B,T,D], k, v): `attend` over the stacked cache k_all/v_all
-        [L,B,G,S,H] (layer `layer`, read only) and this pass's keys; table: the stacked
-        position table [L,N,S,H] (relative positions) or None. k, v [B,T,G,H] are the
-        pass's own keys/values (the caller commits them)."""
+        [L,B,G,S,H] (layer `layer`, read only) and this pass's keys, after `prior`'s (this
+        layer's (k, v [B,U,G,H], positions [B,U]) of earlier passes that no cache holds, or
+        None); table: the stacked position table [L,N,S,H] (relative positions) or None.
+        k, v [B,T,G,H] are the pass's own keys/values (the caller commits them)."""
         cfg = self.cfg
         ct = jnp.dtype(cfg.compute_dtype)
         q = project("BTD,DNH->BTNH", x, self.wq.value, kernels, ct)
@@ -251,7 +252,14 @@ class Attention(nnx.Module):
         # over the query-head groups and gathered it back whole in the commit.
         k_all = sharding.constrain(k_all, CACHE_AXES)
         v_all = sharding.constrain(v_all, CACHE_AXES)
-        out = self.attend(q, k, v, k_all, v_all, table, layer, positions, limit, visible, kernels, window)
+        own_k, own_v, key_positions = k, v, positions
+        if prior is not None:
+            prior_k, prior_v, prior_positions = prior
+            own_k = jnp.concatenate([prior_k.astype(k.dtype), k], axis=1)
+            own_v = jnp.concatenate([prior_v.astype(v.dtype), v], axis=1)
+            key_positions = jnp.concatenate([prior_positions, positions], axis=1)
+        out = self.attend(q, own_k, own_v, k_all, v_all, table, layer, positions, key_positions, limit, visible,
+                          kernels, window)
         return self.project_out(out, kernels), k, v
 
     def project_out(self, out, kernels: Kernels):
@@ -260,19 +268,25 @@ class Attention(nnx.Module):
         wo = self.wo.value.reshape(out.shape[-1], -1)
         return project("BTF,FD->BTD", out, wo, kernels, jnp.dtype(self.cfg.compute_dtype))
 
-    def attend(self, q, k, v, k_all, v_all, table, layer, positions, limit, visible, kernels: Kernels, window=0):
+    def attend(self, q, k, v, k_all, v_all, table, layer, positions, key_positions, limit, visible,
+               kernels: Kernels, window=0):
         """THE attention -> [B,T,N*H]: one softmax per query over the row's cache entries
-        below limit[b] and the pass's own keys u with visible[t, u], with the content and
-        position terms of a plain forward over the query's own path (a key's distance is
-        the difference of the positions: rotary has it in k; Transformer-XL's term reads
-        the cache part through the precomputed table and `relative_shift`, the own part
-        at the position differences). A sliding layer (`window` > 0, an int or traced)
-        also masks every key `window` or more positions before the query (cache slot s
-        holds position s). On one CPU device and for rotary positions
-        `cached_attention.cc` computes it; `reference` (jnp) elsewhere and for gradients."""
+        below limit[b] and the own keys k, v [B,U,G,H] (at `key_positions` [B,U]: the pass's,
+        after any earlier passes' that no cache holds) u with visible[t, u] ([T,U], or
+        [B,T,U] where each row's tree differs), with the content and position terms of a
+        plain forward over the query's own path (a key's distance is the difference of the
+        positions: rotary has it in k; Transformer-XL's term reads the cache part through
+        the precomputed table and `relative_shift`, the own part at the position
+        differences). A sliding layer (`window` > 0, an int or traced) also masks every key
+        `window` or more positions before the query (cache slot s holds position s). On one
+        CPU device and for rotary positions `cached_attention.cc` computes it; `reference`
+        (jnp) elsewhere and for gradients."""
         cfg = self.cfg
         ct = jnp.dtype(cfg.compute_dtype)
         B, T, N, H = q.shape
+        U = k.shape[1]
+        visible = jnp.asarray(visible, bool)
+        seen = visible[:, None, None] if visible.ndim == 3 else visible[None, None, None]  # [B|1,1,1,T,U]
         S, G = k_all.shape[3], cfg.num_kv_heads
         R = N // G
         scale = H ** -0.5 if cfg.query_scale is None else cfg.query_scale
@@ -293,16 +307,16 @@ class Attention(nnx.Module):
                 by_reversed = jnp.einsum("BTGRH,GRSH->BGRTS", qr, table[layer].reshape(G, R, width, H), **f32)
                 if S:
                     cached = cached + relative_shift(by_reversed, positions)[..., :S]
-                distance = jnp.clip(positions[:, :, None] - positions[:, None, :], 0, width - 1)  # [B,T,U]
-                index = jnp.broadcast_to((width - 1 - distance)[:, None, None], (B, G, R, T, T))
+                distance = jnp.clip(positions[:, :, None] - key_positions[:, None, :], 0, width - 1)  # [B,T,U]
+                index = jnp.broadcast_to((width - 1 - distance)[:, None, None], (B, G, R, T, U))
                 own = own + jnp.take_along_axis(by_reversed, index, axis=-1)
             below = jnp.arange(S)[None, :] < limit[:, None]  # [B,S]: the same for every query of a row
-            cached_seen, own_seen = below[:, None, None, None], visible[None, None, None]
+            cached_seen, own_seen = below[:, None, None, None], seen
             if not isinstance(window, int) or window:
                 reach = jnp.where(window > 0, window, jnp.iinfo(jnp.int32).max)  # 0 (traced): no window
                 near = lambda d: (d < reach)[:, None, None]  # noqa: E731 ([B, T, keys] -> [B, 1, 1, T, keys])
                 cached_seen = cached_seen & near(positions[:, :, None] - jnp.arange(S)[None, None])
-                own_seen = own_seen & near(positions[:, :, None] - positions[:, None, :])
+                own_seen = own_seen & near(positions[:, :, None] - key_positions[:, None, :])
             cached = jnp.where(cached_seen, cached, MASKED)
             own = jnp.where(own_seen, own, MASKED)
             weights = jax.nn.softmax(jnp.concatenate([cached, own], axis=-1) * scale, axis=-1).astype(ct)
@@ -312,7 +326,7 @@ class Attention(nnx.Module):
 
         if cfg.pos_encoding != "relative" and dispatch.use_attention(q, k_all, kernels):
             # Reads this layer of the cache in place (XLA copies each layer's slice per step).
-            out = dispatch.attention(q, k, v, k_all, v_all, layer, limit, visible, scale, reference, positions,
+            out = dispatch.attention(q, k, v, k_all, v_all, layer, limit, visible, scale, reference, key_positions,
                                      window)
         else:
             out = reference(q, k, v, k_all, v_all)
@@ -351,8 +365,8 @@ class Block(nnx.Module):
             self.attn_post_norm = RMSNorm(cfg)
             self.ffw_post_norm = RMSNorm(cfg)
 
-    def __call__(self, x, positions, k_all, v_all, table, layer, limit, visible, kernels: Kernels):
-        h, k, v = self.attn(self.attn_norm(x), positions, k_all, v_all, table, layer, limit, visible, kernels)
+    def __call__(self, x, positions, k_all, v_all, table, layer, limit, visible, kernels: Kernels, prior=None):
+        h, k, v = self.attn(self.attn_norm(x), positions, k_all, v_all, table, layer, limit, visible, kernels, prior)
         x = x + (self.attn_post_norm(h) if self.cfg.post_norms else h)
         h = self.ffw(self.ffw_norm(x), kernels)
         x = x + (self.ffw_post_norm(h) if self.cfg.post_norms else h)
@@ -436,14 +450,20 @@ class Transformer(nnx.Module):
         return x
 
     def __call__(self, tokens, positions, cache: KVCache, visible=None, kernels: Kernels = DEFAULT_KERNELS,
-                 features: bool = False):
+                 features: bool = False, prior: kv_cache.Prior | None = None):
         """-> (logits [B,T,V] float32, Fresh): the module docstring's forward. `visible`: a
-        [T, T] mask of the pass's own keys each query sees (None: causal); `features`: also
-        return the final hidden states in Fresh.hidden. The cache is only read."""
+        [T, T] mask of the pass's own keys each query sees, or [B, T, T] where each row's
+        tree differs (None: causal); `features`: also return the final hidden states in
+        Fresh.hidden. `prior`: keys and values of earlier passes that no cache holds (a
+        draft tree's earlier rounds, `kv_cache.Prior`), seen before the pass's own:
+        `visible` is then [.., T, U + T]. The cache is only read."""
         cfg = self.cfg
         T = tokens.shape[1]
         x = self.embed_tokens(tokens)
+        if visible is None and prior is not None:
+            raise ValueError("a pass over prior keys needs its visibility over them")
         visible = causal(T) if visible is None else jnp.asarray(visible, bool)
+        layer_prior = (lambda i: None) if prior is None else (lambda i: (prior.k[i], prior.v[i], prior.positions))
         # The cache part: entries before the pass's first position that the row holds.
         limit = cache_limit(cache, positions)
         table = cache.position_table
@@ -457,7 +477,7 @@ class Transformer(nnx.Module):
                 x, i = carry
                 if layer_params is None:  # the first num_layers of a longer stack (a self-draft)
                     layer_params = jax.tree.map(lambda a: a[i], stacked)
-                x, k, v = nnx.merge(graphdef, layer_params)(x, *args, i, limit, visible, kernels)
+                x, k, v = nnx.merge(graphdef, layer_params)(x, *args, i, limit, visible, kernels, layer_prior(i))
                 return (x, i + 1), (k, v)
 
             if stacked_layers(stacked) == cfg.num_layers:
@@ -470,7 +490,7 @@ class Transformer(nnx.Module):
         else:
             kv = []
             for i, block in enumerate(self.layers):
-                x, k, v = block(x, *args, i, limit, visible, kernels)
+                x, k, v = block(x, *args, i, limit, visible, kernels, layer_prior(i))
                 kv.append((k, v))
             k, v = (jnp.stack(a) for a in zip(*kv))
         x = self.final_norm(x)
@@ -537,8 +557,9 @@ class LM:
     params: Any
     kernels: Kernels = DEFAULT_KERNELS
 
-    def __call__(self, tokens, positions, cache: KVCache, visible=None, features: bool = False):
-        return nnx.merge(self.graphdef, self.params)(tokens, positions, cache, visible, self.kernels, features)
+    def __call__(self, tokens, positions, cache: KVCache, visible=None, features: bool = False,
+                 prior: kv_cache.Prior | None = None):
+        return nnx.merge(self.graphdef, self.params)(tokens, positions, cache, visible, self.kernels, features, prior)
 
     def logits(self, hidden: jax.Array) -> jax.Array:
         """Final hidden states [B, T, D] (Fresh.hidden) -> logits [B, T, V]: the unembedding alone."""

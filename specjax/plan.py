@@ -60,7 +60,8 @@ def define_flags() -> None:
     # programs compiled sample with them. --drafter=medusa|eagle also compiles drafting by
     # random draft heads on the target (the config's, else the defaults: size them with
     # --config.heads.num_heads=N), next to the config's draft model; --num_drafts > 1 also
-    # compiles the tree loop of that many chains next to the chain.
+    # compiles the tree loop of that many chains next to the chain, --draft_tree=dynamic the
+    # loops that grow a tree of --tree_nodes nodes (by the draft model, and by EAGLE heads).
     cli.define_sampling_flags([name for name in cli.SAMPLING_FLAGS if name != "max_new_tokens"])
     flags.DEFINE_bool("licm", False, "Keep XLA's while-loop-invariant-code-motion pass (XLA:CPU then hoists "
                       "the f32 copy of the stacked weights out of the layer loop; unrealistic temporaries).")
@@ -96,6 +97,9 @@ def drafting(cfg) -> tuple[SamplingConfig, HeadsConfig | None]:
     if sampling.num_drafts > 1 and not cls.heads_kind and cfg.draft is None:
         raise UsageError(f"--num_drafts={sampling.num_drafts}: --config={FLAGS.config} has no draft model to draw "
                          "chains from")
+    if sampling.draft_tree == "dynamic" and not cls.heads_kind and cfg.draft is None:
+        raise UsageError(f"--draft_tree=dynamic: --config={FLAGS.config} has no draft model to grow a tree with "
+                         "(or pass --drafter=eagle)")
     # A config without a draft model plans ArS (and any heads drafting) alone.
     used = () if cls.needs_draft_model and cfg.draft is None else (sampling.drafter,)
     setup.prepare(setup.Request(cfg, sampling, used, sources=Sources(init="random")))
@@ -115,8 +119,10 @@ def main(argv):
     sampling, heads = drafting(cfg)
     output.check_writable(FLAGS.json, "--json")
     chip = dataclasses.replace(CHIPS[FLAGS.chip], collective_latency_s=latency * 1e-6)
-    report = compile_lib.plan(dataclasses.replace(cfg, sampling=dataclasses.replace(sampling, num_drafts=1)), data,
-                              model, batch, prompt_len, cache_len, chip, sampling.num_drafts, cli.quantize(), heads)
+    chains = dataclasses.replace(sampling, num_drafts=1, draft_tree="chains")
+    report = compile_lib.plan(dataclasses.replace(cfg, sampling=chains), data, model, batch, prompt_len, cache_len,
+                              chip, sampling.num_drafts, cli.quantize(), heads,
+                              sampling.tree_nodes if sampling.draft_tree == "dynamic" else 0)
     print(report_lib.format_report(report))
     if FLAGS.json:
         output.save(FLAGS.json, json.dumps(report, indent=1, default=str), "--json")

@@ -19,7 +19,7 @@ import jax
 from specjax import kv_cache, kv_heads, sharding
 from specjax.analysis.hlo import HloProgram, summarize
 from specjax.analysis.roofline import Chip, fitted_latency, is_paper_scale, roofline, shard_bytes
-from specjax.config import HeadsConfig, MeshConfig, UsageError
+from specjax.config import GROWN_TREES, HeadsConfig, MeshConfig, UsageError
 from specjax.decode import program as program_lib
 from specjax.heads import abstract_heads
 from specjax.model import LM, abstract_lm, init_program
@@ -102,13 +102,15 @@ def capacity(report: dict, models: dict, data: int, model: int, chip: Chip) -> d
 
 def plan(cfg, data: int, model: int, batch: int = 1, prompt_len: int = 128, cache_len: int | None = None,
          chip: Chip = Chip(), num_drafts: int = 1, quantize: str | None = None,
-         heads: HeadsConfig | None = None) -> dict:
+         heads: HeadsConfig | None = None, tree_nodes: int = 0) -> dict:
     """Compile SpS (when the config has a draft), ArS for the target, and ArS for the
     draft alone on a data x model mesh of the process's (fake CPU) devices; with
     num_drafts > 1 also the tree loop of that many draft chains ('sps_tree'); with
     `quantize` ('int8', 'int4') the models quantized as `LM.quantized` makes them; with
     `heads`, also SpS drafting with those (random) heads on the target ('sps_medusa' or
-    'sps_eagle'; Medusa's with num_drafts chains)."""
+    'sps_eagle'; Medusa's with num_drafts chains); with tree_nodes > 0 also the loops that
+    grow a dynamic draft tree of that many nodes, by the draft model ('sps_dynamic') and by
+    EAGLE heads ('sps_eagle_dynamic')."""
     devices = jax.devices()
     if len(devices) < data * model:
         raise UsageError(f"mesh {data}x{model} needs {data * model} devices, this process has {len(devices)}")
@@ -153,11 +155,17 @@ def plan(cfg, data: int, model: int, batch: int = 1, prompt_len: int = 128, cach
                            "weight_bytes_per_device": shard_bytes(abstract.params)}
         drafting = dataclasses.replace(cfg.sampling, drafter=heads.kind, num_drafts=num_drafts).validate()
         runs.insert(0, (f"sps_{heads.kind}", lms["target"], abstract, drafting))
+        if tree_nodes and heads.kind in GROWN_TREES:
+            grown = dataclasses.replace(drafting, num_drafts=1, draft_tree="dynamic", tree_nodes=tree_nodes).validate()
+            runs.insert(1, (f"sps_{heads.kind}_dynamic", lms["target"], abstract, grown))
     if "draft" in lms:
         runs = [("sps", lms["target"], lms["draft"], cfg.sampling)] + runs + [("ars_draft", lms["draft"], None, ars)]
         if num_drafts > 1:
             tree = dataclasses.replace(cfg.sampling, num_drafts=num_drafts).validate()
             runs.insert(1, ("sps_tree", lms["target"], lms["draft"], tree))
+        if tree_nodes:
+            grown = dataclasses.replace(cfg.sampling, draft_tree="dynamic", tree_nodes=tree_nodes).validate()
+            runs.insert(1, ("sps_dynamic", lms["target"], lms["draft"], grown))
     for name, target, draft, sampling in runs:
         result = compile_program(target, draft, sampling, batch, prompt_len, cache_len)
         per = "collectives_per_loop" if name.startswith("sps") else "collectives_per_step"

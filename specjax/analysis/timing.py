@@ -33,9 +33,10 @@ def time_forward(lm, tokens: int, context: int, repeats: int, batch: int = 1, tr
             jnp.full((batch,), context))
         cache = lm.with_position_table(cache)  # as after a prefill: not timed as part of the step
         ids = jnp.zeros((batch, tokens), jnp.int32)
-        offsets = jnp.arange(tokens, dtype=jnp.int32) if tree is None else jnp.asarray(tree_lib.depths(*tree))
+        parent, depth = tree_lib.chain_parents(*tree) if tree is not None else (None, None)
+        offsets = jnp.arange(tokens, dtype=jnp.int32) if tree is None else jnp.asarray(np.concatenate([[0], depth]))
         pos = jnp.broadcast_to(context + offsets[None], (batch, tokens))
-        ancestors = None if tree is None else tree_lib.ancestors(*tree)
+        ancestors = None if tree is None else tree_lib.ancestors(parent)
         step = program_lib.compile_lowered(
             jax.jit(lambda lm, t, p, c: lm(t, p, c, ancestors)[0]).lower(lm, ids, pos, cache))
         jax.block_until_ready(step(lm, ids, pos, cache))
@@ -71,16 +72,23 @@ def time_lookup(mesh, datastore, lookahead: int, ngram: int, context: int, repea
     return out
 
 
-def variants(base, drafter_names, verify_rules, confidences, num_drafts) -> list[dict]:
+def variants(base, drafter_names, verify_rules, confidences, num_drafts, draft_trees=("chains",)) -> list[dict]:
     """The SpS variants to compare: every combination of the given drafters, verifiers,
-    adaptive-length thresholds and draft counts that the drafters declare they honour (an
-    adaptive length for `adaptive` ones, several chains for `several_chains` ones), each
+    adaptive-length thresholds, draft counts and tree kinds that the drafters declare they
+    honour (an adaptive length for `adaptive` ones, several chains for `several_chains`
+    ones, a dynamic tree, one per drafter and without either, for `grows_trees` ones), each
     validated. A value asked for that no combination would measure is refused, naming it,
     rather than dropped."""
-    out = [dict(verify=v, drafter=d, draft_confidence=c, num_drafts=m)
-           for d in drafter_names for m in num_drafts for v in verify_rules for c in confidences
-           if (c == 0 or drafters.kind(d).adaptive) and (m == 1 or drafters.kind(d).several_chains)]
+    def honoured(d, m, v, c, t):
+        cls = drafters.kind(d)
+        if t == "dynamic":  # verified by the tree rule whatever --verify says: one line per drafter
+            return cls.grows_trees and m == 1 and c == 0 and v == verify_rules[0]
+        return (c == 0 or cls.adaptive) and (m == 1 or cls.several_chains)
+    out = [dict(verify=v, drafter=d, draft_confidence=c, num_drafts=m, draft_tree=t)
+           for d in drafter_names for t in draft_trees for m in num_drafts for v in verify_rules for c in confidences
+           if honoured(d, m, v, c, t)]
     adaptive, several = drafters.using("adaptive"), drafters.using("several_chains")
+    grown = drafters.using("grows_trees")
     listed = lambda values: ",".join(map(str, values))  # noqa: E731
     for d in drafter_names:
         cls = drafters.kind(d)
@@ -92,12 +100,21 @@ def variants(base, drafter_names, verify_rules, confidences, num_drafts) -> list
             if 1 not in num_drafts and not cls.several_chains:
                 why.append(f"--num_drafts={listed(num_drafts)} needs several chains, which only {', '.join(several)} "
                            f"draw (add 1 to the list to run {d} too)")
+            if "chains" not in draft_trees and not cls.grows_trees:
+                why.append(f"--draft_tree={listed(draft_trees)} needs a drafter that grows trees ({', '.join(grown)}; "
+                           f"add chains to the list to run {d} too)")
+            if "chains" not in draft_trees and cls.grows_trees:
+                why.append("a dynamic tree takes --num_drafts=1 and --draft_confidence=0")
             raise UsageError(f"--drafter={d}: nothing to measure: " + "; ".join(why))
     for key, values, users in (("draft_confidence", confidences, adaptive), ("num_drafts", num_drafts, several)):
         for value in values:
             if not any(v[key] == value for v in out):
                 raise UsageError(f"--{key}={value}: none of --drafter={','.join(drafter_names)} honours it (only "
                                  f"{', '.join(users)} do): drop the value or add such a drafter")
+    if "dynamic" in draft_trees and not any(v["draft_tree"] == "dynamic" for v in out):
+        raise UsageError(f"--draft_tree=dynamic: none of --drafter={','.join(drafter_names)} grows a tree here (a "
+                         f"dynamic tree needs drafter {' or '.join(grown)}, --num_drafts=1 and --draft_confidence=0 "
+                         "among the values compared)")
     for v in out:
         dataclasses.replace(base, **v).validate()
     return out
@@ -161,6 +178,8 @@ def label(row: dict) -> str:
     drafter = f"{row['drafter']} {row['draft']}" if row.get("draft") else row["drafter"]
     text = f"{drafter}, {row['verify']}" if row.get("num_drafts", 1) == 1 else \
         f"{drafter}, {row['num_drafts']} drafts"
+    if row.get("draft_tree") == "dynamic":
+        text = f"{drafter}, dynamic tree of {row['tree_nodes']}"
     return text + (f", confidence {row['draft_confidence']}" if row.get("draft_confidence") else "")
 
 
@@ -273,9 +292,13 @@ def bench(target, draft, prompts, base, ks, batch_sizes, repeats: int, seed: int
                     step = time_forward(drafts[name], 1, context, repeats, batch=m)
                 scoring = time_forward(target, 0, context, repeats, tree=(m, k))
                 report["target_scoring_ms"][f"tree {m}x{k}"] = 1000 * scoring
+            if sampling.draft_tree == "dynamic":  # (its tree pass's visibility is per row: timed as a chain of N + 1)
+                scoring = time_forward(target, sampling.tree_nodes + 1, context, repeats)
+                report["target_scoring_ms"][f"dynamic {sampling.tree_nodes}"] = 1000 * scoring
             steps = k * step if drafters.kind(sampling.drafter).needs_draft_model else 0.0
             parts = f"{k} draft steps" if steps else "the proposal, not timed"
             row.update(lookahead=k, verify=sampling.verify, drafter=sampling.drafter, num_drafts=m,
+                       draft_tree=sampling.draft_tree, tree_nodes=sampling.tree_nodes,
                        draft_confidence=sampling.draft_confidence, speedup=ars_near / row["ms_per_token"],
                        ars_ms_per_token=ars_near,
                        model_ms_per_loop=1000 * (steps + scoring), scoring_ms=1000 * scoring,

@@ -26,8 +26,8 @@ from typing import Callable, Optional
 
 from absl import app, flags, logging
 
-from specjax.config import (DRAFTERS, QUANTIZATIONS, VERIFY_RULES, Config, MeshConfig, SamplingConfig, UsageError, cache_dir,
-                            load_config)
+from specjax.config import (DRAFT_TREES, DRAFTERS, QUANTIZATIONS, VERIFY_RULES, Config, MeshConfig, SamplingConfig,
+                            UsageError, cache_dir, load_config)
 
 FLAGS = flags.FLAGS
 _OVERRIDES: list[str] = []
@@ -96,6 +96,10 @@ SAMPLING_FLAGS = {
                          "probability is below this (--lookahead is the most); 0 = fixed K"),
     "num_drafts": (int, "M draft chains per loop, scored as one tree and verified jointly (exact multi-draft "
                    "rejection sampling); 1 = one chain"),
+    "draft_tree": (DRAFT_TREES, "chains (--num_drafts chains of --lookahead tokens) or dynamic (a tree of "
+                   "--tree_nodes draft tokens at most --lookahead deep, grown where the drafter is confident; "
+                   "drafter model or eagle)"),
+    "tree_nodes": (int, "N, a dynamic draft tree's draft tokens per loop (the target scores N + 1)"),
 }
 
 
@@ -127,7 +131,17 @@ def sampling(base: SamplingConfig, skip=()) -> SamplingConfig:
     (which the command applies itself); not validated."""
     given = {name: FLAGS[name].value for name in SAMPLING_FLAGS
              if name in FLAGS and name not in _SWEPT and name not in skip and FLAGS[name].value is not None}
-    return dataclasses.replace(base, **given)
+    out = dataclasses.replace(base, **given)
+    if "draft_tree" not in _SWEPT:
+        check_tree_nodes([out.draft_tree])
+    return out
+
+
+def check_tree_nodes(draft_trees) -> None:
+    """--tree_nodes is refused where no dynamic tree uses it (it would be accepted and ignored)."""
+    if "tree_nodes" in FLAGS and FLAGS.tree_nodes is not None and "dynamic" not in draft_trees:
+        raise UsageError(f"--tree_nodes={FLAGS.tree_nodes} applies to a dynamic draft tree: add --draft_tree=dynamic "
+                         "(or drop --tree_nodes)")
 
 
 def swept(name: str, default) -> list:
@@ -138,7 +152,10 @@ def swept(name: str, default) -> list:
         return [default] if text is None else int_list(name, text)
     if kind is float:
         return unit_interval_list(name, text, default)
-    return choices(name, text, default, kind)
+    values = choices(name, text, default, kind)
+    if name == "draft_tree":
+        check_tree_nodes(values)
+    return values
 
 
 def sources():

@@ -95,6 +95,8 @@ class Report:
                 s = self.sampling
                 adaptive = f", draft confidence {s.draft_confidence}" if s.draft_confidence else ""
                 rule = f"{s.verify} verification" if s.num_drafts == 1 else f"{s.num_drafts} drafts verified as a tree"
+                if s.draft_tree == "dynamic":
+                    rule = f"a dynamic tree of {s.tree_nodes} nodes verified as a tree"
                 line += (f", acceptance rate {t.acceptance_rate:.3f} (K={s.lookahead}, {s.drafter} drafter, "
                          f"{rule}{adaptive})")
                 if s.num_drafts > 1:

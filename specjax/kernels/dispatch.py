@@ -133,10 +133,12 @@ def use_attention(q: jax.Array, k_all: jax.Array, setting: Kernels) -> bool:
 
 def attention(q, k, v, k_all, v_all, layer, limit, visible, scale: float, reference, positions, window=0):
     """`cached_attention.cc`: softmax(q . key * scale) over [layer `layer` of the caches
-    below limit[b]; this pass's keys k [B, T, G, H] where visible[t, u]], times the values,
-    where a sliding layer (`window` > 0, an int or traced) also drops the keys `window` or
-    more positions before the query (`positions` [B, T]; cache slot s is position s);
-    q [B, T, N, H] -> [B, T, N, H] float32, as `reference(q, k, v, k_all, v_all)` (the jnp
+    below limit[b]; the own keys k [B, U, G, H] (the pass's T last, after any of earlier
+    passes that no cache holds) where visible[t, u] ([T, U], or [B, T, U] where each row's
+    tree differs)], times the values, where a sliding layer (`window` > 0, an int or traced)
+    also drops the keys `window` or more positions before the query (`positions` [B, U]: the
+    own keys', the queries' the last T; cache slot s is position s); q [B, T, N, H] ->
+    [B, T, N, H] float32, as `reference(q, k, v, k_all, v_all)` (the jnp
     path, also used for gradients) computes it. Call only where `use_attention`."""
 
     @jax.custom_jvp

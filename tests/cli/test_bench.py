@@ -94,6 +94,24 @@ def test_bench_compares_draft_heads(tmp_path):
     assert all(row["tokens_per_loop"] >= 1 for row in rows)
 
 
+@pytest.mark.slow
+def test_bench_compares_chains_and_dynamic_trees(tmp_path):
+    """--draft_tree=chains,dynamic: one line each for the draft model and a random EAGLE
+    layer, the dynamic ones scored as a pass over the tree's N + 1 nodes."""
+    out = tmp_path / "bench.json"
+    env = dict(os.environ, XLA_FLAGS=xla_flags(1), JAX_PLATFORMS="cpu")
+    proc = subprocess.run([sys.executable, "-m", "specjax.bench", "--config=tiny", "--init=random", "--lookahead=2",
+                           "--num_prompts=1", "--prompt_len=5", "--max_new_tokens=8", "--repeats=1",
+                           "--drafter=model,eagle", "--draft_tree=chains,dynamic", "--tree_nodes=4", f"--json={out}"],
+                          capture_output=True, text=True, env=env, timeout=900)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    report = json.loads(out.read_text())
+    assert [(row["drafter"], row["draft_tree"]) for row in report["sps"]] == [
+        ("model", "chains"), ("model", "dynamic"), ("eagle", "chains"), ("eagle", "dynamic")]
+    assert all(row["tokens_per_loop"] >= 1 for row in report["sps"])
+    assert "dynamic 4" in report["target_scoring_ms"] and "dynamic tree of 4" in proc.stdout
+
+
 @pytest.mark.parametrize("args, fragment", [
     (["--lookahead=0,2"], "--lookahead='0,2'"),
     (["--num_prompts=0"], "--num_prompts=0: must be a positive integer"),
@@ -129,6 +147,12 @@ def test_bench_compares_draft_heads(tmp_path):
     (["--drafter=eagle,medusa", "--num_drafts=2"], "--drafter=eagle: nothing to measure"),
     (["--drafter=ngram", "--self_draft=layers:1,int8"], "--self_draft=layers:1,int8 names a draft model, and "
                                                         "--drafter=ngram uses none"),
+    (["--draft_tree=chains,grown"], "--draft_tree='chains,grown'"),
+    (["--draft_tree=dynamic", "--tree_nodes=99"], "tree_nodes=99: must be an integer in [1, 64]"),
+    (["--drafter=ngram", "--draft_tree=dynamic"], "--drafter=ngram: nothing to measure: --draft_tree=dynamic needs "
+                                                  "a drafter that grows trees"),
+    (["--drafter=model,ngram", "--draft_tree=chains,dynamic", "--num_drafts=2"], "--draft_tree=dynamic: none of"),
+    (["--tree_nodes=4"], "--tree_nodes=4 applies to a dynamic draft tree"),
 ])
 def test_bench_rejects_bad_input_before_any_work(args, fragment):
     init = [] if any(a.startswith("--init=") for a in args) else ["--init=random"]

@@ -171,6 +171,18 @@ def test_several_drafts_from_the_command_line(env, greedy, tmp_path):
     assert "3 drafts verified as a tree" in proc.stdout and "loops won by chain" in proc.stdout
 
 
+@pytest.mark.parametrize("drafter", ["model", "eagle"])
+def test_dynamic_draft_tree_from_the_command_line(env, greedy, tmp_path, drafter):
+    """--draft_tree=dynamic --tree_nodes=8: a tree grown by the draft model, or by a random
+    EAGLE layer, gives greedy ArS's tokens."""
+    out = tmp_path / "dynamic.jsonl"
+    proc = sample(env, *TINY, "--mode=sps", *GREEDY, f"--drafter={drafter}", "--draft_tree=dynamic",
+                  "--tree_nodes=8", f"--output={out}")
+    assert proc.returncode == 0, proc.stderr
+    assert by_row(read_jsonl(out), "sps") == by_row(greedy["ars"][1], "ars")
+    assert "a dynamic tree of 8 nodes verified as a tree" in proc.stdout
+
+
 def test_both_modes_print_side_by_side(env, greedy, tmp_path):
     args = [a for a in GREEDY if a != "--noprint_samples"]
     proc = sample(env, *TINY, "--mode=both", *args, f"--output={tmp_path / 'both.jsonl'}")
@@ -366,6 +378,19 @@ BAD_INPUTS = [
      ["num_drafts=16 x lookahead=8 = 128 tree nodes", "at most 64"]),
     ("num_drafts with a lookup", ["--drafter=ngram", "--num_drafts=2"], {},
      ["num_drafts=2 with drafter='ngram'", "'model', 'hybrid', 'medusa' or 'parallel'"]),
+    ("draft_tree misspelled", ["--draft_tree=grown"], {}, ["--draft_tree=grown", "chains|dynamic"]),
+    ("tree_nodes 0", ["--draft_tree=dynamic", "--tree_nodes=0"], {}, ["tree_nodes=0", "integer in [1, 64]"]),
+    ("tree_nodes 65", ["--draft_tree=dynamic", "--tree_nodes=65"], {}, ["tree_nodes=65", "integer in [1, 64]",
+                                                                        "compile time"]),
+    ("tree_nodes not a number", ["--draft_tree=dynamic", "--tree_nodes=eight"], {}, ["--tree_nodes", "eight"]),
+    ("tree_nodes without a dynamic tree", ["--tree_nodes=4"], {}, ["--tree_nodes=4 applies to a dynamic draft tree",
+                                                                   "--draft_tree=dynamic"]),
+    ("dynamic tree with a lookup", ["--drafter=ngram", "--draft_tree=dynamic"], {},
+     ["draft_tree='dynamic' with drafter='ngram'", "'model' or 'eagle'"]),
+    ("dynamic tree with chains", ["--draft_tree=dynamic", "--num_drafts=2"], {},
+     ["draft_tree='dynamic' with num_drafts=2", "replaces the chains"]),
+    ("dynamic tree with draft_confidence", ["--draft_tree=dynamic", "--draft_confidence=0.3"], {},
+     ["draft_tree='dynamic' with draft_confidence=0.3"]),
     ("hybrid without a draft", ["--config=mini_target", "--drafter=hybrid"], {},
      ["--drafter=hybrid needs a draft model", "'mini_target' has none"]),
     ("retrieval without a datastore", ["--drafter=retrieval"], {}, ["--drafter=retrieval needs --datastore=PATH"]),

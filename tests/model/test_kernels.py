@@ -214,17 +214,20 @@ def test_two_builds_at_once_leave_one_library(tmp_path):
 def attention_reference(q, k, v, k_all, v_all, layer, limit, visible, positions=None, window=0):
     """The attention over [cache below limit; own keys where visible], written out in jnp
     (MHA/GQA, rotary: no position terms), with a sliding window of `window` positions
-    where > 0: q [B,T,N,H] -> [B,T,N,H]."""
+    where > 0: q [B,T,N,H] -> [B,T,N,H]. Own keys k [B,U,G,H] at positions [B,U] (the
+    queries are the last T), visible [T,U] or [B,T,U]."""
     B, T, N, H = q.shape
-    G, S = k_all.shape[2], k_all.shape[3]
+    G, S, U = k_all.shape[2], k_all.shape[3], k.shape[1]
     qc = q.reshape(B, T, G, N // G, H)
     cached = jnp.einsum("BTGRH,BGSH->BGRTS", qc, k_all[layer])
     own = jnp.einsum("BTGRH,BUGH->BGRTU", qc, k)
     seen_cache = jnp.broadcast_to((jnp.arange(S)[None] < limit[:, None])[:, None], (B, T, S))
-    seen_own = jnp.broadcast_to(jnp.asarray(visible)[None], (B, T, T))
+    visible = jnp.asarray(visible)
+    seen_own = jnp.broadcast_to(visible if visible.ndim == 3 else visible[None], (B, T, U))
     if window:
-        seen_cache = seen_cache & (positions[:, :, None] - jnp.arange(S)[None, None] < window)
-        seen_own = seen_own & (positions[:, :, None] - positions[:, None, :] < window)
+        at = positions[:, U - T:]
+        seen_cache = seen_cache & (at[:, :, None] - jnp.arange(S)[None, None] < window)
+        seen_own = seen_own & (at[:, :, None] - positions[:, None, :] < window)
     cached = jnp.where(seen_cache[:, None, None], cached, model.MASKED)
     own = jnp.where(seen_own[:, None, None], own, model.MASKED)
     weights = jax.nn.softmax(jnp.concatenate([cached, own], -1) * H ** -0.5, axis=-1)
@@ -236,19 +239,21 @@ def attention_reference(q, k, v, k_all, v_all, layer, limit, visible, positions=
 def attention_float64(q, k, v, k_all, v_all, layer, limit, visible, positions=None, window=0):
     """The same in float64 numpy, one query at a time: the keys a query sees (within the
     window: cache slot s is position s), softmax, the weighted values (a query that sees
-    none averages every cache slot and own key)."""
+    none averages every cache slot and own key). visible: [T, U] or, per row, [B, T, U]."""
     q, k, v, k_all, v_all = (np.asarray(a, np.float64) for a in (q, k, v, k_all, v_all))
     B, T, N, H = q.shape
-    G, S = k_all.shape[2], k_all.shape[3]
+    G, S, U = k_all.shape[2], k_all.shape[3], k.shape[1]
     out = np.zeros(q.shape)
+    visible = np.broadcast_to(visible, (B,) + np.shape(visible)[-2:])
     for b, t, n in np.ndindex(B, T, N):
         g = n // (N // G)
-        own = np.flatnonzero(np.asarray(visible)[t])
+        own = np.flatnonzero(visible[b, t])
         first = 0
         if window:
             p = np.asarray(positions)[b]
-            own = own[p[t] - p[own] < window]
-            first = max(0, p[t] - window + 1)
+            at = p[U - T + t]  # the query: the pass's keys come last
+            own = own[at - p[own] < window]
+            first = max(0, at - window + 1)
         keys = np.concatenate([k_all[layer, b, g, first:limit[b]], k[b, own, g]])
         values = np.concatenate([v_all[layer, b, g, first:limit[b]], v[b, own, g]])
         if len(keys) == 0:
@@ -261,11 +266,11 @@ def attention_float64(q, k, v, k_all, v_all, layer, limit, visible, positions=No
 
 
 def ancestors(T):
-    """A tree's visibility: node 0, then two branches (as `tree.ancestors(2, (T-1)//2)`)."""
+    """A tree's visibility: node 0, then two branches (as two chains' `tree.ancestors`)."""
     from specjax.decode import tree
     M = 2 if T >= 3 else 1
     a = np.eye(T, dtype=bool)
-    a[:1 + M * ((T - 1) // M), :1 + M * ((T - 1) // M)] = tree.ancestors(M, (T - 1) // M)
+    a[:1 + M * ((T - 1) // M), :1 + M * ((T - 1) // M)] = tree.ancestors(tree.chain_parents(M, (T - 1) // M)[0])
     return a
 
 
@@ -324,6 +329,30 @@ def test_cached_attention_honours_a_sliding_window(B, T, N, G, H, S, window, mas
     fn = jax.jit(lambda q, k, v, ka, va, n, p, w: dispatch.attention(q, k, v, ka, va, 1, n, visible, H ** -0.5,
                                                                      None, p, w))
     got = np.asarray(fn(q, k, v, k_all, v_all, limit, positions, window))  # the window traced, as under scan
+    close(got, attention_float64(*args))
+    close(got, np.asarray(attention_reference(*args)))
+
+
+@needs_kernel
+@pytest.mark.parametrize("window", [0, 2])
+@pytest.mark.parametrize("B,T,U,N,G,H,S", [(1, 2, 9, 4, 2, 16, 20), (3, 4, 12, 8, 4, 8, 40), (2, 8, 8, 4, 1, 20, 17)])
+def test_cached_attention_sees_earlier_keys_through_each_rows_own_tree(B, T, U, N, G, H, S, window):
+    """A dynamic draft tree's pass: U own keys (earlier rounds' nodes, then the pass's T)
+    and a different visibility per row ([B, T, U]: each row grew its own tree), with and
+    without a sliding window over the keys' positions (nodes at their depths)."""
+    keys = jax.random.split(jax.random.key(U), 6)
+    q = jax.random.normal(keys[0], (B, T, N, H))
+    k_all, v_all = (jax.random.normal(k, (2, B, G, S, H)) for k in keys[1:3])
+    k, v = (jax.random.normal(k, (B, U, G, H)) for k in keys[3:5])
+    limit = jnp.asarray(np.resize([S // 2, 3, S - 3], B), jnp.int32)
+    rng = np.random.default_rng(U)
+    visible = rng.random((B, T, U)) < 0.5
+    visible[:, np.arange(T), U - T + np.arange(T)] = True  # each query sees its own key
+    positions = limit[:, None] + jnp.asarray(rng.integers(0, 3, (B, U)))
+    args = (q, k, v, k_all, v_all, 1, limit, visible, positions, window)
+    fn = jax.jit(lambda q, k, v, ka, va, n, p: dispatch.attention(q, k, v, ka, va, 1, n, visible, H ** -0.5, None, p,
+                                                                  window))
+    got = np.asarray(fn(q, k, v, k_all, v_all, limit, positions))
     close(got, attention_float64(*args))
     close(got, np.asarray(attention_reference(*args)))
 

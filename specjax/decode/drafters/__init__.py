@@ -19,13 +19,19 @@ the compiled loop, plus a pytree `state` the loop carries. Its interface (`base.
                           token, the kept chain and (when `needs_features`) the target's
                           hidden states along the kept path (the draft cache's rollback)
 
+and, to grow dynamic draft trees (`grows_trees`; `decode/growth.py`), one more method:
+
+  expand(state, carry, tokens, length, Expansion) -> (logits [B, W, V'], state, carry)
+      the next-token logits after each node of a round (the first call: after the
+      pending token), given its path; `draft_vocab` says which tokens V' are
+
 and declarations (class attributes, `base.Drafter`): what it draws from
 (`needs_draft_model`, `heads_kind`), `uses_datastore` / `needs_datastore`,
-`several_chains`, `adaptive` (honours draft_confidence), `needs_features`, its cap on K
-(`max_lookahead`) and the config that trains what it draws from (`trained_by`). The loop,
-the run setup (`specjax.app.setup`), plan, bench and the flag checks read those, never
-the drafter's name. Any rule that decides how much to draft looks at the drafter's side
-only (invariant 9).
+`several_chains`, `adaptive` (honours draft_confidence), `needs_features`, `grows_trees`,
+its cap on K (`max_lookahead`) and the config that trains what it draws from
+(`trained_by`). The loop, the run setup (`specjax.app.setup`), plan, bench and the flag
+checks read those, never the drafter's name. Any rule that decides how much to draft looks
+at the drafter's side only (invariant 9).
 
   model      the draft model samples K tokens (`draft_model`)
   ngram      prompt lookup in the row's own context (`lookup`)
@@ -47,7 +53,8 @@ along the kept path).
 from __future__ import annotations
 
 from specjax.config import SamplingConfig, UsageError
-from specjax.decode.drafters.base import SOURCES, Drafter, Prefill, Proposal, Verdict, point_mass, select
+from specjax.decode.drafters.base import (SOURCES, Drafter, Expansion, Prefill, Proposal, Verdict, point_mass,
+                                          select)
 from specjax.decode.drafters.draft_model import ModelDrafter, model_proposal, refeed_window
 from specjax.decode.drafters.hybrid import HybridDrafter
 from specjax.decode.drafters.lookup import NgramDrafter, RetrievalDrafter, ngram_match
@@ -59,8 +66,8 @@ REGISTRY: dict[str, type[Drafter]] = {cls.name: cls for cls in (ModelDrafter, Ng
                                                                  HybridDrafter, MedusaDrafter, EagleDrafter,
                                                                  ParallelDrafter)}
 
-__all__ = ["REGISTRY", "SOURCES", "Drafter", "EagleDrafter", "HybridDrafter", "MedusaDrafter", "ModelDrafter", "NgramDrafter",
-           "ParallelDrafter", "Prefill", "Proposal",
+__all__ = ["REGISTRY", "SOURCES", "Drafter", "EagleDrafter", "Expansion", "HybridDrafter", "MedusaDrafter", "ModelDrafter",
+           "NgramDrafter", "ParallelDrafter", "Prefill", "Proposal",
            "RetrievalDrafter", "Verdict", "kind", "make", "model_proposal", "ngram_match", "point_mass",
            "refeed_window", "select"]
 
