@@ -34,7 +34,7 @@ import sys
 import jax
 from absl import flags
 
-from specjax.analysis import compile as compile_lib, plan_report as report_lib
+from specjax.analysis import compile as compile_lib, plan_report as report_lib, tpu
 from specjax.analysis.roofline import CHIPS, Chip
 from specjax.app import cli, output
 from specjax.config import HeadsConfig, MeshConfig, SamplingConfig, UsageError
@@ -50,7 +50,11 @@ def define_flags() -> None:
     flags.DEFINE_integer("batch", 1, "Rows per batch.")
     flags.DEFINE_integer("prompt_len", 128, "Prompt tokens per row (the prefill).")
     flags.DEFINE_integer("cache_len", None, "KV-cache (and token buffer) length; default min(2048, max_seq_len).")
-    flags.DEFINE_enum("chip", "v4", list(CHIPS), "TPU generation: HBM size and bandwidth, peak bf16 FLOP/s, ICI.")
+    flags.DEFINE_enum("chip", "v4", list(CHIPS), "TPU generation: HBM size and bandwidth, peak bf16 FLOP/s, ICI; "
+                      "with --compiler=tpu also the slice compiled for.")
+    flags.DEFINE_enum("compiler", "cpu", ["cpu", "tpu"], "cpu: XLA:CPU on fake CPU devices (TPU padding and the "
+                      "roofline added by hand); tpu: XLA:TPU through libtpu's compile-only client for a slice of "
+                      "--chip (pip install 'specjax[tpu]'; no TPU needed), with the loop's parts costed.")
     flags.DEFINE_float("collective_latency_us", Chip.collective_latency_s * 1e6,
                        "Fixed latency per collective in the TPU roofline (microseconds).")
     cli.define_quantize_flag()
@@ -64,9 +68,13 @@ def define_flags() -> None:
                       "the f32 copy of the stacked weights out of the layer loop; unrealistic temporaries).")
 
 
-def configure_xla(devices: int, licm: bool) -> None:
+def configure_xla(devices: int, licm: bool, compiler: str = "cpu") -> None:
     """Fake CPU devices and XLA options; must run before JAX creates its CPU backend
-    (importing jax does not; the first device or compile call does)."""
+    (importing jax does not; the first device or compile call does). For XLA:TPU none:
+    the CPU backend only hosts the process, and libtpu reads XLA_FLAGS as they are."""
+    os.environ["JAX_PLATFORMS"] = "cpu"  # plan on fake CPU devices even on a TPU host
+    if compiler == "tpu":
+        return
     flags_ = [f for f in os.environ.get("XLA_FLAGS", "").split()
               if not f.startswith("--xla_force_host_platform_device_count")]
     flags_.append(f"--xla_force_host_platform_device_count={devices}")
@@ -77,7 +85,6 @@ def configure_xla(devices: int, licm: bool) -> None:
     if not any(f.startswith("--xla_cpu_use_fusion_emitters") for f in flags_):
         flags_.append("--xla_cpu_use_fusion_emitters=false")  # nor the MLIR fusion pipeline
     os.environ["XLA_FLAGS"] = " ".join(flags_)
-    os.environ["JAX_PLATFORMS"] = "cpu"  # plan on fake CPU devices even on a TPU host
 
 
 PLANNED_DRAFTERS = ("model", "medusa", "eagle")  # the lookup drafters hold no weights to plan
@@ -105,12 +112,15 @@ def main(argv):
     cache_len = cli.positive("cache_len", FLAGS.cache_len)
     latency = cli.finite("collective_latency_us", FLAGS.collective_latency_us, 0.0, 1e6)
     sampling, heads = drafting(cfg)
+    if FLAGS.compiler == "tpu":
+        tpu.check(FLAGS.chip, data, model)
     output.check_writable(FLAGS.json, "--json")
-    configure_xla(data * model, FLAGS.licm)
+    configure_xla(data * model, FLAGS.licm, FLAGS.compiler)
     jax.config.update("jax_platforms", "cpu")
     chip = dataclasses.replace(CHIPS[FLAGS.chip], collective_latency_s=latency * 1e-6)
     report = compile_lib.plan(dataclasses.replace(cfg, sampling=dataclasses.replace(sampling, num_drafts=1)), data,
-                              model, batch, prompt_len, cache_len, chip, sampling.num_drafts, cli.quantize(), heads)
+                              model, batch, prompt_len, cache_len, chip, sampling.num_drafts, cli.quantize(), heads,
+                              FLAGS.compiler)
     print(report_lib.format_report(report))
     if FLAGS.json:
         output.save(FLAGS.json, json.dumps(report, indent=1, default=str), "--json")
