@@ -46,6 +46,13 @@ def _dims(shape: str) -> list[int]:
     return [int(d) for d in m.group(1).split(",") if d] if m else []
 
 
+def _elements_as(shape: str, source: str) -> int:
+    """Bytes of `shape`'s elements in `source`'s element type: what a slice of `source`
+    reads (XLA:TPU fuses a convert into a slice, which then reads f32 and writes bf16)."""
+    dtype = re.match(r"\s*([a-z]+\d*[a-z0-9]*)\[", source)
+    return int(math.prod(_dims(shape)) * DTYPE_BYTES.get(dtype.group(1) if dtype else "", 0)) or _shape_bytes(shape)
+
+
 def memory_space(shape: str) -> int:
     """The memory space of an array shape: `S(n)` in its layout, 0 (HBM; host RAM for
     XLA:CPU) where none is written. On a TPU the others are on-chip memories (VMEM, and
@@ -131,7 +138,7 @@ class Traffic:
 # and control flow (what the called computations read is counted there).
 _NO_READ = {"parameter", "constant", "get-tuple-element", "tuple", "bitcast", "copy-done", "while", "call",
             "conditional", "after-all", "partition-id", "replica-id", "iota", "opt-barrier", "add-dependency",
-            "domain", "all-reduce-done", "all-gather-done", "collective-permute-done", "async-done",
+            "domain", "all-reduce-done", "all-gather-done", "collective-permute-done", "async-done", "slice-done",
             "async-update", "send-done", "recv-done", "rng-get-and-update-state"}
 # Arithmetic that XLA's cost analysis counts one FLOP per element (transcendentals apart).
 _ELEMENTWISE = {"add", "subtract", "multiply", "divide", "maximum", "minimum", "negate", "abs", "compare",
@@ -357,6 +364,26 @@ class HloProgram:
         self._traffic[name] = total
         return total
 
+    def reads(self, name: str | None = None, times: int = 1) -> list[tuple[int, str, Instruction]]:
+        """Every HBM read `traffic` counts, as (bytes over the run, computation,
+        instruction), largest first: where a step's bytes go."""
+        name = self.entry if name is None else name
+        out = []
+        table = self.parsed(name)
+        for instr in table.values():
+            if instr.op == "while":
+                n = self._times(name, instr.line) * times
+                out += [r for c in self._callees(instr.line) for r in self.reads(c, n)]
+            elif instr.op in ("call", "async-start", "conditional"):
+                out += [r for c in self._callees(instr.line) for r in self.reads(c, times)]
+            elif instr.op == "fusion":
+                fused = self._callees(instr.line)[0]
+                read = sum(self._fused_read(fused, j, table.get(o)) for j, o in enumerate(instr.operands))
+                out.append((read * times, name, instr))
+            else:
+                out.append((self._read(table, instr) * times, name, instr))
+        return sorted((r for r in out if r[0]), key=lambda r: -r[0])
+
     @staticmethod
     def _hbm_bytes(operand: Instruction | None) -> int:
         if operand is None or operand.shape.startswith("(") or memory_space(operand.shape) != 0:
@@ -369,7 +396,10 @@ class HloProgram:
             return 0
         operands = [table.get(o) for o in instr.operands]
         if instr.op in _SLICING:
-            return _shape_bytes(instr.shape) if self._hbm_bytes(operands[0]) else 0
+            return _elements_as(instr.shape, operands[0].shape) if self._hbm_bytes(operands[0]) else 0
+        if instr.op == "slice-start":  # async: ((operand), slice, context); it reads the slice
+            arrays = re.findall(r"\w+\[[\d,]*\]", instr.shape)
+            return _shape_bytes(arrays[1]) if len(arrays) > 1 and self._hbm_bytes(operands[0]) else 0
         if instr.op in _UPDATING:
             j = _UPDATING[instr.op]
             return self._hbm_bytes(operands[j]) if j < len(operands) else 0
@@ -402,7 +432,7 @@ class HloProgram:
                 if o != name:
                     continue
                 if user.op in _SLICING and k == 0:
-                    total += _shape_bytes(user.shape)
+                    total += _elements_as(user.shape, table[name].shape)
                 elif user.op in _UPDATING and k == 0:
                     pass
                 elif user.op == "bitcast":
@@ -455,11 +485,27 @@ class HloProgram:
         labels = re.search(r"dim_labels=(\w+)_(\w+)->(\w+)", instr.line)
         if labels is None:
             return 0
-        features = lhs_dims[labels.group(1).index("f")]
+        lhs_labels, _, out_labels = labels.groups()
+        features = lhs_dims[lhs_labels.index("f")]
         groups = re.search(r"feature_group_count=(\d+)", instr.line)
-        window = re.search(r"window=\{size=([\dx]+)", instr.line)
-        taps = math.prod(int(s) for s in window.group(1).split("x")) if window else 1
-        return 2 * out * features // (int(groups.group(1)) if groups else 1) * taps
+        out_dims = _dims(instr.shape)
+        window = re.search(r"window=\{([^}]*)\}", instr.line)
+        window = dict(re.findall(r"(\w+)=([\w\-]+)", window.group(1))) if window else {}
+        # XLA writes some matmuls as convolutions whose windows mostly overlap padding or
+        # the holes of a dilated input (a dot over a few heads): count the taps that land
+        # on the input, per output position, as XLA's cost analysis does.
+        pairs, spatial = 1, 1
+        for d in range(sum(c.isdigit() for c in lhs_labels)):
+            field = lambda key, default: (window[key].split("x")[d] if key in window else default)  # noqa: E731
+            size, stride = int(field("size", "1")), int(field("stride", "1"))
+            low = int(field("pad", "0_0").split("_")[0])
+            lhs_dilate, rhs_dilate = int(field("lhs_dilate", "1")), int(field("rhs_dilate", "1"))
+            length, outputs = lhs_dims[lhs_labels.index(str(d))], out_dims[out_labels.index(str(d))]
+            pairs *= sum(1 for o in range(outputs) for k in range(size)
+                         if (q := o * stride + k * rhs_dilate - low) >= 0 and q % lhs_dilate == 0
+                         and q // lhs_dilate < length)
+            spatial *= outputs
+        return 2 * (out // max(spatial, 1)) * pairs * features // (int(groups.group(1)) if groups else 1)
 
 
 def summarize(counts: Counter) -> dict:

@@ -7,8 +7,9 @@ shardings: `ars.step` (one ArS step, the loop's body), `speculative.loop` (one w
 loop), the target's scoring pass over the loop's nodes (the one forward, `warp`,
 `kv_cache.commit`, as `speculative.speculate` calls them) and the drafter's `propose`
 (its K steps). Their inputs are the loop's state as `start` makes it, abstract; their
-layouts are the compiler's choice (`Layout.AUTO`), as inside the loop, where XLA lays
-out what the loop carries and hoists any relayout of a weight out of it.
+layouts, in and out, are the compiler's choice (`Layout.AUTO`) and what a step updates is
+donated to it, as inside the loop, where XLA lays out what the loop carries once for every
+iteration and updates it in place.
 
 Each step's `Traffic` (`hlo.HloProgram.traffic`: bytes read from HBM, matmul FLOPs,
 loops times their trip counts) is set against its ideal bytes: the weights that its
@@ -85,7 +86,9 @@ def drafting_bytes(drafter, state, lookahead: int) -> int:
 
 
 def step_functions(prog: Program) -> dict:
-    """{step name: (function, abstract args, ideal bytes)} for the loop `prog` runs."""
+    """{step name: (function, abstract args, ideal bytes, the args it updates)} for the loop
+    `prog` runs. What a step updates is donated to it, as the loop carries its state: its
+    output aliases its input (undonated, a step copied the whole cache to return it)."""
     mesh, statics = prog.mesh, prog.settings
     size, eos_id = statics["size"], statics["eos_id"]
     with jax.set_mesh(mesh):
@@ -96,7 +99,7 @@ def step_functions(prog: Program) -> dict:
                                           target, prompts, lens, seed), mesh)
             step = functools.partial(_ars_step, warping=warping, eos_id=eos_id)
             ideal = weight_bytes(target) + _cache_bytes(state.cache)
-            return {"step": (step, (target, state, warp_values, max_new), ideal)}
+            return {"step": (step, (target, state, warp_values, max_new), ideal, (1,))}
         target, drafter, prompts, lens, warp_values, seed, max_new = prog.args
         settings = statics["settings"]
         K, M = settings.lookahead, settings.num_drafts
@@ -116,10 +119,10 @@ def step_functions(prog: Program) -> dict:
         target_ideal = weight_bytes(target) + _cache_bytes(state.target_cache)
         draft_ideal = drafting_bytes(drafter, state.drafter_state, K)
         loop = functools.partial(_loop, settings=settings, eos_id=eos_id)
-        return {"loop": (loop, (target, drafter, state, warp_values, max_new), target_ideal + draft_ideal),
-                "score": (score, score_args, target_ideal),
+        return {"loop": (loop, (target, drafter, state, warp_values, max_new), target_ideal + draft_ideal, (2,)),
+                "score": (score, score_args, target_ideal, (3,)),
                 "propose": (propose, (drafter, state.drafter_state, state.tokens, state.length, key, warp_values),
-                            draft_ideal)}
+                            draft_ideal, (1,))}
 
 
 def _ars_step(target, state, warp_values, max_new, *, warping, eos_id):
@@ -152,10 +155,11 @@ def cost(prog: Program, chip: Chip) -> dict:
     'compile_seconds'}}. estimated_seconds = max(bytes / HBM bandwidth, FLOPs / peak)
     + each collective's fixed latency + its bytes on the ICI wire."""
     out = {}
-    for name, (fn, args, ideal) in step_functions(prog).items():
+    for name, (fn, args, ideal, donated) in step_functions(prog).items():
         start = time.perf_counter()
         with jax.set_mesh(prog.mesh):
-            lowered = jax.jit(fn, in_shardings=_auto(args)).lower(*args)
+            lowered = jax.jit(fn, in_shardings=_auto(args), out_shardings=Format(Layout.AUTO),
+                              donate_argnums=donated).lower(*args)
         compiled = compile_lowered(lowered, prog.platform)
         seconds = time.perf_counter() - start
         program = HloProgram(compiled.as_text())

@@ -138,6 +138,39 @@ def test_traffic_counts_what_the_chip_reads_from_hbm():
     assert program.trip_count("main", line.replace("body=%body", "body=%cond")) is None
 
 
+PIECES = """\
+HloModule pieces
+
+%narrowing (param_0: f32[4,256,8]) -> bf16[256,8] {
+  %param_0 = f32[4,256,8]{2,1,0:T(8,128)} parameter(0)
+  %s = bf16[1,256,8]{2,1,0:T(8,128)(2,1)} slice(%param_0), slice={[1:2], [0:256], [0:8]}
+  ROOT %b = bf16[256,8]{1,0:T(8,128)(2,1)} bitcast(%s)
+}
+
+ENTRY %main (x: bf16[5,8192,1], w: bf16[8192,4,128], t: bf16[2000,8192], c: f32[4,256,8]) -> bf16[5,4,128] {
+  %x = bf16[5,8192,1]{2,1,0:T(8,128)(2,1)} parameter(0)
+  %w = bf16[8192,4,128]{2,1,0:T(4,128)(2,1)} parameter(1)
+  %t = bf16[2000,8192]{1,0:T(8,128)(2,1)} parameter(2)
+  %c = f32[4,256,8]{2,1,0:T(8,128)} parameter(3)
+  %rows = ((bf16[2000,8192]{1,0:T(8,128)(2,1)}), bf16[504,8192]{1,0:T(8,128)(2,1)}, u32[]{:S(2)}) slice-start(%t), slice={[0:504], [0:8192]}
+  %done = bf16[504,8192]{1,0:T(8,128)(2,1)} slice-done(%rows)
+  %layer = bf16[256,8]{1,0:T(8,128)(2,1)} fusion(%c), kind=kLoop, calls=%narrowing
+  ROOT %q = bf16[5,4,128]{2,1,0:T(8,128)(2,1)} convolution(%x, %w), window={size=4 pad=3_3 rhs_reversal=1}, dim_labels=bf0_i0o->b0f
+}
+"""
+
+
+def test_traffic_of_what_xla_tpu_writes_for_matmuls_and_slices():
+    """XLA:TPU writes a [5, 8192] x [8192, 4 x 128] matmul as a convolution whose 4-wide
+    window overlaps the input at one tap per output (the rest is padding): its FLOPs are
+    the matmul's. An async slice reads its rows, not the table; a slice that converts f32
+    to bf16 reads the f32 elements; the matmul reads x and w whole."""
+    program = hlo.HloProgram(PIECES)
+    traffic = program.traffic()
+    assert traffic.flops == 2 * 5 * 4 * 128 * 8192
+    assert traffic.hbm_read == 504 * 8192 * 2 + 256 * 8 * 4 + 5 * 8192 * 2 + 8192 * 4 * 128 * 2
+
+
 def test_generation_loop_is_the_outer_data_dependent_loop():
     """A data-dependent loop whose body holds the one counted loop: found; a second
     data-dependent loop beside it: refused, naming both."""
