@@ -1,8 +1,12 @@
 """`python -m specjax.plan --config=chinchilla_70b`: paper scale without a pod.
 
 Lowers and compiles THE programs `generate` runs (built by `program.build`) on a mesh of
-fake CPU devices, with every parameter a sharded `jax.ShapeDtypeStruct`: nothing the size
-of the model is allocated. It reports compile time, bytes per device against the chip's
+fake CPU devices, with every parameter and prompt a sharded `jax.ShapeDtypeStruct`: nothing
+the size of the model is allocated. `--compiler=tpu` compiles them with XLA:TPU instead,
+for a slice of `--chip` chips on libtpu's compile-only client (`analysis.tpu`; the `tpu`
+extra, no TPU needed): memory per chip is XLA:TPU's own, and the loop's parts are compiled
+as programs of their own and costed (`analysis.steps`: HBM bytes read against the ideal,
+an estimated ms/token; docs/pods.md). It reports compile time, bytes per device against the chip's
 HBM, collectives per SpS loop / ArS step and outside the loop (counted in the
 compiled HLO), and a TPU roofline ms/token set against the paper's Table 1
 (`specjax.analysis`). `--chip=v4|v5e|v5p|v6e` picks the chip (HBM size and bandwidth, peak
