@@ -199,9 +199,13 @@ def _steps_lines(r: dict) -> list[str]:
         for name, e in est.items():
             if not name.startswith("sps"):
                 continue
-            out.append(f"    {name} loop {e['loop_ms']:.2f} ms (score {e['score_ms']:.2f}, propose "
-                       f"{e['propose_ms']:.2f}): ms/token at alpha " + ", ".join(
-                           f"{row['alpha']:.1f}: {row['ms_per_token']:.2f}" for row in e["by_alpha"]))
+            head = f"    {name} loop {e['loop_ms']:.2f} ms (score {e['score_ms']:.2f}, propose {e['propose_ms']:.2f})"
+            if "by_alpha" not in e:
+                out.append(head + (f": pays off above {e['break_even_ratio']:.3f}x the chain's tokens per loop"
+                                   if "break_even_ratio" in e else ""))
+                continue
+            out.append(head + ": ms/token at alpha " + ", ".join(
+                f"{row['alpha']:.1f}: {row['ms_per_token']:.2f}" for row in e["by_alpha"]))
             for row in e.get("table1", []):
                 out.append(f"      {row['setting']:<24} alpha {row['implied_alpha']:.2f}: {row['sps_ms']:.2f} ms/token "
                            f"(paper {row['paper_sps_ms']:.2f})")

@@ -274,6 +274,7 @@ def compiled_estimate(report: dict, cfg) -> dict:
     the draft's step alone, and each SpS loop over its expected tokens per loop at the
     acceptance rates of `ALPHAS` and of the paper's Table 1 rows (K=4, paper scale)."""
     programs, K = report["programs"], report["setup"]["lookahead"]
+    programs = dict(sorted(programs.items(), key=lambda kv: kv[0] != "sps"))  # the chain first: trees compare with it
     seconds = lambda program, step: programs[program]["steps"][step]["estimated_seconds"]  # noqa: E731
     out = {}
     for name, program in (("ars", "ars_target"), ("draft", "ars_draft")):
@@ -283,11 +284,16 @@ def compiled_estimate(report: dict, cfg) -> dict:
         if not name.startswith("sps") or "steps" not in program:
             continue
         loop = seconds(name, "loop")
-        lookahead = program["statics"]["settings"]["lookahead"]
+        lookahead, chains = (program["statics"]["settings"][k] for k in ("lookahead", "num_drafts"))
         entry = {"loop_ms": 1e3 * loop, "score_ms": 1e3 * seconds(name, "score"),
-                 "propose_ms": 1e3 * seconds(name, "propose"),
-                 "by_alpha": [{"alpha": a, "tokens_per_loop": tokens_per_loop(a, lookahead),
-                               "ms_per_token": 1e3 * loop / tokens_per_loop(a, lookahead)} for a in ALPHAS]}
+                 "propose_ms": 1e3 * seconds(name, "propose")}
+        if chains > 1:  # a tree's tokens per loop are measured, not modelled: what it must reach
+            if "sps" in out:
+                entry["break_even_ratio"] = entry["loop_ms"] / out["sps"]["loop_ms"]
+            out[name] = entry
+            continue
+        entry["by_alpha"] = [{"alpha": a, "tokens_per_loop": tokens_per_loop(a, lookahead),
+                              "ms_per_token": 1e3 * loop / tokens_per_loop(a, lookahead)} for a in ALPHAS]
         if "ars" in out:
             for row in entry["by_alpha"]:
                 row["speedup"] = out["ars"]["ms_per_token"] / row["ms_per_token"]
