@@ -426,6 +426,9 @@ class HloProgram:
         """Bytes read of value `name` in `comp` when every use slices or updates it in
         place (through bitcasts and nested fusions); None when some use reads it whole."""
         table = self.parsed(comp)
+        root = self._root(comp)
+        if root is not None and root.name == name:  # used outside: by whoever reads this (nested) fusion
+            return None
         total = 0
         for user in table.values():
             for k, o in enumerate(user.operands):
