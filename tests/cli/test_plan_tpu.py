@@ -24,6 +24,8 @@ import subprocess
 import sys
 
 import jax
+import jax.numpy as jnp
+import numpy as np
 import pytest
 
 from specjax import kv_heads
@@ -33,6 +35,7 @@ from specjax.heads import abstract_heads
 from specjax.model import abstract_lm
 from clitools import assert_one_line, cli_env
 from conftest import mesh_for
+from models import random_lm
 
 REPO = pathlib.Path(__file__).resolve().parents[2]
 FIXTURES = REPO / "tests" / "fixtures" / "hlo"
@@ -147,14 +150,28 @@ HloModule pieces
   ROOT %b = bf16[256,8]{1,0:T(8,128)(2,1)} bitcast(%s)
 }
 
-ENTRY %main (x: bf16[5,8192,1], w: bf16[8192,4,128], t: bf16[2000,8192], c: f32[4,256,8]) -> bf16[5,4,128] {
+%view (param_0: bf16[2000,8192]) -> bf16[2000,8192] {
+  %param_0 = bf16[2000,8192]{1,0:T(8,128)(2,1)} parameter(0)
+  ROOT %b = bf16[2000,8192]{1,0:T(8,128)(2,1)} bitcast(%param_0)
+}
+
+%lookup (param_0: bf16[2000,8192], param_1: pred[5,2000]) -> bf16[5,8192] {
+  %param_0 = bf16[2000,8192]{1,0:T(8,128)(2,1)} parameter(0)
+  %param_1 = pred[5,2000]{1,0:T(8,128)(4,1)} parameter(1)
+  %v = bf16[2000,8192]{1,0:T(8,128)(2,1)} fusion(%param_0), kind=kLoop, calls=%view
+  ROOT %e = bf16[5,8192]{1,0:T(8,128)(2,1)} convolution(%param_1, %v), dim_labels=bf_io->bf
+}
+
+ENTRY %main (x: bf16[5,8192,1], w: bf16[8192,4,128], t: bf16[2000,8192], c: f32[4,256,8], hot: pred[5,2000]) -> bf16[5,4,128] {
   %x = bf16[5,8192,1]{2,1,0:T(8,128)(2,1)} parameter(0)
   %w = bf16[8192,4,128]{2,1,0:T(4,128)(2,1)} parameter(1)
   %t = bf16[2000,8192]{1,0:T(8,128)(2,1)} parameter(2)
   %c = f32[4,256,8]{2,1,0:T(8,128)} parameter(3)
-  %rows = ((bf16[2000,8192]{1,0:T(8,128)(2,1)}), bf16[504,8192]{1,0:T(8,128)(2,1)}, u32[]{:S(2)}) slice-start(%t), slice={[0:504], [0:8192]}
-  %done = bf16[504,8192]{1,0:T(8,128)(2,1)} slice-done(%rows)
+  %part = ((bf16[2000,8192]{1,0:T(8,128)(2,1)}), bf16[504,8192]{1,0:T(8,128)(2,1)}, u32[]{:S(2)}) slice-start(%t), slice={[0:504], [0:8192]}
+  %done = bf16[504,8192]{1,0:T(8,128)(2,1)} slice-done(%part)
   %layer = bf16[256,8]{1,0:T(8,128)(2,1)} fusion(%c), kind=kLoop, calls=%narrowing
+  %hot = pred[5,2000]{1,0:T(8,128)(4,1)S(1)} parameter(4)
+  %rows = bf16[5,8192]{1,0:T(8,128)(2,1)} fusion(%t, %hot), kind=kOutput, calls=%lookup
   ROOT %q = bf16[5,4,128]{2,1,0:T(8,128)(2,1)} convolution(%x, %w), window={size=4 pad=3_3 rhs_reversal=1}, dim_labels=bf0_i0o->b0f
 }
 """
@@ -164,11 +181,12 @@ def test_traffic_of_what_xla_tpu_writes_for_matmuls_and_slices():
     """XLA:TPU writes a [5, 8192] x [8192, 4 x 128] matmul as a convolution whose 4-wide
     window overlaps the input at one tap per output (the rest is padding): its FLOPs are
     the matmul's. An async slice reads its rows, not the table; a slice that converts f32
-    to bf16 reads the f32 elements; the matmul reads x and w whole."""
+    to bf16 reads the f32 elements; the matmul reads x and w whole, and a one-hot lookup the
+    whole table `t` through the view (a nested fusion) its convolution reads."""
     program = hlo.HloProgram(PIECES)
     traffic = program.traffic()
-    assert traffic.flops == 2 * 5 * 4 * 128 * 8192
-    assert traffic.hbm_read == 504 * 8192 * 2 + 256 * 8 * 4 + 5 * 8192 * 2 + 8192 * 4 * 128 * 2
+    assert traffic.flops == 2 * 5 * 4 * 128 * 8192 + 2 * 5 * 8192 * 2000
+    assert traffic.hbm_read == 504 * 8192 * 2 + 256 * 8 * 4 + 5 * 8192 * 2 + 8192 * 4 * 128 * 2 + 2000 * 8192 * 2
 
 
 def test_generation_loop_is_the_outer_data_dependent_loop():
@@ -203,6 +221,26 @@ def test_building_a_plan_program_touches_no_device(mesh, drafter):
     assert made == []
     with pytest.raises(ValueError, match="compiled, not run"):
         prog.run()
+
+
+def test_vocab_parallel_embedding_reads_its_rows_not_the_table():
+    """The embedding lookup over a table split 8 ways by vocabulary (4096 x 32 float32:
+    64 KiB per device): each device reads the rows of its own range (a few hundred bytes)
+    and one all-reduce sums them; the values are the table's rows. (As a one-hot
+    contraction every forward read the whole shard: XLA:TPU showed it, 125 MiB per chip
+    and step for Llama-3.1-70B.)"""
+    cfg = dataclasses.replace(load_config("tiny").target, vocab_size=4096)
+    mesh = mesh_for("1x8")
+    lm = random_lm(cfg, mesh, seed=0)
+    tokens = jnp.asarray([[5, 4095, 512], [0, 1023, 2048]], jnp.int32)
+    with jax.set_mesh(mesh):
+        embed = jax.jit(lambda lm, t: lm.embed(t))
+        got = np.asarray(embed(lm, tokens))
+        program = hlo.HloProgram(embed.lower(lm, tokens).compile().as_text())
+    np.testing.assert_array_equal(got, np.asarray(lm.params["embed"].value)[np.asarray(tokens)])
+    shard = 4096 // 8 * 32 * 4
+    assert program.traffic().hbm_read < shard // 8
+    assert hlo.summarize(program.tally(program.entry))["all-reduce"]["count"] == 1
 
 
 # A run of plan in which libtpu cannot be imported, whether or not it is installed.
