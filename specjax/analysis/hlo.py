@@ -145,6 +145,8 @@ _ELEMENTWISE = {"add", "subtract", "multiply", "divide", "maximum", "minimum", "
                 "select", "clamp", "and", "or", "xor", "not", "remainder", "power", "sign", "floor", "ceil",
                 "round-nearest-even", "round-nearest-afz", "shift-left", "shift-right-logical",
                 "shift-right-arithmetic"}
+# Inside a fusion, what a slice after these reads is all they read of their operand.
+_PASSING = _ELEMENTWISE | {"bitcast", "copy", "convert", "reshape", "transpose", "bitcast-convert"}
 # Reading only part of the operand: the result's bytes (a slice, a gather of rows).
 _SLICING = {"dynamic-slice", "slice", "gather"}
 # In place: operand 0 is updated, only the update is read.
@@ -414,40 +416,45 @@ class HloProgram:
         full = self._hbm_bytes(operand)
         if not full:
             return 0
-        table = self.parsed(fused)
-        param = next((i for i in table.values() if i.op == "parameter"
-                      and re.search(rf" parameter\({j}\)", i.line)), None)
-        if param is None:
+        param = self._parameter(fused, j)
+        part = None if param is None else self._partial_elements(fused, param.name)
+        if part is None:
             return full
-        part = self._partial_read(fused, param.name)
-        return full if part is None else min(full, part)
+        return min(full, int(part * DTYPE_BYTES.get(re.match(r"\s*(\w+)\[", operand.shape).group(1), 0)))
 
-    def _partial_read(self, comp: str, name: str) -> int | None:
-        """Bytes read of value `name` in `comp` when every use slices or updates it in
-        place (through bitcasts and nested fusions); None when some use reads it whole."""
+    def _parameter(self, comp: str, j: int) -> Instruction | None:
+        return next((i for i in self.parsed(comp).values() if i.op == "parameter"
+                     and re.search(rf" parameter\({j}\)", i.line)), None)
+
+    def _partial_elements(self, comp: str, name: str, outer: tuple = ()) -> int | None:
+        """Elements of value `name` in fused computation `comp` that the fusion reads, when
+        every use ends in a slice or an in-place update: a fusion computes only what its
+        result needs, so relayouts, converts and elementwise arithmetic on the way (or a
+        nested fusion of them) read what the slice after them reads. None where some use
+        reads it whole. `outer`: the (computation, fusion) pairs that hold `comp`."""
         table = self.parsed(comp)
         root = self._root(comp)
-        if root is not None and root.name == name:  # used outside: by whoever reads this (nested) fusion
-            return None
+        if root is not None and root.name == name:  # the (nested) fusion's result: its users decide
+            return self._partial_elements(*outer[-1], outer[:-1]) if outer else None
         total = 0
         for user in table.values():
             for k, o in enumerate(user.operands):
                 if o != name:
                     continue
                 if user.op in _SLICING and k == 0:
-                    total += _elements_as(user.shape, table[name].shape)
+                    total += math.prod(_dims(user.shape))
                 elif user.op in _UPDATING and k == 0:
                     pass
-                elif user.op == "bitcast":
-                    part = self._partial_read(comp, user.name)
+                elif user.op in _PASSING:
+                    part = self._partial_elements(comp, user.name, outer)
                     if part is None:
                         return None
                     total += part
                 elif user.op == "fusion":
                     inner = self._callees(user.line)[0]
-                    param = next((i for i in self.parsed(inner).values() if i.op == "parameter"
-                                  and re.search(rf" parameter\({k}\)", i.line)), None)
-                    part = None if param is None else self._partial_read(inner, param.name)
+                    param = self._parameter(inner, k)
+                    part = None if param is None else self._partial_elements(inner, param.name,
+                                                                            outer + ((comp, user.name),))
                     if part is None:
                         return None
                     total += part

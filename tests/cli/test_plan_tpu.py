@@ -155,6 +155,21 @@ HloModule pieces
   ROOT %b = bf16[2000,8192]{1,0:T(8,128)(2,1)} bitcast(%param_0)
 }
 
+%relaid (param_0: s8[80,64,128]) -> s8[80,64,128] {
+  %param_0 = s8[80,64,128]{2,1,0:T(32,128)(4,1)} parameter(0)
+  ROOT %c = s8[80,64,128]{2,1,0:T(8,128)(4,1)} copy(%param_0)
+}
+
+%int8_layer (param_0: s8[80,64,128], param_1: s32[]) -> bf16[64,128] {
+  %param_0 = s8[80,64,128]{2,1,0:T(32,128)(4,1)} parameter(0)
+  %param_1 = s32[]{:T(128)S(6)} parameter(1)
+  %r = s8[80,64,128]{2,1,0:T(8,128)(4,1)} fusion(%param_0), kind=kLoop, calls=%relaid
+  %z = s32[]{:T(128)} constant(0)
+  %ds = s8[1,64,128]{2,1,0:T(8,128)(4,1)} dynamic-slice(%r, %param_1, %z, %z), dynamic_slice_sizes={1,64,128}
+  %f = bf16[1,64,128]{2,1,0:T(8,128)(2,1)} convert(%ds)
+  ROOT %b = bf16[64,128]{1,0:T(8,128)(2,1)} bitcast(%f)
+}
+
 %lookup (param_0: bf16[2000,8192], param_1: pred[5,2000]) -> bf16[5,8192] {
   %param_0 = bf16[2000,8192]{1,0:T(8,128)(2,1)} parameter(0)
   %param_1 = pred[5,2000]{1,0:T(8,128)(4,1)} parameter(1)
@@ -162,7 +177,7 @@ HloModule pieces
   ROOT %e = bf16[5,8192]{1,0:T(8,128)(2,1)} convolution(%param_1, %v), dim_labels=bf_io->bf
 }
 
-ENTRY %main (x: bf16[5,8192,1], w: bf16[8192,4,128], t: bf16[2000,8192], c: f32[4,256,8], hot: pred[5,2000]) -> bf16[5,4,128] {
+ENTRY %main (x: bf16[5,8192,1], w: bf16[8192,4,128], t: bf16[2000,8192], c: f32[4,256,8], hot: pred[5,2000], codes: s8[80,64,128], i: s32[]) -> bf16[5,4,128] {
   %x = bf16[5,8192,1]{2,1,0:T(8,128)(2,1)} parameter(0)
   %w = bf16[8192,4,128]{2,1,0:T(4,128)(2,1)} parameter(1)
   %t = bf16[2000,8192]{1,0:T(8,128)(2,1)} parameter(2)
@@ -172,6 +187,9 @@ ENTRY %main (x: bf16[5,8192,1], w: bf16[8192,4,128], t: bf16[2000,8192], c: f32[
   %layer = bf16[256,8]{1,0:T(8,128)(2,1)} fusion(%c), kind=kLoop, calls=%narrowing
   %hot = pred[5,2000]{1,0:T(8,128)(4,1)S(1)} parameter(4)
   %rows = bf16[5,8192]{1,0:T(8,128)(2,1)} fusion(%t, %hot), kind=kOutput, calls=%lookup
+  %codes = s8[80,64,128]{2,1,0:T(32,128)(4,1)} parameter(5)
+  %i = s32[]{:T(128)S(6)} parameter(6)
+  %one = bf16[64,128]{1,0:T(8,128)(2,1)} fusion(%codes, %i), kind=kLoop, calls=%int8_layer
   ROOT %q = bf16[5,4,128]{2,1,0:T(8,128)(2,1)} convolution(%x, %w), window={size=4 pad=3_3 rhs_reversal=1}, dim_labels=bf0_i0o->b0f
 }
 """
@@ -181,12 +199,14 @@ def test_traffic_of_what_xla_tpu_writes_for_matmuls_and_slices():
     """XLA:TPU writes a [5, 8192] x [8192, 4 x 128] matmul as a convolution whose 4-wide
     window overlaps the input at one tap per output (the rest is padding): its FLOPs are
     the matmul's. An async slice reads its rows, not the table; a slice that converts f32
-    to bf16 reads the f32 elements; the matmul reads x and w whole, and a one-hot lookup the
-    whole table `t` through the view (a nested fusion) its convolution reads."""
+    to bf16 reads the f32 elements; the matmul reads x and w whole, a one-hot lookup the
+    whole table `t` through the view (a nested fusion) its convolution reads, and a fusion
+    that relayouts a stacked int8 weight (a nested copy) before slicing one layer and
+    converting it reads that layer: it computes only what its result needs."""
     program = hlo.HloProgram(PIECES)
     traffic = program.traffic()
     assert traffic.flops == 2 * 5 * 4 * 128 * 8192 + 2 * 5 * 8192 * 2000
-    assert traffic.hbm_read == 504 * 8192 * 2 + 256 * 8 * 4 + 5 * 8192 * 2 + 8192 * 4 * 128 * 2 + 2000 * 8192 * 2
+    assert traffic.hbm_read == 504 * 8192 * 2 + 256 * 8 * 4 + 5 * 8192 * 2 + 8192 * 4 * 128 * 2 + 2000 * 8192 * 2 + 64 * 128
 
 
 def test_generation_loop_is_the_outer_data_dependent_loop():
