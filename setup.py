@@ -21,6 +21,7 @@ setup(
         "etils[epath]>=1.5",  # local and gs:// paths of Hugging Face directories
         "ml_dtypes>=0.4",  # bfloat16 numpy arrays for bf16 safetensors
         "gguf>=0.19",  # llama.cpp's GGUF files: the format's own reader and dequantizers
+        "jinja2>=3.1.6",  # chat templates, rendered (sandboxed) as transformers renders them
         "numpy>=1.26",
         "absl-py>=2.0",
         "tqdm>=4.66",

@@ -91,7 +91,7 @@ def main(argv):
         model_cfg = config.draft if FLAGS.model == "draft" else config.target
         print(json.dumps(write_random(FLAGS.write_random, model_cfg, FLAGS.seed)))
         return
-    from specjax.config import UsageError
+    from specjax.config import QUANTIZATIONS, UsageError
     if bool(FLAGS.hf) == bool(FLAGS.gguf):
         raise UsageError("one of --hf=DIR (a Hugging Face model directory), --gguf=FILE (a GGUF file) or "
                          "--write_random=DIR is required")
@@ -104,8 +104,8 @@ def main(argv):
     import numpy as np
 
     from specjax import distributed, model, sharding
-    if FLAGS.quantize is not None and (not FLAGS.gguf or FLAGS.quantize not in model.QUANTIZE):
-        raise UsageError(f"--quantize={FLAGS.quantize!r}: takes one of {', '.join(model.QUANTIZE)}, with --gguf")
+    if FLAGS.quantize is not None and (not FLAGS.gguf or FLAGS.quantize not in QUANTIZATIONS):
+        raise UsageError(f"--quantize={FLAGS.quantize!r}: takes one of {', '.join(QUANTIZATIONS)}, with --gguf")
     from specjax.app import output
     from specjax.weights import gguf, hf
     distributed.maybe_initialize()

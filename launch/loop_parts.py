@@ -43,13 +43,11 @@ import jax.numpy as jnp  # noqa: E402
 import numpy as np  # noqa: E402
 from absl import flags  # noqa: E402
 
-from specjax import sharding  # noqa: E402
-from specjax.app import cli  # noqa: E402
+from specjax.app import cli, setup  # noqa: E402
 from specjax.app.locate import Sources  # noqa: E402
 from specjax.decode import drafters, program as program_lib, speculative as sps, verify  # noqa: E402
 from specjax.decode.warping import Warp, warp  # noqa: E402
 from specjax.kernels import Kernels  # noqa: E402
-from specjax.weights import self_draft  # noqa: E402
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from shapes import SHAPES  # noqa: E402
@@ -160,20 +158,16 @@ def main(argv):
         if FLAGS.shape not in SHAPES:
             raise cli.UsageError(f"--shape={FLAGS.shape}: not one of {', '.join(SHAPES)}")
         config = dataclasses.replace(config, target=SHAPES[FLAGS.shape], tokenizer_vocab=0)
-    need_draft = drafters.draft_kind(drafter) == "model"
-    need_heads = drafters.draft_kind(drafter) == "heads"  # random heads: --init=random's
-    sources = Sources(init="random", self_draft=FLAGS.self_draft)
-    if FLAGS.self_draft is not None:
-        if not need_draft:
-            raise cli.UsageError(f"--self_draft={FLAGS.self_draft}: a draft model, and --drafter={drafter} uses none")
-        self_draft.check_quantize(sources.self_draft_spec(), cli.quantize())
-        config = sources.configure(config)
-    if need_draft and config.draft is None:
-        raise cli.UsageError(f"--config={config.name}: has no draft model (use --drafter=ngram)")
+    K = FLAGS.lookahead
+    # The one run setup, random weights (heads of the config's setting): what the drafter
+    # declares it draws from, the self-draft and the quantization checked as every command's.
+    run = setup.prepare(setup.Request(config, dataclasses.replace(config.sampling, drafter=drafter), (drafter,),
+                                      lookahead=K, sources=Sources(init="random", self_draft=FLAGS.self_draft),
+                                      quantize=cli.quantize()))
+    config, need_draft = run.config, run.draft_model
     if need_draft and config.draft.vocab_size != config.target.vocab_size:
         raise cli.UsageError(f"--shape={FLAGS.shape}: vocab {config.target.vocab_size} is not the draft's "
                              f"{config.draft.vocab_size} (use --drafter=ngram)")
-    K = FLAGS.lookahead
     if K < 1 or FLAGS.prompt_len < K + 2 or FLAGS.cache < FLAGS.prompt_len + 3 * 65 + K + 2:
         raise cli.UsageError(f"need --lookahead >= 1, --prompt_len >= K+2 and --cache >= prompt_len + 3*65 + K + 2 "
                              f"(got {K}, {FLAGS.prompt_len}, {FLAGS.cache})")
@@ -186,10 +180,8 @@ def main(argv):
             chosen[setting] = Kernels.parse(setting)
         except ValueError as e:
             raise cli.UsageError(f"--kernels: {e}")
-    weights = sources.locate(config, need_draft=need_draft, train_missing=False)
-    models = {"target": config.target, **({"draft": config.draft} if need_draft else {})}
-    mesh = sharding.make_checked_mesh(config.mesh, models)
-    target, draft = weights.load(mesh, need_draft=drafter if need_heads else need_draft, quantize=cli.quantize())
+    run.load()
+    mesh, target, draft = run.mesh, run.target, run.draft_for(drafter)
     w = program_lib.warping_of(config.sampling)
     values = jnp.asarray(w.values())
     buffers = {c: token_buffer(c, FLAGS.cache, FLAGS.prompt_len, config.target.vocab_size) for c in FLAGS.context}

@@ -94,6 +94,28 @@ SEED_LIMIT = 2 ** 63  # seeds are integers in [0, SEED_LIMIT)
 
 
 @dataclasses.dataclass(frozen=True)
+class Quantization:
+    """A way to quantize a model's float weights on load (`--quantize`, a quantized
+    self-draft, an EAGLE layer's decode precision): THE registry is `QUANTIZATIONS`;
+    `kernels.formats.QUANTIZERS` maps each to the function that makes its weight format."""
+
+    name: str
+    bits: int
+    grouped: bool  # a scale (and minimum) per output column and group of 32 inputs; else per column
+    activations: str  # what the weights multiply: 'float32' (x as it is) or 'int8' (x rounded per group of 32)
+    help: str
+
+
+QUANTIZATIONS = {q.name: q for q in (
+    Quantization("int8", 8, False, "float32", "symmetric per output channel"),
+    Quantization("int4", 4, True, "float32", "a scale and minimum per output channel and group of 32 inputs"),
+    Quantization("w4a8", 4, True, "int8", "int4 groups times activations rounded to int8 per group of 32 "
+                 "(llama.cpp's Q4 arithmetic: integer dot products on CPU)"),
+    Quantization("w8a8", 8, True, "int8", "symmetric 8-bit groups of 32 (Q8_0) times int8-rounded activations"),
+)}
+
+
+@dataclasses.dataclass(frozen=True)
 class ModelConfig:
     """A decoder-only transformer. Letters used across the repo: D=d_model, N=num_heads,
     K=num_kv_heads, H=head_dim, F=d_ff, V=vocab_size, L=num_layers."""
@@ -106,7 +128,7 @@ class ModelConfig:
     head_dim: int = 16
     d_ff: int = 256
     max_seq_len: int = 512
-    ffw: str = "gelu"  # 'gelu' | 'swiglu'
+    ffw: str = "gelu"  # 'gelu' | 'swiglu' | 'geglu' (gelu_tanh(gate x) * up x: Gemma)
     pos_encoding: str = "rope"  # 'rope' | 'relative' (Transformer-XL, Chinchilla)
     rope_theta: float = 10000.0
     tie_embeddings: bool = False
@@ -115,8 +137,9 @@ class ModelConfig:
     scan_layers: bool = False  # unrolled layers decode faster on CPU; scan keeps 80-layer compiles small
     norm_eps: float = 1e-6
     init_seed: int = 0
-    # Llama 3.1's rotary frequency scaling ('llama3': long wavelengths divided by the
-    # factor, short ones kept, a smooth blend between; 'none': plain rotary).
+    # Rotary frequency scaling: 'llama3' (Llama 3.1: long wavelengths divided by the
+    # factor, short ones kept, a smooth blend between), 'linear' (every frequency divided
+    # by the factor: positions interpolated), 'none': plain rotary.
     rope_scaling: str = "none"
     rope_scaling_factor: float = 8.0
     rope_low_freq_factor: float = 1.0
@@ -132,6 +155,26 @@ class ModelConfig:
     # duplication, set at load time by `kv_heads.for_mesh`, never in a config file): the
     # model's own kv heads are num_kv_heads // kv_copies.
     kv_copies: int = 1
+    # Switches that the model families of weights/arch/ set (the model is named after none of
+    # them). q, k and v projections add a bias (Qwen2).
+    qkv_bias: bool = False
+    # RMSNorm over each head's q and k (weight [head_dim]) before rotary (Qwen3, Gemma 3).
+    qk_norm: bool = False
+    # An RMSNorm on each sublayer's output too, before the residual add: four norms per
+    # layer (Gemma 2/3's "sandwich").
+    post_norms: bool = False
+    # Every RMSNorm multiplies by (norm_offset + w): Gemma stores w with 1 + w applied.
+    norm_offset: float = 0.0
+    # The attention logits' scale; None: head_dim**-0.5 (Gemma 3: query_pre_attn_scalar**-0.5).
+    query_scale: Optional[float] = None
+    # Which layers attend through a sliding window: attention_pattern[i % len] is 'G' (every
+    # earlier key) or 'L' (the query's own position and the sliding_window - 1 before it);
+    # '' = all 'G'. Gemma 3: 'LLLLLG'; Mistral v0.1: 'L'. A sliding layer keeps a cache as
+    # long as a global one (one cache layout); the window is a mask over it.
+    attention_pattern: str = ""
+    sliding_window: int = 0
+    # The 'L' layers' rotary base, plain (no rope_scaling); 0: they rotate as the 'G' ones.
+    local_rope_theta: float = 0.0
 
     def __post_init__(self):
         _plain_numbers(self)
@@ -142,10 +185,28 @@ class ModelConfig:
         _integer(self, "init_seed", 0, SEED_LIMIT - 1)
         _number(self, "rope_theta", "a finite number > 0", lambda v: 0 < v < math.inf)
         _number(self, "norm_eps", "a finite number > 0", lambda v: 0 < v < math.inf)
-        _flag(self, "tie_embeddings", "scan_layers")
-        _choice(self, "ffw", {"gelu", "swiglu"})
+        _flag(self, "tie_embeddings", "scan_layers", "qkv_bias", "qk_norm", "post_norms")
+        _choice(self, "ffw", {"gelu", "swiglu", "geglu"})
         _choice(self, "pos_encoding", {"rope", "relative"})
-        _choice(self, "rope_scaling", {"none", "llama3"})
+        _choice(self, "rope_scaling", {"none", "llama3", "linear"})
+        if self.rope_scaling == "linear":
+            _number(self, "rope_scaling_factor", "a finite number > 0", lambda v: 0 < v < math.inf)
+        _number(self, "norm_offset", "a finite number", lambda v: abs(v) < math.inf)
+        if self.query_scale is not None:
+            _number(self, "query_scale", "a finite number > 0 (or None: head_dim**-0.5)", lambda v: 0 < v < math.inf)
+        _text(self, "attention_pattern")
+        if set(self.attention_pattern) - {"L", "G"}:
+            raise ConfigError(f"ModelConfig.attention_pattern={self.attention_pattern!r}: must be letters 'L' "
+                              "(sliding window) and 'G' (global), repeated over the layers ('' = all global)")
+        _integer(self, "sliding_window", 0, hint=" (0: no sliding window)")
+        if ("L" in self.attention_pattern) != (self.sliding_window > 0):
+            raise ConfigError(f"ModelConfig.attention_pattern={self.attention_pattern!r} with sliding_window="
+                              f"{self.sliding_window}: sliding ('L') layers need a window > 0, and a window needs "
+                              "'L' layers")
+        _number(self, "local_rope_theta", "a finite number >= 0 (0: as rope_theta)", lambda v: 0 <= v < math.inf)
+        if self.pos_encoding == "relative" and (self.qk_norm or self.sliding_window):
+            raise ConfigError("ModelConfig pos_encoding='relative' with qk_norm or a sliding window: those go with "
+                              "rotary positions only")
         if self.rope_scaling == "llama3":
             _positive(self, "rope_original_max_len")
             if not (self.rope_scaling_factor > 0 and 0 < self.rope_low_freq_factor < self.rope_high_freq_factor):
@@ -168,6 +229,10 @@ class ModelConfig:
             raise ConfigError(f"ModelConfig.head_dim={self.head_dim}: rotary positions need an even head_dim")
         return self
 
+    def sliding(self, layer: int) -> bool:
+        """Whether layer `layer` attends through the sliding window."""
+        return bool(self.attention_pattern) and self.attention_pattern[layer % len(self.attention_pattern)] == "L"
+
     @property
     def input_embedding_scale(self) -> float:
         if self.embed_scale is not None:
@@ -178,11 +243,11 @@ class ModelConfig:
     def num_params(self) -> int:
         D, N, K, H, F, V, L = (self.d_model, self.num_heads, self.num_kv_heads, self.head_dim,
                                self.d_ff, self.vocab_size, self.num_layers)
-        attn = D * N * H * 2 + D * K * H * 2
-        ffw = D * F * (3 if self.ffw == "swiglu" else 2)
+        attn = D * N * H * 2 + D * K * H * 2 + ((N + 2 * K) * H if self.qkv_bias else 0) + 2 * H * self.qk_norm
+        ffw = D * F * (2 if self.ffw == "gelu" else 3)
         rel = (D * N * H + 2 * N * H) if self.pos_encoding == "relative" else 0
         embed = V * D * (1 if self.tie_embeddings else 2)
-        return L * (attn + ffw + rel + 2 * D) + embed + D
+        return L * (attn + ffw + rel + (4 if self.post_norms else 2) * D) + embed + D
 
 
 @dataclasses.dataclass(frozen=True)
@@ -212,8 +277,11 @@ MAX_TREE_NODES = 64  # num_drafts * lookahead
 
 VERIFY_RULES = ("block", "tokenwise")
 DRAFTERS = ("model", "ngram", "retrieval", "hybrid", "medusa", "eagle")
-# The drafters that draw several independent chains per loop (each chain a fresh draw).
+# What the drafters declare (`decode.drafters`, which this layer does not import; a test
+# checks the two agree): those that draw several independent chains per loop (each chain
+# a fresh draw), and those with an adaptive draft length (draft_confidence).
 SEVERAL_CHAINS = ("model", "hybrid", "medusa")
+ADAPTIVE = ("model", "hybrid")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -278,6 +346,10 @@ class SamplingConfig:
             raise ConfigError(f"num_drafts={self.num_drafts} x lookahead={self.lookahead} = "
                               f"{self.num_drafts * self.lookahead} tree nodes: at most {MAX_TREE_NODES} (the tree is "
                               "verified node by node, so its compile time grows with it)")
+        if self.draft_confidence > 0 and self.drafter not in ADAPTIVE:
+            raise ConfigError(f"draft_confidence={self.draft_confidence} with drafter={self.drafter!r}: only "
+                              f"drafter {' or '.join(map(repr, ADAPTIVE))} stops drafting on its own confidence; "
+                              f"{self.drafter!r} always proposes its whole chain (leave draft_confidence at 0)")
         if self.num_drafts > 1 and self.drafter not in SEVERAL_CHAINS:
             raise ConfigError(f"num_drafts={self.num_drafts} with drafter={self.drafter!r}: several drafts are "
                               f"independent draws, so they need drafter {', '.join(map(repr, SEVERAL_CHAINS[:-1]))} "
@@ -322,8 +394,7 @@ class HeadsConfig:
     # (EAGLE-3's draft vocabulary): a step's unembedding costs N/V of the whole one. Exact
     # either way: p is the softmax over those N, zero elsewhere.
     draft_vocab: int = 0
-    # eagle: the precision the layer decodes in ('' float, 'int8', 'int4', 'w4a8', 'w8a8'
-    # (int4 / 8-bit groups times int8-rounded activations: kernels.formats); training is
+    # eagle: the precision the layer decodes in ('' float, or a `QUANTIZATIONS` name); training is
     # float either way): a quantized copy of its projections and draft-vocabulary columns,
     # made on load. The draft is whatever proposes, so sampling stays exact; a run's own
     # heads setting (`--config.heads.quantize=...` with heads of this kind) overrides the
@@ -339,7 +410,7 @@ class HeadsConfig:
         _integer(self, "init_seed", 0, SEED_LIMIT - 1)
         _integer(self, "width", 0, hint=" (0: the target's d_model)")
         _integer(self, "draft_vocab", 0, hint=" (0: the target's whole vocabulary)")
-        _choice(self, "quantize", {"", "int8", "int4", "w4a8", "w8a8"})
+        _choice(self, "quantize", {"", *QUANTIZATIONS})
         if self.kind != "eagle" and (self.width or self.draft_vocab or self.quantize):
             raise ConfigError(f"heads.width={self.width}, heads.draft_vocab={self.draft_vocab}, heads.quantize="
                               f"{self.quantize!r}: only EAGLE heads (heads.kind='eagle') have them, these are "

@@ -46,6 +46,9 @@ def define_flags() -> None:
                          "(the last of them must stay below 2**63).")
     flags.DEFINE_string("output", None, "Write the table, per-item scores and every sample to this JSON file.")
     cli.define_weight_flags(init=False)
+    cli.define_quantize_flag()
+    cli.define_chat_flag()
+    flags.DEFINE_string("datastore", None, "Datastore for --drafter=retrieval|hybrid (python -m specjax.datastore).")
     flags.DEFINE_bool("train_missing", True, "Train the mini pair first when its default checkpoints are missing.")
     flags.DEFINE_bool("progress", True, "Show a progress bar.")
 
@@ -70,7 +73,7 @@ def main(argv):
         lookahead=cli.positive("lookahead", FLAGS.lookahead),
         max_new_tokens=cli.positive("max_new_tokens", FLAGS.max_new_tokens),
         seed=cli.seed("seed", FLAGS.seed), sources=cli.sources(), train_missing=FLAGS.train_missing,
-        progress=FLAGS.progress)
+        progress=FLAGS.progress, quantize=cli.quantize(), datastore=FLAGS.datastore, chat=FLAGS.chat)
     print(runner.format_table(result))
     if result["skipped_too_long"]:
         print(f"skipped {len(result['skipped_too_long'])} prompts too long for the context: "

@@ -61,10 +61,11 @@ class MedusaHeads(nnx.Module):
 
 def eagle_block_config(cfg: ModelConfig, hcfg: HeadsConfig | None = None) -> ModelConfig:
     """The EAGLE layer's block: one layer of the target's block type (its widths, heads,
-    ffw and norm), with rotary positions whatever the target uses. With `hcfg.width` a
+    ffw and norm), with rotary positions whatever the target uses and no sliding window. With `hcfg.width` a
     narrower block: width // head_dim heads (kv heads: as many of the target's as divide
     them), d_ff scaled by width / d_model."""
-    cfg = dataclasses.replace(cfg, num_layers=1, pos_encoding="rope", scan_layers=False)
+    cfg = dataclasses.replace(cfg, num_layers=1, pos_encoding="rope", scan_layers=False, attention_pattern="",
+                              sliding_window=0)  # its one layer sees the whole context
     width = hcfg.width if hcfg is not None else 0
     if not width or width == cfg.d_model:
         return cfg

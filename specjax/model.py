@@ -1,7 +1,10 @@
 """A Chinchilla-style decoder-only transformer in Flax NNX.
 
-Pre-RMSNorm blocks, multi-head attention with `num_kv_heads` (MHA/GQA/MQA), GELU or
-SwiGLU feed-forward, rotary or Transformer-XL relative positions. Every parameter
+Pre-RMSNorm blocks, multi-head attention with `num_kv_heads` (MHA/GQA/MQA), GELU,
+SwiGLU or GeGLU feed-forward, rotary or Transformer-XL relative positions, and the
+switches the model families of `weights/arch/` set (qkv biases, q/k norms, norms after
+each sublayer, Gemma's 1 + w norm weight, sliding-window layers with their own rotary
+base, the query scale, the embedding scale). Every parameter
 carries logical axis names (`logical=` metadata) that `sharding.RULES` maps to the mesh.
 
 ONE forward serves prefill of ragged prompts, one-token decode, scoring of K+1 tokens
@@ -30,7 +33,7 @@ import numpy as np
 from flax import nnx
 
 from specjax import kv_cache, kv_heads, sharding
-from specjax.config import ModelConfig
+from specjax.config import QUANTIZATIONS, ModelConfig
 from specjax.kernels import (DEFAULT as DEFAULT_KERNELS, QUANTIZED, Kernels, Packed, dispatch, pack_params, project,
                              quantize_params, rows, should_pack, stored)
 from specjax.kv_cache import CACHE_AXES, Fresh, KVCache
@@ -62,27 +65,37 @@ def _ones(shape, logical, dtype) -> nnx.Param:
 
 
 class RMSNorm(nnx.Module):
-    def __init__(self, cfg: ModelConfig):
-        self.scale = _ones((cfg.d_model,), ("embed",), cfg.param_dtype)
+    """x / rms(x) times (cfg.norm_offset + scale) over the last axis (of size d_model, or
+    head_dim for the q/k norms). The scale starts where the product is 1."""
+
+    def __init__(self, cfg: ModelConfig, size: int | None = None, logical=("embed",)):
+        size = cfg.d_model if size is None else size
+        self.scale = nnx.Param(jnp.full((size,), 1.0 - cfg.norm_offset, cfg.param_dtype), logical=logical)
         self.eps = cfg.norm_eps
+        self.offset = cfg.norm_offset
         self.weight_after_cast = cfg.norm_weight_after_cast
 
     def __call__(self, x):
         x32 = x.astype(jnp.float32)
         y = x32 * jax.lax.rsqrt(jnp.mean(x32 * x32, axis=-1, keepdims=True) + self.eps)
         if self.weight_after_cast:
-            return y.astype(x.dtype) * self.scale.value.astype(x.dtype)
-        return (y * self.scale.value.astype(jnp.float32)).astype(x.dtype)
+            return y.astype(x.dtype) * (self.scale.value.astype(x.dtype) + self.offset)
+        return (y * (self.scale.value.astype(jnp.float32) + self.offset)).astype(x.dtype)
 
 
-def rope_frequencies(cfg: ModelConfig) -> np.ndarray:
+def rope_frequencies(cfg: ModelConfig, local: bool = False) -> np.ndarray:
     """The H/2 rotary frequencies theta^(-i/(H/2)), float32, with Llama 3.1's scaling
     when cfg.rope_scaling == 'llama3': wavelengths longer than original_max_len /
     low_freq_factor are stretched by the factor, shorter than original_max_len /
-    high_freq_factor kept, and the band between blends the two. Computed in float64 on
-    the host: a constant of the compiled program."""
+    high_freq_factor kept, and the band between blends the two; all divided by the factor
+    for 'linear'. `local`: the sliding layers' frequencies (`local_rope_theta`, unscaled,
+    where set). Computed in float64 on the host: a constant of the compiled program."""
     half = cfg.head_dim // 2
+    if local and cfg.local_rope_theta:
+        return (cfg.local_rope_theta ** (-np.arange(half, dtype=np.float64) / half)).astype(np.float32)
     inv = cfg.rope_theta ** (-np.arange(half, dtype=np.float64) / half)
+    if cfg.rope_scaling == "linear":
+        inv = inv / cfg.rope_scaling_factor
     if cfg.rope_scaling == "llama3":
         factor, low, high, old = (cfg.rope_scaling_factor, cfg.rope_low_freq_factor, cfg.rope_high_freq_factor,
                                   cfg.rope_original_max_len)
@@ -97,7 +110,7 @@ ROPE_TABLE_LIMIT = 1 << 18  # entries per rotary table (1 MiB of float32): past 
 
 
 @functools.lru_cache(maxsize=16)
-def rope_tables(cfg: ModelConfig) -> tuple[np.ndarray, np.ndarray] | None:
+def rope_tables(cfg: ModelConfig, local: bool = False) -> tuple[np.ndarray, np.ndarray] | None:
     """(cos, sin) of position * frequency for every position below max_seq_len,
     [max_seq_len, H/2] float32: the angle rounded to float32 as the on-device product
     is, its cos and sin taken in float64. None where a table would pass
@@ -107,19 +120,38 @@ def rope_tables(cfg: ModelConfig) -> tuple[np.ndarray, np.ndarray] | None:
     half = cfg.head_dim // 2
     if cfg.max_seq_len * half > ROPE_TABLE_LIMIT:
         return None
-    angles = (np.arange(cfg.max_seq_len, dtype=np.float32)[:, None] * rope_frequencies(cfg)[None]).astype(np.float64)
+    angles = (np.arange(cfg.max_seq_len, dtype=np.float32)[:, None]
+              * rope_frequencies(cfg, local)[None]).astype(np.float64)
     return np.cos(angles).astype(np.float32), np.sin(angles).astype(np.float32)
 
 
-def rope_angles(cfg: ModelConfig, positions) -> tuple[jax.Array, jax.Array]:
+def rope_angles(cfg: ModelConfig, positions, local=False) -> tuple[jax.Array, jax.Array]:
     """(cos, sin) [B,T,1,H/2] at `positions` [B,T]: from `rope_tables`, or evaluated. A
     position past the table (a scored slot past the token budget, whose output is never
-    kept) reads its last row."""
-    tables = rope_tables(cfg)
+    kept) reads its last row. `local`: of the sliding layers (a bool, or traced under a
+    scan over layers: both are computed and one is selected)."""
+    if not cfg.local_rope_theta or local is False:
+        local = False
+    elif local is not True:  # traced
+        pairs = [rope_angles(cfg, positions, flag) for flag in (False, True)]
+        return tuple(jnp.where(local, b, a) for a, b in zip(*pairs))
+    tables = rope_tables(cfg, local)
     if tables is None:
-        angles = positions.astype(jnp.float32)[:, :, None, None] * jnp.asarray(rope_frequencies(cfg))
+        angles = positions.astype(jnp.float32)[:, :, None, None] * jnp.asarray(rope_frequencies(cfg, local))
         return jnp.cos(angles), jnp.sin(angles)
     return tuple(jnp.take(jnp.asarray(t), positions, axis=0, mode="clip")[:, :, None] for t in tables)
+
+
+def layer_window(cfg: ModelConfig, layer):
+    """Layer `layer`'s sliding window (0: none), a Python int for an int layer, traced
+    int32 for a traced one (a scan over layers); with it, whether it is a sliding layer."""
+    if not cfg.sliding_window:
+        return 0, False
+    if isinstance(layer, int):
+        local = cfg.sliding(layer)
+        return (cfg.sliding_window if local else 0), local
+    local = jnp.asarray([cfg.sliding(i) for i in range(cfg.num_layers)])[layer]
+    return jnp.where(local, cfg.sliding_window, 0).astype(jnp.int32), local
 
 
 def rotary(x, cos, sin):
@@ -179,6 +211,13 @@ class Attention(nnx.Module):
         self.wk = _param(keys, (D, G, H), ("embed", "kv_heads", "head_dim"), D ** -0.5, dt)
         self.wv = _param(keys, (D, G, H), ("embed", "kv_heads", "head_dim"), D ** -0.5, dt)
         self.wo = _param(keys, (N, H, D), ("heads", "head_dim", "embed"), out_std, dt)
+        if cfg.qkv_bias:
+            self.bq = nnx.Param(jnp.zeros((N, H), dt), logical=("heads", "head_dim"))
+            self.bk = nnx.Param(jnp.zeros((G, H), dt), logical=("kv_heads", "head_dim"))
+            self.bv = nnx.Param(jnp.zeros((G, H), dt), logical=("kv_heads", "head_dim"))
+        if cfg.qk_norm:
+            self.q_norm = RMSNorm(cfg, H, ("head_dim",))
+            self.k_norm = RMSNorm(cfg, H, ("head_dim",))
         if cfg.pos_encoding == "relative":
             # Transformer-XL (Dai et al. 2019, eq. 4): W_r projects R_{i-j}; u, v are the
             # content and position biases shared across positions.
@@ -196,8 +235,13 @@ class Attention(nnx.Module):
         q = project("BTD,DNH->BTNH", x, self.wq.value, kernels, ct)
         k = project("BTD,DGH->BTGH", x, self.wk.value, kernels, ct)
         v = project("BTD,DGH->BTGH", x, self.wv.value, kernels, ct)
+        if cfg.qkv_bias:
+            q, k, v = (a + b.value.astype(ct) for a, b in ((q, self.bq), (k, self.bk), (v, self.bv)))
+        if cfg.qk_norm:
+            q, k = self.q_norm(q), self.k_norm(k)
+        window, local = layer_window(cfg, layer)
         if cfg.pos_encoding == "rope":
-            cos, sin = rope_angles(cfg, positions)
+            cos, sin = rope_angles(cfg, positions, local)
             q, k = rotary(q, cos, sin), rotary(k, cos, sin)
         # Under MQA/GQA with fewer kv heads than 'model' devices the cache is replicated:
         # every device computes the (small) k, v itself instead of gathering them.
@@ -207,7 +251,7 @@ class Attention(nnx.Module):
         # over the query-head groups and gathered it back whole in the commit.
         k_all = sharding.constrain(k_all, CACHE_AXES)
         v_all = sharding.constrain(v_all, CACHE_AXES)
-        out = self.attend(q, k, v, k_all, v_all, table, layer, positions, limit, visible, kernels)
+        out = self.attend(q, k, v, k_all, v_all, table, layer, positions, limit, visible, kernels, window)
         return self.project_out(out, kernels), k, v
 
     def project_out(self, out, kernels: Kernels):
@@ -216,19 +260,22 @@ class Attention(nnx.Module):
         wo = self.wo.value.reshape(out.shape[-1], -1)
         return project("BTF,FD->BTD", out, wo, kernels, jnp.dtype(self.cfg.compute_dtype))
 
-    def attend(self, q, k, v, k_all, v_all, table, layer, positions, limit, visible, kernels: Kernels):
+    def attend(self, q, k, v, k_all, v_all, table, layer, positions, limit, visible, kernels: Kernels, window=0):
         """THE attention -> [B,T,N*H]: one softmax per query over the row's cache entries
         below limit[b] and the pass's own keys u with visible[t, u], with the content and
         position terms of a plain forward over the query's own path (a key's distance is
         the difference of the positions: rotary has it in k; Transformer-XL's term reads
         the cache part through the precomputed table and `relative_shift`, the own part
-        at the position differences). On one CPU device and for rotary positions
+        at the position differences). A sliding layer (`window` > 0, an int or traced)
+        also masks every key `window` or more positions before the query (cache slot s
+        holds position s). On one CPU device and for rotary positions
         `cached_attention.cc` computes it; `reference` (jnp) elsewhere and for gradients."""
         cfg = self.cfg
         ct = jnp.dtype(cfg.compute_dtype)
         B, T, N, H = q.shape
         S, G = k_all.shape[3], cfg.num_kv_heads
-        R, scale = N // G, H ** -0.5
+        R = N // G
+        scale = H ** -0.5 if cfg.query_scale is None else cfg.query_scale
 
         def reference(q, k, v, k_all, v_all):
             k_cache, v_cache = k_all[layer].astype(ct), v_all[layer].astype(ct)
@@ -250,8 +297,14 @@ class Attention(nnx.Module):
                 index = jnp.broadcast_to((width - 1 - distance)[:, None, None], (B, G, R, T, T))
                 own = own + jnp.take_along_axis(by_reversed, index, axis=-1)
             below = jnp.arange(S)[None, :] < limit[:, None]  # [B,S]: the same for every query of a row
-            cached = jnp.where(below[:, None, None, None], cached, MASKED)
-            own = jnp.where(visible[None, None, None], own, MASKED)
+            cached_seen, own_seen = below[:, None, None, None], visible[None, None, None]
+            if not isinstance(window, int) or window:
+                reach = jnp.where(window > 0, window, jnp.iinfo(jnp.int32).max)  # 0 (traced): no window
+                near = lambda d: (d < reach)[:, None, None]  # noqa: E731 ([B, T, keys] -> [B, 1, 1, T, keys])
+                cached_seen = cached_seen & near(positions[:, :, None] - jnp.arange(S)[None, None])
+                own_seen = own_seen & near(positions[:, :, None] - positions[:, None, :])
+            cached = jnp.where(cached_seen, cached, MASKED)
+            own = jnp.where(own_seen, own, MASKED)
             weights = jax.nn.softmax(jnp.concatenate([cached, own], axis=-1) * scale, axis=-1).astype(ct)
             out = (jnp.einsum("BGRTS,BGSH->BTGRH", weights[..., :S], v_cache)
                    + jnp.einsum("BGRTU,BUGH->BTGRH", weights[..., S:], v.astype(ct)))
@@ -259,7 +312,8 @@ class Attention(nnx.Module):
 
         if cfg.pos_encoding != "relative" and dispatch.use_attention(q, k_all, kernels):
             # Reads this layer of the cache in place (XLA copies each layer's slice per step).
-            out = dispatch.attention(q, k, v, k_all, v_all, layer, limit, visible, scale, reference)
+            out = dispatch.attention(q, k, v, k_all, v_all, layer, limit, visible, scale, reference, positions,
+                                     window)
         else:
             out = reference(q, k, v, k_all, v_all)
         return out.reshape(B, T, N * H)
@@ -270,32 +324,38 @@ class FeedForward(nnx.Module):
         D, F, dt = cfg.d_model, cfg.d_ff, cfg.param_dtype
         self.cfg = cfg
         self.w_in = _param(keys, (D, F), ("embed", "mlp"), D ** -0.5, dt)
-        if cfg.ffw == "swiglu":
+        if cfg.ffw != "gelu":  # gated: SwiGLU, GeGLU
             self.w_gate = _param(keys, (D, F), ("embed", "mlp"), D ** -0.5, dt)
         self.w_out = _param(keys, (F, D), ("mlp", "embed"), out_std, dt)
 
     def __call__(self, x, kernels: Kernels):
         ct = jnp.dtype(self.cfg.compute_dtype)
         h = project("BTD,DF->BTF", x, self.w_in.value, kernels, ct)
-        if self.cfg.ffw == "swiglu":
-            h = jax.nn.silu(project("BTD,DF->BTF", x, self.w_gate.value, kernels, ct)) * h
+        if self.cfg.ffw == "gelu":
+            h = jax.nn.gelu(h)  # tanh approximation (approximate=True)
         else:
-            h = jax.nn.gelu(h)
+            gate = project("BTD,DF->BTF", x, self.w_gate.value, kernels, ct)
+            h = (jax.nn.silu(gate) if self.cfg.ffw == "swiglu" else jax.nn.gelu(gate, approximate=True)) * h
         return project("BTF,FD->BTD", h, self.w_out.value, kernels, ct)
 
 
 class Block(nnx.Module):
     def __init__(self, cfg: ModelConfig, keys: Keys):
         out_std = cfg.d_model ** -0.5 / math.sqrt(2 * cfg.num_layers)
+        self.cfg = cfg
         self.attn_norm = RMSNorm(cfg)
         self.attn = Attention(cfg, keys, out_std)
         self.ffw_norm = RMSNorm(cfg)
         self.ffw = FeedForward(cfg, keys, out_std)
+        if cfg.post_norms:
+            self.attn_post_norm = RMSNorm(cfg)
+            self.ffw_post_norm = RMSNorm(cfg)
 
     def __call__(self, x, positions, k_all, v_all, table, layer, limit, visible, kernels: Kernels):
         h, k, v = self.attn(self.attn_norm(x), positions, k_all, v_all, table, layer, limit, visible, kernels)
-        x = x + h
-        x = x + self.ffw(self.ffw_norm(x), kernels)
+        x = x + (self.attn_post_norm(h) if self.cfg.post_norms else h)
+        h = self.ffw(self.ffw_norm(x), kernels)
+        x = x + (self.ffw_post_norm(h) if self.cfg.post_norms else h)
         return x, k, v
 
 
@@ -464,7 +524,6 @@ def causal(size: int) -> jax.Array:
 # one layer's weight).
 PROJECTIONS = {"wq": (1, 3), "wk": (1, 3), "wv": (1, 3), "wo": (2, 3), "w_in": (1, 2), "w_gate": (1, 2),
                "w_out": (1, 2), "unembed": (1, 2)}
-QUANTIZE = ("int8", "int4", "w4a8", "w8a8")  # what `LM.quantized` makes (kernels.formats.QUANTIZERS)
 
 
 @jax.tree_util.register_pytree_node_class
@@ -529,7 +588,7 @@ class LM:
         return out
 
     def quantized(self, kind: str) -> LM:
-        """This model with its weights quantized (`QUANTIZE`; 'int8': `kernels.Int8`,
+        """This model with its weights quantized (`config.QUANTIZATIONS`; 'int8': `kernels.Int8`,
         symmetric per output column; 'int4': `kernels.Grouped` of 4 bits, a scale and minimum per output
         column and group of 32 inputs; 'w4a8' / 'w8a8': int4 / symmetric 8-bit groups (GGUF's
         Q8_0) multiplying activations rounded to int8 per group of 32, as llama.cpp does): every
@@ -538,8 +597,8 @@ class LM:
         lookup dequantizes only the rows it reads). The norms, Transformer-XL's W_r and
         biases stay float. The result is a model of its own, the one that sampling from it
         (SpS included) samples exactly; `packed()` gives it the kernel's panels."""
-        if kind not in QUANTIZE:
-            raise ValueError(f"quantization {kind!r}: not one of {', '.join(QUANTIZE)}")
+        if kind not in QUANTIZATIONS:
+            raise ValueError(f"quantization {kind!r}: not one of {', '.join(QUANTIZATIONS)}")
         names = {**PROJECTIONS, "embed": (1, 2)}
         return dataclasses.replace(self, params=quantize_params(self.params, names, ("embed",), kind))  # subclasses stay
 

@@ -40,8 +40,10 @@ from absl import flags
 
 from specjax.analysis import compile as compile_lib, plan_report as report_lib, tpu
 from specjax.analysis.roofline import CHIPS, Chip
-from specjax.app import cli, output
+from specjax.app import cli, output, setup
+from specjax.app.locate import Sources
 from specjax.config import HeadsConfig, MeshConfig, SamplingConfig, UsageError
+from specjax.decode import drafters
 
 FLAGS = flags.FLAGS
 
@@ -91,21 +93,24 @@ def configure_xla(devices: int, licm: bool, compiler: str = "cpu") -> None:
     os.environ["XLA_FLAGS"] = " ".join(flags_)
 
 
-PLANNED_DRAFTERS = ("model", "medusa", "eagle")  # the lookup drafters hold no weights to plan
-
-
 def drafting(cfg) -> tuple[SamplingConfig, HeadsConfig | None]:
     """(the sampling flags over the config's: the draft model's program settings, with
-    num_drafts the tree's M; the draft heads --drafter asks for, or None)."""
-    sampling = cli.sampling(cfg.sampling, skip=("max_new_tokens",))
-    if sampling.drafter not in PLANNED_DRAFTERS:
+    num_drafts the tree's M; the draft heads --drafter asks for, or None), checked by the
+    one run setup as every command's (`app.setup.prepare`: what the drafter declares it
+    draws from, its cap on K, the settings it honours), with random weights."""
+    sampling = cli.sampling(cfg.sampling, skip=("max_new_tokens",)).validate()
+    cls = drafters.kind(sampling.drafter)
+    planned = [n for n, c in drafters.REGISTRY.items() if (c.heads_kind or c.needs_draft_model) and not c.uses_datastore]
+    if sampling.drafter not in planned:
         raise UsageError(f"--drafter={sampling.drafter}: plan compiles draft models and draft heads "
-                         f"({', '.join(PLANNED_DRAFTERS)}); a lookup drafter has no weights to size")
-    heads = cfg.heads_for(sampling.drafter) if sampling.drafter != "model" else None
-    sampling.validate()
-    if sampling.num_drafts > 1 and heads is None and cfg.draft is None:
+                         f"({', '.join(planned)}); a lookup has no weights to size")
+    if sampling.num_drafts > 1 and not cls.heads_kind and cfg.draft is None:
         raise UsageError(f"--num_drafts={sampling.num_drafts}: --config={FLAGS.config} has no draft model to draw "
                          "chains from")
+    # A config without a draft model plans ArS (and any heads drafting) alone.
+    used = () if cls.needs_draft_model and cfg.draft is None else (sampling.drafter,)
+    setup.prepare(setup.Request(cfg, sampling, used, sources=Sources(init="random")))
+    heads = cfg.heads_for(cls.heads_kind) if cls.heads_kind else None
     return dataclasses.replace(sampling, drafter="model"), heads
 
 

@@ -177,8 +177,7 @@ def plan(cfg, data: int, model: int, batch: int = 1, prompt_len: int = 128, cach
         abstract = abstract_heads(heads, kv_heads.original(cfg.target), mesh)
         report["heads"] = {"kind": heads.kind, "params": abstract.num_params, "num_heads": heads.num_heads,
                            "weight_bytes_per_device": shard_bytes(abstract.params)}
-        K = min(cfg.sampling.lookahead, heads.num_heads) if heads.kind == "medusa" else cfg.sampling.lookahead
-        drafting = dataclasses.replace(cfg.sampling, drafter=heads.kind, num_drafts=num_drafts, lookahead=K).validate()
+        drafting = dataclasses.replace(cfg.sampling, drafter=heads.kind, num_drafts=num_drafts).validate()
         runs.insert(0, (f"sps_{heads.kind}", lms["target"], abstract, drafting))
     if "draft" in lms:
         runs = [("sps", lms["target"], lms["draft"], cfg.sampling)] + runs + [("ars_draft", lms["draft"], None,

@@ -26,7 +26,7 @@ from typing import Callable, Optional
 
 from absl import app, flags, logging
 
-from specjax.config import (DRAFTERS, VERIFY_RULES, Config, MeshConfig, SamplingConfig, UsageError, cache_dir,
+from specjax.config import (DRAFTERS, QUANTIZATIONS, VERIFY_RULES, Config, MeshConfig, SamplingConfig, UsageError, cache_dir,
                             load_config)
 
 FLAGS = flags.FLAGS
@@ -148,14 +148,17 @@ def sources():
                    gguf_target=FLAGS.gguf_target, gguf_draft=FLAGS.gguf_draft, self_draft=FLAGS.self_draft)
 
 
+def define_chat_flag() -> None:
+    flags.DEFINE_bool("chat", False, "Put each text prompt through the model's own chat template as a user message "
+                      "(an instruct model given a plain prompt often ends at once); needs a tokenizer with one.")
+
+
 def define_quantize_flag() -> None:
-    from specjax.model import QUANTIZE
-    flags.DEFINE_enum("quantize", "none", ["none", *QUANTIZE], "Quantize the float weights on load (every "
-                      "projection, the unembedding and the embedding table): int8 = symmetric per output channel; "
-                      "int4 = a scale and minimum per output channel and group of 32 inputs; w4a8 / w8a8 = int4 / "
-                      "8-bit groups of 32 (Q8_0) times activations rounded to int8 per group of 32 (llama.cpp's "
-                      "arithmetic: integer dot products on CPU). A GGUF file's Q8_0/Q4_0/Q4_1 tensors are taken as "
-                      "stored. The run samples the quantized model exactly. Applies to the target and the draft.")
+    kinds = "; ".join(f"{q.name} = {q.help}" for q in QUANTIZATIONS.values())
+    flags.DEFINE_enum("quantize", "none", ["none", *QUANTIZATIONS], "Quantize the float weights on load (every "
+                      f"projection, the unembedding and the embedding table): {kinds}. A GGUF file's quantized "
+                      "tensors are taken as stored. The run samples the quantized model exactly. Applies to the "
+                      "target and the draft.")
 
 
 def quantize() -> Optional[str]:
@@ -278,7 +281,7 @@ def parse_mesh(value: Optional[str], default: MeshConfig) -> MeshConfig:
     """--mesh=DATAxMODEL, e.g. 1x8 or 2x4 (None: `default`)."""
     if value is None:
         return default
-    match = re.fullmatch(r"\s*(\d+)\s*x\s*(\d+)\s*", value)
+    match = re.fullmatch(r"\s*([0-9]+)\s*x\s*([0-9]+)\s*", value)  # not \d: it matches every script's digits
     if not match or int(match[1]) < 1 or int(match[2]) < 1:
         raise UsageError(f"--mesh={value!r}: expected DATAxMODEL with positive integers, e.g. 1x8 or 2x4")
     return MeshConfig(int(match[1]), int(match[2])).validate()

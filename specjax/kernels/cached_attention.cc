@@ -5,7 +5,10 @@
 //
 // over the keys visible to query (b, t), in this order: the cache entries s < limit[b] of
 // layer `layer` (kv head n / R), then the pass's own keys u with visible[t, u] (a chain's
-// are causal, a tree's its ancestors). A query that sees no key gets the uniform average
+// are causal, a tree's its ancestors). A sliding layer (window > 0) also drops every key
+// `window` or more positions before the query's (cache slot s holds position s; own key u
+// is at positions[b, u]); the cache slots before the window are neither scored nor summed,
+// so a sliding layer reads only the window of its cache. A query that sees no key gets the uniform average
 // over all S slots and T own keys, as a softmax over all-masked logits does. Given the
 // whole [L, B, G, S, H] cache and the layer index, XLA has no layer slice to copy (it
 // copied, and for values transposed, each layer's cache before its attention dots, every
@@ -140,24 +143,28 @@ struct Shapes {
 
 // All T x R queries of batch row b that share kv head kh.
 void Attend(const Shapes& d, const float* q, const float* kc, const float* vc, const float* kn, const float* vn,
-            const bool* visible, int32_t limit, float scale, float* out, int64_t b, int64_t kh) {
+            const bool* visible, int32_t limit, const int32_t* positions, int32_t window, float scale, float* out,
+            int64_t b, int64_t kh) {
   const int64_t T = d.T, rows = T * d.R, H = d.H;
   // own[t * T + i]: the i-th own key query t sees; count[t] of them. A query that sees
   // nothing at all sees everything, with equal logits (`uniform`).
   const int64_t cached = std::clamp<int64_t>(limit, 0, d.S);
   // Scratch kept per thread: a large batch calls this once per (row, kv head), and
   // allocating it per call cost more than the attention of a short row.
-  thread_local std::vector<int64_t> own, count;
+  thread_local std::vector<int64_t> own, count, first;
   thread_local std::vector<char> uniform;
   thread_local std::vector<float> p, acc, total;
   own.assign(T * T, 0);
   count.assign(T, 0);
+  first.assign(T, 0);  // first[t]: the first cache slot query t sees (the window's start)
   uniform.assign(T, 0);
   bool any_uniform = false;
+  const int32_t* pos = positions + b * T;
   for (int64_t t = 0; t < T; ++t) {
+    if (window > 0) first[t] = std::clamp<int64_t>(int64_t{pos[t]} - window + 1, 0, cached);
     for (int64_t u = 0; u < T; ++u)
-      if (visible[t * T + u]) own[t * T + count[t]++] = u;
-    uniform[t] = cached == 0 && count[t] == 0;
+      if (visible[t * T + u] && (window <= 0 || int64_t{pos[t]} - pos[u] < window)) own[t * T + count[t]++] = u;
+    uniform[t] = first[t] >= cached && count[t] == 0;
     if (uniform[t]) {
       any_uniform = true;
       for (int64_t u = 0; u < T; ++u) own[t * T + u] = u;
@@ -184,7 +191,8 @@ void Attend(const Shapes& d, const float* q, const float* kc, const float* vc, c
     const int n = scored.size() - i >= 2 ? 2 : 1;
     const float* qs[2] = {query(scored[i]), query(scored[i + n - 1])};
     float* pr[2] = {p.data() + scored[i] * stride, p.data() + scored[i + n - 1] * stride};
-    int64_t s = 0;
+    const int64_t from[2] = {first[scored[i] / d.R], first[scored[i + n - 1] / d.R]};
+    int64_t s = std::min(from[0], from[1]);
     if (H >= kWidth) {  // four keys at a time (below one vector of H, Dot is scalar anyway)
       float dots[8];
       for (; s + 4 <= cached; s += 4) {
@@ -193,8 +201,10 @@ void Attend(const Shapes& d, const float* q, const float* kc, const float* vc, c
           for (int j = 0; j < 4; ++j) pr[r][s + j] = dots[4 * r + j] * scale;
       }
     }
-    for (int r = 0; r < n; ++r)
+    for (int r = 0; r < n; ++r) {
       for (int64_t k = s; k < cached; ++k) pr[r][k] = Dot(qs[r], keys + k * H, H) * scale;
+      std::fill(pr[r], pr[r] + from[r], -INFINITY);  // before this query's window
+    }
   }
   for (int64_t row = 0; row < rows; ++row) {
     const int64_t t = row / d.R;
@@ -222,9 +232,12 @@ void Attend(const Shapes& d, const float* q, const float* kc, const float* vc, c
     }
     total[row] = Sum(sum);
   }
-  for (int64_t row = 0; row < rows; row += kBlockRows)  // every cached value row once per block of queries
-    ValueSums(p.data() + row * stride, stride, values, span, H, acc.data() + row * H,
-              static_cast<int>(std::min<int64_t>(kBlockRows, rows - row)));
+  for (int64_t row = 0; row < rows; row += kBlockRows) {  // every cached value row once per block of queries
+    const int n = static_cast<int>(std::min<int64_t>(kBlockRows, rows - row));
+    int64_t lo = span;  // the block's earliest visible slot (0 where a query is uniform)
+    for (int r = 0; r < n; ++r) lo = std::min(lo, uniform[(row + r) / d.R] ? int64_t{0} : first[(row + r) / d.R]);
+    ValueSums(p.data() + row * stride + lo, stride, values + lo * H, span - lo, H, acc.data() + row * H, n);
+  }
   for (int64_t row = 0; row < rows; ++row) {
     const int64_t t = row / d.R;
     float* a = acc.data() + row * H;
@@ -242,6 +255,7 @@ void Attend(const Shapes& d, const float* q, const float* kc, const float* vc, c
 ffi::Error CachedAttention(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> q, ffi::Buffer<ffi::F32> k_all,
                            ffi::Buffer<ffi::F32> v_all, ffi::Buffer<ffi::S32> layer, ffi::Buffer<ffi::F32> k_new,
                            ffi::Buffer<ffi::F32> v_new, ffi::Buffer<ffi::PRED> visible, ffi::Buffer<ffi::S32> limit,
+                           ffi::Buffer<ffi::S32> positions, ffi::Buffer<ffi::S32> window,
                            ffi::ResultBuffer<ffi::F32> out, float scale) {
   auto qd = q.dimensions(), cd = k_all.dimensions(), nd = k_new.dimensions();
   const auto vd = v_all.dimensions(), nvd = v_new.dimensions();
@@ -249,10 +263,11 @@ ffi::Error CachedAttention(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> q, ffi::B
                     nvd.size() == nd.size() && std::equal(nd.begin(), nd.end(), nvd.begin());
   if (qd.size() != 4 || cd.size() != 5 || nd.size() != 4 || !same || cd[1] != qd[0] || cd[4] != qd[3] ||
       qd[2] % cd[2] != 0 || nd[0] != qd[0] || nd[1] != qd[1] || nd[2] != cd[2] || nd[3] != qd[3] ||
-      visible.element_count() != qd[1] * qd[1] || limit.element_count() != qd[0])
+      visible.element_count() != qd[1] * qd[1] || limit.element_count() != qd[0] ||
+      positions.element_count() != qd[0] * qd[1] || window.element_count() != 1)
     return ffi::Error::InvalidArgument(
         "specjax_cached_attention: want q[B,T,N,H], caches [L,B,G,S,H], own k, v [B,T,G,H], visible[T,T], "
-        "limit[B]");
+        "limit[B], positions[B,T], window[]");
   const int64_t L = cd[0], l = layer.typed_data()[0];
   if (l < 0 || l >= L) return ffi::Error::InvalidArgument("specjax_cached_attention: layer out of range");
   const Shapes d = {qd[0], qd[1], qd[2], cd[2], cd[3], qd[3], qd[2] / cd[2]};
@@ -261,10 +276,14 @@ ffi::Error CachedAttention(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> q, ffi::B
   const float *vc = v_all.typed_data() + l * layer_size, *kn = k_new.typed_data(), *vn = v_new.typed_data();
   const bool* vis = visible.typed_data();
   const int32_t* limits = limit.typed_data();
+  const int32_t* pos = positions.typed_data();
+  const int32_t w = window.typed_data()[0];
   float* res = out->typed_data();
   const int64_t items = d.B * d.G;  // (batch row, kv head) pairs
   ParallelFor(pool, items, std::min<int64_t>(items, std::max<int64_t>(1, pool.num_threads())) - 1,
-              [=](int64_t i) { Attend(d, qs, kc, vc, kn, vn, vis, limits[i / d.G], scale, res, i / d.G, i % d.G); });
+              [=](int64_t i) {
+                Attend(d, qs, kc, vc, kn, vn, vis, limits[i / d.G], pos, w, scale, res, i / d.G, i % d.G);
+              });
   return ffi::Error::Success();
 }
 
@@ -280,6 +299,8 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(SpecjaxCachedAttention, CachedAttention,
                                   .Arg<ffi::Buffer<ffi::F32>>()
                                   .Arg<ffi::Buffer<ffi::F32>>()
                                   .Arg<ffi::Buffer<ffi::PRED>>()
+                                  .Arg<ffi::Buffer<ffi::S32>>()
+                                  .Arg<ffi::Buffer<ffi::S32>>()
                                   .Arg<ffi::Buffer<ffi::S32>>()
                                   .Ret<ffi::Buffer<ffi::F32>>()
                                   .Attr<float>("scale"));

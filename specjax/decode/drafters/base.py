@@ -47,16 +47,28 @@ class Verdict(NamedTuple):
 class Drafter:
     """The interface (see the package docstring). Subclasses are frozen dataclasses
     registered as pytrees: their arrays (a draft model's params, a datastore's index) are
-    leaves, their settings static. The class attributes say what a drafter needs, so
-    nothing outside the registry asks which drafter it is."""
+    leaves, their settings static. The class attributes DECLARE what a drafter needs and
+    what it does with the settings; the run setup (`specjax.app.setup`), plan, bench, train
+    and the flag checks read them, so nothing outside the registry asks which drafter it is."""
 
     name: ClassVar[str]
-    needs_draft_model: ClassVar[bool] = False  # a run without a draft model cannot use it
+    needs_draft_model: ClassVar[bool] = False  # draws from a draft LM: a run without one cannot use it
+    heads_kind: ClassVar[str | None] = None  # draws from draft heads of this `HeadsConfig.kind` on the target
     uses_datastore: ClassVar[bool] = False  # accepts a datastore
     needs_datastore: ClassVar[bool] = False  # cannot run without one
     several_chains: ClassVar[bool] = False  # draws M > 1 independent chains per loop
-    needs_heads: ClassVar[bool] = False  # draws from draft heads on the target (`specjax.heads`)
+    adaptive: ClassVar[bool] = False  # honours draft_confidence (stops on the draft's own side: invariant 9)
     needs_features: ClassVar[bool] = False  # reads the target's hidden states (init_state, Verdict.features)
+    # A config whose `python -m specjax.train` makes what this drafter draws from (for
+    # messages: '' where it draws from nothing trained, or from a draft model of any config).
+    trained_by: ClassVar[str] = ""
+
+    @classmethod
+    def max_lookahead(cls, draft_cfg) -> int | None:
+        """The most tokens one loop can propose with these weights (`draft_cfg`: the heads'
+        `HeadsConfig` for a heads drafter, else the draft's `ModelConfig` or None); None:
+        no cap but the context's."""
+        return None
 
     @classmethod
     def make(cls, sampling: SamplingConfig, target, draft, datastore, mesh) -> "Drafter | None":

@@ -136,6 +136,7 @@ class ModelDrafter(Drafter):
     name = "model"
     needs_draft_model = True
     several_chains = True
+    adaptive = True
 
     @classmethod
     def make(cls, sampling: SamplingConfig, target: LM, draft: LM | None, datastore, mesh,

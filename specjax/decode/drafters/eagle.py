@@ -73,12 +73,13 @@ class EagleDrafter(Drafter):
     feature_weight: Any = None
 
     name = "eagle"
-    needs_heads = True
+    heads_kind = "eagle"
     needs_features = True
+    trained_by = "mini_eagle"
 
     @classmethod
     def make(cls, sampling: SamplingConfig, target: LM, draft, datastore, mesh):
-        heads = heads_lib.checked(draft, target.cfg, "eagle", sampling.drafter)
+        heads = heads_lib.checked(draft, target.cfg, cls.heads_kind, sampling.drafter)
         fold = heads_lib.folded(heads, target)  # from the float layer, quantized and packed as the layer is
         unembed = fold.unembed if fold is not None else heads_lib.unembedding(heads, target)
         return cls(heads.packed(target), target, sampling.lookahead, whole_table(target), unembed,
