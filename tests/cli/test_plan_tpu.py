@@ -307,8 +307,7 @@ def test_plan_compiles_tiny_with_xla_tpu_and_costs_its_steps(tmp_path):
         assert p["compiler"] == "tpu" and p["fits"]
         assert 0 < p["memory"]["total"] == p["memory"]["arguments"] + p["memory"]["temporaries"] \
             + p["memory"]["outputs"] - p["memory"]["aliased"]
-    reduces = programs["sps"]["collectives_per_loop"]["all-reduce"]
-    assert {m["shape"]: m["count"] for m in reduces["messages"]}["f32[5,32]"] == 2 * 2 + 1
+    assert _by_shape(programs["sps"]["collectives_per_loop"], "all-reduce")["f32[5,32]"] == 2 * 2 + 1
     # One step: 2 per layer + the embedding lookup + the logits' gather (an all-reduce on XLA:TPU).
     assert programs["ars_target"]["collectives_per_step"]["all-reduce"]["count"] == 2 * 2 + 1 + 1
     for program, step in (("ars_target", "step"), ("sps", "score")):
