@@ -34,6 +34,9 @@ setup(
         # reads them through fsspec, which needs gcsfs (orbax's array reads do not, its step
         # listing and metadata do).
         "gcs": ["etils[epath-gcs]>=1.5"],
+        # libtpu, XLA:TPU's compiler, for `plan --compiler=tpu` (no TPU needed: a compile-only
+        # client); it must match jax, so the extra pins both (jax 0.10.2 -> libtpu 0.0.42.1).
+        "tpu": ["jax[tpu]==0.10.2"],
         # safetensors: the reference reader the import/export tests check our files against.
         "test": ["pytest>=8", "scipy>=1.11", "pytest-xdist>=3.5", "nbclient>=0.10", "nbformat>=5.9", "ipykernel>=6.29",
                  "safetensors>=0.4"],

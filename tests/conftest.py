@@ -18,6 +18,11 @@ os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "")
 # specjax.decode.program.WARM_UP): no test reads a first batch's timing except those that
 # test the warm-up, which turn it back on. The CLI runs of the tests inherit it.
 os.environ.setdefault("SPECJAX_WARMUP", "0")
+# The suite runs on CPU devices. Where libtpu is installed (the `tpu` extra, as in CI) and
+# no platform is named, JAX tries a TPU backend first, and on a host without TPUs libtpu
+# prints a page of start-up complaints to stderr (the CLI runs inherit this; those that
+# compile for a TPU slice load libtpu themselves: `analysis.tpu`).
+os.environ.setdefault("JAX_PLATFORMS", "cpu")
 
 import sys  # noqa: E402
 
