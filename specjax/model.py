@@ -369,10 +369,14 @@ class Transformer(nnx.Module):
         return x
 
     def __call__(self, tokens, positions, cache: KVCache, visible=None, kernels: Kernels = DEFAULT_KERNELS,
-                 features: bool = False):
+                 features: bool | tuple[int, ...] = False):
         """-> (logits [B,T,V] float32, Fresh): the module docstring's forward. `visible`: a
         [T, T] mask of the pass's own keys each query sees (None: causal); `features`: also
-        return the final hidden states in Fresh.hidden. The cache is only read."""
+        return in Fresh.hidden the final hidden states (True), or (a tuple of layer counts
+        n in 1..L) the residual stream after the first n layers for each n, concatenated
+        [B, T, len * D] (EAGLE-3's low, middle and high features; n = L is the last
+        layer's output before the final norm). A static choice: False costs nothing. The
+        cache is only read."""
         cfg = self.cfg
         T = tokens.shape[1]
         x = self.embed_tokens(tokens)
@@ -383,6 +387,7 @@ class Transformer(nnx.Module):
         if table is None:  # no table carried (prefill, training): computed here, for the pass's distances too
             table = self.position_table(max(cache.size, T))
         args = (positions, cache.k, cache.v, table)
+        taps = features if isinstance(features, tuple) else ()
         if cfg.scan_layers:
             graphdef, stacked = nnx.split(self.layers)
 
@@ -391,27 +396,31 @@ class Transformer(nnx.Module):
                 if layer_params is None:  # the first num_layers of a longer stack (a self-draft)
                     layer_params = jax.tree.map(lambda a: a[i], stacked)
                 x, k, v = nnx.merge(graphdef, layer_params)(x, *args, i, limit, visible, kernels)
-                return (x, i + 1), (k, v)
+                return (x, i + 1), (k, v, x if taps else None)
 
             if stacked_layers(stacked) == cfg.num_layers:
-                (x, _), (k, v) = jax.lax.scan(body, (x, 0), stacked)
+                (x, _), (k, v, xs) = jax.lax.scan(body, (x, 0), stacked)
             else:
                 # A model made of the first layers of another's stacked params
                 # (`weights.self_draft`) indexes the stack in the loop, as scan over xs
                 # does, rather than slicing it, which would copy those layers.
-                (x, _), (k, v) = jax.lax.scan(body, (x, 0), None, length=cfg.num_layers)
+                (x, _), (k, v, xs) = jax.lax.scan(body, (x, 0), None, length=cfg.num_layers)
+            tapped = {n: xs[n - 1] for n in taps}
         else:
-            kv = []
+            kv, tapped = [], {}
             for i, block in enumerate(self.layers):
                 x, k, v = block(x, *args, i, limit, visible, kernels)
                 kv.append((k, v))
+                if i + 1 in taps:
+                    tapped[i + 1] = x
             k, v = (jnp.stack(a) for a in zip(*kv))
         x = self.final_norm(x)
         logits = self.logits(x, kernels)
         k, v = ordered_after(k, v, x)
+        hidden = jnp.concatenate([tapped[n] for n in taps], axis=-1) if taps else x if features else None
         # The hidden states stay whole rows (like the residual stream): a consumer that
         # wanted them split over 'model' would otherwise split the pass's own activations.
-        return logits, Fresh(k, v, sharding.constrain(x, ("batch", None, "embed")) if features else None)
+        return logits, Fresh(k, v, None if hidden is None else sharding.constrain(hidden, ("batch", None, "embed")))
 
 
 def cache_limit(cache: KVCache, positions: jax.Array) -> jax.Array:
@@ -465,7 +474,7 @@ class LM:
     params: Any
     kernels: Kernels = DEFAULT_KERNELS
 
-    def __call__(self, tokens, positions, cache: KVCache, visible=None, features: bool = False):
+    def __call__(self, tokens, positions, cache: KVCache, visible=None, features: bool | tuple[int, ...] = False):
         return nnx.merge(self.graphdef, self.params)(tokens, positions, cache, visible, self.kernels, features)
 
     def logits(self, hidden: jax.Array) -> jax.Array:
@@ -627,7 +636,7 @@ def full_forward(lm: LM, tokens: jax.Array, features: bool = False):
     """Logits [B, T, V] of whole sequences through the same forward that sampling uses,
     over an empty cache (no slots: every position sees its own keys before it, causally):
     the training loss and the exact reference distributions both come from here. With
-    `features`: (logits, final hidden states [B, T, D])."""
+    `features` (True, or layer counts: the forward's): (logits, those hidden states)."""
     batch, length = tokens.shape
     positions = jnp.broadcast_to(jnp.arange(length, dtype=jnp.int32), (batch, length))
     logits, fresh = lm(tokens, positions, kv_cache.empty(lm.cfg, batch, 0), features=features)

@@ -30,6 +30,7 @@ much to draft looks at the drafter's side only (invariant 9).
   hybrid     per row a full-suffix lookup, else the draft model (`hybrid`)
   medusa     heads on the target's last hidden state propose all K at once (`medusa`)
   eagle      one layer drafts autoregressively in the target's feature space (`eagle`)
+  eagle3     that layer over a fusion of low, middle and high target layers (`eagle`)
 
 A new drafter is one more class and one line in REGISTRY: a self-draft (the target's own
 int8/int4 copy, or its first N layers) is `model` over a derived LM (`model.SelfDraft`,
@@ -45,13 +46,14 @@ from specjax.decode.drafters.base import SOURCES, Drafter, Prefill, Proposal, Ve
 from specjax.decode.drafters.draft_model import ModelDrafter, model_proposal, refeed_window
 from specjax.decode.drafters.hybrid import HybridDrafter
 from specjax.decode.drafters.lookup import NgramDrafter, RetrievalDrafter, ngram_match
-from specjax.decode.drafters.eagle import EagleDrafter
+from specjax.decode.drafters.eagle import Eagle3Drafter, EagleDrafter
 from specjax.decode.drafters.medusa import MedusaDrafter
 
 REGISTRY: dict[str, type[Drafter]] = {cls.name: cls for cls in (ModelDrafter, NgramDrafter, RetrievalDrafter,
-                                                                 HybridDrafter, MedusaDrafter, EagleDrafter)}
+                                                                 HybridDrafter, MedusaDrafter, EagleDrafter,
+                                                                 Eagle3Drafter)}
 
-__all__ = ["REGISTRY", "SOURCES", "Drafter", "EagleDrafter", "HybridDrafter", "MedusaDrafter", "ModelDrafter", "NgramDrafter",
+__all__ = ["REGISTRY", "SOURCES", "Drafter", "Eagle3Drafter", "EagleDrafter", "HybridDrafter", "MedusaDrafter", "ModelDrafter", "NgramDrafter",
            "Prefill", "Proposal",
            "RetrievalDrafter", "Verdict", "kind", "make", "model_proposal", "ngram_match", "point_mass",
            "refeed_window", "select"]

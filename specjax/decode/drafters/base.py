@@ -11,7 +11,7 @@ from specjax.config import SamplingConfig
 
 # Proposal.source indexes this: the drafters that propose tokens of their own (hybrid
 # picks one of theirs per row and chain). A new such drafter adds its name here.
-SOURCES = ("model", "ngram", "retrieval", "medusa", "eagle")
+SOURCES = ("model", "ngram", "retrieval", "medusa", "eagle", "eagle3")
 
 
 class Proposal(NamedTuple):
@@ -57,6 +57,13 @@ class Drafter:
     several_chains: ClassVar[bool] = False  # draws M > 1 independent chains per loop
     needs_heads: ClassVar[bool] = False  # draws from draft heads on the target (`specjax.heads`)
     needs_features: ClassVar[bool] = False  # reads the target's hidden states (init_state, Verdict.features)
+
+    @property
+    def features(self) -> bool | tuple[int, ...]:
+        """Which of the target's hidden states Prefill.features and Verdict.features carry:
+        the forward's static `features` (False: none; True: the final ones; layer counts:
+        those layers' residual streams, EAGLE-3's)."""
+        return self.needs_features
 
     @classmethod
     def make(cls, sampling: SamplingConfig, target, draft, datastore, mesh) -> "Drafter | None":
