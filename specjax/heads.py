@@ -88,8 +88,8 @@ def feature_layers(hcfg: HeadsConfig, cfg: ModelConfig) -> tuple[int, ...]:
     (`HeadsConfig.layers_for`; () for the final hidden state), checked against its depth."""
     layers = hcfg.layers_for(cfg.num_layers)
     if layers and layers[-1] > cfg.num_layers:
-        raise UsageError(f"heads.feature_layers={layers}: the target has {cfg.num_layers} layers (each must be in "
-                         f"1..{cfg.num_layers})")
+        raise UsageError(f"heads.feature_layers={layers}: the target has {cfg.num_layers} "
+                         f"layer{'s' if cfg.num_layers > 1 else ''} (each must be in 1..{cfg.num_layers})")
     return layers
 
 
