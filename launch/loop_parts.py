@@ -65,7 +65,7 @@ def define_flags() -> None:
     flags.DEFINE_integer("repeats", 5, "Timed pairs (65 and 5 iterations) per part; medians.")
     flags.DEFINE_list("kernels", ["default"], "Kernel settings to compare, interleaved (as forward_cost.py's: on, "
                       "off, default, or kernels' names joined by +, e.g. matmul+attention).")
-    flags.DEFINE_enum("drafter", None, list(DRAFTERS), "The drafter (default: the config's); eagle and medusa "
+    flags.DEFINE_enum("drafter", None, list(DRAFTERS), "The drafter (default: the config's); eagle, eagle3 and medusa "
                       "with random heads of the config's heads setting (--config=mini_eagle: its half-width, "
                       "draft-vocabulary, int8 layer).")
     flags.DEFINE_string("shape", None, "The target's shape, one of launch/shapes.py's (default: the config's).")
@@ -78,7 +78,7 @@ def define_flags() -> None:
 
 
 CONTEXTS = ("random", "distinct", "repeating")
-DRAFTERS = ("model", "ngram", "eagle", "medusa")  # one chain each; hybrid and retrieval are not timed here
+DRAFTERS = ("model", "ngram", "eagle", "eagle3", "medusa")  # one chain each; hybrid and retrieval are not timed here
 
 
 def token_buffer(context: str, size: int, prompt_len: int, vocab: int) -> jax.Array:

@@ -55,7 +55,7 @@ def define_flags() -> None:
                        "Fixed latency per collective in the TPU roofline (microseconds).")
     cli.define_quantize_flag()
     # The sampling group of sample/bench/evaluate (the budget is --cache_len here): the
-    # programs compiled sample with them. --drafter=medusa|eagle also compiles drafting by
+    # programs compiled sample with them. --drafter=medusa|eagle|eagle3 also compiles drafting by
     # random draft heads on the target (the config's, else the defaults: size them with
     # --config.heads.num_heads=N), next to the config's draft model; --num_drafts > 1 also
     # compiles the tree loop of that many chains next to the chain.
@@ -80,7 +80,7 @@ def configure_xla(devices: int, licm: bool) -> None:
     os.environ["JAX_PLATFORMS"] = "cpu"  # plan on fake CPU devices even on a TPU host
 
 
-PLANNED_DRAFTERS = ("model", "medusa", "eagle")  # the lookup drafters hold no weights to plan
+PLANNED_DRAFTERS = ("model", "medusa", "eagle", "eagle3")  # the lookup drafters hold no weights to plan
 
 
 def drafting(cfg) -> tuple[SamplingConfig, HeadsConfig | None]:

@@ -88,8 +88,8 @@ SAMPLING_FLAGS = {
     "verify": (VERIFY_RULES, "SpS acceptance rule: block (block verification, never worse) or tokenwise (the "
                "paper's); several chains are verified as a tree"),
     "drafter": (DRAFTERS, "who proposes: model (the draft model), ngram (prompt lookup in the row's own context), "
-                "retrieval (--datastore), hybrid (ngram, else the datastore, else the model), medusa or eagle "
-                "(draft heads on the target's features)"),
+                "retrieval (--datastore), hybrid (ngram, else the datastore, else the model), medusa, eagle or "
+                "eagle3 (draft heads on the target's features)"),
     "ngram": (int, "longest context suffix the lookup drafters match"),
     "draft_confidence": (float, "in [0, 1): a row stops drafting after a draft distribution whose top "
                          "probability is below this (--lookahead is the most); 0 = fixed K"),

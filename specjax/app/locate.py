@@ -345,8 +345,9 @@ class Weights:
         """(target, draft or None) on `mesh`; with `quantize` ('int8', 'int4'), each quantized
         on load (`LM.quantized`; a GGUF file's Q8_0/Q4_0/Q4_1 tensors taken as stored):
         the run samples the quantized models. A self-draft is made of the (quantized)
-        target's own arrays; with need_draft='medusa' or 'eagle' the draft is those heads."""
-        if need_draft in ("medusa", "eagle"):
+        target's own arrays; with need_draft a kind of heads ('medusa', 'eagle', 'eagle3') the draft
+        is those heads."""
+        if isinstance(need_draft, str):
             target, _ = self.load(mesh, need_draft=False, quantize=quantize)
             return target, self.heads(target, mesh, need_draft)
         if self.self_draft is not None:
