@@ -118,30 +118,44 @@ class EagleHead(nnx.Module):
         self.w_up = (nnx.Param(((W ** -0.5) * jax.random.normal(keys(), (W, D))).astype(dt), logical=(None, "embed"))
                      if W != D else None)
         self.compute_dtype = cfg.compute_dtype
+        self.norm_eps = cfg.norm_eps
 
     def fuse(self, features, kernels: Kernels = DEFAULT_KERNELS) -> jax.Array:
         """The target's features [B, T, len * D] -> the D-wide feature the layer reads (the
-        final hidden state, without `feature_layers`, as it is)."""
+        final hidden state, without `feature_layers`, as it is). Each layer's residual
+        stream is RMS-normalised first: its scale grows with depth (mini_target's, after
+        layers 2, 4 and 6: RMS 3.8, 7.0, 9.2 against the final norm's 1.0; a random
+        layer fusing them raw started training at KL ~26 nats), and the layer's output,
+        whose scale the target's unembedding reads directly, starts from them. EAGLE-3 normalises inside its layer (its
+        hidden_norm) and before its own head; the draft steps here feed the output back
+        unnormalised, so that a narrow layer's w_up still folds (`Folded`)."""
         if self.w_fuse is None:
             return features
         ct = jnp.dtype(self.compute_dtype)
-        return project("BTF,FD->BTD", features.astype(ct), self.w_fuse.value, kernels, ct)
+        D = self.w_fuse.value.shape[-1]
+        x = features.astype(jnp.float32).reshape(features.shape[:-1] + (-1, D))
+        x = x * jax.lax.rsqrt(jnp.mean(x * x, axis=-1, keepdims=True) + self.norm_eps)
+        return project("BTF,FD->BTD", x.reshape(features.shape).astype(ct), self.w_fuse.value, kernels, ct)
 
     def __call__(self, features, embedded, positions, cache: KVCache, visible=None,
-                 kernels: Kernels = DEFAULT_KERNELS, feature_weight=None, up: bool = True) -> tuple[jax.Array, Fresh]:
+                 kernels: Kernels = DEFAULT_KERNELS, feature_weight=None, up: bool = True,
+                 cache_visible=None) -> tuple[jax.Array, Fresh]:
         """features, embedded [B, T, D] (the target's feature at positions[t] and the
         embedding of the token after it) -> (predicted features [B, T, D] of the next
         positions, Fresh: this pass's keys and values for the layer's cache, read only).
         Decoding a narrow layer (`Folded`): up=False returns the block's output [B, T, W]
         before w_up, and `feature_weight` (w_up @ w_feature, [W, W]) reads such an output
-        as the feature input in place of w_feature."""
+        as the feature input in place of w_feature. `cache_visible`: a bool [T, S] of the
+        cache entries each position sees, in place of the row's length (the training-time
+        test's, `training_time_test`)."""
         ct = jnp.dtype(self.compute_dtype)
         x = (project("BTD,DW->BTW", features.astype(ct), self.w_feature.value if feature_weight is None
                      else feature_weight, kernels, ct)
              + project("BTD,DW->BTW", embedded.astype(ct), self.w_token.value, kernels, ct))
         T = x.shape[1]
         visible = causal(T) if visible is None else visible
-        x, k, v = self.block(x, positions, cache.k, cache.v, None, 0, cache_limit(cache, positions), visible, kernels)
+        limit = cache_limit(cache, positions) if cache_visible is None else jnp.asarray(cache_visible, bool)
+        x, k, v = self.block(x, positions, cache.k, cache.v, None, 0, limit, visible, kernels)
         if self.w_up is not None and up:
             x = project("BTW,WD->BTD", x, self.w_up.value, kernels, ct)
         return x, Fresh(*ordered_after(k[None], v[None], x))
@@ -402,41 +416,44 @@ def init_heads(hcfg: HeadsConfig, cfg: ModelConfig, mesh: jax.sharding.Mesh, *, 
     return dataclasses.replace(abstract, params=init(), vocab=draft_vocabulary(hcfg, cfg, vocab, mesh))
 
 
-def test_layout(T: int, steps: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-    """The training-time test's rows over a sequence of T tokens: (step [R], t [R], visible
-    [R, R]). Step j has the T-1-j rows t = 0..T-2-j, row t reading the feature at t (the
-    target's for step 0, else the one step j-1 predicted at t) and token t+1+j at position
-    t+j, predicting token t+2+j. A row of step j sees what the same row sees when the layer
-    drafts its j-th step after a window ending at t: the step-0 rows up to t (the pairs of
-    true features) and its own row of steps 1..j (the features it fed back itself), as in
-    EAGLE-3's training code. The steps are concatenated, so the first steps' rows are a
-    prefix and each step's pass is one pass of the layer over steps 0..j."""
-    step = np.concatenate([np.full(T - 1 - j, j) for j in range(steps)])
-    t = np.concatenate([np.arange(T - 1 - j) for j in range(steps)])
-    true_pair = (step[None, :] == 0) & (t[None, :] <= t[:, None])
-    own_chain = (step[None, :] >= 1) & (step[None, :] <= step[:, None]) & (t[None, :] == t[:, None])
-    return step, t, true_pair | own_chain
+def test_visibility(T: int, j: int) -> np.ndarray:
+    """The training-time test over a sequence of T tokens: which earlier keys step j's rows
+    see, [T-1-j, S] over the keys of steps 0..j-1 laid end to end (step i: T-1-i rows).
+    Row t of step j reads the feature at t (the target's for step 0, else the one step j-1
+    predicted at t) and token t+1+j at position t+j, and predicts token t+2+j; it sees what
+    the same row sees when the layer drafts its j-th step after a window ending at t: step
+    0's rows up to t (the pairs of true features) and its own row of steps 1..j-1 (the
+    features it fed back itself), then its own key; as EAGLE-3's training code does."""
+    t = np.arange(T - 1 - j)
+    blocks = [np.arange(T - 1)[None, :] <= t[:, None]]  # step 0: the true pairs up to t
+    blocks += [np.arange(T - 1 - i)[None, :] == t[:, None] for i in range(1, j)]  # steps 1..j-1: row t's own
+    return np.concatenate(blocks, axis=1)
 
 
 def training_time_test(heads: Heads, target: LM, inputs: jax.Array, hidden: jax.Array, steps: int) -> list:
     """The EAGLE layer's predicted features over token rows `inputs` [B, T] whose target
     features (`heads.features` of the target's forward) are `hidden` [B, T, ...], for
-    `steps` steps of the training-time test (`test_layout`): step j's [B, T-1-j, D], row
-    t the feature at t+1+j, the layer having fed back its own features j times. Step j's
-    pass runs the layer over the rows of steps 0..j (those before j again: the one
-    attention takes the pass's own keys, so a pass holds every key it reads)."""
+    `steps` steps of the training-time test (`test_visibility`): step j's [B, T-1-j, D],
+    row t the feature at t+1+j, the layer having fed back its own features j times. Step
+    j is one pass over its T-1-j rows, reading the keys of the steps before it as a cache
+    with a per-row visibility (as drafting reads its cache) and its own key."""
     B, T = inputs.shape
-    step, t, visible = test_layout(T, steps)
-    positions = jnp.broadcast_to(jnp.asarray(t + step, jnp.int32), (B, len(t)))
-    embedded = target.embed(inputs)[:, t + step + 1]  # token t+1+j of each row
+    embedded = target.embed(inputs)
     features = heads.fused(hidden[:, :-1])  # step 0 reads the target's
-    out = []
+    keys, values, out = [], [], []
     for j in range(steps):
-        rows = len(t) - int(np.sum(step > j))  # steps 0..j
-        predicted, _ = heads(features, embedded[:, :rows], positions[:, :rows], heads.empty_cache(B, 0),
-                             jnp.asarray(visible[:rows, :rows]))
-        out.append(predicted[:, rows - (T - 1 - j):])
-        features = jnp.concatenate([features, out[-1][:, :T - 2 - j]], axis=1)  # step j+1 reads them
+        rows = T - 1 - j
+        positions = jnp.broadcast_to(jnp.arange(j, T - 1, dtype=jnp.int32), (B, rows))
+        cache, seen = heads.empty_cache(B, 0), None
+        if j:  # the steps before: [L=1, B, G, S, H], as a cache holds them
+            cache = dataclasses.replace(cache, k=jnp.concatenate(keys, axis=3), v=jnp.concatenate(values, axis=3))
+            seen = test_visibility(T, j)
+        visible = causal(rows) if j == 0 else jnp.eye(rows, dtype=bool)
+        predicted, fresh = heads(features, embedded[:, 1 + j:], positions, cache, visible, cache_visible=seen)
+        keys.append(jnp.swapaxes(fresh.k, 2, 3))
+        values.append(jnp.swapaxes(fresh.v, 2, 3))
+        out.append(predicted)
+        features = predicted[:, :rows - 1]  # step j+1 reads them
     return out
 
 
@@ -449,7 +466,7 @@ def heads_loss(tc: TrainConfig):
     regression term; EAGLE-3's fused features have no target to regress to, and it drops
     the term). With a training-time test of n steps (`HeadsConfig.test_steps`), step j's
     terms, for the token j places further on from the layer's own fed-back feature
-    (`test_layout`), weigh 0.8^j (EAGLE-3's weights), summed; the logged 'ce' and 'kl' are
+    (`training_time_test`), weigh 0.8^j (EAGLE-3's weights), summed; the logged 'ce' and 'kl' are
     step 0's (teacher-forced, as an n = 1 layer's), 'kl_last' the last step's."""
     from specjax.training.losses import cross_entropy, distill_kl
     temp = tc.distill_temperature

@@ -218,7 +218,8 @@ class Attention(nnx.Module):
 
     def attend(self, q, k, v, k_all, v_all, table, layer, positions, limit, visible, kernels: Kernels):
         """THE attention -> [B,T,N*H]: one softmax per query over the row's cache entries
-        below limit[b] and the pass's own keys u with visible[t, u], with the content and
+        below limit[b] (or, `limit` a bool [T, S], the entries s with limit[t, s]) and the
+        pass's own keys u with visible[t, u], with the content and
         position terms of a plain forward over the query's own path (a key's distance is
         the difference of the positions: rotary has it in k; Transformer-XL's term reads
         the cache part through the precomputed table and `relative_shift`, the own part
@@ -249,15 +250,18 @@ class Attention(nnx.Module):
                 distance = jnp.clip(positions[:, :, None] - positions[:, None, :], 0, width - 1)  # [B,T,U]
                 index = jnp.broadcast_to((width - 1 - distance)[:, None, None], (B, G, R, T, T))
                 own = own + jnp.take_along_axis(by_reversed, index, axis=-1)
-            below = jnp.arange(S)[None, :] < limit[:, None]  # [B,S]: the same for every query of a row
-            cached = jnp.where(below[:, None, None, None], cached, MASKED)
+            if limit.dtype == bool:  # the caller's [T, S] visibility of the cache (an EAGLE training-time test)
+                below = limit[None, None, None]
+            else:  # [B,S]: the same for every query of a row
+                below = (jnp.arange(S)[None, :] < limit[:, None])[:, None, None, None]
+            cached = jnp.where(below, cached, MASKED)
             own = jnp.where(visible[None, None, None], own, MASKED)
             weights = jax.nn.softmax(jnp.concatenate([cached, own], axis=-1) * scale, axis=-1).astype(ct)
             out = (jnp.einsum("BGRTS,BGSH->BTGRH", weights[..., :S], v_cache)
                    + jnp.einsum("BGRTU,BUGH->BTGRH", weights[..., S:], v.astype(ct)))
             return out.reshape(B, T, N, H)
 
-        if cfg.pos_encoding != "relative" and dispatch.use_attention(q, k_all, kernels):
+        if cfg.pos_encoding != "relative" and limit.dtype != bool and dispatch.use_attention(q, k_all, kernels):
             # Reads this layer of the cache in place (XLA copies each layer's slice per step).
             out = dispatch.attention(q, k, v, k_all, v_all, layer, limit, visible, scale, reference)
         else:

@@ -17,7 +17,8 @@ test_eagle.py.
 - The training-time test (`heads.training_time_test`) computes what drafting computes: at
   every step j and row t, the feature the layer predicts after a window pass over the
   true pairs up to t and j steps on its own features, run with its KV cache as the
-  drafter runs it. A wrong visibility (each step's rows seeing all earlier rows) fails.
+  drafter runs it. Wrong visibilities (a step's rows seeing the earlier steps' rows at
+  other positions, or everything) fail.
 - Bad input: layers beyond the target's depth, heads of the other EAGLE kind, config checks.
 """
 import dataclasses
@@ -176,9 +177,13 @@ def test_training_time_test_computes_what_drafting_computes(tiny, patch):
         return [j for j in range(STEPS) if not np.allclose(np.asarray(got[j]), want[:, :8 - j, j], atol=2e-5)]
 
     assert errors() == []
-    # Wrong: every row of a step sees all earlier rows of every step (a plain causal pass).
-    real = heads_lib.test_layout
-    patch([(heads_lib, "test_layout", lambda T, n: (*real(T, n)[:2], np.tril(np.ones_like(real(T, n)[2]))))])
+    # Wrong: a step's rows see every earlier step's rows up to their own (the earlier steps'
+    # predictions at other positions leak in).
+    real = heads_lib.test_visibility
+    patch([(heads_lib, "test_visibility", lambda T, j: np.concatenate(
+        [np.arange(T - 1 - i)[None, :] <= np.arange(T - 1 - j)[:, None] for i in range(j)], axis=1))])
+    assert errors() == [2, 3]
+    patch([(heads_lib, "test_visibility", lambda T, j: np.ones_like(real(T, j)))])  # the future too
     assert errors() == [1, 2, 3]
 
 
