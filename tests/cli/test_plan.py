@@ -317,7 +317,7 @@ def test_plan_duplicates_kv_heads_on_a_wider_model_axis_and_sizes_another_chip(t
     (["--batch=0"], "--batch=0: must be a positive integer"),
     (["--num_drafts=0"], "num_drafts=0: must be"),
     (["--drafter=medusa:3"], "--drafter"),  # the sampling group's names, as in sample (count: --config.heads)
-    (["--drafter=ngram"], "--drafter=ngram: plan compiles draft models and draft heads (model, medusa, eagle)"),
+    (["--drafter=ngram"], "--drafter=ngram: plan compiles draft models and draft heads (model, medusa, eagle, eagle3)"),
     (["--drafter=medusa", "--config.heads.num_heads=0"], "num_heads=0"),
     (["--drafter=eagle", "--num_drafts=2"], "num_drafts=2 with drafter='eagle'"),
     (["--lookahead=0"], "lookahead=0"),
@@ -572,11 +572,12 @@ def test_plan_of_quantized_models_counts_their_bytes(tmp_path):
 
 @pytest.mark.parametrize("heads, program, extra", [
     pytest.param("medusa --config.heads.num_heads=3", "sps_medusa", 1, marks=pytest.mark.slow),
-    ("eagle", "sps_eagle", 4 * 2)])
+    ("eagle", "sps_eagle", 4 * 2), ("eagle3", "sps_eagle3", 4 * 2)])
 def test_plan_compiles_the_loop_with_draft_heads_and_counts_their_all_reduces(tmp_path, heads, program, extra):
     """tiny on 1x8, K=4: Medusa's heads add one all-reduce to the target's pass (2 per layer
     + the embedding); the EAGLE layer's K passes add its block's 2 each (the token it
-    reads is embedded from a whole copy of the table on every device)."""
+    reads is embedded from a whole copy of the table on every device); the EAGLE-3 layer's
+    too (the target's layers it fuses are whole rows, as the final hidden state is)."""
     out = tmp_path / "plan.json"
     proc = subprocess.run([sys.executable, "-m", "specjax.plan", "--config=tiny", "--mesh=1x8",
                            *f"--drafter={heads}".split(), f"--json={out}"],
