@@ -118,7 +118,8 @@ def parts(K: int, w: Warp, rule: str, drafter: str):
         prop, state, bad = d.propose(s.drafter_state, s.tokens, s.length, sub, K, 1, w)
         length = s.length + 3 + never(prop.x[:, 0, -1]) + never(prop.p[:, 0, -1, 0]) + bad
         batch = length.shape[0]
-        features = jnp.zeros((batch, K + 1, t.cfg.d_model), t.cfg.compute_dtype) if d.needs_features else None
+        width = t.cfg.d_model * (len(d.features) if isinstance(d.features, tuple) else 1)  # EAGLE-3: its layers'
+        features = jnp.zeros((batch, K + 1, width), t.cfg.compute_dtype) if d.features else None
         zero = jnp.zeros((batch,), jnp.int32)
         state = d.update(state, drafters.Verdict(length, zero, zero, zero, features))
         return dataclasses.replace(s, key=key, drafter_state=state, length=length)
