@@ -450,7 +450,8 @@ class TrainConfig:
         _integer(self, "self_distill_prompt", 1, self.seq_len, hint=f" (corpus tokens each sample continues, at most "
                  f"train.seq_len={self.seq_len})", label="train.self_distill_prompt")
         if self.self_distill and self.self_distill * self.val_fraction < 1:
-            raise ConfigError(f"train.self_distill={self.self_distill} samples x train.val_fraction={self.val_fraction} "
+            raise ConfigError(f"train.self_distill={self.self_distill} samples x train.val_fraction="
+                              f"{self.val_fraction} "
                               "keep less than one sample for validation: raise train.self_distill to at least "
                               f"{math.ceil(1 / self.val_fraction)} or train.val_fraction")
         given = [f"{k}={getattr(self, k)!r}" for k in ("teacher", "teacher_hf", "teacher_gguf") if getattr(self, k)]

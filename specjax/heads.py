@@ -126,9 +126,10 @@ class EagleHead(nnx.Module):
         stream is RMS-normalised first: its scale grows with depth (mini_target's, after
         layers 2, 4 and 6: RMS 3.8, 7.0, 9.2 against the final norm's 1.0; a random
         layer fusing them raw started training at KL ~26 nats), and the layer's output,
-        whose scale the target's unembedding reads directly, starts from them. EAGLE-3 normalises inside its layer (its
-        hidden_norm) and before its own head; the draft steps here feed the output back
-        unnormalised, so that a narrow layer's w_up still folds (`Folded`)."""
+        whose scale the target's unembedding reads directly, starts from them. EAGLE-3
+        normalises inside its layer (its hidden_norm) and before its own head; the draft
+        steps here feed the output back unnormalised, so that a narrow layer's w_up still
+        folds (`Folded`)."""
         if self.w_fuse is None:
             return features
         ct = jnp.dtype(self.compute_dtype)
@@ -466,8 +467,8 @@ def heads_loss(tc: TrainConfig):
     regression term; EAGLE-3's fused features have no target to regress to, and it drops
     the term). With a training-time test of n steps (`HeadsConfig.test_steps`), step j's
     terms, for the token j places further on from the layer's own fed-back feature
-    (`training_time_test`), weigh 0.8^j (EAGLE-3's weights), summed; the logged 'ce' and 'kl' are
-    step 0's (teacher-forced, as an n = 1 layer's), 'kl_last' the last step's."""
+    (`training_time_test`), weigh 0.8^j (EAGLE-3's weights), summed; the logged 'ce' and
+    'kl' are step 0's (teacher-forced, as an n = 1 layer's), 'kl_last' the last step's."""
     from specjax.training.losses import cross_entropy, distill_kl
     temp = tc.distill_temperature
 

@@ -53,7 +53,8 @@ REGISTRY: dict[str, type[Drafter]] = {cls.name: cls for cls in (ModelDrafter, Ng
                                                                  HybridDrafter, MedusaDrafter, EagleDrafter,
                                                                  Eagle3Drafter)}
 
-__all__ = ["REGISTRY", "SOURCES", "Drafter", "Eagle3Drafter", "EagleDrafter", "HybridDrafter", "MedusaDrafter", "ModelDrafter", "NgramDrafter",
+__all__ = ["REGISTRY", "SOURCES", "Drafter", "Eagle3Drafter", "EagleDrafter", "HybridDrafter", "MedusaDrafter",
+           "ModelDrafter", "NgramDrafter",
            "Prefill", "Proposal",
            "RetrievalDrafter", "Verdict", "kind", "make", "model_proposal", "ngram_match", "point_mass",
            "refeed_window", "select"]
