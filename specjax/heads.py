@@ -133,10 +133,14 @@ class EagleHead(nnx.Module):
         if self.w_fuse is None:
             return features
         ct = jnp.dtype(self.compute_dtype)
+        return project("BTF,FD->BTD", self.normalized(features), self.w_fuse.value, kernels, ct)
+
+    def normalized(self, features) -> jax.Array:
+        """The target's layers [B, T, len * D], each RMS-normalised (`fuse`'s first step)."""
         D = self.w_fuse.value.shape[-1]
         x = features.astype(jnp.float32).reshape(features.shape[:-1] + (-1, D))
         x = x * jax.lax.rsqrt(jnp.mean(x * x, axis=-1, keepdims=True) + self.norm_eps)
-        return project("BTF,FD->BTD", x.reshape(features.shape).astype(ct), self.w_fuse.value, kernels, ct)
+        return x.reshape(features.shape).astype(jnp.dtype(self.compute_dtype))
 
     def __call__(self, features, embedded, positions, cache: KVCache, visible=None,
                  kernels: Kernels = DEFAULT_KERNELS, feature_weight=None, up: bool = True,
@@ -192,6 +196,11 @@ class Heads:
     def fused(self, features: jax.Array, kernels: Kernels = DEFAULT_KERNELS) -> jax.Array:
         """The target's features as the EAGLE layer reads them (`EagleHead.fuse`)."""
         return nnx.merge(self.graphdef, self.params).fuse(features, kernels)
+
+    def normalized(self, features: jax.Array) -> jax.Array:
+        """The target's layers each RMS-normalised, not yet fused: for a window pass that
+        reads them through w_fuse w_feature folded (`Folded.window`)."""
+        return nnx.merge(self.graphdef, self.params).normalized(features)
 
     def eagle_step(self, target: LM, features, tokens, positions, cache: KVCache,
                    table=None, feature_weight=None, up: bool = True) -> tuple[jax.Array, KVCache]:
@@ -292,12 +301,16 @@ class Folded:
     [D, W]; both products are linear in x, so they are folded into `columns` = w_up C
     [W, N] and `feature` = w_up w_feature [W, W], and the step never forms the D-wide
     feature: a step reads W x (N + W) weights where it read W x D + D x (N + W). Only the
-    window pass, which reads the target's true D-wide features, runs w_feature itself.
-    The draft's numbers differ from the unfolded layer's by float rounding; p is whatever
-    it computes, so sampling stays exact."""
+    window pass, which reads the target's true D-wide features, runs w_feature itself;
+    an EAGLE-3 layer's window pass reads its fused layers [len * D] through w_fuse then
+    w_feature, also linear, folded into `window` = w_fuse w_feature [len * D, W] (a
+    3-layer fusion at D = 512, W = 256: 3 x 512 x 256 weights where it read
+    3 x 512 x 512 + 512 x 256). The draft's numbers differ from the unfolded layer's by
+    float rounding; p is whatever it computes, so sampling stays exact."""
 
     unembed: Unembedding  # with columns = w_up C [W, N]
     feature: Any  # w_up w_feature [W, W]
+    window: Any = None  # w_fuse w_feature [len * D, W] (an EAGLE-3 layer), else None
 
 
 def unembedding(heads: Heads, target: LM, fold: bool = False) -> Unembedding:
@@ -341,15 +354,17 @@ def folded(heads: Heads, target: LM) -> Folded | None:
     (`HeadsConfig.quantize`); None for any other layer."""
     if heads.cfg.kind not in EAGLE_KINDS or heads.vocab is None or "w_up" not in heads.params:
         return None
-    up, feature = heads.params["w_up"].value, heads.params["w_feature"].value
-    if not isinstance(jax.tree.leaves(up)[0], jax.Array):  # `plan`'s abstract params
-        product = jax.ShapeDtypeStruct((up.shape[0], feature.shape[1]), feature.dtype,
-                                       sharding=getattr(feature, "sharding", None))
-    else:
-        product = jax.jit(float_product)(up, feature)
-        product = decoding_weights({"feature": product}, {"feature": (1, 2)}, heads.cfg.quantize, target.cfg,
-                                   target)["feature"]
-    return Folded(unembedding(heads, target, fold=True), product)
+    feature = heads.params["w_feature"].value
+
+    def fold(a):  # a @ w_feature, quantized and packed as the layer's weights
+        if not isinstance(jax.tree.leaves(a)[0], jax.Array):  # `plan`'s abstract params
+            return jax.ShapeDtypeStruct((a.shape[0], feature.shape[1]), feature.dtype,
+                                        sharding=getattr(feature, "sharding", None))
+        product = jax.jit(float_product)(a, feature)
+        return decoding_weights({"w": product}, {"w": (1, 2)}, heads.cfg.quantize, target.cfg, target)["w"]
+
+    return Folded(unembedding(heads, target, fold=True), fold(heads.params["w_up"].value),
+                  fold(heads.params["w_fuse"].value) if "w_fuse" in heads.params else None)
 
 
 def checked(draft, target_cfg: ModelConfig, kind: str, drafter: str) -> Heads:

@@ -127,10 +127,11 @@ def unwarped_distributions(drafter, state, x, tokens, K):
 @pytest.mark.parametrize("kind,temperature,top_p", [("eagle", 1.0, 1.0), ("eagle", 0.7, 0.8), ("eagle3", 0.7, 0.8)])
 def test_a_narrow_layer_folds_w_up_into_its_steps(narrow_models, kind, temperature, top_p):
     """A narrow layer with a draft vocabulary (float here) drafts with w_up folded into the
-    columns and the next step's w_feature (`heads.Folded`): its p along the chain it drew
-    equals the unfolded layer's teacher-forced on that chain (D-wide features, w_up, then
-    the draft vocabulary's columns and the same warping) to float rounding; the drafter
-    holds the folded [W, W] weight."""
+    columns and the next step's w_feature (`heads.Folded`; EAGLE-3's window pass also
+    w_fuse into w_feature): its p along the chain it drew equals the unfolded layer's
+    teacher-forced on that chain (D-wide features, w_up, then the draft vocabulary's
+    columns and the same warping) to float rounding; the drafter holds the folded [W, W]
+    weight (and EAGLE-3's [2 * D, W])."""
     target, heads = narrow_models
     if kind == "eagle3":  # the two-layer tiny target, both layers fused
         target = model.init_lm(dataclasses.replace(target.cfg, num_layers=2), mesh_for("1x1"))
@@ -142,6 +143,10 @@ def test_a_narrow_layer_folds_w_up_into_its_steps(narrow_models, kind, temperatu
     drafter = cls.make(SamplingConfig(lookahead=3, drafter=kind), target, heads, None, None)
     W = NARROW.width
     assert drafter.feature_weight is not None and kernels.stored(drafter.feature_weight).shape == (W, W)
+    if kind == "eagle3":  # its window pass reads the two layers through w_fuse w_feature folded
+        assert kernels.stored(drafter.window_weight).shape == (2 * target.cfg.d_model, W)
+    else:
+        assert drafter.window_weight is None
     assert kernels.stored(drafter.unembed.columns).shape == (W, NARROW.draft_vocab)
     prompts = jnp.asarray([[5, 9, 2, 7, 1, 30], [4, 11, 8, 0, 0, 0]])
     lens = jnp.asarray([6, 3])

@@ -79,6 +79,8 @@ class EagleDrafter(Drafter):
     # A narrow layer with a draft vocabulary: its draft steps fold w_up into the columns
     # and the next step's w_feature (`heads.Folded`; then `unembed` is the folded one).
     feature_weight: Any = None
+    # ... and an EAGLE-3 one's window pass w_fuse into w_feature (`heads.Folded.window`).
+    window_weight: Any = None
 
     name = "eagle"
     needs_heads = True
@@ -94,7 +96,7 @@ class EagleDrafter(Drafter):
         fold = heads_lib.folded(heads, target)  # from the float layer, quantized and packed as the layer is
         unembed = fold.unembed if fold is not None else heads_lib.unembedding(heads, target)
         return cls(heads.packed(target), target, sampling.lookahead, whole_table(target), unembed,
-                   None if fold is None else fold.feature)
+                   None if fold is None else fold.feature, None if fold is None else fold.window)
 
     def init_state(self, prompts, prompt_lens, size, num_drafts, prefilled) -> EagleState:
         features = prefilled.features
@@ -111,9 +113,12 @@ class EagleDrafter(Drafter):
         positions = state.start[:, None] + jnp.arange(K + 1)[None, :]
         after = jnp.take_along_axis(tokens, jnp.clip(positions + 1, 0, tokens.shape[1] - 1), axis=1)
         folded = self.feature_weight is not None  # then `feature` below is the block's W-wide output
-        window = self.heads.fused(state.window, self.target.kernels)
+        if self.window_weight is None:
+            window, weight = self.heads.fused(state.window, self.target.kernels), None
+        else:  # w_fuse folded into w_feature: the layers only normalised
+            window, weight = self.heads.normalized(state.window), self.window_weight
         predicted, cache = self.heads.eagle_step(self.target, window, after, positions, state.cache,
-                                                 self.table, up=not folded)
+                                                 self.table, weight, up=not folded)
         pending = state.start + state.count  # the pending token's position
         cache = cache.with_lengths(pending)  # the pairs of true features; the rest is rewritten
         feature = jnp.take_along_axis(predicted, (state.count - 1)[:, None, None], axis=1)  # [B, 1, D or W] at pending
