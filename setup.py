@@ -21,6 +21,7 @@ setup(
         "etils[epath]>=1.5",  # local and gs:// paths of Hugging Face directories
         "ml_dtypes>=0.4",  # bfloat16 numpy arrays for bf16 safetensors
         "gguf>=0.19",  # llama.cpp's GGUF files: the format's own reader and dequantizers
+        "jinja2>=3.1.6",  # chat templates, rendered (sandboxed) as transformers renders them
         "numpy>=1.26",
         "absl-py>=2.0",
         "tqdm>=4.66",
@@ -33,6 +34,9 @@ setup(
         # reads them through fsspec, which needs gcsfs (orbax's array reads do not, its step
         # listing and metadata do).
         "gcs": ["etils[epath-gcs]>=1.5"],
+        # libtpu, XLA:TPU's compiler, for `plan --compiler=tpu` (no TPU needed: a compile-only
+        # client); it must match jax, so the extra pins both (jax 0.10.2 -> libtpu 0.0.42.1).
+        "tpu": ["jax[tpu]==0.10.2"],
         # safetensors: the reference reader the import/export tests check our files against.
         "test": ["pytest>=8", "scipy>=1.11", "pytest-xdist>=3.5", "nbclient>=0.10", "nbformat>=5.9", "ipykernel>=6.29",
                  "safetensors>=0.4"],

@@ -22,7 +22,7 @@ from absl import app, flags
 
 from specjax import kernels, kv_cache, model, sharding
 from specjax.decode import program
-from specjax.config import MeshConfig, load_config
+from specjax.config import QUANTIZATIONS, MeshConfig, load_config
 from specjax.kernels import Kernels, dispatch
 
 flags.DEFINE_string("config", "mini_target", "Config whose target model is measured.")
@@ -77,7 +77,7 @@ def read_bandwidth(megabytes: int, repeats: int = 10) -> dict[str, float]:
 def forward_times(lm, ts, sizes, settings, steps: int, repeats: int, clock: str = "wall", quantize=("none",),
                   batch: int = 1, memory: dict | None = None) -> dict[tuple[int, str, int], float]:
     """Median ms per forward of `lm` for every (cache size, kernel setting, T), and each of
-    `quantize` ('none' or a `model.QUANTIZE` kind: the label is then 'setting/kind'): `steps`
+    `quantize` ('none' or a `QUANTIZATIONS` kind: the label is then 'setting/kind'): `steps`
     forwards per timed loop (`loop`), `repeats` loops, every program interleaved with the
     others of its cache size so that machine noise hits every T and setting alike.
     `clock`: 'wall' or 'cpu' (CPU ms of the process, summed over its threads). `memory`, if
@@ -132,8 +132,8 @@ def main(argv):
     ts = [int(t) for t in FLAGS.tokens.split(",")]
     sizes = [int(s) for s in FLAGS.cache.split(",")]
     check_settings(FLAGS.kernels)
-    if not set(FLAGS.quantize) <= {"none", *model.QUANTIZE}:
-        raise app.UsageError(f"--quantize={','.join(FLAGS.quantize)}: expected none and/or {', '.join(model.QUANTIZE)}")
+    if not set(FLAGS.quantize) <= {"none", *QUANTIZATIONS}:
+        raise app.UsageError(f"--quantize={','.join(FLAGS.quantize)}: expected none and/or {', '.join(QUANTIZATIONS)}")
     lm = model.init_lm(cfg, sharding.make_mesh(MeshConfig(1, 1), jax.devices()[:1]))
     weight_bytes = sum(x.nbytes for x in jax.tree.leaves(lm.params))
     print(f"{FLAGS.config}: {lm.num_params / 1e6:.1f}M params, {weight_bytes / 1e6:.1f} MB")

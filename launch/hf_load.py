@@ -42,8 +42,9 @@ def define_flags() -> None:
     flags.DEFINE_string("mesh", "1x8", "DATAxMODEL over all processes' devices.")
     flags.DEFINE_integer("local_devices", None, "Fake CPU devices in this process (default: the mesh / processes).")
     flags.DEFINE_string("param_dtype", None, "Load as this dtype (default: as stored).")
-    flags.DEFINE_string("quantize", None, "--gguf: take the file's Q8_0/Q4_0/Q4_1 weights as stored, as "
-                        "--quantize=KIND (int8, int4, w4a8, w8a8) does, and quantize the rest (LM.quantized).")
+    flags.DEFINE_string("quantize", None, "--gguf: take the file's quantized weights (every type with a codec) as "
+                        "stored, as --quantize=KIND (int8, int4, w4a8, w8a8) does, and quantize the rest "
+                        "(LM.quantized).")
     flags.DEFINE_string("logits_of", None, "Comma-separated token ids whose logits go into the JSON.")
     flags.DEFINE_string("output", None, "JSON file written by process 0 (default: stdout).")
     flags.DEFINE_string("write_random", None, "Write a random Llama directory here instead of loading.")
@@ -91,7 +92,7 @@ def main(argv):
         model_cfg = config.draft if FLAGS.model == "draft" else config.target
         print(json.dumps(write_random(FLAGS.write_random, model_cfg, FLAGS.seed)))
         return
-    from specjax.config import UsageError
+    from specjax.config import QUANTIZATIONS, UsageError
     if bool(FLAGS.hf) == bool(FLAGS.gguf):
         raise UsageError("one of --hf=DIR (a Hugging Face model directory), --gguf=FILE (a GGUF file) or "
                          "--write_random=DIR is required")
@@ -104,8 +105,8 @@ def main(argv):
     import numpy as np
 
     from specjax import distributed, model, sharding
-    if FLAGS.quantize is not None and (not FLAGS.gguf or FLAGS.quantize not in model.QUANTIZE):
-        raise UsageError(f"--quantize={FLAGS.quantize!r}: takes one of {', '.join(model.QUANTIZE)}, with --gguf")
+    if FLAGS.quantize is not None and (not FLAGS.gguf or FLAGS.quantize not in QUANTIZATIONS):
+        raise UsageError(f"--quantize={FLAGS.quantize!r}: takes one of {', '.join(QUANTIZATIONS)}, with --gguf")
     from specjax.app import output
     from specjax.weights import gguf, hf
     distributed.maybe_initialize()

@@ -8,8 +8,9 @@
 #
 # Binaries: llama-bench, llama-lookup, llama-quantize, llama-simple, llama-completion,
 # in $SPECJAX_CACHE/llama.cpp/<version>/bin (default ~/.cache/specjax). Build: cmake,
-# Release, -march=native (GGML_NATIVE), static, no curl/openssl, no tests or server;
-# about 10 minutes on 2 cores. JOBS sets the parallel compile jobs (default: nproc).
+# Release, -march=native (GGML_NATIVE; AMX off where the CPU has it, see below), static,
+# no curl/openssl, no tests or server; about 10 minutes on 2 cores. JOBS sets the parallel
+# compile jobs (default: nproc).
 set -euo pipefail
 
 VERSION=${LLAMA_CPP_PYTHON:-0.3.36}
@@ -38,7 +39,16 @@ fi
 tar xzf "$sdist" -C "$ROOT/src" "llama_cpp_python-$VERSION/vendor/llama.cpp"
 src=$ROOT/src/llama_cpp_python-$VERSION/vendor/llama.cpp
 
-cmake -S "$src" -B "$ROOT/build" -DCMAKE_BUILD_TYPE=Release -DGGML_NATIVE=ON -DBUILD_SHARED_LIBS=OFF \
+# Where the CPU has AMX, llama.cpp's AMX kernels die with "Illegal instruction" on any prompt
+# pass (seen on Sapphire Rapids class Xeons under KVM), and GGML_NATIVE (-march=native) turns
+# them on whatever GGML_AMX_TILE/INT8/BF16 say; explicit -mno-amx-* compiler flags keep them
+# off (GCC and Clang let an explicit -mno-X win over -march=native). The AVX-512/VNNI kernels that remain are the ones llama.cpp uses on such hosts.
+flags=()
+if grep -qw amx_tile /proc/cpuinfo 2>/dev/null; then
+  noamx="-mno-amx-tile -mno-amx-int8 -mno-amx-bf16"
+  flags=(-DCMAKE_C_FLAGS="$noamx" -DCMAKE_CXX_FLAGS="$noamx")
+fi
+cmake -S "$src" -B "$ROOT/build" -DCMAKE_BUILD_TYPE=Release -DGGML_NATIVE=ON -DBUILD_SHARED_LIBS=OFF "${flags[@]}" \
   -DLLAMA_CURL=OFF -DLLAMA_OPENSSL=OFF -DLLAMA_BUILD_TESTS=OFF -DLLAMA_BUILD_SERVER=OFF -DLLAMA_BUILD_APP=OFF \
   -DLLAMA_BUILD_TOOLS=ON -DLLAMA_BUILD_EXAMPLES=ON >&2
 cmake --build "$ROOT/build" -j "${JOBS:-$(nproc)}" --target "${TARGETS[@]}" >&2

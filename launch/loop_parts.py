@@ -4,12 +4,13 @@
     python launch/loop_parts.py --drafter=ngram --shape=smollm2_135m --context=distinct,repeating
     python launch/loop_parts.py --config=mini --self_draft=int8 --lookahead=6   # the target's own int8 copy
     python launch/loop_parts.py --config=mini_eagle --drafter=eagle --lookahead=6  # random heads of its setting
+    python launch/loop_parts.py --config=mini --drafter=parallel --config.draft.parallel_draft=8 --lookahead=8
 
 Each part runs N times inside one jitted `fori_loop` from the same prefilled state, as
 `generate` compiles it (api.compile_lowered), at batch 1:
   speculate       draft K tokens, score K+1 with the target, warp, verify (one SpS loop)
   proposal        the drafter's own K tokens alone (--drafter=model: K draft-model steps;
-                  eagle: the layer's window pass and K-1 steps; medusa: the heads), then
+                  eagle, eagle3: the layer's window pass and K-1 steps; medusa: the heads), then
                   its rollback as after a loop that kept nothing
   ngram lookup    the prompt lookup alone (--drafter=ngram: no draft model)
   target pass     one (K+1)-token target forward alone, and (ngram) a 1-token one: the
@@ -43,13 +44,11 @@ import jax.numpy as jnp  # noqa: E402
 import numpy as np  # noqa: E402
 from absl import flags  # noqa: E402
 
-from specjax import sharding  # noqa: E402
-from specjax.app import cli  # noqa: E402
+from specjax.app import cli, setup  # noqa: E402
 from specjax.app.locate import Sources  # noqa: E402
-from specjax.decode import drafters, program as program_lib, speculative as sps, verify  # noqa: E402
+from specjax.decode import drafters, program as program_lib, speculative as sps, tree, verify  # noqa: E402
 from specjax.decode.warping import Warp, warp  # noqa: E402
 from specjax.kernels import Kernels  # noqa: E402
-from specjax.weights import self_draft  # noqa: E402
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from shapes import SHAPES  # noqa: E402
@@ -78,7 +77,8 @@ def define_flags() -> None:
 
 
 CONTEXTS = ("random", "distinct", "repeating")
-DRAFTERS = ("model", "ngram", "eagle", "eagle3", "medusa")  # one chain each; hybrid and retrieval are not timed here
+# One chain each; hybrid and retrieval are not timed here.
+DRAFTERS = ("model", "ngram", "eagle", "eagle3", "medusa", "parallel")
 
 
 def token_buffer(context: str, size: int, prompt_len: int, vocab: int) -> jax.Array:
@@ -137,7 +137,7 @@ def parts(K: int, w: Warp, rule: str, drafter: str):
             batch = q.shape[0]
             chain = drafters.Proposal(s.tokens[:, None, 1:K + 1], q[:, None, :K], jnp.full((batch, 1), K),
                                       jnp.zeros((batch, 1), jnp.int32))
-            n, _, token, empty = verify.select(rule, 1)(s.key, chain, q)
+            n, _, token, empty = verify.select(rule, 1)(s.key, tree.of_chains(chain, K), q)  # as speculate lays it
             out = never(n) + never(token) + jnp.any(bad, axis=1) + empty
         return dataclasses.replace(s, target_cache=cache.with_lengths(s.length + 2), length=s.length + 3 + out)
 
@@ -161,20 +161,16 @@ def main(argv):
         if FLAGS.shape not in SHAPES:
             raise cli.UsageError(f"--shape={FLAGS.shape}: not one of {', '.join(SHAPES)}")
         config = dataclasses.replace(config, target=SHAPES[FLAGS.shape], tokenizer_vocab=0)
-    need_draft = drafters.draft_kind(drafter) == "model"
-    need_heads = drafters.draft_kind(drafter) == "heads"  # random heads: --init=random's
-    sources = Sources(init="random", self_draft=FLAGS.self_draft)
-    if FLAGS.self_draft is not None:
-        if not need_draft:
-            raise cli.UsageError(f"--self_draft={FLAGS.self_draft}: a draft model, and --drafter={drafter} uses none")
-        self_draft.check_quantize(sources.self_draft_spec(), cli.quantize())
-        config = sources.configure(config)
-    if need_draft and config.draft is None:
-        raise cli.UsageError(f"--config={config.name}: has no draft model (use --drafter=ngram)")
+    K = FLAGS.lookahead
+    # The one run setup, random weights (heads of the config's setting): what the drafter
+    # declares it draws from, the self-draft and the quantization checked as every command's.
+    run = setup.prepare(setup.Request(config, dataclasses.replace(config.sampling, drafter=drafter), (drafter,),
+                                      lookahead=K, sources=Sources(init="random", self_draft=FLAGS.self_draft),
+                                      quantize=cli.quantize()))
+    config, need_draft = run.config, run.draft_model
     if need_draft and config.draft.vocab_size != config.target.vocab_size:
         raise cli.UsageError(f"--shape={FLAGS.shape}: vocab {config.target.vocab_size} is not the draft's "
                              f"{config.draft.vocab_size} (use --drafter=ngram)")
-    K = FLAGS.lookahead
     if K < 1 or FLAGS.prompt_len < K + 2 or FLAGS.cache < FLAGS.prompt_len + 3 * 65 + K + 2:
         raise cli.UsageError(f"need --lookahead >= 1, --prompt_len >= K+2 and --cache >= prompt_len + 3*65 + K + 2 "
                              f"(got {K}, {FLAGS.prompt_len}, {FLAGS.cache})")
@@ -187,10 +183,8 @@ def main(argv):
             chosen[setting] = Kernels.parse(setting)
         except ValueError as e:
             raise cli.UsageError(f"--kernels: {e}")
-    weights = sources.locate(config, need_draft=need_draft, train_missing=False)
-    models = {"target": config.target, **({"draft": config.draft} if need_draft else {})}
-    mesh = sharding.make_checked_mesh(config.mesh, models)
-    target, draft = weights.load(mesh, need_draft=drafter if need_heads else need_draft, quantize=cli.quantize())
+    run.load()
+    mesh, target, draft = run.mesh, run.target, run.draft_for(drafter)
     w = program_lib.warping_of(config.sampling)
     values = jnp.asarray(w.values())
     buffers = {c: token_buffer(c, FLAGS.cache, FLAGS.prompt_len, config.target.vocab_size) for c in FLAGS.context}

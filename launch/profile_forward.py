@@ -35,7 +35,7 @@ from forward_cost import loop  # noqa: E402  (also defines --config, --tokens, -
 from specjax import kv_cache, model, sharding  # noqa: E402
 from specjax.kernels import library  # noqa: E402
 from specjax.decode import program  # noqa: E402
-from specjax.config import MeshConfig, load_config  # noqa: E402
+from specjax.config import QUANTIZATIONS, MeshConfig, load_config  # noqa: E402
 
 flags.DEFINE_integer("traced", 3, "Timed loops traced per setting.")
 flags.DEFINE_bool("by_instruction", False, "Also print the 25 costliest HLO instructions per setting.")
@@ -157,7 +157,7 @@ def main(argv):
     lm = model.init_lm(cfg, sharding.make_mesh(MeshConfig(1, 1), jax.devices()[:1]))
     if len(FLAGS.quantize) != 1:
         raise app.UsageError(f"--quantize={','.join(FLAGS.quantize)}: one kind here "
-                             f"(none or {', '.join(model.QUANTIZE)})")
+                             f"(none or {', '.join(QUANTIZATIONS)})")
     if FLAGS.quantize[0] != "none":
         lm = lm.quantized(FLAGS.quantize[0])
     lm = lm.packed()  # as decoding runs it

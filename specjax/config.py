@@ -94,6 +94,28 @@ SEED_LIMIT = 2 ** 63  # seeds are integers in [0, SEED_LIMIT)
 
 
 @dataclasses.dataclass(frozen=True)
+class Quantization:
+    """A way to quantize a model's float weights on load (`--quantize`, a quantized
+    self-draft, an EAGLE layer's decode precision): THE registry is `QUANTIZATIONS`;
+    `kernels.formats.QUANTIZERS` maps each to the function that makes its weight format."""
+
+    name: str
+    bits: int
+    grouped: bool  # a scale (and minimum) per output column and group of 32 inputs; else per column
+    activations: str  # what the weights multiply: 'float32' (x as it is) or 'int8' (x rounded per group of 32)
+    help: str
+
+
+QUANTIZATIONS = {q.name: q for q in (
+    Quantization("int8", 8, False, "float32", "symmetric per output channel"),
+    Quantization("int4", 4, True, "float32", "a scale and minimum per output channel and group of 32 inputs"),
+    Quantization("w4a8", 4, True, "int8", "int4 groups times activations rounded to int8 per group of 32 "
+                 "(llama.cpp's Q4 arithmetic: integer dot products on CPU)"),
+    Quantization("w8a8", 8, True, "int8", "symmetric 8-bit groups of 32 (Q8_0) times int8-rounded activations"),
+)}
+
+
+@dataclasses.dataclass(frozen=True)
 class ModelConfig:
     """A decoder-only transformer. Letters used across the repo: D=d_model, N=num_heads,
     K=num_kv_heads, H=head_dim, F=d_ff, V=vocab_size, L=num_layers."""
@@ -106,7 +128,7 @@ class ModelConfig:
     head_dim: int = 16
     d_ff: int = 256
     max_seq_len: int = 512
-    ffw: str = "gelu"  # 'gelu' | 'swiglu'
+    ffw: str = "gelu"  # 'gelu' | 'swiglu' | 'geglu' (gelu_tanh(gate x) * up x: Gemma)
     pos_encoding: str = "rope"  # 'rope' | 'relative' (Transformer-XL, Chinchilla)
     rope_theta: float = 10000.0
     tie_embeddings: bool = False
@@ -115,8 +137,9 @@ class ModelConfig:
     scan_layers: bool = False  # unrolled layers decode faster on CPU; scan keeps 80-layer compiles small
     norm_eps: float = 1e-6
     init_seed: int = 0
-    # Llama 3.1's rotary frequency scaling ('llama3': long wavelengths divided by the
-    # factor, short ones kept, a smooth blend between; 'none': plain rotary).
+    # Rotary frequency scaling: 'llama3' (Llama 3.1: long wavelengths divided by the
+    # factor, short ones kept, a smooth blend between), 'linear' (every frequency divided
+    # by the factor: positions interpolated), 'none': plain rotary.
     rope_scaling: str = "none"
     rope_scaling_factor: float = 8.0
     rope_low_freq_factor: float = 1.0
@@ -132,6 +155,31 @@ class ModelConfig:
     # duplication, set at load time by `kv_heads.for_mesh`, never in a config file): the
     # model's own kv heads are num_kv_heads // kv_copies.
     kv_copies: int = 1
+    # Switches that the model families of weights/arch/ set (the model is named after none of
+    # them). q, k and v projections add a bias (Qwen2).
+    qkv_bias: bool = False
+    # RMSNorm over each head's q and k (weight [head_dim]) before rotary (Qwen3, Gemma 3).
+    qk_norm: bool = False
+    # An RMSNorm on each sublayer's output too, before the residual add: four norms per
+    # layer (Gemma 2/3's "sandwich").
+    post_norms: bool = False
+    # Every RMSNorm multiplies by (norm_offset + w): Gemma stores w with 1 + w applied.
+    norm_offset: float = 0.0
+    # The attention logits' scale; None: head_dim**-0.5 (Gemma 3: query_pre_attn_scalar**-0.5).
+    query_scale: Optional[float] = None
+    # Which layers attend through a sliding window: attention_pattern[i % len] is 'G' (every
+    # earlier key) or 'L' (the query's own position and the sliding_window - 1 before it);
+    # '' = all 'G'. Gemma 3: 'LLLLLG'; Mistral v0.1: 'L'. A sliding layer keeps a cache as
+    # long as a global one (one cache layout); the window is a mask over it.
+    attention_pattern: str = ""
+    sliding_window: int = 0
+    # The 'L' layers' rotary base, plain (no rope_scaling); 0: they rotate as the 'G' ones.
+    local_rope_theta: float = 0.0
+    # A parallel draft model (PARD, An et al. 2025, arXiv 2504.18583; the drafter 'parallel'):
+    # the most tokens it proposes from one forward, the pending token followed by that many
+    # less one mask tokens (id vocab_size, whose input embedding is one extra learned row);
+    # 0: an ordinary LM, without the mask embedding.
+    parallel_draft: int = 0
 
     def __post_init__(self):
         _plain_numbers(self)
@@ -142,10 +190,28 @@ class ModelConfig:
         _integer(self, "init_seed", 0, SEED_LIMIT - 1)
         _number(self, "rope_theta", "a finite number > 0", lambda v: 0 < v < math.inf)
         _number(self, "norm_eps", "a finite number > 0", lambda v: 0 < v < math.inf)
-        _flag(self, "tie_embeddings", "scan_layers")
-        _choice(self, "ffw", {"gelu", "swiglu"})
+        _flag(self, "tie_embeddings", "scan_layers", "qkv_bias", "qk_norm", "post_norms")
+        _choice(self, "ffw", {"gelu", "swiglu", "geglu"})
         _choice(self, "pos_encoding", {"rope", "relative"})
-        _choice(self, "rope_scaling", {"none", "llama3"})
+        _choice(self, "rope_scaling", {"none", "llama3", "linear"})
+        if self.rope_scaling == "linear":
+            _number(self, "rope_scaling_factor", "a finite number > 0", lambda v: 0 < v < math.inf)
+        _number(self, "norm_offset", "a finite number", lambda v: abs(v) < math.inf)
+        if self.query_scale is not None:
+            _number(self, "query_scale", "a finite number > 0 (or None: head_dim**-0.5)", lambda v: 0 < v < math.inf)
+        _text(self, "attention_pattern")
+        if set(self.attention_pattern) - {"L", "G"}:
+            raise ConfigError(f"ModelConfig.attention_pattern={self.attention_pattern!r}: must be letters 'L' "
+                              "(sliding window) and 'G' (global), repeated over the layers ('' = all global)")
+        _integer(self, "sliding_window", 0, hint=" (0: no sliding window)")
+        if ("L" in self.attention_pattern) != (self.sliding_window > 0):
+            raise ConfigError(f"ModelConfig.attention_pattern={self.attention_pattern!r} with sliding_window="
+                              f"{self.sliding_window}: sliding ('L') layers need a window > 0, and a window needs "
+                              "'L' layers")
+        _number(self, "local_rope_theta", "a finite number >= 0 (0: as rope_theta)", lambda v: 0 <= v < math.inf)
+        if self.pos_encoding == "relative" and (self.qk_norm or self.sliding_window):
+            raise ConfigError("ModelConfig pos_encoding='relative' with qk_norm or a sliding window: those go with "
+                              "rotary positions only")
         if self.rope_scaling == "llama3":
             _positive(self, "rope_original_max_len")
             if not (self.rope_scaling_factor > 0 and 0 < self.rope_low_freq_factor < self.rope_high_freq_factor):
@@ -158,6 +224,7 @@ class ModelConfig:
         _choice(self, "param_dtype", {"float32", "bfloat16", "float16"})
         _choice(self, "compute_dtype", {"float32", "bfloat16", "float16"})
         _positive(self, "kv_copies")
+        _integer(self, "parallel_draft", 0, hint=" (0: an ordinary LM; K > 0: drafts K tokens in one forward)")
         if self.num_kv_heads % self.kv_copies:
             raise ConfigError(f"ModelConfig.num_kv_heads={self.num_kv_heads} is not a multiple of "
                               f"kv_copies={self.kv_copies}")
@@ -167,6 +234,10 @@ class ModelConfig:
         if self.pos_encoding == "rope" and self.head_dim % 2:
             raise ConfigError(f"ModelConfig.head_dim={self.head_dim}: rotary positions need an even head_dim")
         return self
+
+    def sliding(self, layer: int) -> bool:
+        """Whether layer `layer` attends through the sliding window."""
+        return bool(self.attention_pattern) and self.attention_pattern[layer % len(self.attention_pattern)] == "L"
 
     @property
     def input_embedding_scale(self) -> float:
@@ -178,11 +249,11 @@ class ModelConfig:
     def num_params(self) -> int:
         D, N, K, H, F, V, L = (self.d_model, self.num_heads, self.num_kv_heads, self.head_dim,
                                self.d_ff, self.vocab_size, self.num_layers)
-        attn = D * N * H * 2 + D * K * H * 2
-        ffw = D * F * (3 if self.ffw == "swiglu" else 2)
+        attn = D * N * H * 2 + D * K * H * 2 + ((N + 2 * K) * H if self.qkv_bias else 0) + 2 * H * self.qk_norm
+        ffw = D * F * (2 if self.ffw == "gelu" else 3)
         rel = (D * N * H + 2 * N * H) if self.pos_encoding == "relative" else 0
-        embed = V * D * (1 if self.tie_embeddings else 2)
-        return L * (attn + ffw + rel + 2 * D) + embed + D
+        embed = V * D * (1 if self.tie_embeddings else 2) + (D if self.parallel_draft else 0)
+        return L * (attn + ffw + rel + (4 if self.post_norms else 2) * D) + embed + D
 
 
 @dataclasses.dataclass(frozen=True)
@@ -208,16 +279,22 @@ class MeshConfig:
 # is verified node by node.
 MAX_NGRAM = 16
 MAX_NUM_DRAFTS = 16
-MAX_TREE_NODES = 64  # num_drafts * lookahead
+MAX_TREE_NODES = 64  # num_drafts * lookahead, or tree_nodes
 
 VERIFY_RULES = ("block", "tokenwise")
 EAGLE_KINDS = ("eagle", "eagle3")  # the heads kinds made of one EAGLE layer (`heads.EagleHead`)
 EAGLE3_TTT_STEPS = 7  # EAGLE-3's training-time test depth (its training code unrolls 7 steps)
 MAX_TTT_STEPS = 16  # each step is one more pass of the layer in every training step
 MAX_SELF_DISTILL = 1 << 20  # samples of the teacher a run generates before it trains
-DRAFTERS = ("model", "ngram", "retrieval", "hybrid", "medusa", "eagle", "eagle3")
-# The drafters that draw several independent chains per loop (each chain a fresh draw).
-SEVERAL_CHAINS = ("model", "hybrid", "medusa")
+DRAFTERS = ("model", "ngram", "retrieval", "hybrid", "medusa", "eagle", "eagle3", "parallel")
+# What the drafters declare (`decode.drafters`, which this layer does not import; a test
+# checks the two agree): those that draw several independent chains per loop (each chain
+# a fresh draw), those with an adaptive draft length (draft_confidence), and those that
+# grow dynamic draft trees (`Drafter.grows_trees`: they implement `expand`).
+SEVERAL_CHAINS = ("model", "hybrid", "medusa", "parallel")
+ADAPTIVE = ("model", "hybrid")
+GROWN_TREES = ("model", "eagle", "eagle3")
+DRAFT_TREES = ("chains", "dynamic")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -242,13 +319,17 @@ class SamplingConfig:
     eos_id: Union[int, tuple[int, ...], None] = None
     verify: str = "block"  # 'block' (Sun et al. 2025: jointly, never worse) | 'tokenwise' (the paper's rule)
     # 'model' | 'ngram' (prompt lookup) | 'retrieval' (a datastore) | 'hybrid' | 'medusa' | 'eagle' | 'eagle3'
-    # (heads on the target: `specjax.heads`)
+    # (heads on the target: `specjax.heads`) | 'parallel' (a draft model with mask tokens: K tokens from one forward)
     drafter: str = "model"
     ngram: int = 3  # longest context suffix the lookup drafters match (shorter ones down to 1 as fallback)
     draft_confidence: float = 0.0  # > 0: a row stops drafting after a draft distribution whose top p is below it
     # M draft chains per loop, scored as one tree and verified jointly (multi-draft rejection
     # sampling; `verify` picks the rule for a single chain). 'model' or 'hybrid' drafters only.
     num_drafts: int = 1
+    # 'chains': num_drafts chains of lookahead tokens; 'dynamic': a tree of tree_nodes draft
+    # nodes at most lookahead deep, grown where the drafter is confident (decode/growth.py).
+    draft_tree: str = "chains"
+    tree_nodes: int = 8  # N, a dynamic tree's draft nodes (the target scores N + 1 tokens a loop)
 
     def __post_init__(self):
         _plain_numbers(self)
@@ -282,6 +363,23 @@ class SamplingConfig:
             raise ConfigError(f"num_drafts={self.num_drafts} x lookahead={self.lookahead} = "
                               f"{self.num_drafts * self.lookahead} tree nodes: at most {MAX_TREE_NODES} (the tree is "
                               "verified node by node, so its compile time grows with it)")
+        if self.draft_confidence > 0 and self.drafter not in ADAPTIVE:
+            raise ConfigError(f"draft_confidence={self.draft_confidence} with drafter={self.drafter!r}: only "
+                              f"drafter {' or '.join(map(repr, ADAPTIVE))} stops drafting on its own confidence; "
+                              f"{self.drafter!r} always proposes its whole chain (leave draft_confidence at 0)")
+        if self.draft_tree not in DRAFT_TREES:
+            raise ConfigError(f"draft_tree={self.draft_tree!r}: allowed values are {', '.join(DRAFT_TREES)}")
+        _integer(self, "tree_nodes", 1, MAX_TREE_NODES, hint=" (a dynamic draft tree's nodes; the tree is verified "
+                 "node by node, so its compile time grows with it)", label="tree_nodes")
+        if self.draft_tree == "dynamic" and self.drafter not in GROWN_TREES:
+            raise ConfigError(f"draft_tree='dynamic' with drafter={self.drafter!r}: a dynamic tree is grown by "
+                              f"drafter {', '.join(map(repr, GROWN_TREES[:-1]))} or {GROWN_TREES[-1]!r}")
+        if self.draft_tree == "dynamic" and self.draft_confidence > 0:
+            raise ConfigError(f"draft_tree='dynamic' with draft_confidence={self.draft_confidence}: a dynamic tree "
+                              "decides its own shape from the draft's probabilities (draft_confidence stops chains)")
+        if self.draft_tree == "dynamic" and self.num_drafts > 1:
+            raise ConfigError(f"draft_tree='dynamic' with num_drafts={self.num_drafts}: a dynamic tree replaces the "
+                              "chains (its width is decided per row: tree_nodes is its size)")
         if self.num_drafts > 1 and self.drafter not in SEVERAL_CHAINS:
             raise ConfigError(f"num_drafts={self.num_drafts} with drafter={self.drafter!r}: several drafts are "
                               f"independent draws, so they need drafter {', '.join(map(repr, SEVERAL_CHAINS[:-1]))} "
@@ -329,8 +427,7 @@ class HeadsConfig:
     # (EAGLE-3's draft vocabulary): a step's unembedding costs N/V of the whole one. Exact
     # either way: p is the softmax over those N, zero elsewhere.
     draft_vocab: int = 0
-    # eagle: the precision the layer decodes in ('' float, 'int8', 'int4', 'w4a8', 'w8a8'
-    # (int4 / 8-bit groups times int8-rounded activations: kernels.formats); training is
+    # eagle: the precision the layer decodes in ('' float, or a `QUANTIZATIONS` name); training is
     # float either way): a quantized copy of its projections and draft-vocabulary columns,
     # made on load. The draft is whatever proposes, so sampling stays exact; a run's own
     # heads setting (`--config.heads.quantize=...` with heads of this kind) overrides the
@@ -361,7 +458,7 @@ class HeadsConfig:
         _integer(self, "init_seed", 0, SEED_LIMIT - 1)
         _integer(self, "width", 0, hint=" (0: the target's d_model)")
         _integer(self, "draft_vocab", 0, hint=" (0: the target's whole vocabulary)")
-        _choice(self, "quantize", {"", "int8", "int4", "w4a8", "w8a8"})
+        _choice(self, "quantize", {"", *QUANTIZATIONS})
         layers = self.feature_layers
         if not isinstance(layers, tuple) or any(isinstance(n, bool) or not isinstance(n, int) for n in layers) \
                 or any(n < 1 for n in layers) or list(layers) != sorted(set(layers)):
@@ -422,6 +519,11 @@ class TrainConfig:
     # seq_len + 1 tokens or a stop token; made once per workdir (`training.samples`).
     self_distill: int = 0
     self_distill_prompt: int = 16
+    # Start from another trained model's params instead of a random init (PARD's low-cost
+    # adaptation of an autoregressive draft into a parallel one): a config name (its default
+    # checkpoint) or a checkpoint directory, of the same model but for parallel_draft; the
+    # params it lacks (the mask embedding) keep their init. '' = random init.
+    init_from: str = ""
 
     def __post_init__(self):
         _plain_numbers(self)
@@ -444,7 +546,7 @@ class TrainConfig:
                 finite(0, 1))
         _number(self, "distill_weight", "in [0, 1]", lambda v: 0 <= v <= 1)
         _number(self, "distill_temperature", "a finite number > 0", finite(0, math.inf))
-        _text(self, "teacher_hf", "teacher_gguf")
+        _text(self, "teacher_hf", "teacher_gguf", "init_from")
         _integer(self, "self_distill", 0, MAX_SELF_DISTILL, hint=" (samples of the teacher to train on; 0: the "
                  "corpus itself)", label="train.self_distill")
         _integer(self, "self_distill_prompt", 1, self.seq_len, hint=f" (corpus tokens each sample continues, at most "
@@ -489,7 +591,7 @@ class Config:
         _plain_numbers(self)
 
     def heads_for(self, kind: str) -> HeadsConfig:
-        """The draft heads of `kind` ('medusa', 'eagle') a run without their checkpoint
+        """The draft heads of `kind` ('medusa', 'eagle', 'eagle3') a run without their checkpoint
         makes: this config's own where they are of that kind (`--config.heads.num_heads=3`
         sets them on a config without any), else the defaults."""
         own = self.heads if self.heads is not None and self.heads.kind == kind else None

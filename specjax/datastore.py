@@ -19,8 +19,8 @@ import time
 import numpy as np
 from absl import flags
 
-from specjax.app import cli, output
-from specjax.app.locate import Weights, train_command
+from specjax.app import cli, output, setup
+from specjax.app.locate import Sources, train_command
 from specjax.config import MAX_NGRAM, UsageError, load_config, user_path
 from specjax.decode.retrieval_index import Datastore, file_sha256
 from specjax.training import data
@@ -69,15 +69,16 @@ def main(argv):
     if source.tokenizer_vocab:  # the target checkpoint's tokenizer, never a freshly trained one
         name = config.target_from or config.name
         directory = user_path(FLAGS.checkpoint) if FLAGS.checkpoint else ckpt_lib.default_dir(name)
-        if not directory.is_dir():
+        if not directory.is_dir():  # said for this command, which has no --init=random to offer
             where = f"--checkpoint={FLAGS.checkpoint!r}" if FLAGS.checkpoint else f"no checkpoint for config {name!r}"
             raise UsageError(f"{where}: {directory} {'is a file' if directory.exists() else 'does not exist'}; the "
                              f"datastore is tokenised with the target checkpoint's tokenizer: train it first "
                              f"(`{train_command(name)}`) or pass --checkpoint=DIR")
-        weights = Weights(config, "checkpoint", directory, None)
-        tokenizer = weights.tokenizer()
+        # The one run setup (ArS: the target alone) finds the checkpoint and its tokenizer.
+        run = setup.prepare(setup.Request(config, sources=Sources(checkpoint=FLAGS.checkpoint))).locate()
+        tokenizer = run.tokenizer
         if tokenizer is None:
-            raise UsageError(f"{weights.no_tokenizer_reason}: the datastore must use the target's tokenizer")
+            raise UsageError(f"{run.no_tokenizer_reason}: the datastore must use the target's tokenizer")
     start = time.perf_counter()
     corpus = load_corpus(source, teacher_tokenizer=tokenizer)
     tokens = np.concatenate([corpus.train, corpus.val]) if FLAGS.include_validation else corpus.train

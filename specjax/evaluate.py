@@ -40,12 +40,16 @@ def define_flags() -> None:
                         "default: the built-in standard-library docstring set.")
     # The task fixes the paper's decoding (temperature, top-p, budget); how SpS drafts and
     # verifies is the config's, and these flags override it.
-    cli.define_sampling_flags(("lookahead", "verify", "drafter", "ngram", "draft_confidence", "num_drafts"))
+    cli.define_sampling_flags(("lookahead", "verify", "drafter", "ngram", "draft_confidence", "num_drafts",
+                               "draft_tree", "tree_nodes"))
     cli.define_sampling_flags(("max_new_tokens",), unset="the task's; lower it for quick runs")
     flags.DEFINE_integer("seed", 0, "Sample j of item i uses seed + 1000 * i + j in both modes "
                          "(the last of them must stay below 2**63).")
     flags.DEFINE_string("output", None, "Write the table, per-item scores and every sample to this JSON file.")
     cli.define_weight_flags(init=False)
+    cli.define_quantize_flag()
+    cli.define_chat_flag()
+    flags.DEFINE_string("datastore", None, "Datastore for --drafter=retrieval|hybrid (python -m specjax.datastore).")
     flags.DEFINE_bool("train_missing", True, "Train the mini pair first when its default checkpoints are missing.")
     flags.DEFINE_bool("progress", True, "Show a progress bar.")
 
@@ -70,7 +74,7 @@ def main(argv):
         lookahead=cli.positive("lookahead", FLAGS.lookahead),
         max_new_tokens=cli.positive("max_new_tokens", FLAGS.max_new_tokens),
         seed=cli.seed("seed", FLAGS.seed), sources=cli.sources(), train_missing=FLAGS.train_missing,
-        progress=FLAGS.progress)
+        progress=FLAGS.progress, quantize=cli.quantize(), datastore=FLAGS.datastore, chat=FLAGS.chat)
     print(runner.format_table(result))
     if result["skipped_too_long"]:
         print(f"skipped {len(result['skipped_too_long'])} prompts too long for the context: "

@@ -69,10 +69,11 @@ class MedusaHeads(nnx.Module):
 
 def eagle_block_config(cfg: ModelConfig, hcfg: HeadsConfig | None = None) -> ModelConfig:
     """The EAGLE layer's block: one layer of the target's block type (its widths, heads,
-    ffw and norm), with rotary positions whatever the target uses. With `hcfg.width` a
+    ffw and norm), with rotary positions whatever the target uses and no sliding window. With `hcfg.width` a
     narrower block: width // head_dim heads (kv heads: as many of the target's as divide
     them), d_ff scaled by width / d_model."""
-    cfg = dataclasses.replace(cfg, num_layers=1, pos_encoding="rope", scan_layers=False)
+    cfg = dataclasses.replace(cfg, num_layers=1, pos_encoding="rope", scan_layers=False, attention_pattern="",
+                              sliding_window=0)  # its one layer sees the whole context
     width = hcfg.width if hcfg is not None else 0
     if not width or width == cfg.d_model:
         return cfg
@@ -144,15 +145,17 @@ class EagleHead(nnx.Module):
 
     def __call__(self, features, embedded, positions, cache: KVCache, visible=None,
                  kernels: Kernels = DEFAULT_KERNELS, feature_weight=None, up: bool = True,
-                 cache_visible=None) -> tuple[jax.Array, Fresh]:
+                 prior: kv_cache.Prior | None = None, cache_visible=None) -> tuple[jax.Array, Fresh]:
         """features, embedded [B, T, D] (the target's feature at positions[t] and the
         embedding of the token after it) -> (predicted features [B, T, D] of the next
         positions, Fresh: this pass's keys and values for the layer's cache, read only).
         Decoding a narrow layer (`Folded`): up=False returns the block's output [B, T, W]
         before w_up, and `feature_weight` (w_up @ w_feature, [W, W]) reads such an output
-        as the feature input in place of w_feature. `cache_visible`: a bool [T, S] of the
-        cache entries each position sees, in place of the row's length (the training-time
-        test's, `training_time_test`)."""
+        as the feature input in place of w_feature. `prior`: the layer's keys of earlier
+        passes that its cache does not hold (a grown draft tree's, `kv_cache.Prior` with
+        one layer), seen where `visible` [.., T, U + T] says. `cache_visible`: a bool [T, S]
+        of the cache entries each position sees, in place of the row's length (the
+        training-time test's, `training_time_test`)."""
         ct = jnp.dtype(self.compute_dtype)
         x = (project("BTD,DW->BTW", features.astype(ct), self.w_feature.value if feature_weight is None
                      else feature_weight, kernels, ct)
@@ -160,7 +163,8 @@ class EagleHead(nnx.Module):
         T = x.shape[1]
         visible = causal(T) if visible is None else visible
         limit = cache_limit(cache, positions) if cache_visible is None else jnp.asarray(cache_visible, bool)
-        x, k, v = self.block(x, positions, cache.k, cache.v, None, 0, limit, visible, kernels)
+        layer_prior = None if prior is None else (prior.k[0], prior.v[0], prior.positions)
+        x, k, v = self.block(x, positions, cache.k, cache.v, None, 0, limit, visible, kernels, layer_prior)
         if self.w_up is not None and up:
             x = project("BTW,WD->BTD", x, self.w_up.value, kernels, ct)
         return x, Fresh(*ordered_after(k[None], v[None], x))

@@ -98,6 +98,16 @@ class Fresh(NamedTuple):
     hidden: jax.Array | None = None
 
 
+class Prior(NamedTuple):
+    """Keys and values that a pass attends to beside its own and that no cache holds: a
+    draft tree's nodes from earlier rounds (`decode/growth.py`), [L, B, U, G, H], at
+    `positions` [B, U]. Which of them each query sees is the pass's `visible`."""
+
+    k: jax.Array
+    v: jax.Array
+    positions: jax.Array
+
+
 def commit(cache: KVCache, fresh: Fresh, start: jax.Array | int, nodes: jax.Array | None = None) -> KVCache:
     """Write a pass's entries into every layer at consecutive positions start[b]..: all T
     of them in order (`nodes` None: a chain, a prefill), or the pass's nodes `nodes` [B, P]

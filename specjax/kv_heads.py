@@ -28,7 +28,8 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
 from specjax.config import ModelConfig
 
-KV_PARAMS = ("attn/wk", "attn/wv")  # params with a 'kv_heads' axis: [D, G, H] (stacked: [L, D, G, H])
+# Params with a 'kv_heads' axis: [D, G, H] projections and [G, H] biases (stacked: a leading L).
+KV_PARAMS = ("attn/wk", "attn/wv", "attn/bk", "attn/bv")
 HEAD_AXIS = -2
 
 
@@ -112,24 +113,28 @@ def _keys(path) -> list[str]:
 
 def map_kv(tree, fn):
     """`tree` (params: an nnx.State or a pytree of arrays) with fn applied to the kv
-    projections (attn/wk, attn/wv) and everything else as it is."""
+    projections and biases (`KV_PARAMS`) and everything else as it is."""
     from flax import nnx
 
     def one(path, leaf):
         keys = _keys(path)
-        if len(keys) < 2 or keys[-2] != "attn" or keys[-1] not in ("wk", "wv"):
+        if not _is_kv_path(keys):
             return leaf
         return leaf.replace(fn(leaf.value)) if isinstance(leaf, nnx.Variable) else fn(leaf)
     return jax.tree_util.tree_map_with_path(one, tree, is_leaf=lambda x: isinstance(x, nnx.Variable))
 
 
+def _is_kv_path(keys: list[str]) -> bool:
+    return len(keys) >= 2 and "/".join(keys[-2:]) in KV_PARAMS
+
+
 def _zip_kv(fn, tree, abstract):
-    """`tree` with fn(leaf, abstract leaf) applied to the kv projections."""
+    """`tree` with fn(leaf, abstract leaf) applied to the kv projections and biases."""
     from flax import nnx
 
     def one(path, leaf, ab):
         keys = _keys(path)
-        if len(keys) < 2 or keys[-2] != "attn" or keys[-1] not in ("wk", "wv"):
+        if not _is_kv_path(keys):
             return leaf
         value = leaf.value if isinstance(leaf, nnx.Variable) else leaf
         out = fn(value, ab.value if isinstance(ab, nnx.Variable) else ab)

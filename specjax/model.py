@@ -1,7 +1,10 @@
 """A Chinchilla-style decoder-only transformer in Flax NNX.
 
-Pre-RMSNorm blocks, multi-head attention with `num_kv_heads` (MHA/GQA/MQA), GELU or
-SwiGLU feed-forward, rotary or Transformer-XL relative positions. Every parameter
+Pre-RMSNorm blocks, multi-head attention with `num_kv_heads` (MHA/GQA/MQA), GELU,
+SwiGLU or GeGLU feed-forward, rotary or Transformer-XL relative positions, and the
+switches the model families of `weights/arch/` set (qkv biases, q/k norms, norms after
+each sublayer, Gemma's 1 + w norm weight, sliding-window layers with their own rotary
+base, the query scale, the embedding scale). Every parameter
 carries logical axis names (`logical=` metadata) that `sharding.RULES` maps to the mesh.
 
 ONE forward serves prefill of ragged prompts, one-token decode, scoring of K+1 tokens
@@ -30,7 +33,7 @@ import numpy as np
 from flax import nnx
 
 from specjax import kv_cache, kv_heads, sharding
-from specjax.config import ModelConfig
+from specjax.config import QUANTIZATIONS, ModelConfig
 from specjax.kernels import (DEFAULT as DEFAULT_KERNELS, QUANTIZED, Kernels, Packed, dispatch, pack_params, project,
                              quantize_params, rows, should_pack, stored)
 from specjax.kv_cache import CACHE_AXES, Fresh, KVCache
@@ -62,27 +65,37 @@ def _ones(shape, logical, dtype) -> nnx.Param:
 
 
 class RMSNorm(nnx.Module):
-    def __init__(self, cfg: ModelConfig):
-        self.scale = _ones((cfg.d_model,), ("embed",), cfg.param_dtype)
+    """x / rms(x) times (cfg.norm_offset + scale) over the last axis (of size d_model, or
+    head_dim for the q/k norms). The scale starts where the product is 1."""
+
+    def __init__(self, cfg: ModelConfig, size: int | None = None, logical=("embed",)):
+        size = cfg.d_model if size is None else size
+        self.scale = nnx.Param(jnp.full((size,), 1.0 - cfg.norm_offset, cfg.param_dtype), logical=logical)
         self.eps = cfg.norm_eps
+        self.offset = cfg.norm_offset
         self.weight_after_cast = cfg.norm_weight_after_cast
 
     def __call__(self, x):
         x32 = x.astype(jnp.float32)
         y = x32 * jax.lax.rsqrt(jnp.mean(x32 * x32, axis=-1, keepdims=True) + self.eps)
         if self.weight_after_cast:
-            return y.astype(x.dtype) * self.scale.value.astype(x.dtype)
-        return (y * self.scale.value.astype(jnp.float32)).astype(x.dtype)
+            return y.astype(x.dtype) * (self.scale.value.astype(x.dtype) + self.offset)
+        return (y * (self.scale.value.astype(jnp.float32) + self.offset)).astype(x.dtype)
 
 
-def rope_frequencies(cfg: ModelConfig) -> np.ndarray:
+def rope_frequencies(cfg: ModelConfig, local: bool = False) -> np.ndarray:
     """The H/2 rotary frequencies theta^(-i/(H/2)), float32, with Llama 3.1's scaling
     when cfg.rope_scaling == 'llama3': wavelengths longer than original_max_len /
     low_freq_factor are stretched by the factor, shorter than original_max_len /
-    high_freq_factor kept, and the band between blends the two. Computed in float64 on
-    the host: a constant of the compiled program."""
+    high_freq_factor kept, and the band between blends the two; all divided by the factor
+    for 'linear'. `local`: the sliding layers' frequencies (`local_rope_theta`, unscaled,
+    where set). Computed in float64 on the host: a constant of the compiled program."""
     half = cfg.head_dim // 2
+    if local and cfg.local_rope_theta:
+        return (cfg.local_rope_theta ** (-np.arange(half, dtype=np.float64) / half)).astype(np.float32)
     inv = cfg.rope_theta ** (-np.arange(half, dtype=np.float64) / half)
+    if cfg.rope_scaling == "linear":
+        inv = inv / cfg.rope_scaling_factor
     if cfg.rope_scaling == "llama3":
         factor, low, high, old = (cfg.rope_scaling_factor, cfg.rope_low_freq_factor, cfg.rope_high_freq_factor,
                                   cfg.rope_original_max_len)
@@ -97,7 +110,7 @@ ROPE_TABLE_LIMIT = 1 << 18  # entries per rotary table (1 MiB of float32): past 
 
 
 @functools.lru_cache(maxsize=16)
-def rope_tables(cfg: ModelConfig) -> tuple[np.ndarray, np.ndarray] | None:
+def rope_tables(cfg: ModelConfig, local: bool = False) -> tuple[np.ndarray, np.ndarray] | None:
     """(cos, sin) of position * frequency for every position below max_seq_len,
     [max_seq_len, H/2] float32: the angle rounded to float32 as the on-device product
     is, its cos and sin taken in float64. None where a table would pass
@@ -107,19 +120,38 @@ def rope_tables(cfg: ModelConfig) -> tuple[np.ndarray, np.ndarray] | None:
     half = cfg.head_dim // 2
     if cfg.max_seq_len * half > ROPE_TABLE_LIMIT:
         return None
-    angles = (np.arange(cfg.max_seq_len, dtype=np.float32)[:, None] * rope_frequencies(cfg)[None]).astype(np.float64)
+    angles = (np.arange(cfg.max_seq_len, dtype=np.float32)[:, None]
+              * rope_frequencies(cfg, local)[None]).astype(np.float64)
     return np.cos(angles).astype(np.float32), np.sin(angles).astype(np.float32)
 
 
-def rope_angles(cfg: ModelConfig, positions) -> tuple[jax.Array, jax.Array]:
+def rope_angles(cfg: ModelConfig, positions, local=False) -> tuple[jax.Array, jax.Array]:
     """(cos, sin) [B,T,1,H/2] at `positions` [B,T]: from `rope_tables`, or evaluated. A
     position past the table (a scored slot past the token budget, whose output is never
-    kept) reads its last row."""
-    tables = rope_tables(cfg)
+    kept) reads its last row. `local`: of the sliding layers (a bool, or traced under a
+    scan over layers: both are computed and one is selected)."""
+    if not cfg.local_rope_theta or local is False:
+        local = False
+    elif local is not True:  # traced
+        pairs = [rope_angles(cfg, positions, flag) for flag in (False, True)]
+        return tuple(jnp.where(local, b, a) for a, b in zip(*pairs))
+    tables = rope_tables(cfg, local)
     if tables is None:
-        angles = positions.astype(jnp.float32)[:, :, None, None] * jnp.asarray(rope_frequencies(cfg))
+        angles = positions.astype(jnp.float32)[:, :, None, None] * jnp.asarray(rope_frequencies(cfg, local))
         return jnp.cos(angles), jnp.sin(angles)
     return tuple(jnp.take(jnp.asarray(t), positions, axis=0, mode="clip")[:, :, None] for t in tables)
+
+
+def layer_window(cfg: ModelConfig, layer):
+    """Layer `layer`'s sliding window (0: none), a Python int for an int layer, traced
+    int32 for a traced one (a scan over layers); with it, whether it is a sliding layer."""
+    if not cfg.sliding_window:
+        return 0, False
+    if isinstance(layer, int):
+        local = cfg.sliding(layer)
+        return (cfg.sliding_window if local else 0), local
+    local = jnp.asarray([cfg.sliding(i) for i in range(cfg.num_layers)])[layer]
+    return jnp.where(local, cfg.sliding_window, 0).astype(jnp.int32), local
 
 
 def rotary(x, cos, sin):
@@ -179,6 +211,13 @@ class Attention(nnx.Module):
         self.wk = _param(keys, (D, G, H), ("embed", "kv_heads", "head_dim"), D ** -0.5, dt)
         self.wv = _param(keys, (D, G, H), ("embed", "kv_heads", "head_dim"), D ** -0.5, dt)
         self.wo = _param(keys, (N, H, D), ("heads", "head_dim", "embed"), out_std, dt)
+        if cfg.qkv_bias:
+            self.bq = nnx.Param(jnp.zeros((N, H), dt), logical=("heads", "head_dim"))
+            self.bk = nnx.Param(jnp.zeros((G, H), dt), logical=("kv_heads", "head_dim"))
+            self.bv = nnx.Param(jnp.zeros((G, H), dt), logical=("kv_heads", "head_dim"))
+        if cfg.qk_norm:
+            self.q_norm = RMSNorm(cfg, H, ("head_dim",))
+            self.k_norm = RMSNorm(cfg, H, ("head_dim",))
         if cfg.pos_encoding == "relative":
             # Transformer-XL (Dai et al. 2019, eq. 4): W_r projects R_{i-j}; u, v are the
             # content and position biases shared across positions.
@@ -186,18 +225,24 @@ class Attention(nnx.Module):
             self.u = nnx.Param(jnp.zeros((N, H), dt), logical=("heads", "head_dim"))
             self.v = nnx.Param(jnp.zeros((N, H), dt), logical=("heads", "head_dim"))
 
-    def __call__(self, x, positions, k_all, v_all, table, layer, limit, visible, kernels: Kernels):
+    def __call__(self, x, positions, k_all, v_all, table, layer, limit, visible, kernels: Kernels, prior=None):
         """x [B,T,D] -> (out [B,T,D], k, v): `attend` over the stacked cache k_all/v_all
-        [L,B,G,S,H] (layer `layer`, read only) and this pass's keys; table: the stacked
-        position table [L,N,S,H] (relative positions) or None. k, v [B,T,G,H] are the
-        pass's own keys/values (the caller commits them)."""
+        [L,B,G,S,H] (layer `layer`, read only) and this pass's keys, after `prior`'s (this
+        layer's (k, v [B,U,G,H], positions [B,U]) of earlier passes that no cache holds, or
+        None); table: the stacked position table [L,N,S,H] (relative positions) or None.
+        k, v [B,T,G,H] are the pass's own keys/values (the caller commits them)."""
         cfg = self.cfg
         ct = jnp.dtype(cfg.compute_dtype)
         q = project("BTD,DNH->BTNH", x, self.wq.value, kernels, ct)
         k = project("BTD,DGH->BTGH", x, self.wk.value, kernels, ct)
         v = project("BTD,DGH->BTGH", x, self.wv.value, kernels, ct)
+        if cfg.qkv_bias:
+            q, k, v = (a + b.value.astype(ct) for a, b in ((q, self.bq), (k, self.bk), (v, self.bv)))
+        if cfg.qk_norm:
+            q, k = self.q_norm(q), self.k_norm(k)
+        window, local = layer_window(cfg, layer)
         if cfg.pos_encoding == "rope":
-            cos, sin = rope_angles(cfg, positions)
+            cos, sin = rope_angles(cfg, positions, local)
             q, k = rotary(q, cos, sin), rotary(k, cos, sin)
         # Under MQA/GQA with fewer kv heads than 'model' devices the cache is replicated:
         # every device computes the (small) k, v itself instead of gathering them.
@@ -207,7 +252,14 @@ class Attention(nnx.Module):
         # over the query-head groups and gathered it back whole in the commit.
         k_all = sharding.constrain(k_all, CACHE_AXES)
         v_all = sharding.constrain(v_all, CACHE_AXES)
-        out = self.attend(q, k, v, k_all, v_all, table, layer, positions, limit, visible, kernels)
+        own_k, own_v, key_positions = k, v, positions
+        if prior is not None:
+            prior_k, prior_v, prior_positions = prior
+            own_k = jnp.concatenate([prior_k.astype(k.dtype), k], axis=1)
+            own_v = jnp.concatenate([prior_v.astype(v.dtype), v], axis=1)
+            key_positions = jnp.concatenate([prior_positions, positions], axis=1)
+        out = self.attend(q, own_k, own_v, k_all, v_all, table, layer, positions, key_positions, limit, visible,
+                          kernels, window)
         return self.project_out(out, kernels), k, v
 
     def project_out(self, out, kernels: Kernels):
@@ -216,20 +268,29 @@ class Attention(nnx.Module):
         wo = self.wo.value.reshape(out.shape[-1], -1)
         return project("BTF,FD->BTD", out, wo, kernels, jnp.dtype(self.cfg.compute_dtype))
 
-    def attend(self, q, k, v, k_all, v_all, table, layer, positions, limit, visible, kernels: Kernels):
+    def attend(self, q, k, v, k_all, v_all, table, layer, positions, key_positions, limit, visible,
+               kernels: Kernels, window=0):
         """THE attention -> [B,T,N*H]: one softmax per query over the row's cache entries
-        below limit[b] (or, `limit` a bool [T, S], the entries s with limit[t, s]) and the
-        pass's own keys u with visible[t, u], with the content and
-        position terms of a plain forward over the query's own path (a key's distance is
-        the difference of the positions: rotary has it in k; Transformer-XL's term reads
-        the cache part through the precomputed table and `relative_shift`, the own part
-        at the position differences). On one CPU device and for rotary positions
-        `cached_attention.cc` computes it; `reference` (jnp) elsewhere and for gradients."""
+        below limit[b] (or, `limit` a bool [T, S], the entries s with limit[t, s]) and the own
+        keys k, v [B,U,G,H] (at `key_positions` [B,U]: the pass's, after any earlier passes'
+        that no cache holds) u with visible[t, u] ([T,U], or [B,T,U] where each row's tree
+        differs), with the content and position terms of a plain forward over the query's
+        own path (a key's distance is the difference of the positions: rotary has it in k;
+        Transformer-XL's term reads the cache part through the precomputed table and
+        `relative_shift`, the own part at the position differences). A sliding layer
+        (`window` > 0, an int or traced) also masks every key `window` or more positions
+        before the query (cache slot s holds position s). On one CPU device and for rotary
+        positions `cached_attention.cc` computes it; `reference` (jnp) elsewhere and for
+        gradients."""
         cfg = self.cfg
         ct = jnp.dtype(cfg.compute_dtype)
         B, T, N, H = q.shape
+        U = k.shape[1]
+        visible = jnp.asarray(visible, bool)
+        seen = visible[:, None, None] if visible.ndim == 3 else visible[None, None, None]  # [B|1,1,1,T,U]
         S, G = k_all.shape[3], cfg.num_kv_heads
-        R, scale = N // G, H ** -0.5
+        R = N // G
+        scale = H ** -0.5 if cfg.query_scale is None else cfg.query_scale
 
         def reference(q, k, v, k_all, v_all):
             k_cache, v_cache = k_all[layer].astype(ct), v_all[layer].astype(ct)
@@ -247,15 +308,21 @@ class Attention(nnx.Module):
                 by_reversed = jnp.einsum("BTGRH,GRSH->BGRTS", qr, table[layer].reshape(G, R, width, H), **f32)
                 if S:
                     cached = cached + relative_shift(by_reversed, positions)[..., :S]
-                distance = jnp.clip(positions[:, :, None] - positions[:, None, :], 0, width - 1)  # [B,T,U]
-                index = jnp.broadcast_to((width - 1 - distance)[:, None, None], (B, G, R, T, T))
+                distance = jnp.clip(positions[:, :, None] - key_positions[:, None, :], 0, width - 1)  # [B,T,U]
+                index = jnp.broadcast_to((width - 1 - distance)[:, None, None], (B, G, R, T, U))
                 own = own + jnp.take_along_axis(by_reversed, index, axis=-1)
             if limit.dtype == bool:  # the caller's [T, S] visibility of the cache (an EAGLE training-time test)
-                below = limit[None, None, None]
+                cached_seen = limit[None, None, None]
             else:  # [B,S]: the same for every query of a row
-                below = (jnp.arange(S)[None, :] < limit[:, None])[:, None, None, None]
-            cached = jnp.where(below, cached, MASKED)
-            own = jnp.where(visible[None, None, None], own, MASKED)
+                cached_seen = (jnp.arange(S)[None, :] < limit[:, None])[:, None, None, None]
+            own_seen = seen
+            if not isinstance(window, int) or window:
+                reach = jnp.where(window > 0, window, jnp.iinfo(jnp.int32).max)  # 0 (traced): no window
+                near = lambda d: (d < reach)[:, None, None]  # noqa: E731 ([B, T, keys] -> [B, 1, 1, T, keys])
+                cached_seen = cached_seen & near(positions[:, :, None] - jnp.arange(S)[None, None])
+                own_seen = own_seen & near(positions[:, :, None] - key_positions[:, None, :])
+            cached = jnp.where(cached_seen, cached, MASKED)
+            own = jnp.where(own_seen, own, MASKED)
             weights = jax.nn.softmax(jnp.concatenate([cached, own], axis=-1) * scale, axis=-1).astype(ct)
             out = (jnp.einsum("BGRTS,BGSH->BTGRH", weights[..., :S], v_cache)
                    + jnp.einsum("BGRTU,BUGH->BTGRH", weights[..., S:], v.astype(ct)))
@@ -263,7 +330,8 @@ class Attention(nnx.Module):
 
         if cfg.pos_encoding != "relative" and limit.dtype != bool and dispatch.use_attention(q, k_all, kernels):
             # Reads this layer of the cache in place (XLA copies each layer's slice per step).
-            out = dispatch.attention(q, k, v, k_all, v_all, layer, limit, visible, scale, reference)
+            out = dispatch.attention(q, k, v, k_all, v_all, layer, limit, visible, scale, reference, key_positions,
+                                     window)
         else:
             out = reference(q, k, v, k_all, v_all)
         return out.reshape(B, T, N * H)
@@ -274,32 +342,38 @@ class FeedForward(nnx.Module):
         D, F, dt = cfg.d_model, cfg.d_ff, cfg.param_dtype
         self.cfg = cfg
         self.w_in = _param(keys, (D, F), ("embed", "mlp"), D ** -0.5, dt)
-        if cfg.ffw == "swiglu":
+        if cfg.ffw != "gelu":  # gated: SwiGLU, GeGLU
             self.w_gate = _param(keys, (D, F), ("embed", "mlp"), D ** -0.5, dt)
         self.w_out = _param(keys, (F, D), ("mlp", "embed"), out_std, dt)
 
     def __call__(self, x, kernels: Kernels):
         ct = jnp.dtype(self.cfg.compute_dtype)
         h = project("BTD,DF->BTF", x, self.w_in.value, kernels, ct)
-        if self.cfg.ffw == "swiglu":
-            h = jax.nn.silu(project("BTD,DF->BTF", x, self.w_gate.value, kernels, ct)) * h
+        if self.cfg.ffw == "gelu":
+            h = jax.nn.gelu(h)  # tanh approximation (approximate=True)
         else:
-            h = jax.nn.gelu(h)
+            gate = project("BTD,DF->BTF", x, self.w_gate.value, kernels, ct)
+            h = (jax.nn.silu(gate) if self.cfg.ffw == "swiglu" else jax.nn.gelu(gate, approximate=True)) * h
         return project("BTF,FD->BTD", h, self.w_out.value, kernels, ct)
 
 
 class Block(nnx.Module):
     def __init__(self, cfg: ModelConfig, keys: Keys):
         out_std = cfg.d_model ** -0.5 / math.sqrt(2 * cfg.num_layers)
+        self.cfg = cfg
         self.attn_norm = RMSNorm(cfg)
         self.attn = Attention(cfg, keys, out_std)
         self.ffw_norm = RMSNorm(cfg)
         self.ffw = FeedForward(cfg, keys, out_std)
+        if cfg.post_norms:
+            self.attn_post_norm = RMSNorm(cfg)
+            self.ffw_post_norm = RMSNorm(cfg)
 
-    def __call__(self, x, positions, k_all, v_all, table, layer, limit, visible, kernels: Kernels):
-        h, k, v = self.attn(self.attn_norm(x), positions, k_all, v_all, table, layer, limit, visible, kernels)
-        x = x + h
-        x = x + self.ffw(self.ffw_norm(x), kernels)
+    def __call__(self, x, positions, k_all, v_all, table, layer, limit, visible, kernels: Kernels, prior=None):
+        h, k, v = self.attn(self.attn_norm(x), positions, k_all, v_all, table, layer, limit, visible, kernels, prior)
+        x = x + (self.attn_post_norm(h) if self.cfg.post_norms else h)
+        h = self.ffw(self.ffw_norm(x), kernels)
+        x = x + (self.ffw_post_norm(h) if self.cfg.post_norms else h)
         return x, k, v
 
 
@@ -323,6 +397,8 @@ class Transformer(nnx.Module):
         self.final_norm = RMSNorm(cfg)
         if not cfg.tie_embeddings:
             self.unembed = _param(keys, (D, V), ("embed", "vocab"), D ** -0.5, dt)
+        if cfg.parallel_draft:  # made last: the other params are those of the same model without it
+            self.mask_embed = _param(keys, (D,), ("embed",), 1.0, dt)
 
     def position_table(self, size: int) -> jax.Array | None:
         """Every layer's W_r R for a cache of `size` slots, [L, N, S, H] sharded over heads
@@ -359,32 +435,39 @@ class Transformer(nnx.Module):
         cfg = self.cfg
         ct = jnp.dtype(cfg.compute_dtype)
         mesh = jax.sharding.get_abstract_mesh()
+        masked = tokens == mask_id(cfg) if cfg.parallel_draft else None
+        if masked is not None:  # PARD's mask token: an input row of its own, never an output
+            tokens = jnp.where(masked, 0, tokens)
         if table is not None:
             x = rows(table, tokens, ct)
         elif not mesh.empty and mesh.shape.get("model", 1) > 1:
-            # Vocab-parallel lookup as a one-hot contraction: each 'model' shard contributes
-            # its rows and one all-reduce sums them (Megatron), never gathering the table.
-            one_hot = jax.nn.one_hot(tokens, cfg.vocab_size, dtype=ct)
-            x = jnp.einsum("BTV,VD->BTD", one_hot, stored(self.embed.value).astype(ct))
+            x = vocab_parallel_rows(self.embed.value, tokens, ct, mesh)
         else:  # one device holds the table: a gather costs B*T*D, not B*T*V*D
             x = rows(self.embed.value, tokens, ct)
+        if masked is not None:
+            x = jnp.where(masked[..., None], self.mask_embed.value.astype(ct), x)
         if cfg.input_embedding_scale != 1.0:
             x = x * cfg.input_embedding_scale
         return x
 
     def __call__(self, tokens, positions, cache: KVCache, visible=None, kernels: Kernels = DEFAULT_KERNELS,
-                 features: bool | tuple[int, ...] = False):
+                 features: bool | tuple[int, ...] = False, prior: kv_cache.Prior | None = None):
         """-> (logits [B,T,V] float32, Fresh): the module docstring's forward. `visible`: a
-        [T, T] mask of the pass's own keys each query sees (None: causal); `features`: also
-        return in Fresh.hidden the final hidden states (True), or (a tuple of layer counts
-        n in 1..L) the residual stream after the first n layers for each n, concatenated
-        [B, T, len * D] (EAGLE-3's low, middle and high features; n = L is the last
-        layer's output before the final norm). A static choice: False costs nothing. The
-        cache is only read."""
+        [T, T] mask of the pass's own keys each query sees, or [B, T, T] where each row's
+        tree differs (None: causal); `features`: also return in Fresh.hidden the final
+        hidden states (True), or (a tuple of layer counts n in 1..L) the residual stream
+        after the first n layers for each n, concatenated [B, T, len * D] (EAGLE-3's low,
+        middle and high features; n = L is the last layer's output before the final norm).
+        A static choice: False costs nothing. `prior`: keys and values of earlier passes
+        that no cache holds (a draft tree's earlier rounds, `kv_cache.Prior`), seen before
+        the pass's own: `visible` is then [.., T, U + T]. The cache is only read."""
         cfg = self.cfg
         T = tokens.shape[1]
         x = self.embed_tokens(tokens)
+        if visible is None and prior is not None:
+            raise ValueError("a pass over prior keys needs its visibility over them")
         visible = causal(T) if visible is None else jnp.asarray(visible, bool)
+        layer_prior = (lambda i: None) if prior is None else (lambda i: (prior.k[i], prior.v[i], prior.positions))
         # The cache part: entries before the pass's first position that the row holds.
         limit = cache_limit(cache, positions)
         table = cache.position_table
@@ -399,7 +482,7 @@ class Transformer(nnx.Module):
                 x, i = carry
                 if layer_params is None:  # the first num_layers of a longer stack (a self-draft)
                     layer_params = jax.tree.map(lambda a: a[i], stacked)
-                x, k, v = nnx.merge(graphdef, layer_params)(x, *args, i, limit, visible, kernels)
+                x, k, v = nnx.merge(graphdef, layer_params)(x, *args, i, limit, visible, kernels, layer_prior(i))
                 return (x, i + 1), (k, v, x if taps else None)
 
             if stacked_layers(stacked) == cfg.num_layers:
@@ -413,7 +496,7 @@ class Transformer(nnx.Module):
         else:
             kv, tapped = [], {}
             for i, block in enumerate(self.layers):
-                x, k, v = block(x, *args, i, limit, visible, kernels)
+                x, k, v = block(x, *args, i, limit, visible, kernels, layer_prior(i))
                 kv.append((k, v))
                 if i + 1 in taps:
                     tapped[i + 1] = x
@@ -425,6 +508,31 @@ class Transformer(nnx.Module):
         # The hidden states stay whole rows (like the residual stream): a consumer that
         # wanted them split over 'model' would otherwise split the pass's own activations.
         return logits, Fresh(k, v, None if hidden is None else sharding.constrain(hidden, ("batch", None, "embed")))
+
+
+def mask_id(cfg: ModelConfig) -> int:
+    """The mask token of a parallel draft model (`ModelConfig.parallel_draft`): the id
+    past its vocabulary, embedded by its own row and never predicted."""
+    return cfg.vocab_size
+
+
+def vocab_parallel_rows(table, tokens: jax.Array, dtype, mesh) -> jax.Array:
+    """Rows `tokens` [B, T] of a table split over 'model' by vocabulary (Megatron's
+    vocab-parallel embedding): each shard reads the rows in its own range, zeros elsewhere,
+    and one all-reduce sums them; the table is never gathered. As a one-hot contraction
+    over the shard every forward read the whole shard (XLA:TPU: 125 MiB per chip and step
+    for Llama-3.1-70B's table on 16 chips; for the tied 1B draft the table was read twice a
+    step, as embedding and unembedding: docs/pods.md)."""
+    batch = sharding.logical_to_spec(("batch", None), tokens.shape, mesh)
+
+    def local(shard, ids):
+        size = jax.tree.leaves(shard)[0].shape[0]
+        first = jax.lax.axis_index("model") * size
+        here = (ids >= first) & (ids < first + size)
+        x = rows(shard, jnp.where(here, ids - first, 0), dtype)
+        return jax.lax.psum(jnp.where(here[..., None], x, jnp.zeros((), dtype)), "model")
+    return jax.shard_map(local, mesh=mesh, in_specs=(jax.sharding.PartitionSpec("model"), batch),
+                         out_specs=jax.sharding.PartitionSpec(*batch, None))(table, tokens)
 
 
 def cache_limit(cache: KVCache, positions: jax.Array) -> jax.Array:
@@ -461,7 +569,6 @@ def causal(size: int) -> jax.Array:
 # one layer's weight).
 PROJECTIONS = {"wq": (1, 3), "wk": (1, 3), "wv": (1, 3), "wo": (2, 3), "w_in": (1, 2), "w_gate": (1, 2),
                "w_out": (1, 2), "unembed": (1, 2)}
-QUANTIZE = ("int8", "int4", "w4a8", "w8a8")  # what `LM.quantized` makes (kernels.formats.QUANTIZERS)
 
 
 @jax.tree_util.register_pytree_node_class
@@ -478,8 +585,9 @@ class LM:
     params: Any
     kernels: Kernels = DEFAULT_KERNELS
 
-    def __call__(self, tokens, positions, cache: KVCache, visible=None, features: bool | tuple[int, ...] = False):
-        return nnx.merge(self.graphdef, self.params)(tokens, positions, cache, visible, self.kernels, features)
+    def __call__(self, tokens, positions, cache: KVCache, visible=None, features: bool | tuple[int, ...] = False,
+                 prior: kv_cache.Prior | None = None):
+        return nnx.merge(self.graphdef, self.params)(tokens, positions, cache, visible, self.kernels, features, prior)
 
     def logits(self, hidden: jax.Array) -> jax.Array:
         """Final hidden states [B, T, D] (Fresh.hidden) -> logits [B, T, V]: the unembedding alone."""
@@ -526,7 +634,7 @@ class LM:
         return out
 
     def quantized(self, kind: str) -> LM:
-        """This model with its weights quantized (`QUANTIZE`; 'int8': `kernels.Int8`,
+        """This model with its weights quantized (`config.QUANTIZATIONS`; 'int8': `kernels.Int8`,
         symmetric per output column; 'int4': `kernels.Grouped` of 4 bits, a scale and minimum per output
         column and group of 32 inputs; 'w4a8' / 'w8a8': int4 / symmetric 8-bit groups (GGUF's
         Q8_0) multiplying activations rounded to int8 per group of 32, as llama.cpp does): every
@@ -535,8 +643,8 @@ class LM:
         lookup dequantizes only the rows it reads). The norms, Transformer-XL's W_r and
         biases stay float. The result is a model of its own, the one that sampling from it
         (SpS included) samples exactly; `packed()` gives it the kernel's panels."""
-        if kind not in QUANTIZE:
-            raise ValueError(f"quantization {kind!r}: not one of {', '.join(QUANTIZE)}")
+        if kind not in QUANTIZATIONS:
+            raise ValueError(f"quantization {kind!r}: not one of {', '.join(QUANTIZATIONS)}")
         names = {**PROJECTIONS, "embed": (1, 2)}
         return dataclasses.replace(self, params=quantize_params(self.params, names, ("embed",), kind))  # subclasses stay
 
@@ -636,7 +744,7 @@ def init_lm(cfg: ModelConfig, mesh: jax.sharding.Mesh, seed: int | None = None, 
 _kept_init_program = functools.lru_cache(maxsize=16)(init_program)
 
 
-def full_forward(lm: LM, tokens: jax.Array, features: bool = False):
+def full_forward(lm: LM, tokens: jax.Array, features: bool | tuple[int, ...] = False):
     """Logits [B, T, V] of whole sequences through the same forward that sampling uses,
     over an empty cache (no slots: every position sees its own keys before it, causally):
     the training loss and the exact reference distributions both come from here. With

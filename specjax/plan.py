@@ -1,8 +1,12 @@
 """`python -m specjax.plan --config=chinchilla_70b`: paper scale without a pod.
 
 Lowers and compiles THE programs `generate` runs (built by `program.build`) on a mesh of
-fake CPU devices, with every parameter a sharded `jax.ShapeDtypeStruct`: nothing the size
-of the model is allocated. It reports compile time, bytes per device against the chip's
+fake CPU devices, with every parameter and prompt a sharded `jax.ShapeDtypeStruct`: nothing
+the size of the model is allocated. `--compiler=tpu` compiles them with XLA:TPU instead,
+for a slice of `--chip` chips on libtpu's compile-only client (`analysis.tpu`; the `tpu`
+extra, no TPU needed): memory per chip is XLA:TPU's own, and the loop's parts are compiled
+as programs of their own and costed (`analysis.steps`: HBM bytes read against the ideal,
+an estimated ms/token; docs/pods.md). It reports compile time, bytes per device against the chip's
 HBM, collectives per SpS loop / ArS step and outside the loop (counted in the
 compiled HLO), and a TPU roofline ms/token set against the paper's Table 1
 (`specjax.analysis`). `--chip=v4|v5e|v5p|v6e` picks the chip (HBM size and bandwidth, peak
@@ -34,10 +38,12 @@ import sys
 import jax
 from absl import flags
 
-from specjax.analysis import compile as compile_lib, plan_report as report_lib
+from specjax.analysis import compile as compile_lib, plan_report as report_lib, tpu
 from specjax.analysis.roofline import CHIPS, Chip
-from specjax.app import cli, output
+from specjax.app import cli, output, setup
+from specjax.app.locate import Sources
 from specjax.config import HeadsConfig, MeshConfig, SamplingConfig, UsageError
+from specjax.decode import drafters
 
 FLAGS = flags.FLAGS
 
@@ -50,7 +56,11 @@ def define_flags() -> None:
     flags.DEFINE_integer("batch", 1, "Rows per batch.")
     flags.DEFINE_integer("prompt_len", 128, "Prompt tokens per row (the prefill).")
     flags.DEFINE_integer("cache_len", None, "KV-cache (and token buffer) length; default min(2048, max_seq_len).")
-    flags.DEFINE_enum("chip", "v4", list(CHIPS), "TPU generation: HBM size and bandwidth, peak bf16 FLOP/s, ICI.")
+    flags.DEFINE_enum("chip", "v4", list(CHIPS), "TPU generation: HBM size and bandwidth, peak bf16 FLOP/s, ICI; "
+                      "with --compiler=tpu also the slice compiled for.")
+    flags.DEFINE_enum("compiler", "cpu", ["cpu", "tpu"], "cpu: XLA:CPU on fake CPU devices (TPU padding and the "
+                      "roofline added by hand); tpu: XLA:TPU through libtpu's compile-only client for a slice of "
+                      "--chip (pip install 'specjax[tpu]'; no TPU needed), with the loop's parts costed.")
     flags.DEFINE_float("collective_latency_us", Chip.collective_latency_s * 1e6,
                        "Fixed latency per collective in the TPU roofline (microseconds).")
     cli.define_quantize_flag()
@@ -58,15 +68,20 @@ def define_flags() -> None:
     # programs compiled sample with them. --drafter=medusa|eagle|eagle3 also compiles drafting by
     # random draft heads on the target (the config's, else the defaults: size them with
     # --config.heads.num_heads=N), next to the config's draft model; --num_drafts > 1 also
-    # compiles the tree loop of that many chains next to the chain.
+    # compiles the tree loop of that many chains next to the chain, --draft_tree=dynamic the
+    # loops that grow a tree of --tree_nodes nodes (by the draft model, and by EAGLE heads).
     cli.define_sampling_flags([name for name in cli.SAMPLING_FLAGS if name != "max_new_tokens"])
     flags.DEFINE_bool("licm", False, "Keep XLA's while-loop-invariant-code-motion pass (XLA:CPU then hoists "
                       "the f32 copy of the stacked weights out of the layer loop; unrealistic temporaries).")
 
 
-def configure_xla(devices: int, licm: bool) -> None:
+def configure_xla(devices: int, licm: bool, compiler: str = "cpu") -> None:
     """Fake CPU devices and XLA options; must run before JAX creates its CPU backend
-    (importing jax does not; the first device or compile call does)."""
+    (importing jax does not; the first device or compile call does). For XLA:TPU none:
+    the CPU backend only hosts the process, and libtpu reads XLA_FLAGS as they are."""
+    os.environ["JAX_PLATFORMS"] = "cpu"  # plan on fake CPU devices even on a TPU host
+    if compiler == "tpu":
+        return
     flags_ = [f for f in os.environ.get("XLA_FLAGS", "").split()
               if not f.startswith("--xla_force_host_platform_device_count")]
     flags_.append(f"--xla_force_host_platform_device_count={devices}")
@@ -77,25 +92,31 @@ def configure_xla(devices: int, licm: bool) -> None:
     if not any(f.startswith("--xla_cpu_use_fusion_emitters") for f in flags_):
         flags_.append("--xla_cpu_use_fusion_emitters=false")  # nor the MLIR fusion pipeline
     os.environ["XLA_FLAGS"] = " ".join(flags_)
-    os.environ["JAX_PLATFORMS"] = "cpu"  # plan on fake CPU devices even on a TPU host
-
-
-PLANNED_DRAFTERS = ("model", "medusa", "eagle", "eagle3")  # the lookup drafters hold no weights to plan
 
 
 def drafting(cfg) -> tuple[SamplingConfig, HeadsConfig | None]:
     """(the sampling flags over the config's: the draft model's program settings, with
-    num_drafts the tree's M; the draft heads --drafter asks for, or None)."""
-    sampling = cli.sampling(cfg.sampling, skip=("max_new_tokens",))
-    if sampling.drafter not in PLANNED_DRAFTERS:
+    num_drafts the tree's M; the draft heads --drafter asks for, or None), checked by the
+    one run setup as every command's (`app.setup.prepare`: what the drafter declares it
+    draws from, its cap on K, the settings it honours), with random weights."""
+    sampling = cli.sampling(cfg.sampling, skip=("max_new_tokens",)).validate()
+    cls = drafters.kind(sampling.drafter)
+    planned = [n for n, c in drafters.REGISTRY.items() if (c.heads_kind or c.needs_draft_model) and not c.uses_datastore]
+    if sampling.drafter not in planned:
         raise UsageError(f"--drafter={sampling.drafter}: plan compiles draft models and draft heads "
-                         f"({', '.join(PLANNED_DRAFTERS)}); a lookup drafter has no weights to size")
-    heads = cfg.heads_for(sampling.drafter) if sampling.drafter != "model" else None
-    sampling.validate()
-    if sampling.num_drafts > 1 and heads is None and cfg.draft is None:
+                         f"({', '.join(planned)}); a lookup has no weights to size")
+    if sampling.num_drafts > 1 and not cls.heads_kind and cfg.draft is None:
         raise UsageError(f"--num_drafts={sampling.num_drafts}: --config={FLAGS.config} has no draft model to draw "
                          "chains from")
-    return dataclasses.replace(sampling, drafter="model"), heads
+    if sampling.draft_tree == "dynamic" and not cls.heads_kind and cfg.draft is None:
+        raise UsageError(f"--draft_tree=dynamic: --config={FLAGS.config} has no draft model to grow a tree with "
+                         "(or pass --drafter=eagle or eagle3)")
+    # A config without a draft model plans ArS (and any heads drafting) alone.
+    used = () if cls.needs_draft_model and cfg.draft is None else (sampling.drafter,)
+    setup.prepare(setup.Request(cfg, sampling, used, sources=Sources(init="random")))
+    heads = cfg.heads_for(cls.heads_kind) if cls.heads_kind else None
+    # A draft-model drafter (model, parallel) drafts the 'sps' program; heads draft 'sps_<kind>'.
+    return dataclasses.replace(sampling, drafter=sampling.drafter if cls.needs_draft_model else "model"), heads
 
 
 def main(argv):
@@ -104,13 +125,19 @@ def main(argv):
     batch, prompt_len = cli.positive("batch", FLAGS.batch), cli.positive("prompt_len", FLAGS.prompt_len)
     cache_len = cli.positive("cache_len", FLAGS.cache_len)
     latency = cli.finite("collective_latency_us", FLAGS.collective_latency_us, 0.0, 1e6)
+    if FLAGS.compiler == "tpu":
+        tpu.check(FLAGS.chip, data, model)
+    # Before anything asks JAX for devices: the run setup's checks do (`distributed.everywhere`
+    # counts processes), and a backend made first has one CPU device, not the mesh's.
+    configure_xla(data * model, FLAGS.licm, FLAGS.compiler)
+    jax.config.update("jax_platforms", "cpu")
     sampling, heads = drafting(cfg)
     output.check_writable(FLAGS.json, "--json")
-    configure_xla(data * model, FLAGS.licm)
-    jax.config.update("jax_platforms", "cpu")
     chip = dataclasses.replace(CHIPS[FLAGS.chip], collective_latency_s=latency * 1e-6)
-    report = compile_lib.plan(dataclasses.replace(cfg, sampling=dataclasses.replace(sampling, num_drafts=1)), data,
-                              model, batch, prompt_len, cache_len, chip, sampling.num_drafts, cli.quantize(), heads)
+    chains = dataclasses.replace(sampling, num_drafts=1, draft_tree="chains")
+    report = compile_lib.plan(dataclasses.replace(cfg, sampling=chains), data, model, batch, prompt_len, cache_len,
+                              chip, sampling.num_drafts, cli.quantize(), heads,
+                              sampling.tree_nodes if sampling.draft_tree == "dynamic" else 0, FLAGS.compiler)
     print(report_lib.format_report(report))
     if FLAGS.json:
         output.save(FLAGS.json, json.dumps(report, indent=1, default=str), "--json")

@@ -49,6 +49,7 @@ def define_flags() -> None:
                       "checkpoints are missing (the embedded default); other configs are never trained here.")
     flags.DEFINE_bool("print_samples", True, "Print each sample's text as its batch finishes.")
     cli.define_quantize_flag()
+    cli.define_chat_flag()
 
 
 def main(argv):
@@ -61,7 +62,7 @@ def main(argv):
         cli.parse_mesh(FLAGS.mesh, config.mesh), num_samples=cli.positive("num_samples", FLAGS.num_samples),
         batch_size=cli.positive("batch_size", FLAGS.batch_size), seed=cli.seed("seed", FLAGS.seed),
         sources=cli.sources(), output=FLAGS.output, train_missing=FLAGS.train_missing,
-        print_samples=FLAGS.print_samples, datastore=FLAGS.datastore, quantize=cli.quantize()))
+        print_samples=FLAGS.print_samples, datastore=FLAGS.datastore, quantize=cli.quantize(), chat=FLAGS.chat))
 
 
 if __name__ == "__main__":

@@ -21,7 +21,7 @@ from specjax import distributed
 from specjax.app import cli
 from specjax.config import UsageError
 from specjax.training import trainer
-from specjax.training.export import export_hf
+from specjax.training.export import check_exportable, export_hf
 
 FLAGS = flags.FLAGS
 
@@ -45,7 +45,7 @@ def main(argv):
     config = cli.config()
     if FLAGS.export_hf is not None:  # refused before training, not after it
         from specjax.weights import hf
-        hf.exportable(config.target)
+        check_exportable(config)
         teacher = config.train.teacher_hf
         if teacher and os.path.realpath(os.path.expanduser(teacher)) == os.path.realpath(
                 os.path.expanduser(FLAGS.export_hf)):

@@ -18,6 +18,11 @@ os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "")
 # specjax.decode.program.WARM_UP): no test reads a first batch's timing except those that
 # test the warm-up, which turn it back on. The CLI runs of the tests inherit it.
 os.environ.setdefault("SPECJAX_WARMUP", "0")
+# The suite runs on CPU devices. Where libtpu is installed (the `tpu` extra, as in CI) and
+# no platform is named, JAX tries a TPU backend first, and on a host without TPUs libtpu
+# prints a page of start-up complaints to stderr (the CLI runs inherit this; those that
+# compile for a TPU slice load libtpu themselves: `analysis.tpu`).
+os.environ.setdefault("JAX_PLATFORMS", "cpu")
 
 import sys  # noqa: E402
 
@@ -43,10 +48,11 @@ def mesh_for(name: str):
 # order; alphabetical order put the longest ones last, leaving one worker idle for minutes
 # at the end. (`--dist worksteal` balances by itself but splits files, so the module-scoped
 # compiled programs and large batches of the statistical tests get built on both workers;
-# on 2 cores it ran slower.) The order comes from FILE_SECONDS, which every passing run of
-# the whole default suite rewrites with the seconds each file took when they have drifted
-# (`drifted`), so it follows the suite instead of a hand-kept list (commit it when it
-# changes); files it does not know yet run first.
+# on 2 cores it ran slower.) The order comes from FILE_SECONDS, which a passing run of the
+# whole default suite rewrites with the seconds each file took when they have drifted
+# (`drifted`) if SPECJAX_RECORD_FILE_SECONDS=1 is set (commit it then), so it follows the
+# suite instead of a hand-kept list; a plain run leaves the tracked file alone. Files it
+# does not know yet run first.
 FILE_SECONDS = pathlib.Path(__file__).with_name("file_seconds.json")
 _seconds: dict[str, float] = collections.defaultdict(float)
 
@@ -63,8 +69,10 @@ def pytest_runtest_logreport(report):
 
 def pytest_sessionfinish(session, exitstatus):
     """Record the per-file seconds after a passing run of the whole default suite, in the
-    main process (under xdist the workers' reports reach it too)."""
+    main process (under xdist the workers' reports reach it too), when asked to."""
     config = session.config
+    if os.environ.get("SPECJAX_RECORD_FILE_SECONDS") != "1":
+        return
     whole = (not config.getoption("keyword") and config.getoption("markexpr") == "not slow"
              and [pathlib.Path(a).resolve() for a in config.args] == [pathlib.Path(__file__).parent])
     if exitstatus == 0 and whole and not hasattr(config, "workerinput") and _seconds:

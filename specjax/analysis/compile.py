@@ -15,23 +15,22 @@ import time
 from typing import Any
 
 import jax
+import jax.numpy as jnp
 
 from specjax import kv_cache, kv_heads, sharding
+from specjax.analysis import steps as steps_lib, tpu
 from specjax.analysis.hlo import HloProgram, summarize
-from specjax.analysis.roofline import Chip, fitted_latency, is_paper_scale, roofline, shard_bytes
-from specjax.config import HeadsConfig, MeshConfig, UsageError
+from specjax.analysis.roofline import CHIPS, Chip, compiled_estimate, fitted_latency, is_paper_scale, roofline, shard_bytes
+from specjax.config import GROWN_TREES, HeadsConfig, MeshConfig, UsageError
 from specjax.decode import program as program_lib
 from specjax.heads import abstract_heads
+from specjax.kernels import NONE as NO_KERNELS
 from specjax.model import LM, abstract_lm, init_program
 
 
-def compile_program(target, draft, sampling, batch: int, prompt_len: int, cache_len: int) -> dict:
-    """Lower + compile the program `generate` would run for `batch` prompts of
-    `prompt_len` tokens and a cache of `cache_len` slots, built by `program.build` and
-    compiled by `program.compile_lowered` as `generate` does. `target` and `draft` (None:
-    ArS) may be abstract (`model.abstract_lm`) or real. Returns a dict with 'per_loop'
-    and 'outside_loop' (`summarize` of the collectives per SpS loop / ArS step and outside
-    it), 'memory' (bytes per device), 'compile_seconds', 'statics', 'fingerprint'."""
+def planned(target, draft, sampling, batch: int, prompt_len: int, cache_len: int) -> program_lib.Program:
+    """The `Program` `generate` would build for `batch` prompts of `prompt_len` tokens and
+    a cache of `cache_len` slots, from abstract prompts: building it touches no device."""
     lookahead = sampling.lookahead if draft is not None else 1
     width = program_lib.bucket(prompt_len)
     max_new = cache_len - program_lib.cache_size(width, 0, lookahead)
@@ -39,22 +38,40 @@ def compile_program(target, draft, sampling, batch: int, prompt_len: int, cache_
         raise UsageError(f"--cache_len={cache_len} leaves no room to generate after a {width}-token "
                          f"(padded) prompt and K+1={lookahead + 1} scoring slots")
     sampling = dataclasses.replace(sampling, max_new_tokens=max_new)
-    prog = program_lib.build(target, draft, [[1] * prompt_len for _ in range(batch)], sampling, seed=0)
+    prompts = jax.ShapeDtypeStruct((batch, prompt_len), jnp.int32)  # abstract: nothing placed on a device
+    return program_lib.build(target, draft, prompts, sampling, seed=0)
+
+
+def compile_program(target, draft, sampling, batch: int, prompt_len: int, cache_len: int,
+                    steps_on: Chip | None = None) -> dict:
+    """Lower + compile the program `generate` would run for `batch` prompts of
+    `prompt_len` tokens and a cache of `cache_len` slots, built by `program.build` (from
+    abstract prompts: nothing is placed on a device) and compiled by
+    `program.compile_lowered` as `generate` does, for the devices of the models' mesh.
+    `target` and `draft` (None: ArS) may be abstract (`model.abstract_lm`) or real.
+    Returns a dict with 'per_loop' and 'outside_loop' (`summarize` of the collectives per
+    SpS loop / ArS step and outside it), 'memory' (bytes per device), 'compile_seconds',
+    'statics', 'fingerprint', 'compiler' (the devices' platform); with `steps_on`, also
+    'steps': the loop's parts compiled and costed on that chip (`steps.cost`)."""
+    prog = planned(target, draft, sampling, batch, prompt_len, cache_len)
     start = time.perf_counter()
     lowered = prog.lower()
     lower_s = time.perf_counter() - start
-    compiled = program_lib.compile_lowered(lowered)  # as Program.compile does for generate
+    compiled = program_lib.compile_lowered(lowered, prog.platform)  # as Program.compile does for generate
     compile_s = time.perf_counter() - start - lower_s
     mem = compiled.memory_analysis()
     text = compiled.as_text()
     per_loop, outside = HloProgram(text).loop_and_outside()
     total = mem.argument_size_in_bytes + mem.output_size_in_bytes + mem.temp_size_in_bytes - mem.alias_size_in_bytes
-    return {"program": prog.fn.__name__, "fingerprint": program_lib.fingerprint(compiled),
-            "statics": {k: as_json(v) for k, v in prog.statics},
-            "lower_seconds": lower_s, "compile_seconds": compile_s,
-            "memory": {"arguments": mem.argument_size_in_bytes, "outputs": mem.output_size_in_bytes,
-                       "temporaries": mem.temp_size_in_bytes, "aliased": mem.alias_size_in_bytes, "total": total},
-            "per_loop": summarize(per_loop), "outside_loop": summarize(outside)}
+    result = {"program": prog.fn.__name__, "compiler": prog.platform, "fingerprint": program_lib.fingerprint(compiled),
+              "statics": {k: as_json(v) for k, v in prog.statics},
+              "lower_seconds": lower_s, "compile_seconds": compile_s,
+              "memory": {"arguments": mem.argument_size_in_bytes, "outputs": mem.output_size_in_bytes,
+                         "temporaries": mem.temp_size_in_bytes, "aliased": mem.alias_size_in_bytes, "total": total},
+              "per_loop": summarize(per_loop), "outside_loop": summarize(outside)}
+    if steps_on is not None:
+        result["steps"] = steps_lib.cost(prog, steps_on)
+    return result
 
 
 def as_json(value):
@@ -102,14 +119,21 @@ def capacity(report: dict, models: dict, data: int, model: int, chip: Chip) -> d
 
 def plan(cfg, data: int, model: int, batch: int = 1, prompt_len: int = 128, cache_len: int | None = None,
          chip: Chip = Chip(), num_drafts: int = 1, quantize: str | None = None,
-         heads: HeadsConfig | None = None) -> dict:
+         heads: HeadsConfig | None = None, tree_nodes: int = 0, compiler: str = "cpu") -> dict:
     """Compile SpS (when the config has a draft), ArS for the target, and ArS for the
-    draft alone on a data x model mesh of the process's (fake CPU) devices; with
+    draft alone on a data x model mesh: with compiler 'cpu', of the process's (fake CPU)
+    devices; with 'tpu', of a slice of `chip`'s chips on libtpu's compile-only client
+    (`tpu.devices`), each program's loop parts then also compiled and costed
+    (`steps.cost`), memory as XLA:TPU lays it out (no padding added by hand); with
     num_drafts > 1 also the tree loop of that many draft chains ('sps_tree'); with
     `quantize` ('int8', 'int4') the models quantized as `LM.quantized` makes them; with
     `heads`, also SpS drafting with those (random) heads on the target ('sps_medusa' or
-    'sps_eagle'; Medusa's with num_drafts chains)."""
-    devices = jax.devices()
+    'sps_eagle'; Medusa's with num_drafts chains); with tree_nodes > 0 also the loops that
+    grow a dynamic draft tree of that many nodes, by the draft model ('sps_dynamic') and by
+    EAGLE heads ('sps_eagle_dynamic')."""
+    on_tpu = compiler == "tpu"
+    chip_key = next(k for k, c in CHIPS.items() if c.name == chip.name)
+    devices = tpu.devices(chip_key, data, model) if on_tpu else jax.devices()
     if len(devices) < data * model:
         raise UsageError(f"mesh {data}x{model} needs {data * model} devices, this process has {len(devices)}")
     mesh = sharding.make_mesh(MeshConfig(data, model), devices[:data * model])
@@ -124,9 +148,12 @@ def plan(cfg, data: int, model: int, batch: int = 1, prompt_len: int = 128, cach
     lms = {name: abstract_lm(kv_heads.for_mesh(c, mesh), mesh) for name, c in models.items()}
     if quantize is not None:
         lms = {name: lm.quantized(quantize) for name, lm in lms.items()}
+    if on_tpu:  # the CPU kernels are XLA:CPU custom calls
+        lms = {name: lm.with_kernels(NO_KERNELS) for name, lm in lms.items()}
     report: dict[str, Any] = {
         "config": cfg.name,
-        "setup": {"data": data, "model": model, "devices": data * model, "batch": batch, "prompt_len": prompt_len,
+        "setup": {"compiler": compiler, "chip": chip.name, "data": data, "model": model, "devices": data * model,
+                  "batch": batch, "prompt_len": prompt_len,
                   "cache_len": cache_len, "lookahead": cfg.sampling.lookahead, "num_drafts": num_drafts,
                   "quantize": quantize,
                   "sampling": dataclasses.asdict(cfg.sampling),
@@ -144,25 +171,38 @@ def plan(cfg, data: int, model: int, batch: int = 1, prompt_len: int = 128, cach
                                   "position_table_bytes_per_device": shard_bytes(
                                       [kv_cache.table_shape(lm.cfg, cache_len, mesh)]),
                                   "layers": lm.cfg.num_layers,
-                                  "pos_encoding": lm.cfg.pos_encoding, "init": compile_init(lm.cfg, mesh)}
-    runs = [("ars_target", lms["target"], None, cfg.sampling)]
+                                  "pos_encoding": lm.cfg.pos_encoding,
+                                  # The random init's size is an XLA:CPU check (`sample --init=random`).
+                                  "init": None if on_tpu else compile_init(lm.cfg, mesh)}
+    ars = dataclasses.replace(cfg.sampling, drafter="model")  # a model alone, whatever drafts for SpS
+    runs = [("ars_target", lms["target"], None, ars)]
     if heads is not None:
         abstract = abstract_heads(heads, kv_heads.original(cfg.target), mesh)
         report["heads"] = {"kind": heads.kind, "params": abstract.num_params, "num_heads": heads.num_heads,
                            "weight_bytes_per_device": shard_bytes(abstract.params)}
-        K = min(cfg.sampling.lookahead, heads.num_heads) if heads.kind == "medusa" else cfg.sampling.lookahead
-        drafting = dataclasses.replace(cfg.sampling, drafter=heads.kind, num_drafts=num_drafts, lookahead=K).validate()
+        drafting = dataclasses.replace(cfg.sampling, drafter=heads.kind, num_drafts=num_drafts).validate()
         runs.insert(0, (f"sps_{heads.kind}", lms["target"], abstract, drafting))
+        if tree_nodes and heads.kind in GROWN_TREES:
+            grown = dataclasses.replace(drafting, num_drafts=1, draft_tree="dynamic", tree_nodes=tree_nodes).validate()
+            runs.insert(1, (f"sps_{heads.kind}_dynamic", lms["target"], abstract, grown))
     if "draft" in lms:
-        runs = [("sps", lms["target"], lms["draft"], cfg.sampling)] + runs + [("ars_draft", lms["draft"], None,
-                                                                              cfg.sampling)]
+        runs = [("sps", lms["target"], lms["draft"], cfg.sampling)] + runs + [("ars_draft", lms["draft"], None, ars)]
         if num_drafts > 1:
             tree = dataclasses.replace(cfg.sampling, num_drafts=num_drafts).validate()
             runs.insert(1, ("sps_tree", lms["target"], lms["draft"], tree))
+        if tree_nodes:
+            grown = dataclasses.replace(cfg.sampling, draft_tree="dynamic", tree_nodes=tree_nodes).validate()
+            runs.insert(1, ("sps_dynamic", lms["target"], lms["draft"], grown))
     for name, target, draft, sampling in runs:
-        result = compile_program(target, draft, sampling, batch, prompt_len, cache_len)
+        result = compile_program(target, draft, sampling, batch, prompt_len, cache_len, chip if on_tpu else None)
         per = "collectives_per_loop" if name.startswith("sps") else "collectives_per_step"
         result[per] = result.pop("per_loop")
+        if on_tpu:  # XLA:TPU's own layout: padding included
+            result["memory"]["tpu_padding"] = 0
+            result["memory"]["total_padded"] = result["memory"]["total"]
+            result["fits"] = result["memory"]["total"] <= chip.hbm_bytes
+            report["programs"][name] = result
+            continue
         # XLA:CPU lays arrays out unpadded; a TPU pads their minor dims (`padded_bytes`): add
         # what that costs the program's weights (arguments) and caches (made inside it).
         held = ("draft",) if name == "ars_draft" else ("target", "draft") if isinstance(draft, LM) else ("target",)
@@ -178,6 +218,8 @@ def plan(cfg, data: int, model: int, batch: int = 1, prompt_len: int = 128, cach
         report["programs"][name] = result
     report["capacity"] = capacity(report, models, data, model, chip)
     report["roofline"] = roofline(report, cfg, chip)
+    if on_tpu:
+        report["estimate"] = compiled_estimate(report, cfg)
     report["paper_scale"] = is_paper_scale(cfg)
     # Fit only where the paper measured: the 70B target on 16 chips.
     fit = (fitted_latency(report, cfg, chip) if is_paper_scale(cfg) and (data, model) == (1, 16)

@@ -31,7 +31,10 @@ def _collective_lines(summary: dict) -> list[str]:
 def format_report(r: dict) -> str:
     s, rf = r["setup"], r["roofline"]
     chip = rf["chip"]
-    out = [f"specjax plan: {r['config']} on a {s['data']}x{s['model']} mesh of fake CPU devices; batch {s['batch']}, "
+    tpu = s.get("compiler") == "tpu"
+    where = (f"a {s['data']}x{s['model']} mesh of a {chip['name']} slice, compiled by XLA:TPU (libtpu, compile-only)"
+             if tpu else f"a {s['data']}x{s['model']} mesh of fake CPU devices")
+    out = [f"specjax plan: {r['config']} on {where}; batch {s['batch']}, "
            f"prompt {s['prompt_len']} tokens, cache {s['cache_len']}, K={s['lookahead']}",
            f"XLA_FLAGS: {s['xla_flags']}", "",
            f"{'model':<8} {'params':>10} {'dtype':>9} {'layers':>6} {'positions':>9} {'weights/dev':>12} "
@@ -40,10 +43,12 @@ def format_report(r: dict) -> str:
         out.append(f"{name:<8} {_count(m['params']):>10} {m['param_dtype']:>9} {m['layers']:>6} "
                    f"{m['pos_encoding']:>9} {_gib(m['weight_bytes_per_device']):>12} "
                    f"{_gib(m['cache_bytes_per_device']):>12} {_gib(m['position_table_bytes_per_device']):>14}  "
-                   f"{m['init']['compile_seconds']:.1f}s, {m['init']['hlo_instructions']}")
+                   + (f"{m['init']['compile_seconds']:.1f}s, {m['init']['hlo_instructions']}" if m["init"] else
+                      "(XLA:CPU only)"))
     if "heads" in r:
         h = r["heads"]
-        what = {"medusa": f"{h['num_heads']} Medusa heads", "eagle3": "one EAGLE-3 layer"}.get(h["kind"], "one EAGLE layer")
+        what = {"medusa": f"{h['num_heads']} Medusa heads", "eagle3": "one EAGLE-3 layer"}.get(h["kind"],
+                                                                                              "one EAGLE layer")
         out.append(f"{h['kind']:<8} {_count(h['params']):>10}  {what} (random; sps_{h['kind']} drafts with them), "
                    f"{_gib(h['weight_bytes_per_device'])} per device")
     for name, m in r["models"].items():
@@ -58,7 +63,8 @@ def format_report(r: dict) -> str:
                        f"{_gib(m['weight_bytes_per_device_padded'])}, kv cache "
                        f"{_gib(m['cache_bytes_per_device_padded'])} per device")
     out += ["", f"{'program':<11} {'compile':>8} {'arguments':>11} {'outputs':>9} {'temporaries':>12} "
-                f"{'total/dev':>11} {'+TPU pad':>10}  fits {chip['name']} ({_gib(chip['hbm_bytes'])})"]
+                f"{'total/dev':>11} {'+TPU pad':>10}  fits {chip['name']} ({_gib(chip['hbm_bytes'])})"
+                + ("  [XLA:TPU's own bytes per chip]" if tpu else "")]
     for name, p in r["programs"].items():
         mem = p["memory"]
         total = mem.get("total_padded", mem["total"])
@@ -84,7 +90,9 @@ def format_report(r: dict) -> str:
         out += _collective_lines(p.get("collectives_per_loop") or p.get("collectives_per_step"))
         out.append(f"  {name} outside the loop (prefill, set-up):")
         out += _collective_lines(p["outside_loop"])
-    out += ["", f"roofline on {chip['name']}: {chip['hbm_bandwidth'] / 1e12:.1f} TB/s HBM, "
+    if tpu:
+        out += _steps_lines(r)
+    out += ["", f"{'hand-written ' if tpu else ''}roofline on {chip['name']}: {chip['hbm_bandwidth'] / 1e12:.1f} TB/s HBM, "
                 f"{chip['flops'] / 1e12:.0f} TFLOP/s; collectives {chip['collective_latency_s'] * 1e6:.0f} us each "
                 f"+ bytes at {chip['ici_bandwidth'] / 1e9:.0f} GB/s ICI"]
     fit = r.get("roofline_fitted")
@@ -158,3 +166,48 @@ def format_report(r: dict) -> str:
                 f"weighs more on 8 layers than on 80."] if "draft" in fit else []
     out.append(f"\npeak RSS of this process: {r['peak_rss_bytes'] / 1024 ** 2:.0f} MiB (nothing model-sized allocated)")
     return "\n".join(out)
+
+
+def _steps_lines(r: dict) -> list[str]:
+    """The costed steps (`steps.cost`) and the ms/token they give (`compiled_estimate`)."""
+    chip = r["roofline"]["chip"]
+    out = ["", f"costed steps, each compiled by XLA:TPU as a program of its own (bytes read from HBM per chip, "
+               f"loops x trip counts; ideal: the weights each forward multiplies by + the caches it attends; "
+               f"estimate: max(bytes / {chip['hbm_bandwidth'] / 1e12:.2f} TB/s, FLOPs / "
+               f"{chip['flops'] / 1e12:.0f} TFLOP/s) + {chip['collective_latency_s'] * 1e6:.0f} us per collective "
+               f"+ ICI bytes)",
+           f"  {'program.step':<20} {'compile':>8} {'HBM read':>10} {'ideal':>10} {'ratio':>6} {'GFLOP':>8} "
+           f"{'coll.':>5} {'est. ms':>8} {'XLA bytes':>10} {'XLA ms':>7}"]
+    for name, p in r["programs"].items():
+        for step, c in p.get("steps", {}).items():
+            xla_ms = c["xla"].get("optimal_seconds", -1)
+            out.append(f"  {name + '.' + step:<20} {c['compile_seconds']:>7.1f}s {_gib(c['bytes_accessed']):>10} "
+                       f"{_gib(c['ideal_bytes']):>10} {c['bytes_ratio']:>6.3f} {c['flops'] / 1e9:>8.2f} "
+                       f"{c['collective_count']:>5} {1e3 * c['estimated_seconds']:>8.3f} "
+                       f"{_gib(c['xla'].get('bytes accessed', 0)):>10} "
+                       + (f"{1e3 * xla_ms:>7.3f}" if xla_ms >= 0 else f"{'loop':>7}"))
+    est = r.get("estimate", {})
+    paper = r.get("paper_scale", True)
+    if est:
+        out += ["", "  ms/token from the costed steps (XLA:TPU's bytes and FLOPs; the hand-written roofline below "
+                    "for comparison)"]
+        for name, label, ref in (("ars", "ArS target step", PAPER["target_ms_per_token"]),
+                                 ("draft", "draft step (alone)", PAPER["draft_ms_per_token"])):
+            if name in est:
+                out.append(f"    {label:<20} {est[name]['ms_per_token']:>7.2f} ms/token"
+                           + (f"   (hand-written roofline {r['roofline'][name]['ms_per_token']:.2f}, paper {ref})"
+                              if name in r["roofline"] and paper else ""))
+        for name, e in est.items():
+            if not name.startswith("sps"):
+                continue
+            head = f"    {name} loop {e['loop_ms']:.2f} ms (score {e['score_ms']:.2f}, propose {e['propose_ms']:.2f})"
+            if "by_alpha" not in e:
+                out.append(head + (f": pays off above {e['break_even_ratio']:.3f}x the chain's tokens per loop"
+                                   if "break_even_ratio" in e else ""))
+                continue
+            out.append(head + ": ms/token at alpha " + ", ".join(
+                f"{row['alpha']:.1f}: {row['ms_per_token']:.2f}" for row in e["by_alpha"]))
+            for row in e.get("table1", []):
+                out.append(f"      {row['setting']:<24} alpha {row['implied_alpha']:.2f}: {row['sps_ms']:.2f} ms/token "
+                           f"(paper {row['paper_sps_ms']:.2f})")
+    return out

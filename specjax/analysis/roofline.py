@@ -267,3 +267,38 @@ def fitted_latency(report: dict, cfg, chip: Chip) -> float | None:
     ars = roofline(report, cfg, dataclasses.replace(chip, collective_latency_s=0.0))["ars"]
     gap = PAPER["target_ms_per_token"] - ars["ms_per_token"]
     return 1e-3 * gap / ars["collectives"] if gap > 0 and ars["collectives"] else None
+
+
+def compiled_estimate(report: dict, cfg) -> dict:
+    """ms/token from the costed steps that XLA:TPU compiled (`steps.cost`): an ArS step,
+    the draft's step alone, and each SpS loop over its expected tokens per loop at the
+    acceptance rates of `ALPHAS` and of the paper's Table 1 rows (K=4, paper scale)."""
+    programs, K = report["programs"], report["setup"]["lookahead"]
+    programs = dict(sorted(programs.items(), key=lambda kv: kv[0] != "sps"))  # the chain first: trees compare with it
+    seconds = lambda program, step: programs[program]["steps"][step]["estimated_seconds"]  # noqa: E731
+    out = {}
+    for name, program in (("ars", "ars_target"), ("draft", "ars_draft")):
+        if "steps" in programs.get(program, {}):
+            out[name] = {"ms_per_token": 1e3 * seconds(program, "step")}
+    for name, program in programs.items():
+        if not name.startswith("sps") or "steps" not in program:
+            continue
+        loop = seconds(name, "loop")
+        lookahead, chains = (program["statics"]["settings"][k] for k in ("lookahead", "num_drafts"))
+        entry = {"loop_ms": 1e3 * loop, "score_ms": 1e3 * seconds(name, "score"),
+                 "propose_ms": 1e3 * seconds(name, "propose")}
+        if chains > 1:  # a tree's tokens per loop are measured, not modelled: what it must reach
+            if "sps" in out:
+                entry["break_even_ratio"] = entry["loop_ms"] / out["sps"]["loop_ms"]
+            out[name] = entry
+            continue
+        entry["by_alpha"] = [{"alpha": a, "tokens_per_loop": tokens_per_loop(a, lookahead),
+                              "ms_per_token": 1e3 * loop / tokens_per_loop(a, lookahead)} for a in ALPHAS]
+        if "ars" in out:
+            for row in entry["by_alpha"]:
+                row["speedup"] = out["ars"]["ms_per_token"] / row["ms_per_token"]
+        if lookahead == PAPER["lookahead"] == K and is_paper_scale(cfg) and name == "sps":
+            entry["table1"] = [dict(row, sps_ms=1e3 * loop / tokens_per_loop(row["implied_alpha"], K))
+                               for row in paper_table1()]
+        out[name] = entry
+    return out

@@ -33,9 +33,10 @@ def time_forward(lm, tokens: int, context: int, repeats: int, batch: int = 1, tr
             jnp.full((batch,), context))
         cache = lm.with_position_table(cache)  # as after a prefill: not timed as part of the step
         ids = jnp.zeros((batch, tokens), jnp.int32)
-        offsets = jnp.arange(tokens, dtype=jnp.int32) if tree is None else jnp.asarray(tree_lib.depths(*tree))
+        parent, depth = tree_lib.chain_parents(*tree) if tree is not None else (None, None)
+        offsets = jnp.arange(tokens, dtype=jnp.int32) if tree is None else jnp.asarray(np.concatenate([[0], depth]))
         pos = jnp.broadcast_to(context + offsets[None], (batch, tokens))
-        ancestors = None if tree is None else tree_lib.ancestors(*tree)
+        ancestors = None if tree is None else tree_lib.ancestors(parent)
         step = program_lib.compile_lowered(
             jax.jit(lambda lm, t, p, c: lm(t, p, c, ancestors)[0]).lower(lm, ids, pos, cache))
         jax.block_until_ready(step(lm, ids, pos, cache))
@@ -71,17 +72,49 @@ def time_lookup(mesh, datastore, lookahead: int, ngram: int, context: int, repea
     return out
 
 
-def variants(base, drafter_names, verify_rules, confidences, num_drafts) -> list[dict]:
+def variants(base, drafter_names, verify_rules, confidences, num_drafts, draft_trees=("chains",)) -> list[dict]:
     """The SpS variants to compare: every combination of the given drafters, verifiers,
-    adaptive-length thresholds and draft counts that means something (a lookup has no
-    draft distribution to be unsure about, and proposes one chain; heads draw all K at
-    once, so no adaptive length either), each validated."""
-    out = [dict(verify=v, drafter=d, draft_confidence=c, num_drafts=m)
-           for d in drafter_names for m in num_drafts for v in verify_rules for c in confidences
-           if drafters.kind(d).needs_draft_model or (c == 0 and (m == 1 or drafters.kind(d).several_chains))]
-    if not out:
-        raise UsageError(f"--drafter={','.join(drafter_names)}: lookup drafters propose one chain with no draft "
-                         "distribution, so --num_drafts > 1 and --draft_confidence > 0 leave nothing to compare")
+    adaptive-length thresholds, draft counts and tree kinds that the drafters declare they
+    honour (an adaptive length for `adaptive` ones, several chains for `several_chains`
+    ones, a dynamic tree, one per drafter and without either, for `grows_trees` ones), each
+    validated. A value asked for that no combination would measure is refused, naming it,
+    rather than dropped."""
+    def honoured(d, m, v, c, t):
+        cls = drafters.kind(d)
+        if t == "dynamic":  # verified by the tree rule whatever --verify says: one line per drafter
+            return cls.grows_trees and m == 1 and c == 0 and v == verify_rules[0]
+        return (c == 0 or cls.adaptive) and (m == 1 or cls.several_chains)
+    out = [dict(verify=v, drafter=d, draft_confidence=c, num_drafts=m, draft_tree=t)
+           for d in drafter_names for t in draft_trees for m in num_drafts for v in verify_rules for c in confidences
+           if honoured(d, m, v, c, t)]
+    adaptive, several = drafters.using("adaptive"), drafters.using("several_chains")
+    grown = drafters.using("grows_trees")
+    listed = lambda values: ",".join(map(str, values))  # noqa: E731
+    for d in drafter_names:
+        cls = drafters.kind(d)
+        if not any(v["drafter"] == d for v in out):
+            why = []
+            if 0 not in confidences and not cls.adaptive:
+                why.append(f"--draft_confidence={listed(confidences)} needs an adaptive draft length, which only "
+                           f"{', '.join(adaptive)} have (add 0 to the list to run {d} too)")
+            if 1 not in num_drafts and not cls.several_chains:
+                why.append(f"--num_drafts={listed(num_drafts)} needs several chains, which only {', '.join(several)} "
+                           f"draw (add 1 to the list to run {d} too)")
+            if "chains" not in draft_trees and not cls.grows_trees:
+                why.append(f"--draft_tree={listed(draft_trees)} needs a drafter that grows trees ({', '.join(grown)}; "
+                           f"add chains to the list to run {d} too)")
+            if "chains" not in draft_trees and cls.grows_trees:
+                why.append("a dynamic tree takes --num_drafts=1 and --draft_confidence=0")
+            raise UsageError(f"--drafter={d}: nothing to measure: " + "; ".join(why))
+    for key, values, users in (("draft_confidence", confidences, adaptive), ("num_drafts", num_drafts, several)):
+        for value in values:
+            if not any(v[key] == value for v in out):
+                raise UsageError(f"--{key}={value}: none of --drafter={','.join(drafter_names)} honours it (only "
+                                 f"{', '.join(users)} do): drop the value or add such a drafter")
+    if "dynamic" in draft_trees and not any(v["draft_tree"] == "dynamic" for v in out):
+        raise UsageError(f"--draft_tree=dynamic: none of --drafter={','.join(drafter_names)} grows a tree here (a "
+                         f"dynamic tree needs drafter {' or '.join(grown)}, --num_drafts=1 and --draft_confidence=0 "
+                         "among the values compared)")
     for v in out:
         dataclasses.replace(base, **v).validate()
     return out
@@ -145,6 +178,8 @@ def label(row: dict) -> str:
     drafter = f"{row['drafter']} {row['draft']}" if row.get("draft") else row["drafter"]
     text = f"{drafter}, {row['verify']}" if row.get("num_drafts", 1) == 1 else \
         f"{drafter}, {row['num_drafts']} drafts"
+    if row.get("draft_tree") == "dynamic":
+        text = f"{drafter}, dynamic tree of {row['tree_nodes']}"
     return text + (f", confidence {row['draft_confidence']}" if row.get("draft_confidence") else "")
 
 
@@ -193,11 +228,22 @@ def bench(target, draft, prompts, base, ks, batch_sizes, repeats: int, seed: int
     runs made next to it; the reported ArS is all of them). With M > 1 drafts the model of
     a loop is K draft steps over M rows plus the tree pass over 1 + M*K tokens, each timed
     on its own. `draft` may be a dict {name: LM} of draft models (self-drafts), each
-    compared with every variant that uses a draft model; `heads` {drafter: Heads} serve
-    the variants whose drafter draws from draft heads (medusa, eagle)."""
+    compared with every variant that uses a draft model; `heads` {kind: Heads} serve the
+    variants whose drafter draws from draft heads of that kind (`Drafter.heads_kind`)."""
     context = max(len(p) for p in prompts)
     drafts = draft if isinstance(draft, dict) else {"": draft}
-    draft = next(iter(drafts.values()))  # the batch-scaling runs' draft
+
+    def at(k):
+        """(draft name, sampling) of every variant at K=k, each with every draft model (a
+        drafter that uses none, once)."""
+        return [(name, dataclasses.replace(base, lookahead=k, **variant)) for variant in variants
+                for name in (drafts if drafters.kind(variant.get("drafter", base.drafter)).needs_draft_model
+                             else list(drafts)[:1])]
+
+    def uses(name, sampling):
+        """What a variant drafts with: its heads, its draft model, or nothing (a lookup)."""
+        cls = drafters.kind(sampling.drafter)
+        return heads[cls.heads_kind] if cls.heads_kind else drafts[name] if cls.needs_draft_model else None
     draft_steps = {name: time_forward(d, 1, context, repeats) if d is not None else 0.0 for name, d in drafts.items()}
     draft_step = draft_steps[next(iter(drafts))]
     target_step = time_forward(target, 1, context, repeats)
@@ -214,7 +260,7 @@ def bench(target, draft, prompts, base, ks, batch_sizes, repeats: int, seed: int
     ars_runs = run_prompts(target, None, prompts, ars_sampling, seed)
     first = first_token_seconds(target, prompts, ars_sampling, seed)
     report["first_token_ms"] = 1000 * float(np.mean(first))
-    log(f"ArS: {describe(ars_runs)['ms_per_token']:.2f} ms/token; first token after "
+    log(f"ArS, first pass over the prompts: {describe(ars_runs)['ms_per_token']:.2f} ms/token; first token after "
         f"{report['first_token_ms']:.1f} ms (the prompt's prefill and one step); draft forward "
         f"{1000 * draft_step:.2f} ms, target forward {1000 * target_step:.2f} ms (1 token); lookups "
         + ", ".join(f"{k} {v:.3f} ms" for k, v in report["lookup_ms"].items()))
@@ -222,13 +268,7 @@ def bench(target, draft, prompts, base, ks, batch_sizes, repeats: int, seed: int
     for k in ks:
         score = time_forward(target, k + 1, context, repeats)
         report["target_scoring_ms"][k + 1] = 1000 * score
-        # Every variant with every draft model; a lookup drafter uses none, so once.
-        samplings = [(name, dataclasses.replace(base, lookahead=k, **variant)) for variant in variants
-                     for name in (drafts if drafters.kind(variant.get("drafter", base.drafter)).needs_draft_model
-                                  else list(drafts)[:1])]
-        # What each variant drafts with: its draft model, the heads, or nothing (a lookup).
-        uses = lambda name, sampling: heads[sampling.drafter] if drafters.draft_kind(sampling.drafter) == "heads" \
-            else drafts[name]  # noqa: E731
+        samplings = at(k)
         for name, sampling in samplings:
             run_prompts(target, uses(name, sampling), prompts[:1], sampling, seed, datastore)
         # Prompt by prompt, ArS next to every variant: the machine's drift (on a shared
@@ -252,34 +292,43 @@ def bench(target, draft, prompts, base, ks, batch_sizes, repeats: int, seed: int
                     step = time_forward(drafts[name], 1, context, repeats, batch=m)
                 scoring = time_forward(target, 0, context, repeats, tree=(m, k))
                 report["target_scoring_ms"][f"tree {m}x{k}"] = 1000 * scoring
+            if sampling.draft_tree == "dynamic":  # (its tree pass's visibility is per row: timed as a chain of N + 1)
+                scoring = time_forward(target, sampling.tree_nodes + 1, context, repeats)
+                report["target_scoring_ms"][f"dynamic {sampling.tree_nodes}"] = 1000 * scoring
             steps = k * step if drafters.kind(sampling.drafter).needs_draft_model else 0.0
+            parts = f"{k} draft steps" if steps else "the proposal, not timed"
             row.update(lookahead=k, verify=sampling.verify, drafter=sampling.drafter, num_drafts=m,
+                       draft_tree=sampling.draft_tree, tree_nodes=sampling.tree_nodes,
                        draft_confidence=sampling.draft_confidence, speedup=ars_near / row["ms_per_token"],
                        ars_ms_per_token=ars_near,
                        model_ms_per_loop=1000 * (steps + scoring), scoring_ms=1000 * scoring,
                        tokens_per_sequence=float(np.mean([r.total_tokens for r in results])))
             report["sps"].append(row)
-            log(f"K={k} {label(row)}: SpS {row['ms_per_token']:.2f} ms/token ({row['speedup']:.2f}x ArS's "
-                f"{ars_near:.2f} in the same prompts' runs; after the first token {after(row)}), "
+            log(f"K={k} {label(row)}: SpS {row['ms_per_token']:.2f} ms/token ({row['speedup']:.2f}x the "
+                f"{ars_near:.2f} of ArS runs interleaved with these; after the first token {after(row)}), "
                 f"{row['tokens_per_loop']:.2f} tokens/loop, acceptance {row['acceptance_rate']:.3f} of "
-                f"{row['proposed_per_loop']:.2f} proposed/loop, loop {row['ms_per_loop']:.2f} ms vs model "
-                f"{row['model_ms_per_loop']:.2f} ms (target scoring {1 + m * k} tokens: {1000 * scoring:.2f} ms = "
-                f"{scoring / target_step:.2f}x one token)")
+                f"{row['proposed_per_loop']:.2f} proposed/loop; a loop took {row['ms_per_loop']:.2f} ms, its parts "
+                f"timed alone {row['model_ms_per_loop']:.2f} ms ({parts} + the target scoring {1 + m * k} "
+                f"tokens in {1000 * scoring:.2f} ms = {scoring / target_step:.2f}x one token)")
     report["ars"] = describe(ars_runs, first)
-    log(f"ArS over the run: {report['ars']['ms_per_token']:.2f} ms/token; after the first token "
+    log(f"ArS over every pass above (the reported ArS): {report['ars']['ms_per_token']:.2f} ms/token; after the "
+        f"first token "
         f"{after(report['ars'])}")
     report["batch"] = []
-    for b in batch_sizes:
+    for b in batch_sizes:  # every variant, at the run's own K (the config's, or --lookahead's first)
         if b == 1:
             continue
         batch = [prompts[i % len(prompts)] for i in range(b)]
-        row = {"batch": b}
-        for mode, d, sampling in (("ars", None, ars_sampling), ("sps", draft, base)):
-            ds = datastore if mode == "sps" and drafters.kind(sampling.drafter).uses_datastore else None
-            generate(target, d, batch, sampling, seed=seed, datastore=ds)
-            row[f"{mode}_ms_per_token"] = generate(target, d, batch, sampling, seed=seed, datastore=ds).ms_per_token
-        row["speedup"] = row["ars_ms_per_token"] / row["sps_ms_per_token"]
-        report["batch"].append(row)
-        log(f"batch {b}: ArS {row['ars_ms_per_token']:.2f} ms/token, SpS {row['sps_ms_per_token']:.2f} "
-            f"ms/token ({row['speedup']:.2f}x)")
+        ars = [generate(target, None, batch, ars_sampling, seed=seed) for _ in range(2)][-1].ms_per_token
+        for name, sampling in at(base.lookahead if base.lookahead in ks else ks[0]):
+            ds = datastore if drafters.kind(sampling.drafter).uses_datastore else None
+            d = uses(name, sampling)
+            sps = [generate(target, d, batch, sampling, seed=seed, datastore=ds) for _ in range(2)][-1].ms_per_token
+            row = {"batch": b, "lookahead": sampling.lookahead, "verify": sampling.verify, "drafter": sampling.drafter,
+                   "num_drafts": sampling.num_drafts, "draft_confidence": sampling.draft_confidence,
+                   **({"draft": name} if name else {}), "ars_ms_per_token": ars, "sps_ms_per_token": sps,
+                   "speedup": ars / sps}
+            report["batch"].append(row)
+            log(f"batch {b}, K={sampling.lookahead} {label(row)}: ArS {ars:.2f} ms/token, SpS {sps:.2f} ms/token "
+                f"({row['speedup']:.2f}x)")
     return report

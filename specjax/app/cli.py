@@ -26,8 +26,8 @@ from typing import Callable, Optional
 
 from absl import app, flags, logging
 
-from specjax.config import (DRAFTERS, VERIFY_RULES, Config, MeshConfig, SamplingConfig, UsageError, cache_dir,
-                            load_config)
+from specjax.config import (DRAFT_TREES, DRAFTERS, QUANTIZATIONS, VERIFY_RULES, Config, MeshConfig, SamplingConfig,
+                            UsageError, cache_dir, load_config)
 
 FLAGS = flags.FLAGS
 _OVERRIDES: list[str] = []
@@ -89,12 +89,17 @@ SAMPLING_FLAGS = {
                "paper's); several chains are verified as a tree"),
     "drafter": (DRAFTERS, "who proposes: model (the draft model), ngram (prompt lookup in the row's own context), "
                 "retrieval (--datastore), hybrid (ngram, else the datastore, else the model), medusa, eagle or "
-                "eagle3 (draft heads on the target's features)"),
+                "eagle3 (draft heads on the target's features), parallel (a draft model with mask tokens: all K "
+                "from one forward)"),
     "ngram": (int, "longest context suffix the lookup drafters match"),
     "draft_confidence": (float, "in [0, 1): a row stops drafting after a draft distribution whose top "
                          "probability is below this (--lookahead is the most); 0 = fixed K"),
     "num_drafts": (int, "M draft chains per loop, scored as one tree and verified jointly (exact multi-draft "
                    "rejection sampling); 1 = one chain"),
+    "draft_tree": (DRAFT_TREES, "chains (--num_drafts chains of --lookahead tokens) or dynamic (a tree of "
+                   "--tree_nodes draft tokens at most --lookahead deep, grown where the drafter is confident; "
+                   "drafter model, eagle or eagle3)"),
+    "tree_nodes": (int, "N, a dynamic draft tree's draft tokens per loop (the target scores N + 1)"),
 }
 
 
@@ -126,7 +131,17 @@ def sampling(base: SamplingConfig, skip=()) -> SamplingConfig:
     (which the command applies itself); not validated."""
     given = {name: FLAGS[name].value for name in SAMPLING_FLAGS
              if name in FLAGS and name not in _SWEPT and name not in skip and FLAGS[name].value is not None}
-    return dataclasses.replace(base, **given)
+    out = dataclasses.replace(base, **given)
+    if "draft_tree" not in _SWEPT:
+        check_tree_nodes([out.draft_tree])
+    return out
+
+
+def check_tree_nodes(draft_trees) -> None:
+    """--tree_nodes is refused where no dynamic tree uses it (it would be accepted and ignored)."""
+    if "tree_nodes" in FLAGS and FLAGS.tree_nodes is not None and "dynamic" not in draft_trees:
+        raise UsageError(f"--tree_nodes={FLAGS.tree_nodes} applies to a dynamic draft tree: add --draft_tree=dynamic "
+                         "(or drop --tree_nodes)")
 
 
 def swept(name: str, default) -> list:
@@ -137,7 +152,10 @@ def swept(name: str, default) -> list:
         return [default] if text is None else int_list(name, text)
     if kind is float:
         return unit_interval_list(name, text, default)
-    return choices(name, text, default, kind)
+    values = choices(name, text, default, kind)
+    if name == "draft_tree":
+        check_tree_nodes(values)
+    return values
 
 
 def sources():
@@ -148,14 +166,17 @@ def sources():
                    gguf_target=FLAGS.gguf_target, gguf_draft=FLAGS.gguf_draft, self_draft=FLAGS.self_draft)
 
 
+def define_chat_flag() -> None:
+    flags.DEFINE_bool("chat", False, "Put each text prompt through the model's own chat template as a user message "
+                      "(an instruct model given a plain prompt often ends at once); needs a tokenizer with one.")
+
+
 def define_quantize_flag() -> None:
-    from specjax.model import QUANTIZE
-    flags.DEFINE_enum("quantize", "none", ["none", *QUANTIZE], "Quantize the float weights on load (every "
-                      "projection, the unembedding and the embedding table): int8 = symmetric per output channel; "
-                      "int4 = a scale and minimum per output channel and group of 32 inputs; w4a8 / w8a8 = int4 / "
-                      "8-bit groups of 32 (Q8_0) times activations rounded to int8 per group of 32 (llama.cpp's "
-                      "arithmetic: integer dot products on CPU). A GGUF file's Q8_0/Q4_0/Q4_1 tensors are taken as "
-                      "stored. The run samples the quantized model exactly. Applies to the target and the draft.")
+    kinds = "; ".join(f"{q.name} = {q.help}" for q in QUANTIZATIONS.values())
+    flags.DEFINE_enum("quantize", "none", ["none", *QUANTIZATIONS], "Quantize the float weights on load (every "
+                      f"projection, the unembedding and the embedding table): {kinds}. A GGUF file's quantized "
+                      "tensors are taken as stored. The run samples the quantized model exactly. Applies to the "
+                      "target and the draft.")
 
 
 def quantize() -> Optional[str]:
@@ -278,7 +299,7 @@ def parse_mesh(value: Optional[str], default: MeshConfig) -> MeshConfig:
     """--mesh=DATAxMODEL, e.g. 1x8 or 2x4 (None: `default`)."""
     if value is None:
         return default
-    match = re.fullmatch(r"\s*(\d+)\s*x\s*(\d+)\s*", value)
+    match = re.fullmatch(r"\s*([0-9]+)\s*x\s*([0-9]+)\s*", value)  # not \d: it matches every script's digits
     if not match or int(match[1]) < 1 or int(match[2]) < 1:
         raise UsageError(f"--mesh={value!r}: expected DATAxMODEL with positive integers, e.g. 1x8 or 2x4")
     return MeshConfig(int(match[1]), int(match[2])).validate()

@@ -208,7 +208,8 @@ class Weights:
                             need_draft=need_draft, train_missing=train_missing, hf_target=hf_target,
                             hf_draft=hf_draft, gguf_target=gguf_target, gguf_draft=gguf_draft, self_draft=self_draft)
         given = draft_checkpoint if len(need_heads) == 1 and not need_draft else None
-        return dataclasses.replace(found, heads_dirs={kind: _heads_dir(config, init, given, kind)
+        imported_target = hf_target is not None or gguf_target is not None
+        return dataclasses.replace(found, heads_dirs={kind: _heads_dir(config, init, given, kind, imported_target)
                                                       for kind in need_heads})
 
     @classmethod
@@ -382,15 +383,24 @@ class Weights:
         return target, draft
 
 
-def _heads_dir(config: Config, init: str, given: Optional[str], kind: str) -> Optional[pathlib.Path]:
-    """The checkpoint directory of the `kind` heads, checked to exist; None for random heads."""
+def _heads_dir(config: Config, init: str, given: Optional[str], kind: str,
+               imported: bool = False) -> Optional[pathlib.Path]:
+    """The checkpoint directory of the `kind` heads, checked to exist; None for random
+    heads. `imported`: the target comes from a Hugging Face directory or a GGUF file, so
+    the heads `heads_from` names (trained on the config's own target) are not its; a
+    config with heads of its own names them (one that trains them on that file)."""
     if init == "random":
         return None
-    names = [n for n in config.heads_from.split(",") if n.strip()]
+    names = [n for n in config.heads_from.split(",") if n.strip()] if not imported else []
     name = next((n.strip() for n in names if _heads_kind(n.strip()) == kind), "")
     if not name and config.heads is not None and config.heads.kind == kind:
         name = config.name
     if given is None and not name:
+        if imported:
+            raise UsageError(f"--drafter={kind} draws from {kind} heads trained on this target: pass "
+                             f"--draft_checkpoint=DIR, what `python -m specjax.train --config=YOUR_HEADS_CONFIG "
+                             f"--workdir=DIR` writes for a config with heads of kind {kind!r} whose "
+                             f"train.teacher_hf / train.teacher_gguf is this model (docs/training.md)")
         raise UsageError(f"--drafter={kind} draws from {kind} heads, and config {config.name!r} names none (no "
                          f"`heads` of that kind): pass --draft_checkpoint=DIR (what `python -m specjax.train "
                          f"--config=CONFIG_WITH_HEADS --workdir=DIR` writes; e.g. mini_{kind}), or use --init=random")
@@ -457,12 +467,18 @@ def _check_compatible(directory: pathlib.Path, cfg: ModelConfig, name: str) -> N
         ckpt.check_compatible(ckpt.latest_step(), cfg, name)
 
 
+# What one first-use training phase takes, as docs/training.md measured it on 2 CPU cores.
+PHASE_MINUTES = "30-60"
+
+
 def train(names: Sequence[str]) -> None:
-    """Train the named configs into their default checkpoint directories (progress bars)."""
-    for name in names:
+    """Train the named configs into their default checkpoint directories (progress bars),
+    each phase labelled i/n with the whole run's estimate."""
+    for i, name in enumerate(names, 1):
         config = load_config(name)
-        print(f"specjax: no checkpoint for {name!r} yet; training it now ({config.train.steps} steps, "
-              f"{config.target.num_params / 1e6:.1f}M params). This happens once; an interrupted run "
+        total = f"; {len(names)} phases, about {PHASE_MINUTES} minutes each on 2 CPU cores" if i == 1 else ""
+        print(f"specjax: [{i}/{len(names)}] no checkpoint for {name!r} yet; training it now ({config.train.steps} "
+              f"steps, {config.target.num_params / 1e6:.1f}M params{total}). This happens once; an interrupted run "
               f"resumes. The same by hand: {train_command(name)}", file=sys.stderr, flush=True)
         result = trainer.train(config, ckpt_lib.default_dir(name), progress=True)
         if result.stopped_by:

@@ -48,17 +48,26 @@ def check_writable(path: Optional[str], flag: str = "--output", not_same_as: Seq
         if other and not is_remote(other) and p.exists() and _path(other).exists() and os.path.samefile(
                 p, _path(other)):
             raise UsageError(f"{flag}={path!r}: is the input file {other!r}; writing it would destroy the input")
+    # Tried, not inferred from permission bits: root passes every os.access check, and a
+    # read-only filesystem shows none in them.
     if p.exists():
-        if not os.access(p, os.W_OK):
-            raise UsageError(f"{flag}={path!r}: the file exists and is not writable")
+        try:
+            with open(p, "ab"):  # append mode: opening changes nothing in the file
+                pass
+        except OSError as e:
+            raise UsageError(f"{flag}={path!r}: the file exists and cannot be written ({e.strerror})") from None
         return
     parent = p.parent
     while not parent.exists():
         parent = parent.parent
     if not parent.is_dir():
         raise UsageError(f"{flag}={path!r}: {parent} is not a directory")
-    if not os.access(parent, os.W_OK | os.X_OK):
-        raise UsageError(f"{flag}={path!r}: cannot create it, the directory {parent} is not writable")
+    try:
+        fd, probe = tempfile.mkstemp(dir=parent, prefix=".specjax-write-check-")
+        os.close(fd)
+        os.remove(probe)
+    except OSError as e:
+        raise UsageError(f"{flag}={path!r}: cannot create it in {parent} ({e.strerror})") from None
 
 
 def _held(write) -> None:

@@ -15,13 +15,18 @@ package, which ships its data) are used.
 Text is encoded as the model expects a document to start (`encode_prompt`): specjax's own
 corpus separates documents with EOS, so there a text prompt starts with EOS (the state
 the model saw before every file); a Hugging Face tokenizer adds its BOS as transformers does.
+With --chat, each text prompt is one user message rendered through the model's own chat
+template (a Hugging Face directory's tokenizer_config.json, a GGUF file's
+tokenizer.chat_template), as transformers' `apply_chat_template(...,
+add_generation_prompt=True)` renders it, and encoded without adding special tokens (the
+template writes them). An instruct model given a plain prompt often ends at once.
 """
 from __future__ import annotations
 
 import dataclasses
 import json
 import pathlib
-from typing import Optional, Protocol, Sequence
+from typing import Callable, Optional, Protocol, Sequence
 
 import numpy as np
 
@@ -31,6 +36,7 @@ from specjax.decode.program import check_prompts
 
 class TextCodec(Protocol):
     def encode_prompt(self, text: str) -> list[int]: ...
+    def encode(self, text: str) -> list[int]: ...
 
 
 @dataclasses.dataclass(frozen=True)
@@ -164,7 +170,7 @@ def rewrite(n: int) -> list[_Raw]:
 
 
 def bench_prompts(kind: str, tokenizer: Optional[TextCodec], n: int, vocab_size: int, length: int,
-                  seed: int) -> list[list[int]]:
+                  seed: int, chat: bool = False) -> list[list[int]]:
     """Benchmark prompts as token ids: the first `n` HumanEval prompts or `rewrite`
     prompts (kind 'humaneval' | 'rewrite') through the tokenizer, or, for a model
     without one, `n` rows of `length` random ids drawn with `seed`."""
@@ -172,7 +178,7 @@ def bench_prompts(kind: str, tokenizer: Optional[TextCodec], n: int, vocab_size:
         rng = np.random.default_rng(seed)
         return [rng.integers(0, vocab_size, length).tolist() for _ in range(n)]
     chosen = (humaneval if kind == "humaneval" else rewrite)(n)
-    return [p.tokens for p in encode(chosen, tokenizer)]
+    return [p.tokens for p in encode(chosen, tokenizer, chat=chat)]
 
 
 def gather(texts: Sequence[str] = (), prompts_file: Optional[str] = None,
@@ -189,8 +195,27 @@ def gather(texts: Sequence[str] = (), prompts_file: Optional[str] = None,
     return raw or humaneval(humaneval_n)
 
 
-def encode(raw: Sequence[_Raw], tokenizer: Optional[TextCodec], no_tokenizer_reason: str = "") -> list[Prompt]:
+def raw_text(source: str, text: str) -> _Raw:
+    """A text prompt named `source` (e.g. a task's item id), not yet tokenised."""
+    return _Raw(source, text=text)
+
+
+def chat_renderer(tokenizer) -> "Callable[[str], str]":
+    """text -> the model's chat template's rendering of it as one user message, ready for
+    the assistant's answer (`HFTokenizer.render_chat`, as transformers renders it)."""
+    if not getattr(tokenizer, "chat_template", None):
+        raise UsageError(f"--chat: {getattr(tokenizer, 'path', 'the tokenizer')} has no chat template (a Hugging Face "
+                         "directory's tokenizer_config.json or chat_template.jinja, a GGUF file's "
+                         "tokenizer.chat_template); drop --chat")
+    return lambda text: tokenizer.render_chat([{"role": "user", "content": text}])
+
+
+def encode(raw: Sequence[_Raw], tokenizer: Optional[TextCodec], no_tokenizer_reason: str = "",
+           chat: bool = False) -> list[Prompt]:
+    """Tokenise the text prompts (token-id prompts pass as they are); with `chat`, through
+    the model's chat template (module docstring)."""
     out = []
+    render = chat_renderer(tokenizer) if chat and tokenizer is not None and any(r.text for r in raw) else None
     for r in raw:
         if r.text is None:
             out.append(Prompt(r.source, list(r.tokens)))
@@ -200,6 +225,8 @@ def encode(raw: Sequence[_Raw], tokenizer: Optional[TextCodec], no_tokenizer_rea
                              "give token ids instead with --prompt_tokens=1,2,3")
         if not r.text:
             out.append(Prompt(r.source, [], r.text))  # reported by `check` as empty
+        elif render is not None:
+            out.append(Prompt(r.source, tokenizer.encode(render(r.text)), r.text))
         else:
             out.append(Prompt(r.source, tokenizer.encode_prompt(r.text), r.text))
     return out

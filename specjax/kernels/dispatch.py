@@ -3,8 +3,9 @@
 Decided at trace time from static facts only: the `Kernels` setting the program was traced
 with, the backend (CPU), the devices (one: multi-device meshes, fake CPU devices included,
 keep XLA's SPMD-partitioned ops), dtypes (float32), for attention the number of queries
-per batch row (at most MAX_ROWS: a decode step or a scoring pass; its work is split over
-(row, kv head) pairs; the matmul takes any number of rows, in tiles), and whether the
+per batch row (at most ATTENTION_ROWS: a decode step, a scoring pass, a tree's, a parallel
+draft's pass; its work is split over (row, kv head) pairs; the matmul takes any number of
+rows, in tiles), and whether the
 library could be built.
 Every kernel has the plain jnp computation as its fallback and as its gradient.
 """
@@ -17,13 +18,19 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from specjax.kernels.library import (ATTENTION_TARGET, MATMUL_A8_TARGET, MATMUL_GROUPED8_TARGET, MATMUL_INT4_TARGET,
-                                     MATMUL_INT8_TARGET,
+from specjax.kernels.library import (ATTENTION_TARGET, MATMUL_A8_TARGET, MATMUL_GROUPED_TARGET, MATMUL_INT8_TARGET,
                                      MATMUL_TARGET, NUCLEUS_TARGET, available)
 from specjax.kernels.setting import Kernels
 
 MAX_ROWS = 8
-GROUP = 32  # grouped weights: consecutive inputs per scale and minimum (fewrow_matmul.cc's kGroup; GGUF's block)
+# Queries per row the attention kernel takes. 9-16 (a scoring pass at K >= 8, a tree of
+# M*K+1 nodes, a parallel draft's K+1 tokens and K-1 masks) ran 25-35% faster through it
+# than through XLA's dots over a 400-slot cache (mini_target's shape; the parallel draft's
+# 12- and 16-row pass 0.65 -> 0.26 and 0.71 -> 0.33 ms; benchmarks/heads.md).
+ATTENTION_ROWS = 16
+GROUP = 32  # A8 formats: inputs per activation scale (fewrow_matmul.cc's kGroup; GGUF's block)
+# The grouped formats the kernel reads, as (bits, inputs per group) (fewrow_matmul.cc's ByFormat).
+GROUPED_FORMATS = ((4, 32), (4, 16), (5, 32), (6, 16), (8, 32))
 
 
 def single_device() -> bool:
@@ -87,37 +94,24 @@ def _fewrow_matmul_int8_jvp(n, primals, tangents):
     return fewrow_matmul_int8(x, panels, scale, n), dy
 
 
-@functools.partial(jax.custom_jvp, nondiff_argnums=(3,))
-def fewrow_matmul_grouped(x: jax.Array, panels: jax.Array, aux: jax.Array, n: int) -> jax.Array:
-    """x [T, K] @ (grouped panels, dequantized by the groups' scales and minimums aux
-    [P, G, 2, PANEL] float16), the first `n` columns, float32, by `fewrow_matmul.cc`'s grouped
-    variants (call only where `available()`): uint8 panels [P, K, PANEL // 2] hold two
-    4-bit codes per byte, int8 panels [P, K, PANEL] one 8-bit code each. Differentiable in x."""
+def fewrow_matmul_grouped(x: jax.Array, panels: jax.Array, aux: jax.Array, factors: jax.Array, n: int, *, bits: int,
+                          group: int, offset: int, int8_activations: bool) -> jax.Array:
+    """x [T, K] @ a grouped weight's panels (`grouped.pack_grouped`: codes of `bits` in groups
+    of `group` inputs, aux [P, S, parts, PANEL] float16 scales and minimums, factors
+    [P, G or 0, parts, PANEL] int8, `offset` subtracted from the codes where parts = 1), the
+    first `n` columns, float32, by `fewrow_matmul.cc`'s grouped variant, or its A8 one with
+    x rounded to int8 per group of GROUP (`round_activations`). Call only where
+    `available()`; no derivative (`grouped.Grouped.project` gives it one)."""
     out = jax.ShapeDtypeStruct((x.shape[0], n), jnp.float32)
-    target = MATMUL_INT4_TARGET if panels.dtype == jnp.uint8 else MATMUL_GROUPED8_TARGET
-    return jax.ffi.ffi_call(target, out, vmap_method="sequential")(x, panels, aux)
-
-
-def grouped_panel_matrix(panels: jax.Array, aux: jax.Array) -> jax.Array:
-    """The dequantized [P, K, PANEL] panels of grouped `panels` and `aux` (the kernel's weight, by XLA)."""
-    codes = (jnp.concatenate([panels & 15, panels >> 4], axis=-1) if panels.dtype == jnp.uint8 else panels)
-    codes = codes.astype(jnp.float32)  # [P, K, PANEL]
-    K = codes.shape[-2]
-    scale = jnp.repeat(aux[..., 0, :].astype(jnp.float32), GROUP, axis=-2)[..., :K, :]
-    low = jnp.repeat(aux[..., 1, :].astype(jnp.float32), GROUP, axis=-2)[..., :K, :]
-    return codes * scale + low
-
-
-@fewrow_matmul_grouped.defjvp
-def _fewrow_matmul_grouped_jvp(n, primals, tangents):
-    (x, panels, aux), (dx, _, _) = primals, tangents
-    return fewrow_matmul_grouped(x, panels, aux, n), panel_dot(dx, grouped_panel_matrix(panels, aux), n)
+    target = MATMUL_A8_TARGET if int8_activations else MATMUL_GROUPED_TARGET
+    return jax.ffi.ffi_call(target, out, vmap_method="sequential")(
+        x, panels, aux, factors, bits=np.int32(bits), group=np.int32(group), offset=np.int32(offset))
 
 
 def round_activations(x: jax.Array) -> jax.Array:
     """x as the A8 formats multiply by it: each row (last axis) rounded to int8 per group
     of GROUP inputs, q = round(x / d) with d = the group's max |x| / 127 (ties to even),
-    and returned as q * d in x's dtype. `fewrow_matmul_a8` rounds the same way in C++."""
+    and returned as q * d in x's dtype. `fewrow_matmul.cc`'s A8 variant rounds the same way."""
     K = x.shape[-1]
     g = jnp.pad(x.astype(jnp.float32), [(0, 0)] * (x.ndim - 1) + [(0, -K % GROUP)])
     g = g.reshape(*x.shape[:-1], -1, GROUP)
@@ -126,57 +120,33 @@ def round_activations(x: jax.Array) -> jax.Array:
     return (q * d).reshape(*x.shape[:-1], -1)[..., :K].astype(x.dtype)
 
 
-@functools.partial(jax.custom_jvp, nondiff_argnums=(3,))
-def fewrow_matmul_a8(x: jax.Array, panels: jax.Array, aux: jax.Array, n: int) -> jax.Array:
-    """`round_activations(x)` [T, K] @ the A8 panels (uint8 [P, ceil(K/GROUP) * GROUP/4, 128]
-    for 4-bit codes or [.., 256] for 8-bit ones + 128, aux [P, G, 2, PANEL]: `pack_grouped`
-    of a weight with int8 activations), the first `n` columns, float32, by
-    `fewrow_matmul.cc`'s integer dot products (call only where `available()`). Its
-    derivative in x is the weight's (the rounding passed straight through)."""
-    out = jax.ShapeDtypeStruct((x.shape[0], n), jnp.float32)
-    return jax.ffi.ffi_call(MATMUL_A8_TARGET, out, vmap_method="sequential")(x, panels, aux)
-
-
-def a8_panel_matrix(panels: jax.Array, aux: jax.Array, k: int) -> jax.Array:
-    """The dequantized [P, k, PANEL] panels of A8 `panels` and `aux` (the kernel's weight, by XLA)."""
-    P, Q = panels.shape[:2]
-    quads = panels.reshape(P, Q, -1, 4)  # [P, Q, columns in a byte, 4 inputs]
-    if panels.shape[-1] == 2 * 64:
-        quads = jnp.concatenate([quads & 15, quads >> 4], axis=-2)
-    codes = jnp.swapaxes(quads, -1, -2).reshape(P, 4 * Q, -1).astype(jnp.float32)  # [P, Kp, PANEL]
-    scale = jnp.repeat(aux[..., 0, :].astype(jnp.float32), GROUP, axis=-2)
-    low = jnp.repeat(aux[..., 1, :].astype(jnp.float32), GROUP, axis=-2)
-    return (codes * scale + low)[:, :k]
-
-
-@fewrow_matmul_a8.defjvp
-def _fewrow_matmul_a8_jvp(n, primals, tangents):
-    (x, panels, aux), (dx, _, _) = primals, tangents
-    return fewrow_matmul_a8(x, panels, aux, n), panel_dot(dx, a8_panel_matrix(panels, aux, x.shape[-1]), n)
-
-
 # --------------------------------------------------------------------------- attention
 
 
 def use_attention(q: jax.Array, k_all: jax.Array, setting: Kernels) -> bool:
-    """q [B, T, N, H] against caches [L, B, G, S, H]: float32, T <= MAX_ROWS queries per row,
+    """q [B, T, N, H] against caches [L, B, G, S, H]: float32, T <= ATTENTION_ROWS queries per row,
     any batch (for batch 16 XLA:CPU's batched dots were ~3x slower: benchmarks/kernels.md)."""
     B, T = q.shape[:2]
-    return (q.dtype == k_all.dtype == jnp.float32 and B >= 1 and 1 <= T <= MAX_ROWS and single_device()
+    return (q.dtype == k_all.dtype == jnp.float32 and B >= 1 and 1 <= T <= ATTENTION_ROWS and single_device()
             and runs(setting.attention))
 
 
-def attention(q, k, v, k_all, v_all, layer, limit, visible, scale: float, reference):
+def attention(q, k, v, k_all, v_all, layer, limit, visible, scale: float, reference, positions, window=0):
     """`cached_attention.cc`: softmax(q . key * scale) over [layer `layer` of the caches
-    below limit[b]; this pass's keys k [B, T, G, H] where visible[t, u]], times the values;
-    q [B, T, N, H] -> [B, T, N, H] float32, as `reference(q, k, v, k_all, v_all)` (the jnp
+    below limit[b]; the own keys k [B, U, G, H] (the pass's T last, after any of earlier
+    passes that no cache holds) where visible[t, u] ([T, U], or [B, T, U] where each row's
+    tree differs)], times the values, where a sliding layer (`window` > 0, an int or traced)
+    also drops the keys `window` or more positions before the query (`positions` [B, U]: the
+    own keys', the queries' the last T; cache slot s is position s); q [B, T, N, H] ->
+    [B, T, N, H] float32, as `reference(q, k, v, k_all, v_all)` (the jnp
     path, also used for gradients) computes it. Call only where `use_attention`."""
 
     @jax.custom_jvp
     def run(q, k, v, k_all, v_all):
         call = jax.ffi.ffi_call(ATTENTION_TARGET, jax.ShapeDtypeStruct(q.shape, jnp.float32), vmap_method="sequential")
         return call(q, k_all, v_all, jnp.asarray(layer, jnp.int32), k, v, jnp.asarray(visible, bool),
-                    limit.astype(jnp.int32), scale=np.float32(scale))
+                    limit.astype(jnp.int32), positions.astype(jnp.int32), jnp.asarray(window, jnp.int32),
+                    scale=np.float32(scale))
 
     @run.defjvp
     def _(primals, tangents):

@@ -22,24 +22,12 @@ registers: a quarter of the float32 panels' bytes); elsewhere XLA's dot multipli
 converted to the compute dtype. An embedding table is quantized per row (= per output
 column of its transpose, the tied unembedding); `rows` looks tokens up in it.
 
-`Grouped` is w = code * scale + min with a float32 scale and minimum per output column and
-group of GROUP consecutive inputs, and codes of `bits` = 4 (0..15: the int4 format,
-GGUF's Q4_1; Q4_0 is min = -8 scale) or 8 (int8 codes, min 0: GGUF's Q8_0).
-`quantize_int4` picks each group's min and (max - min) / 15. The codes are kept one per
-byte for XLA's paths (a prefill, meshes: the weight is dequantized into the dot);
-`pack_params` gives them panels (4 bits: two codes per byte) with the groups' scales and
-minimums beside them (`fewrow_matmul.cc`'s grouped formats, dequantized in registers as
-each row streams past: for int4 an eighth of float32's bytes plus 1/8 for the groups).
+`Grouped` (`grouped.py`) is w = (code - offset) * scale + min per output column and group
+of inputs: GGUF's blocks as stored (Q4_0/1, Q5_0/1, Q8_0 and the K-quants, value for
+value) and specjax's own int4 and 8-bit groups (`quantize_int4`); with
+`activations='int8'` it multiplies x rounded to int8 per group (the W4A8 and W8A8 kinds).
 The kernel and XLA compute the same products, w dequantized in float32, summed in their
 own orders.
-
-A `Grouped` weight with `activations='int8'` (the W4A8 and W8A8 formats: `quantize` kinds
-'w4a8', 'w8a8'; GGUF files' Q4/Q8 tensors as llama.cpp multiplies them) multiplies x
-rounded to int8 per row and group of GROUP inputs (`dispatch.round_activations`), so the
-kernel sums integer products (`fewrow_matmul.cc`'s A8 panels: VNNI's byte dot products
-where the CPU has them) instead of widening every code to float. Rounding x changes the
-model's numbers (about as much as the weights' own rounding), so it is a model of its own,
-chosen by the user; both paths round x the same way and then multiply by the same weight.
 """
 from __future__ import annotations
 
@@ -52,11 +40,10 @@ import pathlib
 import jax
 import jax.numpy as jnp
 
+from specjax.config import QUANTIZATIONS
 from specjax.kernels import dispatch
+from specjax.kernels.grouped import PANEL, Grouped, pack_grouped, quantize_int4
 from specjax.kernels.setting import Kernels
-
-PANEL = 64  # columns per packed panel (fewrow_matmul.cc's kPanel)
-GROUP = dispatch.GROUP  # grouped formats: consecutive inputs per scale and minimum
 
 log = logging.getLogger(__name__)
 
@@ -245,7 +232,7 @@ def quantize_params(params, contracted: dict[str, tuple[int, int]], transposed: 
     def one(path, w):
         names = [k.key for k in path if isinstance(k, jax.tree_util.DictKey) and isinstance(k.key, str)]
         if isinstance(w, Grouped) and kind in A8_KINDS and w.activations != "int8":  # its codes, times int8 x
-            return dataclasses.replace(w, activations="int8", panels=None, aux=None)
+            return dataclasses.replace(w, activations="int8", panels=None, aux=None, aux_factor=None)
         if is_format(w) or not names or names[-1] not in contracted:
             return w
         axes, ndim = contracted[names[-1]]
@@ -293,217 +280,10 @@ def group_sharding(where: jax.sharding.NamedSharding, lead: int, contracted: int
     return jax.sharding.NamedSharding(where.mesh, jax.sharding.PartitionSpec(*parts))
 
 
-@jax.tree_util.register_pytree_node_class
-@dataclasses.dataclass(frozen=True)
-class Grouped:
-    """A weight code * scale + min: `code` (uint8 0..15 for `bits` = 4, int8 for 8) in the
-    float weight's layout [*lead, *contracted, *out] (`transposed`: [*lead, N, K], a table
-    multiplied by as its transpose and looked up by rows); `scale`, `low` float32
-    [*lead, G, N], one per group of GROUP consecutive inputs (of the contracted axes
-    merged, K = their product, G = ceil(K / GROUP); a transposed table's [*lead, N, G])
-    and output column, whose values are float16's (GGUF stores them so; the quantizers round
-    to them): the kernel reads them as float16. `panels` ([*lead, P, K, PANEL // 2] uint8,
-    two codes per byte, for 4 bits; [*lead, P, K, PANEL] int8 for 8) and `aux`
-    [*lead, P, G, 2, PANEL] float16 (scales, minimums), as the few-row kernel reads them
-    (`pack_grouped`); made by `pack_params`
-    where the kernel runs, else None. `activations`: 'float32', or 'int8' (x rounded per
-    row and group before it is multiplied: the module doc; the panels are then the A8
-    layout, [*lead, P, G * GROUP / 4, 2 * PANEL or 4 * PANEL] uint8)."""
-
-    code: jax.Array
-    scale: jax.Array
-    low: jax.Array
-    out: tuple[int, ...]
-    transposed: bool = False
-    panels: jax.Array | None = None
-    aux: jax.Array | None = None
-    bits: int = 4
-    activations: str = "float32"
-
-    def __post_init__(self):
-        if self.activations not in ACTIVATIONS:
-            raise ValueError(f"activations {self.activations!r}: not one of {', '.join(ACTIVATIONS)}")
-
-    def tree_flatten(self):
-        return ((self.code, self.scale, self.low, self.panels, self.aux),
-                (self.out, self.transposed, self.bits, self.activations))
-
-    @classmethod
-    def tree_unflatten(cls, aux, children):
-        code, scale, low, panels, packed_aux = children
-        return cls(code, scale, low, *aux[:2], panels, packed_aux, *aux[2:])
-
-    dtype = jnp.dtype(jnp.float32)
-
-    @property
-    def n(self) -> int:
-        return math.prod(self.out)
-
-    @property
-    def shape(self):
-        s = self.code.shape
-        return (*s[:-2], s[-1], s[-2]) if self.transposed else s
-
-    def astype(self, dtype) -> "Grouped":
-        return self
-
-    def reshape(self, k: int, n: int = -1) -> "Grouped":
-        """The weight with its contracted axes merged into one of size k (one layer's)."""
-        if self.transposed or self.scale.ndim != 2 or self.code.size != k * self.n or n not in (-1, self.n):
-            raise ValueError(f"grouped weight {self.code.shape} contracts into {self.n}: not [{k}, {n}]")
-        return dataclasses.replace(self, code=self.code.reshape(k, self.n), out=(self.n,))
-
-    @property
-    def T(self) -> "Grouped":
-        if not self.transposed:
-            raise ValueError("only a weight quantized transposed can be multiplied by as its transpose")
-        return self
-
-    def dequantized(self, dtype=jnp.float32) -> jax.Array:
-        """code * scale + min as stored (a table's [*lead, V, D] rows), in `dtype`."""
-        if self.transposed:  # groups along the last axis
-            return _groups_apply(self.code, self.scale, self.low, axis=-1).astype(dtype)
-        lead = self.scale.ndim - 2
-        shape = self.code.shape
-        K = math.prod(shape[lead:len(shape) - len(self.out)])
-        code = self.code.reshape(*shape[:lead], K, self.n)
-        return _groups_apply(code, self.scale, self.low, axis=-2).reshape(shape).astype(dtype)
-
-    def project(self, spec: str, x: jax.Array, setting: Kernels, **kwargs) -> jax.Array:
-        """The grouped kernel where it applies (panels made, float32, one CPU device; any
-        rows), else XLA's einsum over the dequantized weight; with int8 activations, x
-        rounded first (the A8 kernel rounds it itself)."""
-        if (self.panels is not None and dispatch.use_matmul(x, self.dtype, setting)
-                and kwargs.get("preferred_element_type", jnp.float32) == jnp.float32):
-            run = dispatch.fewrow_matmul_a8 if self.activations == "int8" else dispatch.fewrow_matmul_grouped
-            y = run(x.reshape(-1, x.shape[-1]), self.panels, self.aux, self.n)
-            return y.reshape(*x.shape[:-1], *self.out)
-        if self.activations == "int8":
-            x = dispatch.round_activations(x)
-        w = self.dequantized(x.dtype)
-        return jnp.einsum(spec, x, jnp.swapaxes(w, -1, -2) if self.transposed else w, **kwargs)
-
-
-def _groups_apply(code: jax.Array, scale: jax.Array, low: jax.Array, axis: int) -> jax.Array:
-    """code * scale + low in float32, scale and low given per group of GROUP along `axis`
-    (-2: code [..., K, N], scale [..., G, N]; -1: code [..., N, K], scale [..., N, G])."""
-    K = code.shape[axis]
-    pad = -K % GROUP
-    if axis == -2:
-        c = jnp.pad(code, [(0, 0)] * (code.ndim - 2) + [(0, pad), (0, 0)]).astype(jnp.float32)
-        c = c.reshape(*code.shape[:-2], -1, GROUP, code.shape[-1])
-        w = c * scale[..., :, None, :] + low[..., :, None, :]
-        return w.reshape(*code.shape[:-2], -1, code.shape[-1])[..., :K, :]
-    c = jnp.pad(code, [(0, 0)] * (code.ndim - 1) + [(0, pad)]).astype(jnp.float32)
-    c = c.reshape(*code.shape[:-1], -1, GROUP)
-    return (c * scale[..., None] + low[..., None]).reshape(*code.shape[:-1], -1)[..., :K]
-
-
-def _half(a: jax.Array) -> jax.Array:
-    """a rounded to the nearest float16 value (kept float32; past float16's range, its largest)."""
-    return jnp.clip(a, -65504, 65504).astype(jnp.float16).astype(jnp.float32)
-
-
-def _int4_groups(w: jax.Array, axis: int, bits: int = 4):
-    """(code, scale, low) of w with groups of GROUP along `axis` (-2 or -1), as `_groups_apply`
-    reads them: 4 bits, the group's min and (max - min) / 15; 8, symmetric (GGUF's Q8_0):
-    max |w| / 127, int8 codes, min 0. Scales and minimums are rounded to float16 values
-    first (the kernel stores them so), and the codes made against the rounded ones."""
-    K = w.shape[axis]
-    pad = -K % GROUP
-    if axis == -2:
-        g = jnp.moveaxis(w, -2, -1)  # [..., N, K]
-    else:
-        g = w
-    # Pad by repeating the row's last value: the padding never widens the last group's range.
-    g = jnp.concatenate([g, jnp.repeat(g[..., -1:], pad, axis=-1)], axis=-1) if pad else g
-    g = g.reshape(*g.shape[:-1], -1, GROUP)
-    if bits == 8:
-        amax = jnp.max(jnp.abs(g), axis=-1)
-        scale = _half(amax / 127)
-        scale = jnp.where(scale > 0, scale, 1.0)
-        low = jnp.zeros_like(scale)
-        code = jnp.clip(jnp.round(g / scale[..., None]), -127, 127).astype(jnp.int8)
-    else:
-        low, high = jnp.min(g, axis=-1), jnp.max(g, axis=-1)
-        low = _half(low)
-        scale = _half((high - low) / 15)
-        scale = jnp.where(scale > 0, scale, 1.0)
-        code = jnp.clip(jnp.round((g - low[..., None]) / scale[..., None]), 0, 15).astype(jnp.uint8)
-    code = code.reshape(*code.shape[:-2], -1)[..., :K]
-    if axis == -2:
-        return jnp.moveaxis(code, -1, -2), jnp.swapaxes(scale, -1, -2), jnp.swapaxes(low, -1, -2)
-    return code, scale, low
-
-
-def quantize_int4(w: jax.Array, contracted: int, lead: int = 0, *, transposed: bool = False, bits: int = 4,
-                  activations: str = "float32") -> Grouped:
-    """w [*lead, *contracted, *out] (`transposed`: [*lead, N, K]) -> Grouped, 4 bits: per output
-    column and group of GROUP inputs (of the contracted axes merged), min = the group's
-    minimum, scale = (max - min) / 15 (1 for a constant group), code = round((w - min) /
-    scale) in 0..15. `bits=8`: symmetric int8 codes per group (scale = max |w| / 127, as
-    GGUF's Q8_0). `activations`: the Grouped's (int8: the W4A8 / W8A8 formats)."""
-    w = jnp.asarray(w, jnp.float32)
-    if transposed:
-        if contracted != 1 or w.ndim != lead + 2:
-            raise ValueError(f"a transposed weight is [*lead, N, K]: got {w.shape} with lead={lead}")
-        code, scale, low = _int4_groups(w, -1, bits)
-        return Grouped(code, scale, low, (w.shape[-2],), True, bits=bits, activations=activations)
-    shape = w.shape
-    out = tuple(shape[lead + contracted:])
-    K = math.prod(shape[lead:lead + contracted])
-    code, scale, low = _int4_groups(w.reshape(*shape[:lead], K, math.prod(out)), -2, bits)
-    return Grouped(code.reshape(shape), scale, low, out, bits=bits, activations=activations)
-
-
-def pack_grouped(w: Grouped) -> tuple[jax.Array, jax.Array]:
-    """(panels, aux [*lead, P, G, 2, PANEL] float16) of a Grouped weight as the kernel reads
-    them: panels [*lead, P, K, PANEL] int8 for 8 bits; for 4, [*lead, P, K, PANEL // 2]
-    uint8 where byte b of a panel row holds column b in its low nibble and column
-    b + PANEL // 2 in its high one; aux holds each group's scales then minimums per column
-    (zeros past N). A weight with int8 activations gets the A8 panels (`_pack_a8`)."""
-    if w.transposed:
-        lead = w.code.ndim - 2
-        code, scale, low = jnp.swapaxes(w.code, -1, -2), jnp.swapaxes(w.scale, -1, -2), jnp.swapaxes(w.low, -1, -2)
-    else:
-        lead = w.scale.ndim - 2
-        K = math.prod(w.code.shape[lead:w.code.ndim - len(w.out)])
-        code, scale, low = w.code.reshape(*w.code.shape[:lead], K, w.n), w.scale, w.low
-    K, N = code.shape[-2:]
-    P = -(-N // PANEL)
-    pad = [(0, 0)] * (lead + 1) + [(0, P * PANEL - N)]
-    if w.activations == "int8":
-        return _pack_a8(code, jnp.pad(scale, pad), jnp.pad(low, pad), w.bits, P)
-    c = jnp.moveaxis(jnp.pad(code, pad).reshape(*code.shape[:-1], P, PANEL), -2, -3)  # [*lead, P, K, PANEL]
-    half = PANEL // 2
-    panels = (c[..., :half] | (c[..., half:] << 4)).astype(jnp.uint8) if w.bits == 4 else c.astype(jnp.int8)
-    groups = jnp.stack([jnp.pad(scale, pad), jnp.pad(low, pad)], axis=-2).astype(jnp.float16)  # [*lead, G, 2, P*PANEL]
-    aux = jnp.moveaxis(groups.reshape(*groups.shape[:-1], P, PANEL), -2, -4)  # [*lead, P, G, 2, PANEL]
-    return panels, aux
-
-
-def _pack_a8(code: jax.Array, scale: jax.Array, low: jax.Array, bits: int, P: int):
-    """The A8 panels and aux of codes [*lead, K, N] with scale, low [*lead, G, P * PANEL]
-    (`fewrow_matmul.cc`'s layout: 4 inputs of a column side by side; 8-bit codes + 128)."""
-    lead, (K, N) = code.shape[:-2], code.shape[-2:]
-    G = scale.shape[-2]
-    c = jnp.pad(code.astype(jnp.int32), [(0, 0)] * len(lead) + [(0, G * GROUP - K), (0, P * PANEL - N)])
-    if bits == 8:  # unsigned for the byte dot product: (code + 128) scale + (low - 128 scale)
-        c, low = c + 128, low - 128 * scale
-    c = jnp.moveaxis(c.reshape(*lead, G * GROUP // 4, 4, P, PANEL), -2, -4)  # [*lead, P, Q, 4, PANEL]
-    if bits == 4:
-        c = c[..., :PANEL // 2] | (c[..., PANEL // 2:] << 4)
-    panels = jnp.swapaxes(c, -1, -2).reshape(*lead, P, G * GROUP // 4, -1).astype(jnp.uint8)
-    groups = jnp.stack([scale, low], axis=-2).astype(jnp.float16)  # [*lead, G, 2, P*PANEL]
-    aux = jnp.moveaxis(groups.reshape(*groups.shape[:-1], P, PANEL), -2, -4)  # [*lead, P, G, 2, PANEL]
-    return panels, aux
-
-
-ACTIVATIONS = ("float32", "int8")  # what a Grouped weight multiplies: x as it is, or rounded to int8
-QUANTIZERS = {"int8": quantize_int8, "int4": quantize_int4,
-              "w4a8": functools.partial(quantize_int4, activations="int8"),
-              "w8a8": functools.partial(quantize_int4, bits=8, activations="int8")}
-A8_KINDS = ("w4a8", "w8a8")  # the kinds whose weights multiply int8 activations
+# `config.QUANTIZATIONS`, each kind's quantizer: per-channel int8, or groups of its bits.
+QUANTIZERS = {q.name: functools.partial(quantize_int4, bits=q.bits, activations=q.activations) if q.grouped
+              else quantize_int8 for q in QUANTIZATIONS.values()}
+A8_KINDS = tuple(q.name for q in QUANTIZATIONS.values() if q.activations == "int8")  # multiply int8 activations
 QUANTIZED = (Int8, Grouped)  # the quantized formats
 
 
@@ -554,8 +334,7 @@ def rows(table, tokens: jax.Array, dtype) -> jax.Array:
     if isinstance(table, Int8):
         return jnp.take(table.q, tokens, axis=0).astype(dtype) * jnp.take(table.scale, tokens, axis=0)[..., None].astype(dtype)
     if isinstance(table, Grouped):  # a table [V, D] with groups along D
-        return _groups_apply(*(jnp.take(a, tokens, axis=0) for a in (table.code, table.scale, table.low)),
-                             axis=-1).astype(dtype)
+        return table.rows(tokens, dtype)
     return jnp.take(stored(table), tokens, axis=0).astype(dtype)
 
 
@@ -605,6 +384,8 @@ def pack_params(params, contracted: dict[str, tuple[int, int]], transposed: tupl
         if isinstance(w, Packed) or (isinstance(w, QUANTIZED) and w.panels is not None) or not names \
                 or names[-1] not in contracted:
             return None
+        if isinstance(w, Grouped) and (w.bits, w.group) not in dispatch.GROUPED_FORMATS:
+            return None  # a format the kernel does not read: XLA's path
         axes, ndim = contracted[names[-1]]
         shape = w.code.shape if isinstance(w, Grouped) else source(w).shape
         return dict(contracted=axes, lead=len(shape) - ndim, transposed=names[-1] in transposed)
@@ -634,8 +415,8 @@ def pack_params(params, contracted: dict[str, tuple[int, int]], transposed: tupl
         if isinstance(w, Int8):
             return dataclasses.replace(w, panels=made[jax.tree_util.keystr(path)])
         if isinstance(w, Grouped):
-            panels, aux = made[jax.tree_util.keystr(path)]
-            return dataclasses.replace(w, panels=panels, aux=aux)
+            panels, aux, aux_factor = made[jax.tree_util.keystr(path)]
+            return dataclasses.replace(w, panels=panels, aux=aux, aux_factor=aux_factor)
         layout = jax.eval_shape(lambda w: pack(w, **r), jax.ShapeDtypeStruct(w.shape, w.dtype))
         return Packed(w, made[jax.tree_util.keystr(path)], layout.out, layout.transposed)
 

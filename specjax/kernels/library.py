@@ -29,13 +29,12 @@ FLAGS = ("-O3", "-march=native", "-std=c++17", "-shared", "-fPIC", "-w")
 # FFI target name -> the library's handler symbol.
 MATMUL_TARGET = "specjax_fewrow_matmul"
 MATMUL_INT8_TARGET = "specjax_fewrow_matmul_int8"
-MATMUL_INT4_TARGET = "specjax_fewrow_matmul_int4"
-MATMUL_GROUPED8_TARGET = "specjax_fewrow_matmul_grouped8"
+MATMUL_GROUPED_TARGET = "specjax_fewrow_matmul_grouped"
 MATMUL_A8_TARGET = "specjax_fewrow_matmul_a8"
 ATTENTION_TARGET = "specjax_cached_attention"
 NUCLEUS_TARGET = "specjax_nucleus"
 HANDLERS = {MATMUL_TARGET: "SpecjaxFewRowMatmul", MATMUL_INT8_TARGET: "SpecjaxFewRowMatmulInt8",
-            MATMUL_INT4_TARGET: "SpecjaxFewRowMatmulInt4", MATMUL_GROUPED8_TARGET: "SpecjaxFewRowMatmulGrouped8",
+            MATMUL_GROUPED_TARGET: "SpecjaxFewRowMatmulGrouped",
             MATMUL_A8_TARGET: "SpecjaxFewRowMatmulA8",
             ATTENTION_TARGET: "SpecjaxCachedAttention",
             NUCLEUS_TARGET: "SpecjaxNucleus"}

@@ -40,7 +40,8 @@ import math
 import pathlib
 import signal
 import time
-from typing import Any, Optional
+from contextlib import nullcontext
+from typing import Any, Callable, Optional
 
 import jax
 import numpy as np
@@ -54,7 +55,7 @@ from specjax.training.corpus import Batches, load_corpus
 from specjax.training.losses import make_loss
 from specjax.training.workdir import METRICS_FILE, MetricsLog, StopRequest, WorkdirLock
 from specjax.weights import checkpoint
-from specjax.config import EAGLE_KINDS, Config, ConfigError, TrainConfig, load_config, user_path
+from specjax.config import EAGLE_KINDS, Config, ConfigError, TrainConfig, UsageError, load_config, user_path
 from specjax.heads import Heads, abstract_heads, draft_vocabulary, heads_loss, init_heads, most_frequent
 from specjax.model import LM, abstract_lm, init_lm
 from specjax.weights.tokenizer import Tokenizer
@@ -157,8 +158,10 @@ def _say(message: str) -> None:
         tqdm.write(message)
 
 
-def _teacher(config: Config, mesh) -> tuple[Optional[LM], Any]:
-    """(teacher LM, its tokenizer or None), or (None, None) without a teacher."""
+def _teacher(config: Config, mesh) -> Callable[[], tuple[Optional[LM], Any]]:
+    """What loads the teacher: () -> (teacher LM, its tokenizer or None), or (None, None)
+    without one. Everything that can refuse it (its config or file, its checkpoint's
+    presence, its vocabulary) is checked here, before the workdir is touched."""
     tc = config.train
     if tc.teacher_hf or tc.teacher_gguf:
         from specjax.weights import gguf, hf
@@ -178,12 +181,46 @@ def _teacher(config: Config, mesh) -> tuple[Optional[LM], Any]:
             return (checkpoint.load_lm(teacher_cfg, mesh, directory, config_name=tc.teacher),
                     Tokenizer(tok) if tok is not None else None)
         name = f"train.teacher={tc.teacher!r}"
+        checkpoint.newest_step(directory, tc.teacher)  # a missing or empty checkpoint directory is refused now
     else:
-        return None, None
+        return lambda: (None, None)
     if teacher_cfg.vocab_size != config.target.vocab_size:
         raise ConfigError(f"{name} has vocab_size={teacher_cfg.vocab_size}, the student "
                           f"{config.target.vocab_size}: distillation needs one vocabulary")
-    return load()
+    return load
+
+def _init_source(config: Config):
+    """(checkpoint directory, step, its model's config) of `train.init_from`, checked to
+    be `config.target` but for parallel_draft; None without one. Before any workdir is made."""
+    source = config.train.init_from
+    if not source:
+        return None
+    is_path = "/" in source or source.startswith((".", "~"))
+    directory = user_path(source) if is_path else checkpoint.default_dir(source)
+    with checkpoint.Checkpoints(directory, read_only=True) if directory.is_dir() else nullcontext() as ckpt:
+        step = ckpt.latest_step() if ckpt is not None else None
+        if step is None:
+            raise UsageError(f"train.init_from={source!r}: {directory} holds no finished checkpoint; train it first "
+                             f"(`python -m specjax.train --config={source if not is_path else 'CONFIG'}`)")
+        saved = ckpt.meta(step)["model"]
+    wanted = dataclasses.replace(config.target, parallel_draft=saved.get("parallel_draft", 0))
+    diffs = checkpoint.config_differences(saved, wanted)
+    if diffs:
+        raise UsageError(f"train.init_from={source!r}: its model is not {config.name!r}'s (parallel_draft aside): "
+                         f"{'; '.join(diffs)}")
+    return directory, step, wanted
+
+
+def _init_params(params, source, mesh):
+    """`params` (a fresh init) with every param the `_init_source` checkpoint holds."""
+    directory, step, cfg = source
+    with checkpoint.Checkpoints(directory, read_only=True) as ckpt:
+        loaded, _ = ckpt.restore(step, abstract_lm(cfg, mesh).params)  # the model's own kv heads, as trained
+    out = jax.tree.map(lambda x: x, params)
+    for name in loaded:
+        out[name] = loaded[name]
+    return out
+
 
 def _train_differences(saved: dict, tc: TrainConfig) -> list[str]:
     now = dataclasses.asdict(tc)
@@ -212,9 +249,14 @@ def train(config: Config, workdir=None, progress: bool = True, devices=None) -> 
 
     if config.heads is not None:  # their shapes on the config's target, checked before the workdir is touched
         abstract_heads(config.heads, config.target)
+    if config.heads is not None and tc.init_from:
+        raise ConfigError(f"train.init_from={tc.init_from!r}: starts a model's params; draft heads start from their "
+                          "own init")
+    source = _init_source(config)
 
+    load_teacher = _teacher(config, mesh)
     with WorkdirLock(workdir), jax.set_mesh(mesh):
-        teacher, teacher_tokenizer = _teacher(config, mesh)
+        teacher, teacher_tokenizer = load_teacher()
         if config.heads is not None:  # the heads are shaped by the target they read, the teacher
             config = dataclasses.replace(config, target=kv_heads.original(teacher.cfg))
         corpus = load_corpus(config, teacher_tokenizer, progress and is_main)
@@ -250,6 +292,8 @@ def train(config: Config, workdir=None, progress: bool = True, devices=None) -> 
             else:
                 params = (init_heads(config.heads, config.target, mesh) if config.heads is not None else
                           init_lm(config.target, mesh, seed=config.target.init_seed, duplicate_kv=False)).params
+                if source is not None:
+                    params = _init_params(params, source, mesh)
                 opt_state = jax.jit(optimizer.init, out_shardings=opt_sh)(params)
                 log.write("event", 0, event="start", config=config.name, params=num_params)
             student = dataclasses.replace(trainee, params=params)

@@ -286,6 +286,14 @@ def save_lm(lm: LM, directory, step: int = 0, config_name: str = "") -> None:
         ckpt.wait()
 
 
+def newest_step(directory, name: str) -> int:
+    """The newest finished step in `directory`, or a UsageError saying how to make one
+    (`name`: the config that trains it)."""
+    ckpt, step = _newest_step(user_path(directory), name)
+    ckpt.close()
+    return step
+
+
 def _newest_step(directory, name: str, step: int | None = None) -> tuple[Checkpoints, int]:
     """(the directory's checkpoints, opened read-only; `step` or its newest one), or a
     UsageError saying how to make one."""
@@ -324,6 +332,26 @@ def save_heads(heads: Heads, directory, step: int = 0, config_name: str = "") ->
         ckpt.wait()
 
 
+def _heads_config(ckpt: Checkpoints, step: int, directory) -> tuple[HeadsConfig, dict]:
+    meta = ckpt.meta(step)
+    if not isinstance(meta.get("heads"), dict):
+        raise UsageError(f"{directory} holds a model, not draft heads: pass the directory that "
+                         "`python -m specjax.train --config=CONFIG_WITH_HEADS` writes for this target")
+    try:
+        return HeadsConfig(**meta["heads"]).validate(), meta
+    except (TypeError, UsageError) as e:
+        raise ckpt._damaged(step, e) from None
+
+
+def heads_config(directory, config_name: str | None = None) -> HeadsConfig:
+    """The `HeadsConfig` of the newest draft heads in `directory`, from their metadata
+    alone (what a run checks, e.g. Medusa's cap on K, before anything is loaded)."""
+    directory = user_path(directory)
+    ckpt, step = _newest_step(directory, config_name or directory.name)
+    with ckpt:
+        return _heads_config(ckpt, step, directory)[0]
+
+
 def load_heads(target_cfg: ModelConfig, mesh: jax.sharding.Mesh, directory, config_name: str | None = None) -> Heads:
     """Draft heads (`specjax.heads`) of the newest step in `directory`, restored onto
     `mesh`, as their checkpoint describes them; it must have been trained on a target of
@@ -332,14 +360,7 @@ def load_heads(target_cfg: ModelConfig, mesh: jax.sharding.Mesh, directory, conf
     name = config_name or directory.name
     ckpt, step = _newest_step(directory, name)
     with ckpt:
-        meta = ckpt.meta(step)
-        if not isinstance(meta.get("heads"), dict):
-            raise UsageError(f"{directory} holds a model, not draft heads: pass the directory that "
-                             "`python -m specjax.train --config=CONFIG_WITH_HEADS` (e.g. mini_medusa) writes")
-        try:
-            heads_cfg = HeadsConfig(**meta["heads"]).validate()
-        except (TypeError, UsageError) as e:
-            raise ckpt._damaged(step, e) from None
+        heads_cfg, meta = _heads_config(ckpt, step, directory)
         abstract = abstract_heads(heads_cfg, kv_heads.original(target_cfg), mesh)
         ckpt.check_compatible(step, kv_heads.original(target_cfg), name, abstract.params)
         if heads_cfg.draft_vocab and not isinstance(meta.get("draft_vocab"), list):

@@ -1,9 +1,16 @@
-"""GGUF files (llama.cpp's format): import a `llama` model as a sharded `LM`, with the
+"""GGUF files (llama.cpp's format): import a model of the families `weights/arch/` reads
+(`general.architecture` `llama`, `qwen2`, `qwen3`, `gemma3`) as a sharded `LM`, with the
 tokenizer its metadata describes.
 
 Read with the `gguf` package (the format's own reader, memory-mapped). The file holds the
-model's hyperparameters as `llama.*` metadata, the tokenizer as `tokenizer.ggml.*`
-metadata, and the tensors under llama.cpp's names, each in its GGML type:
+model's hyperparameters as `{arch}.*` metadata, the tokenizer as `tokenizer.ggml.*`
+metadata (every key read with its type through `gguf_meta.Metadata`), and the tensors
+under llama.cpp's names, each in its GGML type (in a big-endian file, byte-swapped as
+read: `GGUFFile._little_endian`). What every family shares (sizes, heads, context, rotary
+base and scaling, tied output) is read here; what is the family's (its feed-forward and
+norms, biases, windows, query scale; its tensor names `Tensor.gguf`; whether q and k rows
+are permuted; Gemma's tokenizer pipeline) is its module's (`from_gguf`, `TENSORS`,
+`GGUF_PERMUTED_QK`, `gguf_tokenizer`). Llama's, for example:
 
     token_embd.weight        [V, D]   -> embed            output_norm.weight -> final_norm.scale
     output.weight            [V, D]   -> unembed (absent: tied to token_embd)
@@ -21,17 +28,18 @@ so each tensor is read as the Hugging Face tensor of the same role and handed to
 the memory map by rows and by whole blocks (`GGUFWeights.read`), so no host reads a
 whole tensor it does not hold.
 
-llama.cpp's converter permutes the rows of q and k within each head, from the
+For `llama` files llama.cpp's converter permutes the rows of q and k within each head, from the
 rotate-half pairs (i, i + H/2) that transformers' Llama rotates to the adjacent pairs
 (2i, 2i + 1) its own rotary kernel rotates; `unpermute` undoes it exactly (transformers'
 GGUF loader does the same), on raw blocks as well, since it only reorders rows.
 
-Types. F32, F16 and BF16 are floats. Q8_0, Q4_0 and Q4_1 are unpacked by `unpack` into
-integer codes with a float16 scale (and min) per block of 32 along the input dimension
-(`Blocks`), the form a quantized weight keeps; for now the model dequantizes them to its
-float param_dtype. Every other type the `gguf` package can dequantize (the K-quants, the
-IQ types, Q5_0, Q5_1, ...) is dequantized to the compute dtype, which is said once on
-stderr. Only local files: the reader memory-maps them.
+Types. F32, F16 and BF16 are floats. Every type with a codec (`gguf_codecs.CODECS`: Q8_0,
+Q4_0, Q4_1, Q5_0, Q5_1 and the K-quants Q2_K..Q6_K) is unpacked into integer codes with
+their scales (`Blocks`), the form a quantized weight keeps (`stored_maker`, with
+`--quantize`); without it the model dequantizes them to its float param_dtype, exactly.
+Every other type the `gguf` package can dequantize (the IQ types, ...) is dequantized to
+the compute dtype, which is said once on stderr. Only local files: the reader memory-maps
+them.
 """
 from __future__ import annotations
 
@@ -42,38 +50,33 @@ import mmap
 import os
 import re
 import sys
-from typing import Any, Optional, Union
+from typing import Optional, Union
 
 import ml_dtypes
 import numpy as np
 
 from specjax.config import ConfigError, ModelConfig, UsageError
-from specjax.weights import hf
+from specjax.weights import arch, hf, hf_files
+from specjax.weights.arch.common import LLAMA, Tensor
+from specjax.weights.gguf_meta import BOOL, INT, INTS, NUMBER, NUMBERS, TEXT, TEXTS, Metadata
+from specjax.weights.gguf_codecs import CODECS, Blocks, unpack
 from specjax.weights.tokenizer import HFTokenizer
 
-ARCHITECTURES = ("llama",)
 FLOAT_TYPES = ("F32", "F16", "BF16", "F64")
-LOSSLESS_TYPES = ("Q8_0", "Q4_0", "Q4_1")  # map onto int8 / int4 weights without changing a value
-BLOCK = 32  # values per block of the lossless types
+LOSSLESS_TYPES = tuple(CODECS)  # kept as stored, value for value (`gguf_codecs`)
 
-GLOBAL_NAMES = {"model.embed_tokens.weight": "token_embd.weight", "model.norm.weight": "output_norm.weight",
-                "lm_head.weight": "output.weight"}
-LAYER_NAMES = {"input_layernorm.weight": "attn_norm.weight", "self_attn.q_proj.weight": "attn_q.weight",
-               "self_attn.k_proj.weight": "attn_k.weight", "self_attn.v_proj.weight": "attn_v.weight",
-               "self_attn.o_proj.weight": "attn_output.weight", "post_attention_layernorm.weight": "ffn_norm.weight",
-               "mlp.gate_proj.weight": "ffn_gate.weight", "mlp.up_proj.weight": "ffn_up.weight",
-               "mlp.down_proj.weight": "ffn_down.weight"}
-# Tensors a llama file may hold that are not weights of the model (recomputed or folded in).
+# Tensors a file may hold that are not weights of the model (recomputed or folded in).
 KNOWN_EXTRA = ("rope_freqs.weight",)
 _LAYER = re.compile(r"model\.layers\.(\d+)\.(.+)")
 
 
-def gguf_name(hf_name: str) -> str:
-    """llama.cpp's name of the tensor that transformers' Llama calls `hf_name`."""
-    if hf_name in GLOBAL_NAMES:
-        return GLOBAL_NAMES[hf_name]
+def gguf_name(hf_name: str, tensors: dict[str, Tensor] = LLAMA) -> str:
+    """llama.cpp's name of the tensor that transformers calls `hf_name`, in a family's
+    `tensors` (`weights/arch/`)."""
     m = _LAYER.fullmatch(hf_name)
-    return f"blk.{m[1]}.{LAYER_NAMES[m[2]]}"
+    template = f"model.layers.{{i}}.{m[2]}" if m else hf_name
+    found = next(t.gguf for t in tensors.values() if t.hf == template)
+    return found.format(i=m[1]) if m else found
 
 
 def _gguf():
@@ -87,70 +90,9 @@ def _gguf():
 # --------------------------------------------------------------------------- blocks
 
 
-@dataclasses.dataclass(frozen=True)
-class Blocks:
-    """A block-quantized weight, value = codes * scale + min, in the file's layout: rows
-    are outputs, and each run of BLOCK codes along a row (the input dimension) shares one
-    scale and one min. Scales and mins are the file's float16 values, exactly."""
-
-    codes: np.ndarray  # int8 [rows, cols]: Q8_0 in [-128, 127], Q4_0 in [-8, 7], Q4_1 in [0, 15]
-    scales: np.ndarray  # float16 [rows, cols // BLOCK]
-    mins: Optional[np.ndarray]  # float16 [rows, cols // BLOCK], or None (symmetric: Q8_0, Q4_0)
-    bits: int  # 8 or 4
-
-    @property
-    def shape(self) -> tuple[int, int]:
-        return self.codes.shape
-
-    def dequantize(self) -> np.ndarray:
-        """float32 values, computed as ggml does (one float32 product, then the min)."""
-        rows, cols = self.codes.shape
-        grouped = self.codes.reshape(rows, cols // BLOCK, BLOCK).astype(np.float32)
-        out = grouped * self.scales.astype(np.float32)[..., None]
-        if self.mins is not None:
-            out = out + self.mins.astype(np.float32)[..., None]
-        return out.reshape(rows, cols)
-
-    def rows(self, index) -> "Blocks":
-        take = lambda a: None if a is None else a[index]  # noqa: E731
-        return Blocks(self.codes[index], self.scales[index], take(self.mins), self.bits)
-
-
-def _nibbles(qs: np.ndarray) -> np.ndarray:
-    """[n, 16] bytes of packed 4-bit codes -> [n, 32]: ggml puts value j in the low nibble
-    of byte j and value j + 16 in its high nibble."""
-    return np.concatenate([qs & 0x0F, qs >> 4], axis=-1)
-
-
-def _unpack_q8_0(b):  # 2-byte float16 scale, 32 int8 codes
-    return b[..., 2:].view(np.int8), b[..., :2].copy().view(np.float16)[..., 0], None, 8
-
-
-def _unpack_q4_0(b):  # 2-byte scale, 16 bytes of codes offset by 8
-    return (_nibbles(b[..., 2:]).astype(np.int8) - 8, b[..., :2].copy().view(np.float16)[..., 0], None, 4)
-
-
-def _unpack_q4_1(b):  # 2-byte scale, 2-byte min, 16 bytes of codes
-    return (_nibbles(b[..., 4:]).astype(np.int8), b[..., :2].copy().view(np.float16)[..., 0],
-            b[..., 2:4].copy().view(np.float16)[..., 0], 4)
-
-
-UNPACK = {"Q8_0": _unpack_q8_0, "Q4_0": _unpack_q4_0, "Q4_1": _unpack_q4_1}
-
-
-def unpack(type_name: str, raw: np.ndarray) -> Blocks:
-    """The Blocks of a [rows, bytes] uint8 array of Q8_0, Q4_0 or Q4_1 blocks."""
-    gguf = _gguf()
-    block, size = gguf.GGML_QUANT_SIZES[gguf.GGMLQuantizationType[type_name]]
-    rows = raw.shape[0]
-    blocks = np.ascontiguousarray(raw).reshape(rows, -1, size)
-    codes, scales, mins, bits = UNPACK[type_name](blocks)
-    return Blocks(np.ascontiguousarray(codes).reshape(rows, -1), scales, mins, bits)
-
-
 def decode(type_name: str, raw: np.ndarray) -> Union[np.ndarray, Blocks]:
     """A [rows, bytes] uint8 slice of whole blocks as values: a float array for the float
-    types, `Blocks` for the lossless quantized ones, float32 for every other type."""
+    types, `Blocks` for the types with a codec, float32 for every other type."""
     if type_name == "F32":
         return raw.view(np.float32)
     if type_name == "F16":
@@ -159,7 +101,7 @@ def decode(type_name: str, raw: np.ndarray) -> Union[np.ndarray, Blocks]:
         return raw.view(ml_dtypes.bfloat16)
     if type_name == "F64":
         return raw.view(np.float64).astype(np.float32)
-    if type_name in UNPACK:
+    if type_name in CODECS:
         return unpack(type_name, raw)
     gguf = _gguf()
     return gguf.quants.dequantize(np.ascontiguousarray(raw), gguf.GGMLQuantizationType[type_name])
@@ -205,11 +147,24 @@ class _Reader:
         return Reader
 
 
+SUPPORTED_VERSIONS = (2, 3)  # the gguf package's reader's, and llama.cpp's
+# The 2-byte float16 fields inside each block of a type, which a big-endian file stores
+# big-endian (`Codec.big_endian`: what gguf_convert_endian.py, the gguf package's byte-order
+# converter, swaps); the float types are swapped element by element. Other types are refused
+# in such a file.
+BIG_ENDIAN_HALVES = {t: c.big_endian for t, c in CODECS.items() if c.big_endian is not None}
+_FLOAT_BYTES = {"F32": 4, "F16": 2, "BF16": 2, "F64": 8}
+
+
 class GGUFFile:
-    """One GGUF file's metadata and tensors (the reader's memory map; nothing read yet)."""
+    """One GGUF file's metadata and tensors (the reader's memory map; nothing read yet).
+    Refused in one line: anything but a local regular file in GGUF versions 2 or 3, a
+    damaged header or tensor table, a big-endian file holding a type it cannot swap."""
 
     def __init__(self, path):
         text = os.fspath(path)
+        if not text.strip():
+            raise UsageError(f"{text!r}: an empty path, not a GGUF file")
         if "://" in text:
             raise UsageError(f"{text}: GGUF files are read from local disk (memory-mapped); copy it to this machine")
         self.path = os.path.abspath(os.path.expanduser(text))
@@ -218,21 +173,74 @@ class GGUFFile:
                              "--hf_target / --hf_draft)")
         if not os.path.exists(self.path):
             raise UsageError(f"{self.path}: no such file")
+        what = hf_files.special_file(os.stat(self.path).st_mode)
+        if what is not None:  # opening a pipe waits for a writer; a device never ends
+            raise UsageError(f"{self.path}: is {what}, not a GGUF file (GGUF files are memory-mapped from disk)")
         with open(self.path, "rb") as f:
-            magic = f.read(4)
-        if magic != b"GGUF":
-            raise UsageError(f"{self.path}: not a GGUF file (it starts with {magic!r}, not b'GGUF')")
+            head = f.read(8)
+        if head[:4] != b"GGUF":
+            raise UsageError(f"{self.path}: not a GGUF file (it starts with {head[:4]!r}, not b'GGUF')")
+        if len(head) == 8:
+            version = int.from_bytes(head[4:], "little")
+            if version & 0xFFFF == 0 and version:  # a big-endian file (as the gguf reader decides)
+                version = int.from_bytes(head[4:], "big")
+            if version not in SUPPORTED_VERSIONS:
+                raise UsageError(f"{self.path}: GGUF version {version} is not supported; supported: "
+                                 f"{', '.join(map(str, SUPPORTED_VERSIONS))} (llama.cpp's converter writes 3)")
         try:
             self.reader = _Reader.cls()(self.path)
         except Exception as e:  # noqa: BLE001 (a damaged or cut file fails anywhere inside the reader)
             raise UsageError(f"{self.path}: damaged or truncated GGUF file ({type(e).__name__}: "
                              f"{str(e).splitlines()[0][:200] if str(e) else 'unreadable header'})") from None
         self.tensors = {t.name: t for t in self.reader.tensors}
+        self.meta = Metadata(self.reader.fields, self.path)
+        self.big_endian = self.reader.byte_order == "S"  # the reader swaps the header and metadata for us
+        self._check_table()
         self.bytes_read = 0
 
-    def value(self, key: str, default: Any = None) -> Any:
-        field = self.reader.fields.get(key)
-        return default if field is None else field.contents()
+    def _check_table(self) -> None:
+        """llama.cpp's rule for the tensor table: each tensor starts where the one before it
+        ends, padded to general.alignment, in table order (so none overlaps another, none is
+        misaligned); and in a big-endian file, only types whose byte order we can swap."""
+        align, end, before = int(self.reader.alignment), 0, None
+        for t in self.reader.tensors:
+            offset = int(t.field.parts[-1][0])
+            if offset % align:
+                raise UsageError(f"{self.path}: damaged GGUF: tensor {t.name} starts at data offset {offset}, not a "
+                                 f"multiple of general.alignment={align}")
+        spans = sorted((int(t.field.parts[-1][0]), int(t.n_bytes), t.name) for t in self.reader.tensors)
+        for (a, n, first), (b, _, second) in zip(spans, spans[1:]):
+            if b < a + n:
+                raise UsageError(f"{self.path}: damaged GGUF: tensors {first} and {second} overlap (data offsets "
+                                 f"{a}..{a + n} and {b}..)")
+        for t in self.reader.tensors:
+            offset = int(t.field.parts[-1][0])
+            if offset != end:
+                raise UsageError(f"{self.path}: damaged GGUF: tensor {t.name} starts at data offset {offset}, but "
+                                 + (f"{before} ends at {end}" if before else "the first tensor starts at 0")
+                                 + " (tensors lie back to back in table order, each padded to general.alignment)")
+            end, before = offset + -(-int(t.n_bytes) // align) * align, t.name
+        if self.big_endian:
+            for t in self.reader.tensors:
+                name = t.tensor_type.name
+                if name not in _FLOAT_BYTES and name not in BIG_ENDIAN_HALVES:
+                    raise UsageError(f"{self.path}: a big-endian GGUF file with {name} tensors ({t.name}); big-endian "
+                                     f"files are read for {', '.join([*_FLOAT_BYTES, *BIG_ENDIAN_HALVES])} only")
+
+    def _little_endian(self, type_name: str, raw: np.ndarray) -> np.ndarray:
+        """`raw` ([rows, bytes] of whole elements or blocks, or [rows, blocks, head bytes]),
+        byte-swapped in place into little-endian order if the file is big-endian."""
+        if not self.big_endian:
+            return raw
+        if type_name in _FLOAT_BYTES:
+            raw.view(f"u{_FLOAT_BYTES[type_name]}").byteswap(inplace=True)
+            return raw
+        _, size = _gguf().GGML_QUANT_SIZES[_gguf().GGMLQuantizationType[type_name]]
+        blocks = raw if raw.ndim == 3 else raw.reshape(raw.shape[0], -1, size)
+        for at in BIG_ENDIAN_HALVES[type_name]:
+            if at + 2 <= blocks.shape[-1]:
+                blocks[..., at:at + 2] = blocks[..., at:at + 2][..., ::-1].copy()
+        return raw
 
     def type_name(self, name: str) -> str:
         return self.tensors[name].tensor_type.name
@@ -251,21 +259,24 @@ class GGUFFile:
         data = t.data if t.data.ndim == 2 else t.data.reshape(1, -1)
         data = data.view(np.uint8)
         first, last = cols.start // block, -(-cols.stop // block)
-        out = np.array(data[rows, first * size:last * size])
+        out = self._little_endian(t.tensor_type.name, np.array(data[rows, first * size:last * size]))
         self.bytes_read += out.nbytes
         self._release(t)
         return out, slice(cols.start - first * block, cols.stop - first * block)
 
     def block_heads(self, name: str, rows: slice, blocks: slice) -> np.ndarray:
-        """The first bytes of blocks `blocks` of rows `rows` of a Q8_0, Q4_0 (2: the
-        float16 scale) or Q4_1 (4: scale, min) tensor, [rows, blocks, 2 or 4] uint8,
-        copied out of the memory map (counted in `bytes_read` as those bytes alone)."""
+        """Blocks `blocks` of rows `rows` of a tensor whose type has a codec, [rows, blocks,
+        bytes] uint8, with only the leading bytes that hold the blocks' scales copied out of
+        the memory map (`Codec.head`; the rest zeros), counted in `bytes_read` as those
+        bytes alone; a type whose scales are spread over its blocks is read whole."""
         t = self.tensors[name]
         _, size = _gguf().GGML_QUANT_SIZES[t.tensor_type]
+        head = CODECS[self.type_name(name)].head or size
         data = t.data.view(np.uint8)
         blocks_of = data.reshape(data.shape[0], -1, size)[rows, blocks]
-        out = np.array(blocks_of[..., :4 if self.type_name(name) == "Q4_1" else 2])
-        self.bytes_read += out.nbytes
+        out = np.zeros(blocks_of.shape, np.uint8)
+        out[..., :head] = self._little_endian(t.tensor_type.name, np.array(blocks_of[..., :head]))
+        self.bytes_read += head * math.prod(blocks_of.shape[:-1])
         self._release(t)
         return out
 
@@ -290,7 +301,10 @@ def _open(path: str, size: int, mtime: int) -> GGUFFile:
 def open_file(path) -> GGUFFile:
     """The file, parsed once per process (config, tokenizer and weights read the same
     metadata, and a large vocabulary takes seconds to parse)."""
-    text = os.path.abspath(os.path.expanduser(os.fspath(path))) if "://" not in os.fspath(path) else os.fspath(path)
+    given = os.fspath(path)
+    if "://" in given or not given.strip():
+        return GGUFFile(given)  # says what is wrong
+    text = os.path.abspath(os.path.expanduser(given))
     try:
         st = os.stat(text)
     except OSError:
@@ -301,22 +315,8 @@ def open_file(path) -> GGUFFile:
 # --------------------------------------------------------------------------- config
 
 
-def _int(f: GGUFFile, key: str, default=None) -> int:
-    value = f.value(key, default)
-    if isinstance(value, list) and value and all(v == value[0] for v in value):
-        value = value[0]  # a per-layer list with one value
-    if isinstance(value, bool) or not isinstance(value, (int, np.integer)):
-        if value is None:
-            raise UsageError(f"{f.path}: metadata {key} is missing")
-        raise UsageError(f"{f.path}: metadata {key}={value!r}: expected one integer")
-    return int(value)
-
-
-def _float(f: GGUFFile, key: str, default: float) -> float:
-    value = f.value(key, default)
-    if isinstance(value, bool) or not isinstance(value, (int, float, np.number)):
-        raise UsageError(f"{f.path}: metadata {key}={value!r}: expected a number")
-    return float(value)
+PER_LAYER = INT.layered()  # keys llama.cpp reads as one value or one per layer
+_BLOCK = re.compile(r"blk\.([0-9]+)\.")
 
 
 def _llama3_scaling(f: GGUFFile, theta: float, head_dim: int, context: int) -> dict:
@@ -349,7 +349,7 @@ def _llama3_scaling(f: GGUFFile, theta: float, head_dim: int, context: int) -> d
         cfg = ModelConfig(head_dim=head_dim, rope_theta=theta, **fields)
         return fields if np.allclose(rope_frequencies(cfg), wanted, rtol=1e-5, atol=0) else None
 
-    originals = [8192, _int(f, "llama.rope.scaling.original_context_length", context), context]
+    originals = [8192, f.meta.get("{arch}.rope.scaling.original_context_length", INT, context), context]
     for old in originals:
         if fields := fits(1.0, 4.0, old):
             return fields
@@ -383,59 +383,69 @@ def read_config(path, *, param_dtype: Optional[str] = None, compute_dtype: Optio
     refuses what specjax's model cannot compute exactly, naming the key. dtypes default
     to float16 / bfloat16 when every matrix is stored so, else float32."""
     f = open_file(path)
-    arch = f.value("general.architecture")
-    if arch not in ARCHITECTURES:
-        raise UsageError(f"{f.path}: architecture {arch!r} is not supported; supported: {', '.join(ARCHITECTURES)} "
-                         "(Llama family: rotary, SwiGLU, RMSNorm, no biases)")
-    p = f"{arch}."
+    m = f.meta
+    family = arch.for_gguf(m.arch, f.path)
     if "token_embd.weight" not in f.tensors:
         raise UsageError(f"{f.path}: tensor token_embd.weight is missing")
     V, D = f.shape("token_embd.weight") if len(f.shape("token_embd.weight")) == 2 else (0, 0)
-    layers, d_model = _int(f, p + "block_count"), _int(f, p + "embedding_length")
-    heads = _int(f, p + "attention.head_count")
-    kv_heads = _int(f, p + "attention.head_count_kv", heads)
-    head_dim = _int(f, p + "attention.key_length", d_model // heads if heads else 0)
-    value_dim = _int(f, p + "attention.value_length", head_dim)
-    rotary = _int(f, p + "rope.dimension_count", head_dim)
+    layers = m.get("{arch}.block_count", INT)
+    # Against the tensor table before anything counts layers: a wrong count must not make
+    # a billion tensor names.
+    blocks = {int(b[1]) for n in f.tensors if (b := _BLOCK.match(n))}
+    if layers != len(blocks) or (blocks and max(blocks) != layers - 1):
+        raise m.refuse("{arch}.block_count", layers, f"the tensor table holds {len(blocks)} blocks"
+                       + (f" (blk.{min(blocks)} .. blk.{max(blocks)})" if blocks else ""))
+    d_model = m.get("{arch}.embedding_length", INT)
+    heads = m.get("{arch}.attention.head_count", PER_LAYER)
+    if heads < 1:
+        raise m.refuse("{arch}.attention.head_count", heads, "must be at least 1")
+    kv_heads = m.get("{arch}.attention.head_count_kv", PER_LAYER, heads)
+    if kv_heads < 1:
+        raise m.refuse("{arch}.attention.head_count_kv", kv_heads, "must be at least 1")
+    if "{arch}.attention.key_length" not in m and d_model % heads:
+        raise m.refuse("{arch}.attention.head_count", heads, f"must divide embedding_length={d_model} (the head "
+                       "size, as no attention.key_length gives it)")
+    head_dim = m.get("{arch}.attention.key_length", INT, d_model // heads)
+    value_dim = m.get("{arch}.attention.value_length", INT, head_dim)
+    rotary = m.get("{arch}.rope.dimension_count", INT, head_dim)
     if value_dim != head_dim:
-        raise UsageError(f"{f.path}: {p}attention.value_length={value_dim} differs from key_length={head_dim}: "
-                         "not supported")
+        raise m.refuse("{arch}.attention.value_length", value_dim, f"differs from key_length={head_dim}: not "
+                       "supported")
     if rotary != head_dim:
-        raise UsageError(f"{f.path}: {p}rope.dimension_count={rotary} with head_dim {head_dim}: only full "
-                         "rotary (every dimension of a head) is supported")
-    vocab = _int(f, p + "vocab_size", V)
+        raise m.refuse("{arch}.rope.dimension_count", rotary, f"differs from the head size {head_dim}: only full "
+                       "rotary (every dimension of a head) is supported")
+    vocab = m.get("{arch}.vocab_size", INT, V)
     if (V, D) != (vocab, d_model):
         raise UsageError(f"{f.path}: token_embd.weight has shape {[V, D]}, the metadata says vocab_size={vocab}, "
                          f"embedding_length={d_model}")
-    scaling = f.value(p + "rope.scaling.type", "none")
-    if scaling not in ("none", "") and not (scaling == "linear" and _float(f, p + "rope.scaling.factor", 1.0) == 1):
-        raise UsageError(f"{f.path}: {p}rope.scaling.type={scaling!r} is not supported; supported: none, and "
-                         "Llama 3.1's frequency scaling (rope_freqs.weight)")
-    if f.value(p + "attention.sliding_window") not in (None, 0):
-        raise UsageError(f"{f.path}: {p}attention.sliding_window={f.value(p + 'attention.sliding_window')}: "
-                         "sliding-window attention is not supported")
-    theta = _float(f, p + "rope.freq_base", 10000.0)
-    context = _int(f, p + "context_length", 2048)
+    scaling = m.get("{arch}.rope.scaling.type", TEXT, "none")
+    if scaling not in ("none", "", "linear"):
+        raise m.refuse("{arch}.rope.scaling.type", scaling, "is not supported; supported: none, linear, and Llama "
+                       "3.1's frequency scaling (rope_freqs.weight)")
+    factor = m.get("{arch}.rope.scaling.factor", NUMBER, 1.0) if scaling == "linear" else 1.0
+    theta = m.get("{arch}.rope.freq_base", NUMBER, 10000.0)
+    context = m.get("{arch}.context_length", INT, 2048)
     matrices = {f.type_name(n) for n, t in f.tensors.items() if len(t.shape) == 2}
     stored = {"F16": "float16", "BF16": "bfloat16"}.get(matrices.pop(), "float32") if len(matrices) == 1 \
         else "float32"
     fields = dict(vocab_size=vocab, d_model=d_model, num_layers=layers, num_heads=heads, num_kv_heads=kv_heads,
-                  head_dim=head_dim, d_ff=_int(f, p + "feed_forward_length"), max_seq_len=context, ffw="swiglu",
+                  head_dim=head_dim, d_ff=m.get("{arch}.feed_forward_length", PER_LAYER), max_seq_len=context,
                   pos_encoding="rope", rope_theta=theta, tie_embeddings="output.weight" not in f.tensors,
-                  norm_eps=_float(f, p + "attention.layer_norm_rms_epsilon", 1e-5), embed_scale=1.0,
-                  norm_weight_after_cast=True, param_dtype=param_dtype or stored,
-                  compute_dtype=compute_dtype or param_dtype or stored, scan_layers=scan_layers)
+                  norm_eps=m.get("{arch}.attention.layer_norm_rms_epsilon", NUMBER, 1e-5),
+                  param_dtype=param_dtype or stored, compute_dtype=compute_dtype or param_dtype or stored,
+                  scan_layers=scan_layers, **family.from_gguf(m, f))
+    if factor != 1.0:
+        fields.update(rope_scaling="linear", rope_scaling_factor=factor)
     if "rope_freqs.weight" in f.tensors:
         fields.update(_llama3_scaling(f, theta, head_dim, context))
     try:
         cfg = ModelConfig(**fields).validate()
     except ConfigError as e:
         raise UsageError(f"{f.path}: {e}") from None
-    eos = f.value("tokenizer.ggml.eos_token_id")
-    eot = f.value("tokenizer.ggml.eot_token_id")
-    eos_ids = tuple(dict.fromkeys(int(i) for i in (eos, eot) if i is not None))
-    bos = f.value("tokenizer.ggml.bos_token_id")
-    return hf.HFModel(f.path, cfg, arch, stored, None if bos is None else int(bos), eos_ids)
+    eos, eot = (m.token_id(f"tokenizer.ggml.{k}_token_id", vocab) for k in ("eos", "eot"))
+    eos_ids = tuple(dict.fromkeys(i for i in (eos, eot) if i is not None))
+    return hf.HFModel(f.path, cfg, m.arch, stored, m.token_id("tokenizer.ggml.bos_token_id", vocab), eos_ids,
+                      arch.name(family))
 
 
 # --------------------------------------------------------------------------- weights
@@ -446,10 +456,16 @@ _SAID: set = set()
 
 class GGUFWeights:
     """The file's tensors under transformers' names and in its layout: what
-    `hf.load_params` reads, slice by slice."""
+    `hf.load_params` reads, slice by slice. The names, and whether q and k rows are
+    permuted, are the family's (`weights/arch/`, from `general.architecture`)."""
 
     def __init__(self, f: GGUFFile, cfg: ModelConfig):
         self.file, self.cfg = f, cfg
+        self.family = arch.for_gguf(f.meta.arch, f.path)
+        self.tensors = self.family.TENSORS
+
+    def name(self, hf_name: str) -> str:
+        return gguf_name(hf_name, self.tensors)
 
     @property
     def bytes_read(self) -> int:
@@ -457,8 +473,8 @@ class GGUFWeights:
 
     def tensor(self, name: str, index=None) -> Union[np.ndarray, Blocks]:
         """HF tensor `name`[index] (a tuple of unit-step slices): float values, or the
-        lossless types' Blocks where `index` covers whole blocks of every row it takes."""
-        f, gname = self.file, gguf_name(name)
+        Blocks of the types with a codec where `index` covers whole blocks of every row it takes."""
+        f, gname = self.file, self.name(name)
         shape = f.shape(gname)
         index = tuple(slice(None) for _ in shape) if index is None else tuple(index)
         rows, cols = (slice(0, 1), index[0]) if len(shape) == 1 else index
@@ -469,13 +485,13 @@ class GGUFWeights:
         value = finish(decode(f.type_name(gname), raw))
         if within != slice(0, value.shape[1]):
             value = as_float(value)[:, within]
-        return value.reshape(-1) if len(shape) == 1 else value
+        return as_float(value).reshape(-1) if len(shape) == 1 else value  # a norm in a block type: its values
 
     def _rows(self, gname: str, rows: slice, n_rows: int):
         """(the file rows to read for `rows` of tensor `gname`, a function from what was read
         to those rows): llama.cpp stores q and k with each head's rows permuted, and
         un-permuting needs whole heads, so those around the slice are read."""
-        role = gname.rsplit(".", 2)[-2] if gname.startswith("blk.") else ""
+        role = gname.rsplit(".", 2)[-2] if gname.startswith("blk.") and self.family.GGUF_PERMUTED_QK else ""
         heads = {"attn_q": self.cfg.num_heads, "attn_k": self.cfg.num_kv_heads}.get(role)
         if not heads:
             return rows, lambda value: value
@@ -489,19 +505,15 @@ class GGUFWeights:
             return value.rows(taken) if isinstance(value, Blocks) else value[taken]
         return read_rows, finish
 
-    def block_scales(self, name: str, index) -> tuple[np.ndarray, np.ndarray]:
-        """(scale, low) float32 [rows, blocks] of HF tensor `name`'s rows and blocks
-        `index` (Q8_0, Q4_0 or Q4_1), as `_stored_arrays` makes them, read from the
-        blocks' scale (and min) bytes alone."""
-        f, gname = self.file, gguf_name(name)
+    def block_scales(self, name: str, index) -> Blocks:
+        """The Blocks of HF tensor `name`'s rows and blocks `index` read from the blocks'
+        scale bytes alone (`GGUFFile.block_heads`): their scales, minimums and factors are
+        the file's, their codes not."""
+        f, gname = self.file, self.name(name)
         rows, blocks = index
         read_rows, finish = self._rows(gname, rows, f.shape(gname)[0])
-        head = f.block_heads(gname, read_rows, blocks)  # [rows, blocks, 2 or 4] bytes
-        scale = finish(head[..., :2].copy().view(np.float16)[..., 0]).astype(np.float32)
-        t = f.type_name(gname)
-        low = (np.zeros_like(scale) if t == "Q8_0" else -8 * scale if t == "Q4_0"
-               else finish(head[..., 2:4].copy().view(np.float16)[..., 0]).astype(np.float32))
-        return scale, low
+        heads = f.block_heads(gname, read_rows, blocks)
+        return finish(unpack(f.type_name(gname), heads))
 
     def read(self, name: str, index=None) -> np.ndarray:
         return as_float(self.tensor(name, index))
@@ -511,7 +523,7 @@ class GGUFWeights:
         types that are not kept as stored are named once on stderr."""
         f = self.file
         gguf = _gguf()
-        wanted = {gguf_name(n): s for n, s in hf.expected_tensors(cfg).items()}
+        wanted = {self.name(n): s for n, s in hf.expected_tensors(cfg, self.tensors).items()}
         missing = [n for n in wanted if n not in f.tensors]
         if missing:
             raise UsageError(f"{f.path}: tensor {missing[0]} is missing"
@@ -529,17 +541,17 @@ class GGUFWeights:
         if extra:
             raise UsageError(f"{f.path}: unexpected tensors {extra[:3]}" + (f" and {len(extra) - 3} more"
                                                                           if len(extra) > 3 else "")
-                             + ": not a plain Llama model")
+                             + f": the model of a {f.meta.arch!r} file has no such weights")
         others = sorted({f.type_name(n) for n in wanted} - set(FLOAT_TYPES) - set(LOSSLESS_TYPES))
         import jax
         if others and (f.path, cfg.compute_dtype) not in _SAID and jax.process_index() == 0:
             _SAID.add((f.path, cfg.compute_dtype))
             print(f"specjax: {os.path.basename(f.path)}: {', '.join(others)} tensors are dequantized to "
-                  f"{cfg.compute_dtype} (only F32, F16, BF16, Q8_0, Q4_0 and Q4_1 have an exact weight format)",
-                  file=sys.stderr)
+                  f"{cfg.compute_dtype} (only F32, F16, BF16, {', '.join(LOSSLESS_TYPES)} have an exact weight "
+                  "format)", file=sys.stderr)
 
     def nbytes(self, cfg: ModelConfig) -> int:
-        return sum(int(self.file.tensors[gguf_name(n)].n_bytes) for n in hf.expected_tensors(cfg))
+        return sum(int(self.file.tensors[self.name(n)].n_bytes) for n in hf.expected_tensors(cfg, self.tensors))
 
 
 def check_weights(path, cfg: ModelConfig) -> None:
@@ -551,9 +563,9 @@ def load(path, mesh, *, param_dtype: Optional[str] = None, compute_dtype: Option
          scan_layers: bool = False, quantize: Optional[str] = None):
     """(LM, tokenizer or None) of a GGUF file, the params sharded on `mesh` as
     `sharding.RULES` says, each device's slice read from the memory map. With a quantized
-    kind `quantize` (`model.QUANTIZE`), the file's Q8_0/Q4_0/Q4_1 weights are taken as
-    stored (`stored_maker`), never read as floats; the rest stay float (`LM.quantized`
-    quantizes them). Every problem a file can have is a one-line UsageError raised before
+    kind `quantize` (`model.QUANTIZE`), the file's weights of the types with a codec are
+    taken as stored (`stored_maker`), never read as floats; the rest stay float
+    (`LM.quantized` quantizes them). Every problem a file can have is a one-line UsageError raised before
     any device work."""
     lm, tok, _ = load_with_stats(path, mesh, param_dtype=param_dtype, compute_dtype=compute_dtype,
                                  scan_layers=scan_layers, quantize=quantize)
@@ -574,7 +586,7 @@ def load_with_stats(path, mesh, *, param_dtype=None, compute_dtype=None, scan_la
     sharding.check_divisible(cfg, mesh)
     before = weights.bytes_read
     keep = stored_maker(cfg, path, quantize) if quantize is not None else None
-    lm = hf.load_params(cfg, mesh, weights, keep=keep)
+    lm = hf.load_params(cfg, mesh, weights, keep=keep, tensors=weights.tensors)
     jax.block_until_ready(lm.params)
     return lm, tok, {"bytes_read": weights.bytes_read - before, "file_bytes": weights.nbytes(info.model)}
 
@@ -597,35 +609,31 @@ def take_stored(lm, path, kind: Optional[str]):
     return dataclasses.replace(lm, params=params)
 
 
-def _stored_arrays(b: Blocks) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-    """(code, scale, low) of `b` in the file's layout ([rows, cols], [rows, cols / BLOCK]
-    twice) as a `Grouped` holds them: Q8_0's 8-bit codes with min 0; Q4_1 as it is; Q4_0's
-    codes -8..7 as 0..15 with min = -8 scale (exact: a power of two)."""
-    scale = b.scales.astype(np.float32)
-    if b.bits == 8:
-        return b.codes, scale, np.zeros_like(scale)
-    code = (b.codes + (8 if b.mins is None else 0)).astype(np.uint8)
-    return code, scale, -8 * scale if b.mins is None else b.mins.astype(np.float32)
+@functools.lru_cache(maxsize=None)
+def _swap_last(out):
+    """The last two axes swapped on the devices, into sharding `out`: one program per
+    sharding (a fresh jit per tensor compiled ~430 times for a 30-layer model)."""
+    import jax
+    return jax.jit(lambda a: a.swapaxes(-1, -2), out_shardings=out)
 
 
 def stored_maker(cfg: ModelConfig, path, kind: str):
     """`make(tree_path, variable)`: the variable with its weight as stored in the GGUF file
     `path` for the model `cfg` (`kv_heads.for_mesh`'s), or None where it is not taken (a
-    norm; a tensor of another type; a stack of layers of mixed types or code widths: each
-    stays float, quantized from its values by `LM.quantized(kind)`). The variable's array
-    (a loaded float one, or an abstract one) gives the shape and sharding. Every Q8_0, Q4_0
-    and Q4_1 projection, unembedding and embedding becomes a `kernels.Grouped` of the
-    file's own codes, scales and minimums, re-blocked into specjax's layout without
-    changing a value; with 'w4a8' or 'w8a8' it multiplies activations rounded to int8, as
-    llama.cpp multiplies them. The codes are placed as the float weight is, the scales and
-    minimums as `LM.quantized` places a grouped weight's; stacked layers (scan) take every
-    layer's blocks; duplicated kv heads repeat the file's heads' blocks as the float load
-    repeats their rows. Each process reads only the blocks of the boxes its own devices
-    hold (`hf.read_once`), once: codes, scales and minimums of a box come from one read of
-    its blocks, and scales held beyond a process's codes (a matrix with too few groups to
-    split) from their blocks' scale bytes alone. A column split inside a block reads that
-    block on both sides."""
-    import jax
+    norm; a tensor of a type with no codec; a stack of layers whose types keep different
+    forms: each stays float, quantized from its values by `LM.quantized(kind)`). The
+    variable's array (a loaded float one, or an abstract one) gives the shape and sharding.
+    Every projection, unembedding and embedding of a type in `gguf_codecs.CODECS` becomes a
+    `kernels.Grouped` of the file's own codes, scales, minimums and factors, re-blocked into
+    specjax's layout without changing a value; with 'w4a8' or 'w8a8' it multiplies
+    activations rounded to int8, as llama.cpp multiplies them. The codes are placed as the
+    float weight is, the scales and factors as `LM.quantized` places a grouped weight's;
+    stacked layers (scan) take every layer's blocks; duplicated kv heads repeat the file's
+    heads' blocks as the float load repeats their rows. Each process reads only the blocks
+    of the boxes its own devices hold (`hf.read_once`), once: codes and scales of a box
+    come from one read of its blocks, and scales held beyond a process's codes (a matrix
+    with too few groups to split) from their blocks' scale bytes alone. A column split
+    inside a block reads that block on both sides."""
     from jax.sharding import NamedSharding, PartitionSpec as P
 
     from specjax import kv_heads
@@ -635,70 +643,89 @@ def stored_maker(cfg: ModelConfig, path, kind: str):
     weights = GGUFWeights(open_file(path), kv_heads.original(cfg))
     activations = "int8" if kind in ("w4a8", "w8a8") else "float32"
     contracted = {**PROJECTIONS, "embed": (1, 2)}
-    hf_shapes = hf.expected_tensors(dataclasses.replace(cfg, scan_layers=False))
+    hf_shapes = hf.expected_tensors(dataclasses.replace(cfg, scan_layers=False), weights.tensors)
     c, H = cfg.kv_copies, cfg.head_dim
 
     def one(key: str, name: str, layer: Optional[int], layout: str, w) -> Optional[Grouped]:
         shape, where = tuple(w.shape), w.sharding
         stacked = layer is None and name.startswith("model.layers.")
         names = [name.format(i=i) for i in range(shape[0])] if stacked else [name.format(i=layer)]
-        types = {weights.file.type_name(gguf_name(n)) for n in names}
-        if not types <= set(LOSSLESS_TYPES) or len({t == "Q8_0" for t in types}) > 1:
-            return None  # one Grouped has one code width
+        types = {weights.file.type_name(weights.name(n)) for n in names}
+        if not types <= set(CODECS) or len({CODECS[t].form for t in types}) > 1:
+            return None  # one Grouped has one form
+        codec = CODECS[min(types)]
+        block = max(CODECS[t].block for t in types)
         lead = int(stacked)
         spec = tuple(where.spec) + (None,) * (len(shape) - len(where.spec))
         rows, cols = hf_shapes[names[0]]
-        G = -(-cols // BLOCK)
-        code_hf, scale_hf = (len(names),) * lead + (rows, cols), (len(names),) * lead + (rows, G)
-        code_at = NamedSharding(where.mesh, P(*spec[:lead], *hf.hf_spec(layout, spec[lead:])))
         transposed = layout == "same"
         axes = 1 if transposed else contracted[key.rsplit("/", 1)[-1]][0]
-        groups = group_sharding(where, lead, axes, len(shape), transposed,
-                                scale_hf if transposed else (len(names),) * lead + (G, rows))
-        g = tuple(groups.spec) + (None,) * (lead + 2 - len(groups.spec))
-        scale_at = groups if transposed else NamedSharding(where.mesh, P(*g[:lead], g[lead + 1], g[lead]))
+        # What is read, as Blocks fields, each [*lead, rows, width] in the file's layout, with the
+        # values each entry of a row covers.
+        units = {"codes": 1, "scale": codec.group * codec.per}
+        if codec.minimums:
+            units["low"] = units["scale"]
+        if codec.per > 1:
+            units.update({"scale_factor": codec.group, **({"low_factor": codec.group} if codec.minimums else {})})
         # Duplicated kv heads: the file's heads' blocks repeated as the float load repeats their rows.
         source = hf.kv_source(c, H, stacked) if kv_heads.is_kv(key) and c > 1 else None
 
-        boxes: dict = {}  # (layer name, rows, first block, last block) -> (code, scale, low) read for the codes
-        alone: dict = {}  # (layer name, rows, blocks) -> (None, scale, low) read from the scale bytes alone
+        boxes: dict = {}  # (layer name, rows, first block, last block) -> Blocks read for the codes
+        alone: dict = {}  # the same from the blocks' scale bytes alone
 
-        def read(part: int, box):
+        def read(part: str, box):
+            unit = units[part]
+
             def layer_box(n, r, cs):
-                if part == 0:  # the blocks covering the columns, then the columns' codes
-                    first, last = cs.start // BLOCK, -(-cs.stop // BLOCK)
-                    b = weights.tensor(n, (r, slice(first * BLOCK, min(last * BLOCK, cols))))
-                    boxes[n, r.start, r.stop, first, last] = arrays = _stored_arrays(b)
-                    return arrays[0][:, cs.start - first * BLOCK:cs.stop - first * BLOCK]
-                near = [(f, z) for (m, a, e, f, z) in boxes if (m, a, e) == (n, r.start, r.stop)
-                        and f <= cs.start and cs.stop <= z]
-                if near:
-                    f, z = near[0]
-                    return boxes[n, r.start, r.stop, f, z][part][:, cs.start - f:cs.stop - f]
-                at = (n, r.start, r.stop, cs.start, cs.stop)  # the minimums come with the scales
-                if at not in alone:
-                    alone[at] = (None, *weights.block_scales(n, (r, cs)))
-                return alone[at][part]
+                first, last = cs.start * unit // block, -(-min(cs.stop * unit, cols) // block)
+                skip = cs.start - first * block // unit
+                if part == "codes":  # the blocks covering the columns, then the columns' codes
+                    b = weights.tensor(n, (r, slice(first * block, min(last * block, cols))))
+                    boxes[n, r.start, r.stop, first, last] = b
+                else:
+                    near = [(f, z) for (m, a, e, f, z) in boxes if (m, a, e) == (n, r.start, r.stop)
+                            and f <= first and last <= z]
+                    if near:
+                        f, z = near[0]
+                        b, skip = boxes[n, r.start, r.stop, f, z], cs.start - f * block // unit
+                    else:
+                        at = (n, r.start, r.stop, first, last)
+                        if at not in alone:
+                            alone[at] = weights.block_scales(n, (r, slice(first, last)))
+                        b = alone[at]
+                return getattr(b, part)[:, skip:skip + cs.stop - cs.start]
             if not stacked:
                 return layer_box(names[0], *box)
             return np.stack([layer_box(names[i], *box[1:]) for i in range(box[0].start, box[0].stop)])
 
-        code, scale, low = (hf.read_once(at_shape, at, functools.partial(read, part), source)
-                            for part, at, at_shape in ((0, code_at, code_hf), (1, scale_at, scale_hf),
-                                                       (2, scale_at, scale_hf)))
-        code = hf._on_device(layout, shape, code.dtype, where)(code)
-        if not transposed:  # [*lead, rows, G] -> [*lead, G, N]
-            scale, low = (jax.jit(lambda a: a.swapaxes(-1, -2), out_shardings=groups)(a) for a in (scale, low))
+        arrays = {}
+        for part, unit in units.items():
+            width = -(-cols // unit)
+            hf_shape = (len(names),) * lead + (rows, width)
+            if part == "codes":
+                hf_at = NamedSharding(where.mesh, P(*spec[:lead], *hf.hf_spec(layout, spec[lead:])))
+                a = hf.read_once(hf_shape, hf_at, functools.partial(read, part), source)
+                arrays[part] = hf._on_device(layout, shape, a.dtype, where)(a)
+                continue
+            at = group_sharding(where, lead, axes, len(shape), transposed,
+                                hf_shape if transposed else (len(names),) * lead + (width, rows))
+            g = tuple(at.spec) + (None,) * (lead + 2 - len(at.spec))
+            hf_at = at if transposed else NamedSharding(where.mesh, P(*g[:lead], g[lead + 1], g[lead]))
+            a = hf.read_once(hf_shape, hf_at, functools.partial(read, part), source)
+            if not transposed:  # [*lead, rows, width] -> [*lead, width, N]
+                a = _swap_last(at)(a)
+            arrays[part] = a
         out = (shape[lead],) if transposed else tuple(shape[lead + axes:])
-        return Grouped(code, scale, low, out, transposed, bits=8 if types == {"Q8_0"} else 4,
-                       activations=activations)
+        return Grouped(arrays["codes"], arrays["scale"], arrays.get("low"), out, transposed, bits=codec.bits,
+                       activations=activations, group=codec.group, offset=codec.offset,
+                       scale_factor=arrays.get("scale_factor"), low_factor=arrays.get("low_factor"))
 
     def make(where, v):
         key, layer = hf._param_key(where)
         if key.rsplit("/", 1)[-1] not in contracted:
             return None
-        name, layout = hf.PARAMS[key]
-        made = one(key, name, layer, layout, v.value)
+        t = weights.tensors[key]
+        made = one(key, t.hf, layer, t.layout, v.value)
         return None if made is None else v.replace(made)
 
     return make
@@ -751,6 +778,30 @@ def _sentencepiece_merges(tokens: list[str], scores: list[float]) -> list[tuple[
     return [(a, b) for a, b, _ in merges]
 
 
+def _merge_pairs(f: GGUFFile, merges: list[str], vocab: dict) -> list[tuple[str, str]]:
+    """tokenizer.ggml.merges as pairs, each "a b" with a, b and ab in the vocabulary (what
+    tokenizers' BPE requires; refused in one line naming the merge otherwise)."""
+    pairs = []
+    for i, merge in enumerate(merges):
+        a, space, b = merge.partition(" ")
+        absent = [t for t in (a, b, a + b) if t not in vocab]
+        if not space or not a or not b or absent:
+            raise UsageError(f"{f.path}: metadata tokenizer.ggml.merges[{i}]={merge!r}: "
+                             + (f"names {absent[0]!r}, which tokenizer.ggml.tokens does not hold" if space and a and b
+                                else "must be two tokens joined by one space"))
+        pairs.append((a, b))
+    return pairs
+
+
+def _bpe(f: GGUFFile, vocab: dict, merges: list, **options):
+    from tokenizers import Tokenizer, models
+    try:
+        return Tokenizer(models.BPE(vocab=vocab, merges=merges, **options))
+    except Exception as e:  # noqa: BLE001 (tokenizers raises a bare Exception)
+        raise UsageError(f"{f.path}: the tokenizer.ggml.* metadata makes no BPE tokenizer "
+                         f"({str(e).splitlines()[0][:200]})") from None
+
+
 def build_tokenizer(f: GGUFFile):
     """(tokenizers.Tokenizer, {bos, eos, unk, pad ids}) from tokenizer.ggml.* metadata,
     built as transformers 5 builds a GGUF file's tokenizer: 'gpt2' = byte-level BPE with
@@ -758,47 +809,57 @@ def build_tokenizer(f: GGUFFile):
     BPE with byte fallback and a Metaspace pre-tokenizer; control tokens added as special
     tokens, user-defined ones as added tokens; BOS prepended when add_bos_token says so
     (SentencePiece files that do not say: yes)."""
-    from tokenizers import AddedToken, Regex, Tokenizer, decoders, models, pre_tokenizers, processors
-    kind = f.value("tokenizer.ggml.model")
-    tokens = f.value("tokenizer.ggml.tokens")
-    types = f.value("tokenizer.ggml.token_type") or [1] * len(tokens)
-    merges = f.value("tokenizer.ggml.merges")
+    from tokenizers import AddedToken, Regex, decoders, pre_tokenizers, processors
+    m = f.meta
+    family = arch.for_gguf(m.arch, f.path, required=False)
+    defined_ok = lambda t: True  # noqa: E731
+    kind = m.get("tokenizer.ggml.model", TEXT)
+    tokens = m.get("tokenizer.ggml.tokens", TEXTS)
+    types = m.per_token("tokenizer.ggml.token_type", INTS, len(tokens)) or [1] * len(tokens)
+    merges = m.get("tokenizer.ggml.merges", TEXTS, None)
     if kind == "gpt2":
         spelled = _byte_alphabet()
         alphabet = set(spelled.values())
         vocab = {t if set(t) <= alphabet else "".join(spelled[b] for b in t.encode("utf-8")): i
                  for i, t in enumerate(tokens)}
-        tok = Tokenizer(models.BPE(vocab=vocab, merges=[tuple(m.split(" ", 1)) for m in merges or []],
-                                   continuing_subword_prefix="", end_of_word_suffix="", fuse_unk=False))
-        split = PRE_TOKENIZER_SPLITS.get(f.value("tokenizer.ggml.pre"))
+        tok = _bpe(f, vocab, _merge_pairs(f, merges or [], vocab), continuing_subword_prefix="",
+                   end_of_word_suffix="", fuse_unk=False)
+        split = PRE_TOKENIZER_SPLITS.get(m.get("tokenizer.ggml.pre", TEXT, None))
         tok.pre_tokenizer = (pre_tokenizers.ByteLevel(add_prefix_space=False) if split is None else
                              pre_tokenizers.Sequence([pre_tokenizers.Split(Regex(split), behavior="isolated"),
                                                       pre_tokenizers.ByteLevel(add_prefix_space=False,
                                                                                use_regex=False)]))
         tok.decoder = decoders.ByteLevel()
-        add_bos = bool(f.value("tokenizer.ggml.add_bos_token", False))
+        add_bos = m.get("tokenizer.ggml.add_bos_token", BOOL, False)
         control_ok = lambda t: set(t) <= alphabet  # noqa: E731 (a byte-level vocabulary spells every real token so)
+    elif kind == "llama" and hasattr(family, "gguf_tokenizer"):  # a family's own SentencePiece pipeline (Gemma)
+        tok = family.gguf_tokenizer(tokens, lambda vocab, pairs, **options: _bpe(f, vocab, pairs, **options))
+        add_bos = m.get("tokenizer.ggml.add_bos_token", BOOL, True)
+        control_ok = lambda t: True  # noqa: E731
+        # transformers adds a user-defined token only under its spelling in the vocabulary
+        defined_ok = lambda t: tok.token_to_id(t) is not None  # noqa: E731
     elif kind == "llama":
-        scores = f.value("tokenizer.ggml.scores") or [0.0] * len(tokens)
-        pairs = [tuple(m.split(" ", 1)) for m in merges] if merges else _sentencepiece_merges(tokens, scores)
-        tok = Tokenizer(models.BPE(vocab={t: i for i, t in enumerate(tokens)}, merges=pairs, fuse_unk=True,
-                                   byte_fallback=True))
+        scores = m.per_token("tokenizer.ggml.scores", NUMBERS, len(tokens)) or [0.0] * len(tokens)
+        vocab = {t: i for i, t in enumerate(tokens)}
+        pairs = _merge_pairs(f, merges, vocab) if merges else _sentencepiece_merges(tokens, scores)
+        tok = _bpe(f, vocab, pairs, fuse_unk=True, byte_fallback=True)
         tok.pre_tokenizer = pre_tokenizers.Metaspace(replacement="\u2581", prepend_scheme="first", split=False)
         tok.decoder = decoders.Sequence([decoders.Replace("\u2581", " "), decoders.ByteFallback(), decoders.Fuse(),
                                          decoders.Strip(content=" ", left=1)])
-        add_bos = bool(f.value("tokenizer.ggml.add_bos_token", True))
+        add_bos = m.get("tokenizer.ggml.add_bos_token", BOOL, True)
         control_ok = lambda t: True  # noqa: E731
     else:
         raise UsageError(f"{f.path}: tokenizer.ggml.model={kind!r} is not supported; supported: gpt2 (byte-level "
                          "BPE), llama (SentencePiece)")
-    ids = {name: f.value(f"tokenizer.ggml.{name}_token_id") for name in ("bos", "eos", "unknown", "padding")}
-    ids = {k: int(v) for k, v in ids.items() if v is not None and 0 <= int(v) < len(tokens)}
+    ids = {name: m.token_id(f"tokenizer.ggml.{name}_token_id", len(tokens)) for name in ("bos", "eos", "unknown",
+                                                                                           "padding")}
+    ids = {k: v for k, v in ids.items() if v is not None}
     special = {ids[k] for k in ("bos", "eos", "unknown", "padding") if k in ids}
     tok.add_special_tokens([AddedToken(tokens[i], normalized=False, special=True) for i, t in enumerate(types)
                             if (t == CONTROL and control_ok(tokens[i])) or i in special])
     tok.add_tokens([AddedToken(tokens[i], normalized=False, special=False) for i, t in enumerate(types)
-                    if t == USER_DEFINED])
-    add_eos = bool(f.value("tokenizer.ggml.add_eos_token", False))
+                    if t == USER_DEFINED and defined_ok(tokens[i])])
+    add_eos = m.get("tokenizer.ggml.add_eos_token", BOOL, False)
     if (add_bos and "bos" in ids) or (add_eos and "eos" in ids):
         bos = [(tokens[ids["bos"]], ids["bos"])] if add_bos and "bos" in ids else []
         eos = [(tokens[ids["eos"]], ids["eos"])] if add_eos and "eos" in ids else []
@@ -813,15 +874,15 @@ def build_tokenizer(f: GGUFFile):
 def tokenizer(path) -> Optional[HFTokenizer]:
     """The tokenizer the file's metadata describes (None without `tokenizer.ggml.model`)."""
     f = open_file(path)
-    if f.value("tokenizer.ggml.model") is None or not f.value("tokenizer.ggml.tokens"):
+    if f.meta.get("tokenizer.ggml.model", TEXT, None) is None or not f.meta.get("tokenizer.ggml.tokens", TEXTS, None):
         return None
     tok, ids = build_tokenizer(f)
     eos = [ids["eos"]] if "eos" in ids else []
-    eot = f.value("tokenizer.ggml.eot_token_id")
-    stop = tuple(dict.fromkeys(eos + ([int(eot)] if eot is not None else [])))
+    eot = f.meta.token_id("tokenizer.ggml.eot_token_id", len(f.meta.get("tokenizer.ggml.tokens", TEXTS)))
+    stop = tuple(dict.fromkeys(eos + ([eot] if eot is not None else [])))
     return HFTokenizer.from_tokenizers(tok, f.path, bos_id=ids.get("bos"), eos_id=ids.get("eos"),
                                        pad_id=ids.get("padding"), stop_ids=stop,
-                                       chat_template=f.value("tokenizer.chat_template"))
+                                       chat_template=f.meta.get("tokenizer.chat_template", TEXT, None))
 
 
 def write_tokenizer(path, directory) -> None:

@@ -1,31 +1,17 @@
-"""Hugging Face Llama-family checkpoints: import a model directory as a sharded `LM`, and
-export an `LM` as a directory that transformers loads unchanged.
+"""Hugging Face checkpoints: import a model directory as a sharded `LM`, and export an
+`LM` as a directory that transformers loads unchanged.
 
 A directory holds `config.json`, `model.safetensors` (or shards listed in
 `model.safetensors.index.json`), a tokenizer (`tokenizer.json` and/or `tokenizer.model`,
-see `tokenizer.HFTokenizer`) and `generation_config.json`. Supported architectures:
-LlamaForCausalLM and MistralForCausalLM without a sliding window; default rotary or
-Llama 3.1's `llama3` frequency scaling; tied or untied embeddings; MHA, GQA or MQA.
+see `tokenizer.HFTokenizer`) and `generation_config.json`. Which architectures are read,
+how their config.json keys become a `ModelConfig` and where each param lives is the
+families' (`weights/arch/`: Llama, Mistral, Qwen2/2.5, Qwen3, Gemma 3); this module reads
+and writes the files for all of them.
 
-The mapping. transformers' nn.Linear stores W as [out, in] (y = x W^T); specjax keeps
-[in, out] with heads as their own axes:
-
-    model.embed_tokens.weight            [V, D]    -> embed [V, D]
-    model.layers.{i}.input_layernorm     [D]       -> layers[i].attn_norm.scale
-    model.layers.{i}.self_attn.q_proj    [N*H, D]  -> attn.wq [D, N, H]   (transpose, split heads)
-        k_proj, v_proj                   [K*H, D]  -> attn.wk, attn.wv [D, K, H]
-        o_proj                           [D, N*H]  -> attn.wo [N, H, D]   (transpose, split heads)
-    model.layers.{i}.post_attention_layernorm      -> layers[i].ffw_norm.scale
-    model.layers.{i}.mlp.gate_proj / up_proj [F, D] -> ffw.w_gate / ffw.w_in [D, F] (transposed)
-        down_proj                        [D, F]    -> ffw.w_out [F, D]
-    model.norm.weight                    [D]       -> final_norm.scale
-    lm_head.weight                       [V, D]    -> unembed [D, V] (absent when tied)
-
-q and k need no permutation: transformers' Llama rotates the halves (x[:H/2], x[H/2:])
-(rotate_half), the layout `model.rotary` uses (checked against transformers' logits by the
-tests' fixtures). The rest of the model is Llama's: no embedding scale (embed_scale=1),
-attention scale H^-0.5, query head n reads kv head n // (N/K), SwiGLU down(silu(gate x) *
-up x), no biases, RMSNorm with its weight applied after the cast (norm_weight_after_cast).
+The layouts. transformers' nn.Linear stores W as [out, in] (y = x W^T); specjax keeps
+[in, out] with heads as their own axes: a family's `Tensor.layout` says which of 'same',
+'transpose', 'heads_out' ([N*H, D] -> [D, N, H]), 'heads_in' ([D, N*H] -> [N, H, D]) or
+'heads' (a bias [N*H] -> [N, H]) turns the HF tensor into the param (`from_hf`, `to_hf`).
 
 Loading: every parameter is created directly as a sharded `jax.Array`, in the HF
 tensor's layout but partitioned so that each device gets exactly the elements of its own
@@ -48,6 +34,7 @@ import json
 import math
 import os
 import pathlib
+import re
 import shutil
 from typing import Any, Optional
 
@@ -60,31 +47,15 @@ from jax.sharding import NamedSharding, PartitionSpec as P
 from specjax import distributed, kv_heads, sharding
 from specjax.config import ConfigError, ModelConfig, UsageError, check_remote_support
 from specjax.model import LM, abstract_lm
-from specjax.weights import hf_files, safetensors_io
-from specjax.weights.hf_files import BOOL, INT, NUMBER, OBJECT, TEXT, TEXTS, Fields, show
+from specjax.weights import arch, hf_files, safetensors_io
+from specjax.weights.arch.common import LLAMA, Tensor
+from specjax.weights.hf_files import TEXT, Fields
 from specjax.weights.tokenizer import HFTokenizer, TokenizerError, load_hf_tokenizer
 
-ARCHITECTURES = {"LlamaForCausalLM": "llama", "MistralForCausalLM": "mistral"}
-ROPE_TYPES = ("default", "llama3")
 DTYPES = ("float32", "bfloat16", "float16")
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer.model", "tokenizer_config.json", "special_tokens_map.json")
 MAX_SHARD_BYTES = 5 << 30
-
-# specjax param (inside a layer, or global) -> (HF tensor, layout of the HF tensor).
-PARAMS = {
-    "embed": ("model.embed_tokens.weight", "same"),
-    "final_norm/scale": ("model.norm.weight", "same"),
-    "unembed": ("lm_head.weight", "transpose"),
-    "attn_norm/scale": ("model.layers.{i}.input_layernorm.weight", "same"),
-    "attn/wq": ("model.layers.{i}.self_attn.q_proj.weight", "heads_out"),
-    "attn/wk": ("model.layers.{i}.self_attn.k_proj.weight", "heads_out"),
-    "attn/wv": ("model.layers.{i}.self_attn.v_proj.weight", "heads_out"),
-    "attn/wo": ("model.layers.{i}.self_attn.o_proj.weight", "heads_in"),
-    "ffw_norm/scale": ("model.layers.{i}.post_attention_layernorm.weight", "same"),
-    "ffw/w_gate": ("model.layers.{i}.mlp.gate_proj.weight", "transpose"),
-    "ffw/w_in": ("model.layers.{i}.mlp.up_proj.weight", "transpose"),
-    "ffw/w_out": ("model.layers.{i}.mlp.down_proj.weight", "transpose"),
-}
+_LAYER = re.compile(r"model\.layers\.([0-9]+)\.")
 # Saved by some older transformers versions though computed from the config: not a weight.
 IGNORED_SUFFIXES = (".rotary_emb.inv_freq",)
 
@@ -98,6 +69,8 @@ def as_path(directory) -> epath.Path:
 
 def model_dir(directory) -> epath.Path:
     """`directory` as a path, refused (one line) unless it is a directory."""
+    if not os.fspath(directory).strip():
+        raise UsageError(f"{os.fspath(directory)!r}: an empty path, not a Hugging Face model directory")
     path = as_path(directory)
     if path.exists() and not path.is_dir():
         raise UsageError(f"{path}: is a file, not a Hugging Face model directory (give the directory that holds "
@@ -118,45 +91,11 @@ class HFModel:
     dtype: str  # the dtype the weights are stored in
     bos_id: Optional[int]
     eos_ids: tuple[int, ...]  # generation_config.json's eos_token_id (any of them ends a row)
+    family: str = "llama"  # its module in weights/arch/
 
-
-# transformers 5's config classes (LlamaConfig, MistralConfig): what a key means when
-# config.json lacks it, and which keys each architecture reads at all. Mistral applies
-# `sliding_window` whenever it is not null (4096 by default) and reads no
-# `use_sliding_window` and no bias flags (its projections have none); Llama reads no
-# sliding window.
-DEFAULTS = {"llama": dict(max_position_embeddings=2048, num_key_value_heads=None),
-            "mistral": dict(max_position_embeddings=4096 * 32, num_key_value_heads=8, sliding_window=4096)}
-SIZES = ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads")
-
-
-def _rope(f: Fields, max_len: int) -> dict:
-    """Rope settings, merged as transformers 5 merges them: a (legacy) `rope_scaling`
-    object wins over `rope_parameters`; its `rope_theta` wins over the top-level one
-    (default 1e4); for llama3 a top-level `original_max_position_embeddings` wins over
-    the object's, which defaults to max_position_embeddings."""
-    rope = f.section("rope_scaling" if f.get("rope_scaling", OBJECT.or_null(), None) else "rope_parameters")
-    theta = rope.get("rope_theta", NUMBER, None)
-    if theta is None:
-        theta = f.get("rope_theta", NUMBER, 10000.0)
-    rope_type = rope.get("rope_type", TEXT, None) or rope.get("type", TEXT, "default")
-    if rope_type not in ROPE_TYPES:
-        raise UsageError(f"{f.where}: rope scaling type {rope_type!r} is not supported; supported: "
-                         f"{', '.join(ROPE_TYPES)} (plain rotary and Llama 3.1's)")
-    partial = rope.get("partial_rotary_factor", NUMBER, None)
-    if partial is None:
-        partial = f.get("partial_rotary_factor", NUMBER, 1.0)
-    if partial != 1.0:
-        raise UsageError(f"{f.where}: partial_rotary_factor={partial}: only full rotary (1.0) is supported")
-    out = {"rope_theta": theta}
-    if rope_type == "llama3":
-        out.update(rope_scaling="llama3", rope_scaling_factor=rope.get("factor", NUMBER),
-                   rope_low_freq_factor=rope.get("low_freq_factor", NUMBER),
-                   rope_high_freq_factor=rope.get("high_freq_factor", NUMBER))
-        original = f.get("original_max_position_embeddings", INT, None)
-        out["rope_original_max_len"] = (original if original is not None else
-                                        rope.get("original_max_position_embeddings", INT, max_len))
-    return out
+    @property
+    def tensors(self) -> dict[str, Tensor]:
+        return getattr(arch, self.family).TENSORS
 
 
 def _stored_dtype(f: Fields) -> str:
@@ -164,61 +103,21 @@ def _stored_dtype(f: Fields) -> str:
     return f.get("dtype", TEXT.or_null(), None) or f.get("torch_dtype", TEXT.or_null(), None) or "float32"
 
 
-def _family(f: Fields) -> tuple[str, str]:
-    """(architecture class, 'llama' | 'mistral'). transformers builds the class that
-    model_type names; `architectures`, when given, must name the same one."""
-    archs = f.get("architectures", TEXTS.or_null(), None) or []
-    model_type = f.get("model_type", TEXT.or_null(), None)
-    arch = archs[0] if archs else {v: k for k, v in ARCHITECTURES.items()}.get(model_type, model_type)
-    if arch not in ARCHITECTURES:
-        raise UsageError(f"{f.where}: architecture {arch!r} is not supported; supported: "
-                         f"{', '.join(ARCHITECTURES)} (Llama family: rotary, SwiGLU, RMSNorm, no biases)")
-    family = ARCHITECTURES[arch]
-    if model_type is not None and model_type != family:
-        raise UsageError(f"{f.where}: architectures={show(archs)} but model_type={model_type!r}: transformers "
-                         f"builds the model model_type names; make them agree")
-    return arch, family
-
-
 def model_config(raw: dict, where: str = "config.json", *, param_dtype: Optional[str] = None,
                  compute_dtype: Optional[str] = None, scan_layers: bool = False) -> tuple[ModelConfig, str]:
-    """(ModelConfig, architecture) of a parsed config.json; refuses what specjax's model
-    cannot compute exactly, naming the key. dtypes default to the stored one."""
+    """(ModelConfig, architecture) of a parsed config.json, as its family reads it
+    (`arch.for_hf`); refuses what specjax's model cannot compute exactly, naming the key.
+    dtypes default to the stored one."""
     f = raw if isinstance(raw, Fields) else Fields(raw, where)
-    arch, family = _family(f)
-    defaults = DEFAULTS[family]
-    missing = [k for k in SIZES if k not in f]
-    if missing:
-        raise UsageError(f"{f.where}: missing {', '.join(missing)}")
-    V, D, F, L, N = (f.get(k, INT) for k in SIZES)
-    act = f.get("hidden_act", TEXT, "silu")
-    if act != "silu":
-        raise UsageError(f"{f.where}: hidden_act={act!r}: only 'silu' (SwiGLU) is supported")
-    if family == "llama":
-        for key in ("attention_bias", "mlp_bias"):
-            if f.get(key, BOOL, False):
-                raise UsageError(f"{f.where}: {key}=true: biases are not supported (Llama has none)")
-    max_len = f.get("max_position_embeddings", INT, defaults["max_position_embeddings"])
-    if family == "mistral":
-        window = f.get("sliding_window", INT.or_null(), defaults["sliding_window"])
-        if window is not None and window < max_len:
-            raise UsageError(f"{f.where}: sliding_window={window} is below max_position_embeddings={max_len}: "
-                             "sliding-window attention is not supported (Mistral v0.2 and later have none: "
-                             "sliding_window null)")
-    kv = f.get("num_key_value_heads", INT.or_null(), defaults["num_key_value_heads"])
-    head_dim = f.get("head_dim", INT.or_null(), None)
+    family, architecture = arch.for_hf(f)
+    fields = family.from_hf(f)
     stored = _stored_dtype(f)
     if stored not in DTYPES:
         raise UsageError(f"{f.where}: dtype {stored!r} is not supported; supported: {', '.join(DTYPES)}")
-    fields = dict(
-        vocab_size=V, d_model=D, num_layers=L, num_heads=N, num_kv_heads=N if kv is None else kv,
-        head_dim=D // max(N, 1) if head_dim is None else head_dim, d_ff=F, max_seq_len=max_len, ffw="swiglu",
-        pos_encoding="rope", tie_embeddings=f.get("tie_word_embeddings", BOOL, False),
-        norm_eps=f.get("rms_norm_eps", NUMBER, 1e-6), embed_scale=1.0, norm_weight_after_cast=True,
-        param_dtype=param_dtype or stored, compute_dtype=compute_dtype or param_dtype or stored,
-        scan_layers=scan_layers, **_rope(f, max_len))
+    fields.update(param_dtype=param_dtype or stored, compute_dtype=compute_dtype or param_dtype or stored,
+                  scan_layers=scan_layers)
     try:
-        return ModelConfig(**fields).validate(), arch
+        return ModelConfig(**fields).validate(), architecture
     except ConfigError as e:
         raise UsageError(f"{f.where}: {e}") from None
 
@@ -228,9 +127,9 @@ def read_config(directory, *, param_dtype: Optional[str] = None, compute_dtype: 
     """The directory's model and generation ids, from its JSON files alone (no weights read)."""
     directory = model_dir(directory)
     f = hf_files.read_json(directory / "config.json", "config.json describes the model")
-    cfg, arch = model_config(f, param_dtype=param_dtype, compute_dtype=compute_dtype, scan_layers=scan_layers)
+    cfg, architecture = model_config(f, param_dtype=param_dtype, compute_dtype=compute_dtype, scan_layers=scan_layers)
     bos, eos = hf_files.generation_ids(directory, cfg.vocab_size, fallback=f)
-    return HFModel(str(directory), cfg, arch, _stored_dtype(f), bos, eos or ())
+    return HFModel(str(directory), cfg, architecture, _stored_dtype(f), bos, eos or (), arch.name(arch.for_hf(f)[0]))
 
 
 def tokenizer(directory) -> Optional[HFTokenizer]:
@@ -266,7 +165,14 @@ def to_hf(layout: str, x: np.ndarray) -> np.ndarray:
         return x.T
     if layout == "heads_out":
         return x.reshape(x.shape[0], -1).T
+    if layout == "heads":
+        return x.reshape(-1)
     return x.reshape(-1, x.shape[-1]).T
+
+
+def hf_shape(layout: str, shape: tuple[int, ...]) -> tuple[int, ...]:
+    """The HF tensor's shape for a param of `shape` (one layer)."""
+    return tuple(to_hf(layout, np.empty(shape, np.bool_)).shape)
 
 
 def hf_spec(layout: str, spec: tuple) -> tuple:
@@ -279,13 +185,17 @@ def hf_spec(layout: str, spec: tuple) -> tuple:
         return spec[::-1]
     if layout == "heads_out":  # [D, N, H] <- [N*H, D]
         return (spec[1], spec[0])
+    if layout == "heads":  # [N, H] <- [N*H]
+        return (spec[0],)
     return (spec[2], spec[0])  # heads_in: [N, H, D] <- [D, N*H]
 
 
 def from_hf(layout: str, x, shape: tuple[int, ...]):
     """The specjax param of `shape` from the HF tensor `x` (numpy or jax, one layer or a
     leading layer axis): every layout but 'same' is the transpose of the last two axes,
-    then a reshape that splits N*H into (N, H)."""
+    then a reshape that splits N*H into (N, H); a bias ('heads') is the reshape alone."""
+    if layout == "heads":
+        return x.reshape(shape)
     return x if layout == "same" else x.swapaxes(-1, -2).reshape(shape)
 
 
@@ -308,21 +218,17 @@ def _param_key(path) -> tuple[str, Optional[int]]:
     return "/".join(map(str, keys)), None
 
 
-def expected_tensors(cfg: ModelConfig) -> dict[str, tuple[int, ...]]:
-    """{HF tensor name: shape}, in transformers' order, of a Llama model with this config."""
-    D, N, K, H, F, V = cfg.d_model, cfg.num_heads, cfg.num_kv_heads, cfg.head_dim, cfg.d_ff, cfg.vocab_size
-    out = {"model.embed_tokens.weight": (V, D)}
-    for i in range(cfg.num_layers):
-        p = f"model.layers.{i}."
-        out.update({p + "input_layernorm.weight": (D,), p + "self_attn.q_proj.weight": (N * H, D),
-                    p + "self_attn.k_proj.weight": (K * H, D), p + "self_attn.v_proj.weight": (K * H, D),
-                    p + "self_attn.o_proj.weight": (D, N * H), p + "post_attention_layernorm.weight": (D,),
-                    p + "mlp.gate_proj.weight": (F, D), p + "mlp.up_proj.weight": (F, D),
-                    p + "mlp.down_proj.weight": (D, F)})
-    out["model.norm.weight"] = (D,)
-    if not cfg.tie_embeddings:
-        out["lm_head.weight"] = (V, D)
-    return out
+def expected_tensors(cfg: ModelConfig, tensors: dict[str, Tensor] = LLAMA) -> dict[str, tuple[int, ...]]:
+    """{HF tensor name: shape} of the model `cfg` describes (every param it has), named by
+    a family's `tensors`, globals first, then layer by layer."""
+    one = abstract_lm(dataclasses.replace(cfg, scan_layers=False)).params
+    out: dict[str, tuple[int, ...]] = {}
+    for path, v in jax.tree_util.tree_flatten_with_path(one, is_leaf=_is_variable)[0]:
+        key, layer = _param_key(path)
+        t = tensors[key]
+        out[t.hf.format(i=layer)] = hf_shape(t.layout, tuple(v.value.shape))
+    order = lambda n: (n.startswith("model.layers."), int(n.split(".")[2]) if n.startswith("model.layers.") else 0)  # noqa: E731
+    return dict(sorted(out.items(), key=lambda kv: order(kv[0])))
 
 
 def _is_variable(x) -> bool:
@@ -381,10 +287,17 @@ class WeightFiles:
     def read(self, name: str, index=None) -> np.ndarray:
         return self.where[name].read(name, index)
 
-    def check(self, cfg: ModelConfig, directory) -> None:
-        """Every tensor the model needs is there with its shape and a float dtype, and
-        nothing is left over that the model would silently drop (biases, extra heads)."""
-        wanted = expected_tensors(cfg)
+    def check(self, cfg: ModelConfig, directory, tensors: dict[str, Tensor] = LLAMA) -> None:
+        """Every tensor the model needs (named by its family's `tensors`) is there with its
+        shape and a float dtype, and nothing is left over that the model would silently
+        drop (biases it lacks, extra heads)."""
+        # Before anything counts layers: a wrong count must not make a billion tensor names.
+        layers = {int(m[1]) for n in self.where if (m := _LAYER.match(n))}
+        if cfg.num_layers != len(layers) or (layers and max(layers) != cfg.num_layers - 1):
+            raise UsageError(f"{as_path(directory) / 'config.json'}: num_hidden_layers={cfg.num_layers}: the "
+                             f"safetensors files hold {len(layers)} layers"
+                             + (f" (model.layers.{min(layers)} .. model.layers.{max(layers)})" if layers else ""))
+        wanted = expected_tensors(cfg, tensors)
         missing = [n for n in wanted if n not in self.where]
         if missing:
             raise UsageError(f"{directory}: tensor {missing[0]} is missing from the safetensors files"
@@ -402,18 +315,18 @@ class WeightFiles:
         if extra:
             raise UsageError(f"{directory}: unexpected tensors {extra[:3]}"
                              + (f" and {len(extra) - 3} more" if len(extra) > 3 else "")
-                             + ": not a plain Llama-family checkpoint")
+                             + ": the model has no such weights")
 
     def close(self) -> None:
         for f in self.files.values():
             f.close()
 
 
-def check_weights(directory, cfg: ModelConfig) -> None:
+def check_weights(directory, cfg: ModelConfig, tensors: dict[str, Tensor] = LLAMA) -> None:
     """`WeightFiles.check` from the files' headers alone: bad weights fail before device work."""
     files = WeightFiles(directory)
     try:
-        files.check(cfg, directory)
+        files.check(cfg, directory, tensors)
     finally:
         files.close()
 
@@ -456,17 +369,20 @@ def read_once(shape: tuple[int, ...], sharding_: jax.sharding.Sharding, read, so
 
 
 def kv_source(c: int, head_dim: int, stacked: bool):
-    """`read_once`'s `source` for a k/v projection whose heads are duplicated c times: the
-    rows (heads, axis -2) of [cG*H, ...] read from the file's [G*H, ...] (`stacked`: a
-    leading layer axis), each head repeated as the duplication repeats it."""
+    """`read_once`'s `source` for a k/v projection or bias whose heads are duplicated c
+    times: the rows (heads: the first axis after a `stacked` layer axis) of [cG*H, ...]
+    read from the file's [G*H, ...], each head repeated as the duplication repeats it."""
+    axis = int(stacked)
+
     def source(index):
-        rows, expand = kv_heads.head_rows(index[-2], c, head_dim)
+        rows, expand = kv_heads.head_rows(index[axis], c, head_dim)
         post = (lambda x: np.stack([expand(y) for y in x])) if stacked else expand
-        return index[:-2] + (rows, index[-1]), post
+        return index[:axis] + (rows,) + index[axis + 1:], post
     return source
 
 
-def load_params(cfg: ModelConfig, mesh: jax.sharding.Mesh, files: WeightFiles, keep=None) -> LM:
+def load_params(cfg: ModelConfig, mesh: jax.sharding.Mesh, files: WeightFiles, keep=None,
+                tensors: dict[str, Tensor] = LLAMA) -> LM:
     """The LM whose params are the files' tensors. Each is created sharded on `mesh` in
     the HF layout from the boxes this process's devices hold, each byte range read once
     per process (`read_once`), then rearranged on the devices. With duplicated kv heads
@@ -474,10 +390,10 @@ def load_params(cfg: ModelConfig, mesh: jax.sharding.Mesh, files: WeightFiles, k
     heads each device's copies come from. `keep(path, variable)`, if given, is asked first
     for each param (its variable holds the abstract array: shape and sharding): a variable
     it returns is taken instead, and that tensor is not read as floats (a GGUF file's
-    quantized blocks kept as stored)."""
+    quantized blocks kept as stored). `tensors`: the family's names of the params."""
     abstract = abstract_lm(cfg, mesh)
     flat = dataclasses.replace(cfg, scan_layers=False)
-    hf_shapes = expected_tensors(flat)
+    hf_shapes = expected_tensors(flat, tensors)
     c, H = cfg.kv_copies, cfg.head_dim
 
     def make(path, v):
@@ -485,7 +401,7 @@ def load_params(cfg: ModelConfig, mesh: jax.sharding.Mesh, files: WeightFiles, k
         if kept is not None:
             return kept
         key, layer = _param_key(path)
-        name, layout = PARAMS[key]
+        name, layout = tensors[key].hf, tensors[key].layout
         shape, sharding_ = tuple(v.value.shape), v.value.sharding
         spec = tuple(sharding_.spec) + (None,) * (len(shape) - len(sharding_.spec))
         stacked = cfg.scan_layers and name.startswith("model.layers.")
@@ -528,13 +444,13 @@ def load_with_stats(directory, mesh, *, param_dtype=None, compute_dtype=None, sc
     tok = tokenizer(directory)
     files = WeightFiles(directory, local=local)
     try:
-        files.check(info.model, directory)
+        files.check(info.model, directory, info.tensors)
         cfg = kv_heads.for_mesh(info.model, mesh)
         sharding.check_divisible(cfg, mesh)
-        lm = load_params(cfg, mesh, files)
+        lm = load_params(cfg, mesh, files, tensors=info.tensors)
         jax.block_until_ready(lm.params)
         stats = {"bytes_read": files.bytes_read,
-                 "file_bytes": sum(files.info(n).nbytes for n in expected_tensors(info.model))}
+                 "file_bytes": sum(files.info(n).nbytes for n in expected_tensors(info.model, info.tensors))}
     finally:
         files.close()
     return lm, tok, stats
@@ -543,37 +459,25 @@ def load_with_stats(directory, mesh, *, param_dtype=None, compute_dtype=None, sc
 # --------------------------------------------------------------------------- export
 
 
-def exportable(cfg: ModelConfig) -> None:
-    """Raise UsageError when transformers' Llama cannot express the model."""
-    if cfg.ffw != "swiglu":
-        raise UsageError(f"cannot export a model with ffw={cfg.ffw!r} as Hugging Face Llama: Llama's MLP is "
-                         "SwiGLU (down(silu(gate x) * up x)) and no Llama config expresses a GELU MLP")
+def exportable(cfg: ModelConfig):
+    """The family (`weights/arch/`) whose transformers class expresses the model exactly;
+    UsageError naming what each family lacks where none does."""
     if cfg.pos_encoding != "rope":
-        raise UsageError(f"cannot export a model with pos_encoding={cfg.pos_encoding!r} as Hugging Face Llama: "
-                         "Llama has rotary positions only, no Transformer-XL relative position terms")
-    if cfg.tie_embeddings and cfg.input_embedding_scale != 1.0:
-        raise UsageError(f"cannot export a tied model whose input embeddings are scaled by "
-                         f"{cfg.input_embedding_scale:g} as Hugging Face Llama: Llama applies no embedding "
-                         "scale, and with one table for input and output the scale cannot be folded into it")
+        raise UsageError(f"cannot export a model with pos_encoding={cfg.pos_encoding!r} as a Hugging Face directory: "
+                         "the families have rotary positions only, no Transformer-XL relative position terms")
+    if cfg.parallel_draft:
+        raise UsageError(f"cannot export a parallel draft model (parallel_draft={cfg.parallel_draft}) as a Hugging Face "
+                         "directory: its mask token's input embedding is a row past the vocabulary, which no family's "
+                         "config expresses")
+    return arch.for_export(cfg)
 
 
 def hf_config(cfg: ModelConfig, bos_id: Optional[int] = None, eos_ids=()) -> dict:
-    """config.json for `cfg`, in the layout transformers 4.x and 5.x both read (top-level
-    rope_theta and rope_scaling)."""
-    scaling = None
-    if cfg.rope_scaling == "llama3":
-        scaling = {"rope_type": "llama3", "factor": cfg.rope_scaling_factor,
-                   "low_freq_factor": cfg.rope_low_freq_factor, "high_freq_factor": cfg.rope_high_freq_factor,
-                   "original_max_position_embeddings": cfg.rope_original_max_len}
+    """config.json for `cfg`, as its family writes it (rope settings in the layout
+    transformers 4.x and 5.x both read: top-level rope_theta and rope_scaling)."""
     eos = list(eos_ids)
-    return {"architectures": ["LlamaForCausalLM"], "model_type": "llama", "vocab_size": cfg.vocab_size,
-            "hidden_size": cfg.d_model, "intermediate_size": cfg.d_ff, "num_hidden_layers": cfg.num_layers,
-            "num_attention_heads": cfg.num_heads, "num_key_value_heads": cfg.num_kv_heads,
-            "head_dim": cfg.head_dim, "hidden_act": "silu", "max_position_embeddings": cfg.max_seq_len,
-            "rms_norm_eps": cfg.norm_eps, "rope_theta": cfg.rope_theta, "rope_scaling": scaling,
-            "tie_word_embeddings": cfg.tie_embeddings, "attention_bias": False, "mlp_bias": False,
-            "bos_token_id": bos_id, "eos_token_id": eos[0] if len(eos) == 1 else (eos or None),
-            "torch_dtype": cfg.param_dtype}
+    return {**exportable(cfg).to_hf(cfg), "bos_token_id": bos_id,
+            "eos_token_id": eos[0] if len(eos) == 1 else (eos or None), "torch_dtype": cfg.param_dtype}
 
 
 def check_export_dir(directory, flag: str = "export directory") -> epath.Path:
@@ -640,7 +544,8 @@ def _alive(pid: int) -> bool:
 
 def export(lm: LM, directory, *, tokenizer_dir=None, bos_id: Optional[int] = None, eos_ids=(),
            max_shard_bytes: int = MAX_SHARD_BYTES) -> epath.Path:
-    """Write `lm` as a Hugging Face Llama directory (config.json, generation_config.json,
+    """Write `lm` as a Hugging Face directory of the family that expresses it (`exportable`:
+    Llama, Qwen2, Qwen3, Gemma 3, ...; config.json, generation_config.json,
     safetensors in the params' dtype, and the tokenizer files of `tokenizer_dir` if
     given). Every process must call it (params are gathered tensor by tensor); process 0
     writes. An untied model's input-embedding scale is folded into the table.
@@ -656,7 +561,7 @@ def export(lm: LM, directory, *, tokenizer_dir=None, bos_id: Optional[int] = Non
                          "export the float model it was quantized from")
     lm = kv_heads.undo(lm)  # a model loaded with duplicated kv heads is written with its own
     cfg = lm.cfg
-    exportable(cfg)
+    family = exportable(cfg)
     distributed.agreed(lambda: check_export_dir(directory) and None)  # process 0 writes: its answer counts
     target = as_path(directory)
     remote = "://" in os.fspath(directory)
@@ -664,19 +569,17 @@ def export(lm: LM, directory, *, tokenizer_dir=None, bos_id: Optional[int] = Non
     source = {}  # HF name -> (param array, layer of a stacked param or None, layout, specjax key)
     for path, v in jax.tree_util.tree_flatten_with_path(lm.params, is_leaf=_is_variable)[0]:
         key, layer = _param_key(path)
-        name, layout = PARAMS[key]
+        name, layout = family.TENSORS[key].hf, family.TENSORS[key].layout
         if cfg.scan_layers and name.startswith("model.layers."):
             source.update({name.format(i=i): (v.value, i, layout, key) for i in range(cfg.num_layers)})
         else:
             source[name.format(i=layer)] = (v.value, None, layout, key)
-    tensors = [(name, dtype, shape) for name, shape in expected_tensors(cfg).items()]
+    tensors = [(name, dtype, shape) for name, shape in expected_tensors(cfg, family.TENSORS).items()]
 
     def value(name):
         array, stacked, layout, key = source[name]
         x = np.asarray(distributed.fetch(array[stacked] if stacked is not None else array))
-        if key == "embed" and cfg.input_embedding_scale != 1.0:
-            x = (x.astype(np.float32) * cfg.input_embedding_scale).astype(dtype)
-        return to_hf(layout, x)
+        return to_hf(layout, np.asarray(arch.to_hf_value(family, cfg, key, x), dtype))
 
     shards, size = [[]], 0
     for t in tensors:

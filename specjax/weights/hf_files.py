@@ -13,6 +13,8 @@ from __future__ import annotations
 import dataclasses
 import json
 import math
+import os
+import stat
 from typing import Any, Callable, Optional
 
 from specjax.config import UsageError
@@ -108,9 +110,35 @@ class Fields:
         return ids
 
 
+def special_file(mode: int) -> Optional[str]:
+    """What a path of this st_mode is when it is neither a regular file nor a directory
+    ('a named pipe', ...), else None."""
+    for test, words in ((stat.S_ISFIFO, "a named pipe"), (stat.S_ISCHR, "a character device"),
+                        (stat.S_ISBLK, "a block device"), (stat.S_ISSOCK, "a socket")):
+        if test(mode):
+            return words
+    return None if stat.S_ISREG(mode) or stat.S_ISDIR(mode) else "not a regular file"
+
+
+def check_regular(path) -> None:
+    """Refuse a local `path` that is there but is neither a regular file nor a directory:
+    reading a named pipe waits for a writer, a device never ends."""
+    text = os.fspath(path)
+    if "://" in text:
+        return
+    try:
+        mode = os.stat(text).st_mode
+    except OSError:
+        return  # absent or unreadable: the caller's own read says so
+    what = special_file(mode)
+    if what is not None:
+        raise UsageError(f"{text}: is {what}, not a file")
+
+
 def read_json(path, what: str = "", *, required: bool = True) -> Optional[Fields]:
     """The JSON object in `path` as `Fields`; None when it is absent and not `required`.
     A file that is not there, not a file, not UTF-8 JSON or not an object is a UsageError."""
+    check_regular(path)
     try:
         text = path.read_text(encoding="utf-8")
     except FileNotFoundError:

@@ -31,6 +31,7 @@ import numpy as np
 from etils import epath
 
 from specjax.config import UsageError
+from specjax.weights.hf_files import check_regular
 
 DTYPES = {"F64": np.float64, "F32": np.float32, "F16": np.float16, "BF16": ml_dtypes.bfloat16,
           "I64": np.int64, "I32": np.int32, "I16": np.int16, "I8": np.int8, "U8": np.uint8, "BOOL": np.bool_}
@@ -66,6 +67,7 @@ class SafetensorsFile:
         self.local = is_local(path) if local is None else local
         self.bytes_read = 0
         self._fd = None
+        check_regular(path)
         try:
             size = self.path.stat().length
             with self.path.open("rb") as f:

@@ -34,11 +34,10 @@ import re
 import jax
 from flax import nnx
 
-from specjax.config import UsageError
+from specjax.config import QUANTIZATIONS, UsageError
 from specjax.kernels.formats import A8_KINDS, Grouped, is_quantized
 from specjax.model import LM, SelfDraft, Transformer, Keys
 
-QUANTIZED = ("int8", "int4", "w4a8", "w8a8")  # model.QUANTIZE
 FORMS = ("layers:N (the target's first N layers), int8, int4, w4a8 or w8a8 (its quantized copy), or both joined "
          "by '+' "
          "(int8+layers:N)")
@@ -70,12 +69,12 @@ def parse(text: str, name: str = "--self_draft") -> Spec:
                          "`bench --self_draft` compares a comma-separated list")
     layers = quantize = None
     for form in forms:
-        if form in QUANTIZED:
+        if form in QUANTIZATIONS:
             if quantize is not None:
                 raise UsageError(f"{name}={text!r}: a quantized form given twice; expected {FORMS}")
             quantize = form
             continue
-        match = re.fullmatch(r"layers:(\d+)", form)
+        match = re.fullmatch(r"layers:([0-9]+)", form)  # not \d: it matches every script's digits
         if match is None or layers is not None:
             why = "layers given twice" if match is not None else f"unknown form {form!r}"
             raise UsageError(f"{name}={text!r}: {why}; expected {FORMS}")

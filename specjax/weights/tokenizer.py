@@ -260,6 +260,7 @@ class HFTokenizer:
         if (directory / "tokenizer.json").exists():
             import tokenizers
             self.path = directory / "tokenizer.json"
+            hf_files.check_regular(self.path)
             try:
                 self._impl = tokenizers.Tokenizer.from_str(self.path.read_text(encoding="utf-8"))
             except Exception as e:  # noqa: BLE001 (any parse failure is a bad file)
@@ -278,6 +279,8 @@ class HFTokenizer:
         self.pad_id = self._special_id(_token_content(config, "pad_token"), generation_pad and generation_pad[0])
         template = config.get("chat_template", (hf_files.TEXT | hf_files.TEMPLATES).or_null(), None)
         self.chat_template = template if isinstance(template, str) else None  # several named ones: none used
+        if (directory / "chat_template.jinja").exists():  # transformers 5 saves it beside tokenizer_config.json
+            self.chat_template = (directory / "chat_template.jinja").read_text(encoding="utf-8")
 
     def _special_id(self, content: Optional[str], fallback) -> Optional[int]:
         found = self._impl.token_to_id(content) if content else None
@@ -301,8 +304,44 @@ class HFTokenizer:
         give the same ids the same meaning."""
         return self._impl.get_vocab(with_added_tokens=True)
 
+    def render_chat(self, messages: Sequence[dict], add_generation_prompt: bool = True, **variables) -> str:
+        """`messages` ([{"role", "content"}, ...]) as the model's chat template renders them
+        (`render_chat`), its special tokens given as transformers gives them (bos_token,
+        eos_token, ...). Encode the text with `encode`: the template writes the BOS itself."""
+        if not self.chat_template:
+            raise UsageError(f"{self.path}: the tokenizer has no chat template")
+        name = lambda i: None if i is None else self._impl.id_to_token(i)  # noqa: E731
+        specials = {"bos_token": name(self.bos_id), "eos_token": name(self.eos_id), "pad_token": name(self.pad_id)}
+        return render_chat(self.chat_template, messages, add_generation_prompt=add_generation_prompt,
+                           **{k: v for k, v in specials.items() if v is not None}, **variables)
+
     def __repr__(self) -> str:
         return f"HFTokenizer({str(self.path)!r}, vocab_size={self.vocab_size})"
+
+
+def render_chat(template: str, messages: Sequence[dict], add_generation_prompt: bool = True, **variables) -> str:
+    """A chat through its Jinja template, rendered as transformers' apply_chat_template
+    renders it: a sandboxed environment (the template comes with the weights: untrusted)
+    with trim_blocks and lstrip_blocks, `raise_exception`, a `tojson` that leaves non-ASCII
+    text alone; a template error is a UsageError of one line."""
+    import json
+
+    import jinja2
+    import jinja2.ext
+    from jinja2.sandbox import ImmutableSandboxedEnvironment
+
+    def raise_exception(message):
+        raise jinja2.exceptions.TemplateError(message)
+
+    env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True, extensions=[jinja2.ext.loopcontrols])
+    env.filters["tojson"] = lambda x, ensure_ascii=False, indent=None, separators=None, sort_keys=False: json.dumps(
+        x, ensure_ascii=ensure_ascii, indent=indent, separators=separators, sort_keys=sort_keys)
+    env.globals["raise_exception"] = raise_exception
+    try:
+        return env.from_string(template).render(messages=list(messages), add_generation_prompt=add_generation_prompt,
+                                                **variables)
+    except jinja2.exceptions.TemplateError as e:
+        raise UsageError(f"the chat template refused the messages: {e}") from None
 
 
 def load_hf_tokenizer(directory) -> Optional[HFTokenizer]:
@@ -332,6 +371,8 @@ class _SentencePieceAsTransformers:
     def __init__(self, path, config):
         from specjax.weights.hf_files import BOOL
         from sentencepiece import sentencepiece_model_pb2
+        from specjax.weights import hf_files
+        hf_files.check_regular(path)
         try:
             proto = sentencepiece_model_pb2.ModelProto.FromString(path.read_bytes())
             proto.normalizer_spec.add_dummy_prefix = False

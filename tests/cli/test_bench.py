@@ -41,8 +41,23 @@ def test_bench_writes_json_and_png(tmp_path):
     # first tokens and every row's rate after them are reported.
     assert report["first_token_ms"] > 0
     assert all(np.isfinite(row["ms_per_token_after_first"]) for row in [report["ars"], *report["sps"]])
-    assert [row["batch"] for row in report["batch"]] == [2]
+    # The batch rows run every variant compared (they ran the config's drafter alone).
+    assert [(row["batch"], row["drafter"], row["verify"]) for row in report["batch"]] == [
+        (2, "model", "tokenwise"), (2, "model", "block"), (2, "ngram", "tokenwise"), (2, "ngram", "block")]
     assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+def test_batch_rows_run_the_drafter_asked_for_not_the_configs(tmp_path):
+    """tiny_medusa's own drafter is medusa; --drafter=ngram ran a whole bench, then its
+    batch row asked for Medusa heads and failed."""
+    out = tmp_path / "bench.json"
+    env = dict(os.environ, XLA_FLAGS=xla_flags(1), JAX_PLATFORMS="cpu")
+    proc = subprocess.run([sys.executable, "-m", "specjax.bench", "--config=tiny_medusa", "--init=random",
+                           "--drafter=ngram", "--lookahead=2", "--batch_sizes=1,2", "--num_prompts=1",
+                           "--prompt_len=5", "--max_new_tokens=4", "--repeats=1", f"--json={out}"],
+                          capture_output=True, text=True, env=env, timeout=600)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    assert [(row["batch"], row["drafter"]) for row in json.loads(out.read_text())["batch"]] == [(2, "ngram")]
 
 
 def ars_result(seconds: float, new: int) -> Result:
@@ -79,6 +94,24 @@ def test_bench_compares_draft_heads(tmp_path):
     assert all(row["tokens_per_loop"] >= 1 for row in rows)
 
 
+@pytest.mark.slow
+def test_bench_compares_chains_and_dynamic_trees(tmp_path):
+    """--draft_tree=chains,dynamic: one line each for the draft model and a random EAGLE
+    layer, the dynamic ones scored as a pass over the tree's N + 1 nodes."""
+    out = tmp_path / "bench.json"
+    env = dict(os.environ, XLA_FLAGS=xla_flags(1), JAX_PLATFORMS="cpu")
+    proc = subprocess.run([sys.executable, "-m", "specjax.bench", "--config=tiny", "--init=random", "--lookahead=2",
+                           "--num_prompts=1", "--prompt_len=5", "--max_new_tokens=8", "--repeats=1",
+                           "--drafter=model,eagle", "--draft_tree=chains,dynamic", "--tree_nodes=4", f"--json={out}"],
+                          capture_output=True, text=True, env=env, timeout=900)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    report = json.loads(out.read_text())
+    assert [(row["drafter"], row["draft_tree"]) for row in report["sps"]] == [
+        ("model", "chains"), ("model", "dynamic"), ("eagle", "chains"), ("eagle", "dynamic")]
+    assert all(row["tokens_per_loop"] >= 1 for row in report["sps"])
+    assert "dynamic 4" in report["target_scoring_ms"] and "dynamic tree of 4" in proc.stdout
+
+
 @pytest.mark.parametrize("args, fragment", [
     (["--lookahead=0,2"], "--lookahead='0,2'"),
     (["--num_prompts=0"], "--num_prompts=0: must be a positive integer"),
@@ -89,7 +122,7 @@ def test_bench_compares_draft_heads(tmp_path):
     (["--draft_confidence=0,1.5"], "--draft_confidence='0,1.5'"),
     (["--drafter=retrieval"], "--drafter=retrieval needs --datastore=PATH"),
     (["--num_drafts=0,2"], "--num_drafts='0,2'"),
-    (["--drafter=ngram", "--num_drafts=2"], "leave nothing to compare"),
+    (["--drafter=ngram", "--num_drafts=2"], "--drafter=ngram: nothing to measure: --num_drafts=2 needs several"),
     (["--drafter=model", "--datastore=/nonexistent.npz"], "--datastore is used only by --drafter=retrieval or hybrid"),
     (["--drafter=model,ngram", "--datastore=/nonexistent.npz"], "(got --drafter=model,ngram)"),
     (["--drafter=retrieval", "--datastore=/nonexistent.npz"], "no such file"),  # sample's checks (locate)
@@ -100,14 +133,26 @@ def test_bench_compares_draft_heads(tmp_path):
     (["--num_drafts=32", "--lookahead=2"], "num_drafts=32: must be an integer in [1, 16]"),
     (["--num_drafts=2,16", "--lookahead=2,8"], "num_drafts=16 x lookahead=8 = 128 tree nodes: at most 64"),
     ([f"--hf_target={ROOT / 'tests' / 'fixtures' / 'hf' / 'pair_target'}", "--init=checkpoint"],
-     "--drafter=model|hybrid needs a draft: pass --hf_draft=DIR"),
+     "--drafter=model needs a draft: pass --hf_draft=DIR"),
     (["--self_draft=layers:1,layers:2"], "--self_draft='layers:2': layers:N needs N in 1..1"),
     (["--self_draft=layers:1,,layers:1"], "expected comma-separated self-drafts"),
     (["--self_draft=int4+int8"], "a quantized form given twice"),
     (["--self_draft=int4", "--quantize=int4"], "--self_draft='int4' with --quantize=int4: the target is int4 already"),
     (["--self_draft=layers:1", "--hf_draft=/tmp"], "--self_draft='layers:1' and --hf_draft both name the draft"),
-    (["--drafter=medusa", "--lookahead=2,5"], "--lookahead=2,5: the Medusa heads propose at most 4 tokens a loop"),
-    (["--drafter=eagle", "--num_drafts=2"], "leave nothing to compare"),
+    (["--drafter=medusa", "--lookahead=2,5"], "--lookahead=5 with --drafter=medusa: it proposes at most 4 tokens"),
+    (["--drafter=eagle", "--num_drafts=2"], "--drafter=eagle: nothing to measure: --num_drafts=2 needs several "
+                                            "chains, which only model, hybrid, medusa draw"),
+    # Every value asked for is measured, or refused (item 5 of the fourth hostile round).
+    (["--drafter=model,ngram", "--draft_confidence=0.5"], "--drafter=ngram: nothing to measure"),
+    (["--drafter=eagle,medusa", "--num_drafts=2"], "--drafter=eagle: nothing to measure"),
+    (["--drafter=ngram", "--self_draft=layers:1,int8"], "--self_draft=layers:1,int8 names a draft model, and "
+                                                        "--drafter=ngram uses none"),
+    (["--draft_tree=chains,grown"], "--draft_tree='chains,grown'"),
+    (["--draft_tree=dynamic", "--tree_nodes=99"], "tree_nodes=99: must be an integer in [1, 64]"),
+    (["--drafter=ngram", "--draft_tree=dynamic"], "--drafter=ngram: nothing to measure: --draft_tree=dynamic needs "
+                                                  "a drafter that grows trees"),
+    (["--drafter=model,ngram", "--draft_tree=chains,dynamic", "--num_drafts=2"], "--draft_tree=dynamic: none of"),
+    (["--tree_nodes=4"], "--tree_nodes=4 applies to a dynamic draft tree"),
 ])
 def test_bench_rejects_bad_input_before_any_work(args, fragment):
     init = [] if any(a.startswith("--init=") for a in args) else ["--init=random"]

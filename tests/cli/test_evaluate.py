@@ -31,6 +31,25 @@ def test_truncate_completion_stops_at_the_next_top_level_statement():
     assert tasks.truncate_completion("    y = 2\n    return y") == "    y = 2\n    return y"
 
 
+def test_a_chat_answer_is_read_from_its_first_code_block():
+    """--chat: the program run is the prompt, then the answer's code block (which defines
+    the function again); prose around it, or a second block, is not run."""
+    prompt = "def add(a, b):\n    \"\"\"Add.\"\"\"\n"
+    answer = ("Here it is:\n```python\ndef add(a, b):\n    return a + b\n```\nAnd a test:\n```python\n"
+              "assert add(1, 2) == 4\n```")
+    body = tasks.completion(answer, chat=True)
+    assert body == "\ndef add(a, b):\n    return a + b\n"
+    namespace = {}
+    exec(prompt + body, namespace)  # noqa: S102 -- the test's own two lines
+    assert namespace["add"](1, 2) == 3
+    assert tasks.completion("no code here", chat=True) == ""
+    assert tasks.completion("```\nx = 1", chat=True) == "\nx = 1\n"  # a block cut by the budget
+    # An answer that opens with the code and closes a fence it never opened, then an example.
+    assert tasks.completion("def add(a, b):\n    return a + b\n```\n\n```python\nprint(add(1, 2))\n```",
+                            chat=True) == "\ndef add(a, b):\n    return a + b\n"
+    assert tasks.completion("    return a + b\ndef g():", chat=False) == "    return a + b"
+
+
 def test_pass_at_k_matches_the_binomial_formula():
     # 1 - C(n-c, k) / C(n, k), by hand.
     assert metrics.pass_at_k([True, False], 1) == pytest.approx(0.5)
@@ -210,7 +229,53 @@ def test_weights_from_a_hugging_face_directory_with_a_self_draft(text_pair):
     assert result["hf_target"] == str(hf) and result["self_draft"] == "layers:1"
     greedy = result["settings"][1]
     assert greedy["name"] == "greedy" and all(r["ars"]["text"] == r["sps"]["text"] for r in greedy["samples"])
-    assert_one_line(no_draft, 2, ["no draft model", "--hf_draft=DIR", "--self_draft=layers:N"])
+    assert_one_line(no_draft, 2, ["needs a draft", "--hf_draft=DIR", "--self_draft=layers:N"])
+    # A prompt starts as the tokenizer starts one (as sample encodes it): this one's BOS
+    # (config.json's bos_token_id), where evaluate put an EOS before every prompt.
+    bos, eos = (json.loads((hf / "config.json").read_text())[k] for k in ("bos_token_id", "eos_token_id"))
+    assert {r["prompt_tokens"][0] for r in greedy["samples"]} == {bos} != {eos}
+
+
+def test_a_tokenizer_without_eos_runs_to_the_budget(text_pair):
+    """A Hugging Face directory that names no EOS anywhere: evaluate stops on nothing but
+    the budget (it crashed on `None + list`)."""
+    base, env, _ = text_pair
+    src, hf = ROOT / "tests" / "fixtures" / "hf" / "llama_gqa", base / "no_eos"
+    hf.mkdir()
+    for f in src.iterdir():
+        data = f.read_bytes()
+        if f.name in ("config.json", "generation_config.json", "tokenizer_config.json"):
+            data = json.dumps({k: v for k, v in json.loads(data).items()
+                               if k not in ("eos_token_id", "eos_token")}).encode()
+        (hf / f.name).write_bytes(data)
+    docs = base / "no_eos_docs.jsonl"
+    docs.write_text("".join(json.dumps({"document": d, "summary": t}) + "\n" for d, t in [("x = 1", "One."),
+                                                                                      ("y = 2", "Two.")]))
+    out = base / "no_eos.json"
+    [proc] = run_many("specjax.evaluate", [([f"--hf_target={hf}", "--self_draft=layers:1", "--task=xsum",
+                                             f"--xsum_file={docs}", "--max_new_tokens=4", "--noprogress",
+                                             f"--output={out}"], {})], env=env, cwd=ROOT)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    assert all(r[m]["num_new"] == 4 for s in json.loads(out.read_text())["settings"] for r in s["samples"]
+               for m in ("ars", "sps"))
+
+
+def test_ars_is_autoregressive_whatever_the_drafter(text_pair):
+    """With a lookup drafter (ngram) the ArS side ran n-gram SpS too: a draft=None run of
+    a drafter that needs no draft is speculative. ArS makes one token per loop."""
+    base, env, args = text_pair
+    docs = base / "ngram_docs.jsonl"
+    docs.write_text("".join(json.dumps({"document": "x = 1\nx = 1\nx = 1", "summary": t}) + "\n"
+                            for t in ("Ones.", "Still ones.")))
+    out = base / "ngram.json"
+    target_only = [a for a in args if not a.startswith("--draft_checkpoint=")]  # a lookup draws from no draft
+    [proc] = run_many("specjax.evaluate", [([*target_only, "--drafter=ngram", "--task=xsum", f"--xsum_file={docs}",
+                                             "--max_new_tokens=8", f"--output={out}"], {})], env=env, cwd=ROOT)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    for setting in json.loads(out.read_text())["settings"]:
+        assert setting["modes"]["ars"]["tokens"] == setting["modes"]["ars"]["loops"] > 0
+        assert all(r["ars"]["loops"] == r["ars"]["num_new"] and "proposed" not in r["ars"] for r in setting["samples"])
+        assert all("proposed" in r["sps"] for r in setting["samples"])
 
 
 def test_humaneval_end_to_end_with_execution(text_pair):
@@ -293,10 +358,12 @@ BAD = [
     (["--task=xsum", "--config.sampling.ngram=1000"], ["ngram=1000", "[1, 16]"]),
     (["--task=xsum", "--config.sampling.drafter=ngram", "--config.sampling.ngram=12", "--max_new_tokens=4",
       "--config.target.max_seq_len=8", "--config.draft.max_seq_len=8"], ["ngram=12", "context of 8 tokens"]),
-    (["--task=xsum", "--config.sampling.drafter=retrieval"], ["drafter='retrieval' needs a datastore"]),
+    (["--task=xsum", "--config.sampling.drafter=retrieval"], ["--drafter=retrieval needs --datastore=PATH"]),
     (["--task=xsum", "--config.sampling.num_drafts=32"], ["num_drafts=32", "[1, 16]"]),
     (["--task=xsum", "--num_drafts=32"], ["num_drafts=32", "[1, 16]"]),  # the flag is the field's alias
-    (["--task=xsum", "--drafter=retrieval"], ["drafter='retrieval' needs a datastore"]),
+    (["--task=xsum", "--drafter=retrieval"], ["--drafter=retrieval needs --datastore=PATH"]),
+    (["--task=xsum", "--drafter=ngram", "--draft_confidence=0.5"], ["draft_confidence=0.5 with drafter='ngram'"]),
+    (["--task=xsum", "--quantize=int3"], ["--quantize=int3"]),
     (["--task=xsum", "--verify=tree"], ["--verify", "block", "tokenwise"]),
 ]
 
@@ -305,7 +372,10 @@ BAD = [
 def bad_runs(text_pair):
     """All bad-input runs, forked from one process that imported specjax once."""
     _, env, args = text_pair
-    return run_many("specjax.evaluate", [([*args, *case[0]], {}) for case in BAD], env=env, cwd=ROOT)
+    def lookup(case):  # a lookup drafter draws from no draft: the pair's draft checkpoint is not passed
+        return any(a.endswith(("drafter=ngram", "drafter=retrieval")) for a in case[0])
+    return run_many("specjax.evaluate", [([*(a for a in args if not (lookup(case) and a.startswith("--draft_ch"))),
+                                           *case[0]], {}) for case in BAD], env=env, cwd=ROOT)
 
 
 @pytest.mark.parametrize("case", range(len(BAD)), ids=[" ".join(b[0]) for b in BAD])

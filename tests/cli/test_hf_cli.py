@@ -18,6 +18,7 @@ import pytest
 from safetensors.numpy import load_file, save_file
 
 from clitools import assert_one_line, cli_env, run_many, xla_flags
+from gguf_edit import named_pipe
 
 ROOT = pathlib.Path(__file__).resolve().parents[2]
 FIXTURES = ROOT / "tests" / "fixtures" / "hf"
@@ -231,7 +232,7 @@ def bad(tmp_path_factory):
     (d / "generation_config.json").write_text(json.dumps({"bos_token_id": 0, "eos_token_id": [1, None]}))
     d = copy_model("llama_gqa", base / "tokenizer_config_broken")
     (d / "tokenizer_config.json").write_text('{"bos_token": ')
-    copy_model("mistral", base / "mistral_window", sliding_window=64, use_sliding_window=False)
+    copy_model("gemma3", base / "gemma_vision", architectures=["Gemma3ForConditionalGeneration"], model_type="gemma3")
     copy_model("pair_target", base / "short_context", max_position_embeddings=8)
     d = copy_model("pair_target", base / "eos_text")
     (d / "generation_config.json").write_text(json.dumps({"bos_token_id": 0, "eos_token_id": ["a"]}))
@@ -248,6 +249,11 @@ def bad(tmp_path_factory):
         d = copy_model("pair_target", base / name)
         (d / inner).unlink()
         (d / inner).mkdir()
+    for name, inner in (("config_pipe", "config.json"), ("weights_pipe", "model.safetensors")):
+        d = copy_model("pair_target", base / name)
+        (d / inner).unlink()
+        named_pipe(d / inner)
+    copy_model("pair_target", base / "layers_huge", num_hidden_layers=10**9)
     return base
 
 
@@ -307,8 +313,8 @@ BAD_INPUTS = [  # (name, args, fragments of the one error line)
      ["tokenizer_config_broken/tokenizer_config.json: not valid JSON"]),
     ("architectures a string", ["--hf_target={bad}/arch_string", "--mode=ars"],
      ["config.json: architectures=\"LlamaForCausalLM\": must be a list of strings or null"]),
-    ("mistral window despite use_sliding_window", ["--hf_target={bad}/mistral_window", "--mode=ars"],
-     ["sliding_window=64 is below max_position_embeddings=256"]),
+    ("a vision tower", ["--hf_target={bad}/gemma_vision", "--mode=ars"],
+     ["architecture 'Gemma3ForConditionalGeneration' is not supported: it has a vision tower"]),
     ("generation eos not ids", ["--hf_target={bad}/eos_text", "--mode=ars"],
      ["generation_config.json: eos_token_id=[\"a\"]: must be an integer or a list of integers or null"]),
     ("index entry not a file name", ["--hf_target={bad}/index_number", "--mode=ars"],
@@ -323,6 +329,13 @@ BAD_INPUTS = [  # (name, args, fragments of the one error line)
                                   "--lookahead=2"], ["ngram=12", "context of 8 tokens"]),
     ("mesh does not divide", [PAIR, "--mode=ars", "--mesh=1x8"],
      ["num_heads=4 is not divisible by the 'model' mesh axis of size 8"]),
+    ("config.json a named pipe", ["--hf_target={bad}/config_pipe", "--mode=ars"],
+     ["config_pipe/config.json: is a named pipe, not a file"]),
+    ("model.safetensors a named pipe", ["--hf_target={bad}/weights_pipe", "--mode=ars"],
+     ["weights_pipe/model.safetensors: is a named pipe, not a file"]),
+    ("num_hidden_layers 1e9", ["--hf_target={bad}/layers_huge", "--mode=ars"],
+     ["layers_huge/config.json: num_hidden_layers=1000000000: the safetensors files hold 2 layers"]),
+    ("empty hf_target", ["--hf_target=", "--mode=ars"], ["'': an empty path, not a Hugging Face model directory"]),
     # etils reads gs:// through fsspec, which raises ImportError from deep inside without gcsfs.
     ("gs:// without gcsfs", ["--hf_target=gs://bkt/Llama-3.1-70B", "--mode=ars"],
      ["gs://bkt/Llama-3.1-70B", "needs the gcsfs package", "pip install 'specjax[gcs]'"]),
@@ -331,8 +344,9 @@ BAD_INPUTS = [  # (name, args, fragments of the one error line)
 
 @pytest.fixture(scope="module")
 def bad_runs(env, bad):
-    cases = [(["--prompt_tokens=0,5,6", "--max_new_tokens=16", *[a.format(bad=bad) for a in args]], {})
-             for _, args, _ in BAD_INPUTS]
+    limited = {"num_hidden_layers 1e9": {"CLITOOLS_RLIMIT_AS": str(6 << 30)}}  # a regression: MemoryError, not OOM
+    cases = [(["--prompt_tokens=0,5,6", "--max_new_tokens=16", *[a.format(bad=bad) for a in args]],
+              limited.get(name, {})) for name, args, _ in BAD_INPUTS]
     return dict(zip((c[0] for c in BAD_INPUTS), run_many(
         "specjax.sample", cases, env={**env, "XLA_FLAGS": xla_flags(8)}, cwd=ROOT)))
 

@@ -6,6 +6,7 @@ import pathlib
 import stat
 
 import pytest
+from clitools import read_only
 
 from specjax.app.cli import RunError
 from specjax.app.output import JsonlWriter, check_writable, save
@@ -35,6 +36,20 @@ def test_check_writable_refuses_to_overwrite_an_input(tmp_path):
     prompts.write_text("{}\n")
     with pytest.raises(UsageError, match="destroy the input"):
         check_writable(str(tmp_path / "." / "p.jsonl"), "--output", [str(prompts)])
+
+
+def test_check_writable_tries_the_write_instead_of_reading_permission_bits(tmp_path):
+    """Root passes every os.access check and a read-only place shows nothing in its bits:
+    --json there passed the up-front check and failed after the run."""
+    ro = tmp_path / "ro"
+    ro.mkdir()
+    (ro / "old.json").write_text("kept")
+    with read_only(ro):
+        for path, fragment in ((ro / "new.json", "cannot create it in"), (ro / "a" / "b.json", "cannot create it in"),
+                               (ro / "old.json", "exists and cannot be written")):
+            with pytest.raises(UsageError, match=fragment):
+                check_writable(str(path), "--json")
+    assert sorted(p.name for p in ro.iterdir()) == ["old.json"] and (ro / "old.json").read_text() == "kept"
 
 
 def test_jsonl_writer_opens_the_file_only_at_the_first_write(tmp_path):

@@ -308,6 +308,27 @@ def test_plan_duplicates_kv_heads_on_a_wider_model_axis_and_sizes_another_chip(t
     assert dup["capacity"]["fits"] and dup["setup"]["devices"] == 8
 
 
+@pytest.mark.parametrize("drafter", ["model", pytest.param("eagle", marks=pytest.mark.slow)])
+def test_plan_compiles_the_dynamic_tree_loops_with_the_chain_loops_collectives(tmp_path, drafter):
+    """tiny on 1x8, K=4, --draft_tree=dynamic --tree_nodes=8: the loops that grow a tree by
+    the draft model (and with --drafter=eagle by an EAGLE layer) compile, and each has its
+    chain loop's collectives per loop: one target pass over the 9 nodes, and K draft
+    passes (the root's window, then one per round over the round's nodes)."""
+    out = tmp_path / "plan.json"
+    proc = subprocess.run([sys.executable, "-m", "specjax.plan", "--config=tiny", "--mesh=1x8", f"--drafter={drafter}",
+                           "--draft_tree=dynamic", "--tree_nodes=8", f"--json={out}"],
+                          cwd=REPO, capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    programs = json.loads(out.read_text())["programs"]
+    pairs = [("sps", "sps_dynamic")] + ([("sps_eagle", "sps_eagle_dynamic")] if drafter == "eagle" else [])
+    for chain, grown in pairs:
+        counts = lambda name: {kind: c["count"] for kind, c in programs[name]["collectives_per_loop"].items()}  # noqa: E731
+        assert counts(grown) == counts(chain), grown
+        assert grown in proc.stdout
+    by_shape, _ = _all_reduces(programs["sps_dynamic"]["collectives_per_loop"])
+    assert by_shape["f32[1,9,32]"]["count"] == 2 * load_config("tiny").target.num_layers + 1  # ONE pass over 1 + 8 nodes
+
+
 @pytest.mark.parametrize("args, fragment", [
     (["--chip=v3"], "--chip"),
     (["--collective_latency_us=nan"], "--collective_latency_us=nan: must be a finite number"),
@@ -317,9 +338,17 @@ def test_plan_duplicates_kv_heads_on_a_wider_model_axis_and_sizes_another_chip(t
     (["--batch=0"], "--batch=0: must be a positive integer"),
     (["--num_drafts=0"], "num_drafts=0: must be"),
     (["--drafter=medusa:3"], "--drafter"),  # the sampling group's names, as in sample (count: --config.heads)
-    (["--drafter=ngram"], "--drafter=ngram: plan compiles draft models and draft heads (model, medusa, eagle, eagle3)"),
+    (["--drafter=ngram"], "--drafter=ngram: plan compiles draft models and draft heads (model, medusa, eagle, eagle3, "
+                          "parallel)"),
     (["--drafter=medusa", "--config.heads.num_heads=0"], "num_heads=0"),
     (["--drafter=eagle", "--num_drafts=2"], "num_drafts=2 with drafter='eagle'"),
+    # What sample and bench refuse, plan refuses too (it planned K=4 and reported 6).
+    (["--drafter=medusa", "--lookahead=6", "--config.heads.num_heads=4"],
+     "--lookahead=6 with --drafter=medusa: it proposes at most 4 tokens a loop"),
+    (["--drafter=eagle", "--draft_confidence=0.5"], "draft_confidence=0.5 with drafter='eagle'"),
+    (["--draft_tree=dynamic", "--tree_nodes=0"], "tree_nodes=0: must be an integer in [1, 64]"),
+    (["--drafter=medusa", "--draft_tree=dynamic"], "draft_tree='dynamic' with drafter='medusa'"),
+    (["--config=mini_target", "--draft_tree=dynamic"], "--draft_tree=dynamic: --config=mini_target has no draft"),
     (["--lookahead=0"], "lookahead=0"),
 ])
 def test_plan_rejects_bad_flags_before_compiling(args, fragment):

@@ -23,6 +23,7 @@ import pytest
 from clitools import TEXT_CONFIG, assert_one_line, cli_env, interruptible, kernels_only_cache, run_many, xla_flags
 
 ROOT = pathlib.Path(__file__).resolve().parents[2]
+HF = ROOT / "tests" / "fixtures" / "hf"
 TINY = ["--config=tiny", "--init=random"]
 # Two prompts x two samples in batches of two: two batches, one compiled program per mode.
 GREEDY = ["--temperature=0", "--prompt_tokens=1,2,3", "--prompt_tokens=4,5,6,7,8", "--num_samples=2",
@@ -178,6 +179,18 @@ def test_several_drafts_from_the_command_line(env, greedy, tmp_path):
     for r in records:
         assert len(r["stats"]["won_by_chain"]) == 3 and len(r["stats"]["acceptance_by_chain"]) == 3
     assert "3 drafts verified as a tree" in proc.stdout and "loops won by chain" in proc.stdout
+
+
+@pytest.mark.parametrize("drafter", ["model", "eagle"])
+def test_dynamic_draft_tree_from_the_command_line(env, greedy, tmp_path, drafter):
+    """--draft_tree=dynamic --tree_nodes=8: a tree grown by the draft model, or by a random
+    EAGLE layer, gives greedy ArS's tokens."""
+    out = tmp_path / "dynamic.jsonl"
+    proc = sample(env, *TINY, "--mode=sps", *GREEDY, f"--drafter={drafter}", "--draft_tree=dynamic",
+                  "--tree_nodes=8", f"--output={out}")
+    assert proc.returncode == 0, proc.stderr
+    assert by_row(read_jsonl(out), "sps") == by_row(greedy["ars"][1], "ars")
+    assert "a dynamic tree of 8 nodes verified as a tree" in proc.stdout
 
 
 def test_both_modes_print_side_by_side(env, greedy, tmp_path):
@@ -387,7 +400,20 @@ BAD_INPUTS = [
     ("num_drafts x lookahead", ["--num_drafts=16", "--lookahead=8"], {},
      ["num_drafts=16 x lookahead=8 = 128 tree nodes", "at most 64"]),
     ("num_drafts with a lookup", ["--drafter=ngram", "--num_drafts=2"], {},
-     ["num_drafts=2 with drafter='ngram'", "'model', 'hybrid' or 'medusa'"]),
+     ["num_drafts=2 with drafter='ngram'", "'model', 'hybrid', 'medusa' or 'parallel'"]),
+    ("draft_tree misspelled", ["--draft_tree=grown"], {}, ["--draft_tree=grown", "chains|dynamic"]),
+    ("tree_nodes 0", ["--draft_tree=dynamic", "--tree_nodes=0"], {}, ["tree_nodes=0", "integer in [1, 64]"]),
+    ("tree_nodes 65", ["--draft_tree=dynamic", "--tree_nodes=65"], {}, ["tree_nodes=65", "integer in [1, 64]",
+                                                                        "compile time"]),
+    ("tree_nodes not a number", ["--draft_tree=dynamic", "--tree_nodes=eight"], {}, ["--tree_nodes", "eight"]),
+    ("tree_nodes without a dynamic tree", ["--tree_nodes=4"], {}, ["--tree_nodes=4 applies to a dynamic draft tree",
+                                                                   "--draft_tree=dynamic"]),
+    ("dynamic tree with a lookup", ["--drafter=ngram", "--draft_tree=dynamic"], {},
+     ["draft_tree='dynamic' with drafter='ngram'", "'model', 'eagle' or 'eagle3'"]),
+    ("dynamic tree with chains", ["--draft_tree=dynamic", "--num_drafts=2"], {},
+     ["draft_tree='dynamic' with num_drafts=2", "replaces the chains"]),
+    ("dynamic tree with draft_confidence", ["--draft_tree=dynamic", "--draft_confidence=0.3"], {},
+     ["draft_tree='dynamic' with draft_confidence=0.3"]),
     ("hybrid without a draft", ["--config=mini_target", "--drafter=hybrid"], {},
      ["--drafter=hybrid needs a draft model", "'mini_target' has none"]),
     ("retrieval without a datastore", ["--drafter=retrieval"], {}, ["--drafter=retrieval needs --datastore=PATH"]),
@@ -438,6 +464,9 @@ BAD_INPUTS = [
      ["--self_draft='layers:2'", "N in 1..1", "the target has 2 layers"]),
     ("self_draft N = 0", ["--self_draft=layers:0"], {}, ["--self_draft='layers:0'", "N in 1..1"]),
     ("self_draft unknown form", ["--self_draft=half"], {}, ["--self_draft='half'", "unknown form", "layers:N"]),
+    ("self_draft with a non-ASCII digit", ["--self_draft=layers:\u0661"], {},
+     ["--self_draft='layers:\u0661'", "unknown form"]),
+    ("mesh with full-width digits", ["--mesh=\uff11x1"], {}, ["--mesh='\uff11x1'", "expected DATAxMODEL"]),
     ("self_draft int8 of an int8 target", ["--self_draft=int8", "--quantize=int8"], {},
      ["--self_draft='int8' with --quantize=int8", "is int8 already"]),
     ("self_draft int4 of an int4 target", ["--self_draft=int4+layers:1", "--quantize=int4"], {},
@@ -449,6 +478,18 @@ BAD_INPUTS = [
      ["--self_draft='layers:1' and --gguf_draft", "pick one"]),
     ("self_draft with hf_draft", ["--self_draft=layers:1", "--hf_draft={files}"], {},
      ["--self_draft='layers:1' and --hf_draft", "pick one"]),
+    # Flags that were accepted and ignored (the fourth hostile round, items 12 and 13).
+    ("self_draft with ArS", ["--mode=ars", "--self_draft=layers:1"], {},
+     ["--self_draft=layers:1 names a draft model", "--mode=ars (the target alone) uses none", "model or hybrid"]),
+    ("self_draft with a lookup", ["--drafter=ngram", "--self_draft=layers:1"], {},
+     ["--self_draft=layers:1 names a draft model", "--drafter=ngram uses none"]),
+    ("hf_draft with a lookup", ["--drafter=ngram", "--init=checkpoint", f"--hf_target={HF / 'pair_target'}",
+                                f"--hf_draft={HF / 'pair_draft'}"], {},
+     ["--hf_draft=", "names a draft model", "--drafter=ngram uses none"]),
+    ("draft_confidence with a lookup", ["--drafter=ngram", "--draft_confidence=0.5"], {},
+     ["draft_confidence=0.5 with drafter='ngram'", "only drafter 'model' or 'hybrid'"]),
+    ("chat without a template", ["--config={files}/tiny_text.py", "--checkpoint={files}/tiny_text", "--mode=ars",
+                                 "--prompt=def f():", "--chat"], {}, ["--chat", "has no chat template"]),
     ("the headline command without weights", ["--config=chinchilla_70b", "--init=checkpoint"], {},
      ["config 'chinchilla_70b' has no weights", "--init=random --prompt_tokens=1,2,3",
       "--checkpoint=DIR --draft_checkpoint=DIR", "--hf_target=DIR --hf_draft=DIR"]),
@@ -672,6 +713,9 @@ def test_report_totals_skip_padding_rows_and_weigh_batches_by_time():
     assert sps.startswith("SpS: 2 samples, 40 tokens, 3.50 ms/token, 2.86 tokens/loop, acceptance rate 0.429 (K=4, "
                           "model drafter, block verification);")
     assert speedup == "SpS speedup over ArS: 2.86x (ms/token)"
+    timed = Report(["ars"], SamplingConfig(lookahead=4), None, out=io.StringIO(), load_seconds=4.25)
+    timed.add_batch(0, 0, prompts, [(0, 0)], {"ars": result("ars", [10], [10], [0], 0.1)})
+    assert timed.summary_lines()[0] == "weights ready in 4.2 s (read or initialised, placed, quantized)"
 
 
 def test_side_by_side_keeps_indentation_and_wraps():
@@ -681,3 +725,64 @@ def test_side_by_side_keeps_indentation_and_wraps():
     assert out[0].startswith("ArS") and " | SpS" in out[0]
     assert out[2].startswith("def f():") and out[2].endswith("x" * 30)
     assert out[3].startswith("    return 1") and out[3].endswith("x" * 20)
+
+
+def test_side_by_side_wraps_headers_and_indents_continuations():
+    """At 80 columns the header was cut ("acceptance 0.3" for 0.36) and a wrapped line's
+    continuation lost its indentation."""
+    from specjax.app.report import side_by_side
+
+    header = "SpS K=4: 5.67 ms/token, acceptance 0.36 (model, block)"
+    out = side_by_side([("ArS: 12.76 ms/token", "x"), (header, "    " + "word " * 12)], width=80).splitlines()
+    assert "acceptance" in "".join(out[:3]) and "0.36" in "".join(out[:3])
+    body = [line.split(" | ")[1] for line in out if " | " in line and "word" in line]
+    assert len(body) >= 2 and all(line.startswith("    word") for line in body)
+
+
+def test_a_row_that_ends_at_once_says_so():
+    """An instruct model given a plain prompt wrote an empty completion with no word of why."""
+    import io
+    import numpy as np
+    from specjax.decode.metrics import Result
+    from specjax.config import SamplingConfig
+    from specjax.app.report import Report
+
+    out = io.StringIO()
+    report = Report(["ars"], SamplingConfig(eos_id=7), None, out=out)
+    prompts = [type("P", (), dict(source="p", text=None, tokens=[1]))()]
+    rows = [(0, 0), (0, 1)]
+    result = Result(tokens=[[7], [3, 4, 7]], mode="ars", lookahead=1, loops=np.array([1, 3]),
+                    num_new=np.array([1, 3]), accepted=np.array([0, 0]), accepted_at=np.zeros((2, 1), int),
+                    histogram=np.zeros((2, 2), int), seconds=0.1, compile_seconds=0.0)
+    report.add_batch(0, 0, prompts, rows, {"ars": result})
+    assert out.getvalue().count("stopped at end-of-sequence after 1 token") == 1
+    lines = report.summary_lines()
+    assert lines[0].startswith("ArS: 2 samples, 4 tokens")
+    assert lines[1] == ("ArS: 1 sample stopped at end-of-sequence after 1 token (an instruct model given a plain "
+                        "prompt often ends at once: try --chat)")
+
+
+CHAT_TEMPLATE = ("{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n{% endfor %}"
+                 "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}")
+
+
+def test_chat_renders_each_prompt_through_the_models_template(env, tmp_path):
+    """--chat: the prompt as one user message through the directory's own chat template,
+    encoded without the BOS a plain prompt gets (the template writes what it needs). The
+    expected ids come from the `tokenizers` library on the text rendered by hand."""
+    import tokenizers
+    hf = tmp_path / "chat_model"
+    src = HF / "llama_gqa"
+    hf.mkdir()
+    for f in src.iterdir():
+        (hf / f.name).write_bytes(f.read_bytes())
+    config = json.loads((hf / "tokenizer_config.json").read_text())
+    (hf / "tokenizer_config.json").write_text(json.dumps({**config, "chat_template": CHAT_TEMPLATE}))
+    out = tmp_path / "out.jsonl"
+    proc = sample(env, f"--hf_target={hf}", "--mode=ars", "--chat", "--prompt=Tell me a story.", "--temperature=0",
+                  "--max_new_tokens=2", f"--output={out}", "--noprint_samples")
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    rendered = "<|im_start|>user\nTell me a story.<|im_end|>\n<|im_start|>assistant\n"
+    expected = tokenizers.Tokenizer.from_file(str(hf / "tokenizer.json")).encode(rendered, add_special_tokens=False)
+    [record] = read_jsonl(out)
+    assert record["prompt_tokens"] == expected.ids and record["prompt"] == "Tell me a story."

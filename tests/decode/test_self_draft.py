@@ -11,7 +11,9 @@ layers with its embedding, final norm and unembedding, sharing the target's arra
 - Greedy SpS with the self-draft equals greedy ArS, for each verifier and a tree.
 - Theorem 1 (the enumeration and chi-square test of `theorem1`, N = 100,000, ALPHA =
   0.001) with a two-layer target and its one-layer self-draft, and its negative control
-  (no ratio test: keep every draft token) rejected with N_NEGATIVE samples.
+  (no ratio test: keep every draft token) rejected with N_NEGATIVE samples; the same
+  for a Gemma-3-shaped target (sliding window shorter than the prompts, q/k norms, four
+  norms per layer, GeGLU) and its first, sliding layer (slow).
 """
 import dataclasses
 
@@ -116,6 +118,7 @@ def test_greedy_sps_with_a_self_draft_equals_greedy_ars(target, name, overrides)
     ("int4+layers:3", "N in 1..2"), ("layers:1+layers:2", "layers given twice"),
     ("int8+layers:3", "N in 1..2"),
     ("layers:1,layers:2", "one self-draft here"), ("first:2", "unknown form"),
+    ("layers:\u0661", "unknown form"), ("layers:\uff11", "unknown form"),  # an Arabic-Indic, a full-width 1
 ])
 def test_bad_self_drafts_are_refused_in_one_line(tiny, text, needle):
     with pytest.raises(UsageError, match=needle) as e:  # `specjax.self_draft` checks the same way first
@@ -328,4 +331,36 @@ def test_quantized_self_draft_negative_control_is_rejected(quantized_models, use
     use_accept(bonus_off_by_one)
     pvalue, _ = run(tuple(models), QUANTIZED_CASE, N_NEGATIVE)
     print(f"self-draft {kind} with the bonus token off by one: p = {pvalue:.2e}")
+    assert pvalue < ALPHA
+
+
+# A Gemma-3-shaped target (weights/arch/gemma3's switches; untied, so `sharpened` can
+# scale its unembedding): a sliding layer with a window of 2, shorter than every prompt,
+# then a global one with its own rotary base; its first (sliding) layer drafts.
+GEMMA_SHAPED = dict(num_layers=2, num_kv_heads=1, ffw="geglu", qk_norm=True, post_norms=True, norm_offset=1.0,
+                    attention_pattern="LG", sliding_window=2, local_rope_theta=100.0, rope_theta=1e6,
+                    query_scale=0.3, embed_scale=2.0, tie_embeddings=False)
+
+
+@pytest.fixture(scope="module")
+def gemma_shaped_models(tiny):
+    cfg = dataclasses.replace(tiny.target, **GEMMA_SHAPED).validate()
+    target = sharpened(random_lm(cfg, mesh_for("1x1"), seed=5), 3.0)
+    return target, specjax.self_draft(target, "layers:1")
+
+
+@pytest.mark.slow  # with its control ~1 minute; the plain layers:N case above runs by default
+def test_gemma_shaped_self_draft_samples_follow_the_exact_target_distribution(gemma_shaped_models, use_accept):
+    use_accept(None)
+    pvalue, result = run(gemma_shaped_models, CASE)
+    print(f"Gemma-shaped self-draft layers:1: p = {pvalue:.4f}, acceptance rate {result.acceptance_rate:.3f}")
+    assert pvalue > ALPHA
+    assert 0.05 < result.acceptance_rate < 0.95
+
+
+@pytest.mark.slow
+def test_gemma_shaped_self_draft_negative_control_is_rejected(gemma_shaped_models, use_accept):
+    use_accept(no_ratio_test)
+    pvalue, _ = run(gemma_shaped_models, CASE, N_NEGATIVE)
+    print(f"Gemma-shaped self-draft layers:1 with no ratio test: p = {pvalue:.2e}")
     assert pvalue < ALPHA

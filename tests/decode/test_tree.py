@@ -30,6 +30,7 @@ import specjax
 from specjax import kv_cache, model
 from specjax.config import ConfigError, SamplingConfig
 from specjax.decode import program, tree, verify
+from specjax.decode.drafters import Proposal
 from specjax.decode.warping import sample
 from specjax.decode.state import prefill
 from conftest import mesh_for
@@ -56,22 +57,24 @@ def test_tree_attention_equals_a_plain_forward_over_each_path(tiny, mesh_name, p
     chains[:, 1, 0] = chains[:, 0, 0]  # two branches that start alike
     pending = lens - 1
     scored = np.concatenate([prompts[np.arange(2), pending][:, None], chains.reshape(2, -1)], axis=1)
-    positions = pending[:, None] + tree.depths(M, K)[None]
+    parent, depth = tree.chain_parents(M, K)
+    positions = pending[:, None] + np.concatenate([[0], depth])[None]
     winner = np.array([2, 0])
+    kept = np.concatenate([np.zeros((2, 1), np.int32), 1 + winner[:, None] * K + np.arange(K)[None]], axis=1)
     with jax.set_mesh(mesh_for(mesh_name)):
         cache = jax.jit(prefill, static_argnums=3)(lm, jnp.asarray(prompts), jnp.asarray(lens), 32)
 
         @jax.jit
-        def tree_then_next(lm, cache, scored, positions, winner, after):
-            logits, fresh = lm(scored, positions, cache, tree.ancestors(M, K))
-            committed = kv_cache.commit(cache, fresh, positions[:, 0], tree.path_nodes(winner, K))
+        def tree_then_next(lm, cache, scored, positions, kept, after):
+            logits, fresh = lm(scored, positions, cache, tree.ancestors(parent))
+            committed = kv_cache.commit(cache, fresh, positions[:, 0], kept)
             committed = committed.with_lengths(positions[:, 0] + K + 1)
             next_logits, _ = lm(after[:, None], (positions[:, 0] + K + 1)[:, None], committed)
             return logits, next_logits[:, 0]
 
         after = jnp.array([5, 6], jnp.int32)
         logits, next_logits = tree_then_next(lm, cache, jnp.asarray(scored), jnp.asarray(positions),
-                                             jnp.asarray(winner), after)
+                                             jnp.asarray(kept), after)
     logits, next_logits = np.asarray(logits), np.asarray(next_logits)
     for b in range(2):
         context = prompts[b, :lens[b]].tolist()
@@ -84,8 +87,9 @@ def test_tree_attention_equals_a_plain_forward_over_each_path(tiny, mesh_name, p
 
 
 def test_tree_layout():
-    assert tree.depths(2, 3).tolist() == [0, 1, 2, 3, 1, 2, 3]
-    a = tree.ancestors(2, 2)  # nodes: pending, chain 0 (1, 2), chain 1 (3, 4)
+    parent, depth = tree.chain_parents(2, 3)
+    assert depth.tolist() == [1, 2, 3, 1, 2, 3] and parent.tolist() == [0, 1, 2, 0, 4, 5]
+    a = tree.ancestors(tree.chain_parents(2, 2)[0])  # nodes: pending, chain 0 (1, 2), chain 1 (3, 4)
     assert a.astype(int).tolist() == [[1, 0, 0, 0, 0], [1, 1, 0, 0, 0], [1, 1, 1, 0, 0], [1, 0, 0, 1, 0],
                                       [1, 0, 0, 1, 1]]
 
@@ -151,26 +155,34 @@ def run_tables(verifier, M: int, K: int, proposal: str, kind: str = "pair", seed
                                         length[:, m])
             ids = ids * V + 1 + x[:, m, j]
             q[:, 1 + m * K + j] = q_table[ids]
-    n, picks, token, _ = jax.jit(verifier)(jax.random.key(seed), jnp.asarray(x, jnp.int32), jnp.asarray(p),
-                                           jnp.asarray(q), jnp.asarray(length, jnp.int32))
-    n, picks, token = np.asarray(n), np.asarray(picks), np.asarray(token)
-    win = np.where(n > 0, picks[np.arange(N), np.maximum(n - 1, 0)], 0)
+    chains = Proposal(jnp.asarray(x, jnp.int32), jnp.asarray(p), jnp.asarray(length, jnp.int32),
+                      jnp.zeros((N, M), jnp.int32))
+    n, path, token, _ = jax.jit(lambda key, c, q: verifier(key, tree.of_chains(c, K), q))(
+        jax.random.key(seed), chains, jnp.asarray(q))
+    n, path, token = np.asarray(n), np.asarray(path), np.asarray(token)
+    win = (np.maximum(path[np.arange(N), np.maximum(n, 1)], 1) - 1) // K  # the chain of the last kept node
     assert (n <= length[np.arange(N), win]).all()
+    return completed_pvalue(rng, q_table, K, x.reshape(N, M * K), n, path, token), n.mean()
+
+
+def completed_pvalue(rng, q_table, K, x, n, path, token) -> float:
+    """The chi-square p-value of the K+1 tokens: the kept path's (x [N, nodes] at `path`),
+    the verifier's token, then the target's own samples, against q's exact joint."""
     seqs = np.zeros((N, K + 1), np.int64)
     cur = np.zeros(N, np.int64)
-    for i in range(K + 1):  # the kept path, the verifier's token, then the target's own samples
-        kept = x[np.arange(N), win, min(i, K - 1)]
+    for i in range(K + 1):
+        kept = x[np.arange(N), np.maximum(path[:, min(i + 1, K)] - 1, 0)]
         t = np.where(i < n, kept, np.where(i == n, token, sample_rows(rng, q_table[cur])))
         seqs[:, i] = t
         cur = cur * V + 1 + t
     observed = np.bincount(np.ravel_multi_index(seqs.T, [V] * (K + 1)), minlength=V ** (K + 1))
     expected = exact_joint(q_table, K).ravel() * N
     if observed[expected == 0].sum():
-        return 0.0, n.mean()
+        return 0.0
     big = expected >= 5
     o, e = np.append(observed[big], observed[~big].sum()), np.append(expected[big], expected[~big].sum())
     keep = e > 0
-    return float(scipy_stats.chi2.sf(np.sum((o[keep] - e[keep]) ** 2 / e[keep]), keep.sum() - 1)), n.mean()
+    return float(scipy_stats.chi2.sf(np.sum((o[keep] - e[keep]) ** 2 / e[keep]), keep.sum() - 1))
 
 
 TABLE_CASES = [(2, 1, "sampled", "pair"), (3, 1, "sampled", "pair"), (2, 3, "sampled", "pair"),
@@ -196,74 +208,134 @@ def test_more_drafts_keep_more():
     assert three > one + 0.2
 
 
+# A tree's siblings drawn WITHOUT replacement (a grown tree's, `decode/growth.py`), of a
+# fixed shape: node i's parent. The root has three children, its first child two, and
+# each of those one; each node's children are drawn in order from p at the node without
+# the earlier ones. V = 4 and p has zeros, so a node's support is sometimes used up: the
+# slot is then not drafted.
+SHAPE = np.array([0, 0, 0, 1, 1, 4, 5], np.int32)
+
+
+def run_grown(shape, kind: str = "pair", seed: int = 0, keep_if_likely: float = 0.0):
+    """(p-value, mean kept) of `tree.accept` over N trees of `shape` drawn without
+    replacement from the tables. `keep_if_likely` > 0: the negative control, a drawn
+    child kept only if its own p is at least that (its slot decided by its own token)."""
+    depth = np.zeros(len(shape) + 1, np.int32)
+    for i, parent in enumerate(shape):
+        depth[i + 1] = depth[parent] + 1
+    K = int(depth.max())
+    p_table, q_table = make_tables(K, kind)
+    rng = np.random.default_rng(seed)
+    rows, count = np.arange(N), len(shape)
+    x = np.zeros((N, count), np.int64)
+    p = np.zeros((N, count, V), np.float32)
+    q = np.zeros((N, count + 1, V), np.float32)
+    drafted = np.zeros((N, count), bool)
+    prefix = np.zeros((N, count + 1), np.int64)  # each node's path as an index into the tables
+    left = {}
+    q[:, 0] = q_table[0]
+    for i, parent in enumerate(shape):
+        rest = left.get(parent, p_table[prefix[:, parent]].copy())
+        total = rest.sum(1, keepdims=True)
+        dist = rest / np.maximum(total, 1e-30)
+        token = sample_rows(rng, dist)
+        made = (total[:, 0] > 0) & (drafted[:, parent - 1] if parent > 0 else True)
+        if keep_if_likely:
+            made &= p_table[prefix[:, parent]][rows, token] >= keep_if_likely
+        x[:, i], p[:, i], drafted[:, i] = token, dist, made
+        rest[rows, token] = np.where(made, 0.0, rest[rows, token])
+        left[parent] = rest
+        prefix[:, i + 1] = prefix[:, parent] * V + 1 + token
+        q[:, i + 1] = q_table[prefix[:, i + 1]]
+    nodes = tree.Tree(jnp.asarray(x, jnp.int32), jnp.asarray(p), shape, depth[1:], jnp.asarray(drafted),
+                      jnp.zeros((N, count), jnp.int32), jnp.zeros((N, count), jnp.int32), K)
+    n, path, token, _ = jax.jit(tree.accept)(jax.random.key(seed), nodes, jnp.asarray(q))
+    n, path, token = np.asarray(n), np.asarray(path), np.asarray(token)
+    return completed_pvalue(rng, q_table, K, x, n, path, token), n.mean()
+
+
+@pytest.mark.parametrize("kind", ["pair", "same", "disjoint"])
+def test_siblings_drawn_without_replacement_are_verified_losslessly(kind):
+    pvalue, kept = run_grown(SHAPE, kind)
+    print(f"grown {kind}: p = {pvalue:.4f}, mean kept {kept:.3f}")
+    assert pvalue > ALPHA
+    if kind == "same":
+        assert kept == 3  # p == q: every first child is kept, down to depth 3
+    if kind == "disjoint":
+        assert kept == 0
+
+
+def test_negative_control_a_child_that_exists_because_of_its_own_token_is_rejected():
+    """The pitfall of growing by a node's own probability (EAGLE-2's reranking), at its
+    plainest: a drawn child is kept only if its own draft probability is high."""
+    pvalue, _ = run_grown(SHAPE, keep_if_likely=0.3)
+    print(f"grown, children kept by their own p: p = {pvalue:.2e}")
+    assert pvalue < ALPHA
+
+
 # Deliberately wrong multi-draft rules (negative controls), same signature as tree.accept.
-def match_own_target_sample(key, x, p, q, length):
+def walk(key, t, q, test):
+    """tree.accept's walk over the nodes with the candidate test replaced by
+    `test(key_i, r, r_level, token, p_i, u_i) -> (ok [B], r after a rejection)`: r is the
+    current residual, r_level the target's q at the kept node."""
+    batch, count = t.x.shape
+    keys = jax.random.split(key, count + 2)
+    u = jax.random.uniform(keys[-2], (batch, count))
+    alive = jnp.zeros((batch, count + 1), bool).at[:, 0].set(True)
+    kept = jnp.zeros((batch, t.lookahead + 1), jnp.int32)
+    path = jnp.zeros((batch, t.lookahead + 1), jnp.int32)
+    n, r, level = jnp.zeros((batch,), jnp.int32), q[:, 0], q[:, 0]
+    for i in range(count):
+        parent, depth = tree.node_column(t.parent, i), tree.node_column(t.depth, i)
+        token = t.x[:, i]
+        on = t.drafted[:, i] & tree.column(alive, parent)
+        continues = on & (depth <= n) & (token == tree.column(kept, depth))
+        candidate = on & (depth == n + 1)
+        ok, rejected = test(keys[i], r, level, token, t.p[:, i], u[:, i])
+        ok = candidate & ok
+        r = jnp.where(ok[:, None], q[:, i + 1], jnp.where((candidate & ~ok)[:, None], rejected, r))
+        level = jnp.where(ok[:, None], q[:, i + 1], level)
+        kept, path = tree.put(kept, depth, token, ok), tree.put(path, depth, jnp.full_like(token, i + 1), ok)
+        n = n + ok.astype(jnp.int32)
+        alive = alive.at[:, i + 1].set(continues | ok)
+    token, empty = sample(keys[-1], r)
+    return n, tree.below(t, path, n), token, empty
+
+
+def at(a, token):
+    return jnp.take_along_axis(a, token[:, None], axis=1)[:, 0]
+
+
+def residual(r, p):
+    res = jnp.maximum(r - p, 0.0)
+    return res / jnp.maximum(res.sum(-1, keepdims=True), 1e-30)
+
+
+def match_own_target_sample(key, t, q):
     """Each candidate is checked against a target sample of its own: kept if equal."""
-    batch, drafts, lookahead = x.shape
-    keys = jax.random.split(key, lookahead * drafts + 1)
-    chain = jnp.zeros((batch,), jnp.int32)
-    alive, stopped = length > 0, jnp.zeros((batch,), bool)
-    n, picks, final = jnp.zeros((batch,), jnp.int32), [], q[:, 0]
-    for d in range(lookahead):
-        r = tree.take_node(q, tree.node(chain, d, lookahead))
-        found, token, pick = jnp.zeros((batch,), bool), jnp.zeros((batch,), jnp.int32), jnp.full((batch,), -1)
-        for m in range(drafts):
-            y, _ = sample(keys[d * drafts + m], r)
-            ok = alive[:, m] & (length[:, m] > d) & ~found & ~stopped & (x[:, m, d] == y)
-            token, pick, found = jnp.where(ok, x[:, m, d], token), jnp.where(ok, m, pick), found | ok
-        stop = ~stopped & ~found
-        final, stopped = jnp.where(stop[:, None], r, final), stopped | stop
-        n, chain = n + found, jnp.where(found, pick, chain)
-        alive = alive & found[:, None] & (length > d) & (x[:, :, d] == token[:, None])
-        picks.append(pick)
-    final = jnp.where(stopped[:, None], final, tree.take_node(q, tree.node(chain, lookahead, lookahead)))
-    token, empty = sample(keys[-1], final)
-    return n.astype(jnp.int32), jnp.stack(picks, 1), token, empty
+    return walk(key, t, q, lambda k, r, level, token, p, u: (sample(k, r)[0] == token, r))
 
 
-def longest_of_independent_chains(key, x, p, q, length):
+def no_residual_update(key, t, q):
+    """Every candidate is tested against the target's q itself, never the residual."""
+    return walk(key, t, q, lambda k, r, level, token, p, u: (u * at(p, token) < at(level, token), residual(level, p)))
+
+
+def longest_of_independent_chains(key, t, q):
     """Each chain verified on its own by the paper's rule; the longest kept prefix wins."""
-    batch, drafts, lookahead = x.shape
-    nodes = jax.vmap(lambda m: tree.path_nodes(jnp.full((batch,), m), lookahead), out_axes=1)(jnp.arange(drafts))
-    q_chain = jnp.take_along_axis(q[:, None], nodes[..., None], axis=2)  # [B, M, K+1, V]
+    batch, lookahead, drafts = t.x.shape[0], t.lookahead, t.num_chains
+    chain_nodes = np.concatenate([np.zeros((drafts, 1), np.int32), 1 + np.arange(drafts * lookahead).reshape(
+        drafts, lookahead)], axis=1)  # [M, K+1]
+    q_chain = q[:, chain_nodes]  # [B, M, K+1, V]
+    length = jnp.sum(t.drafted.reshape(batch, drafts, lookahead), axis=2)
     flat = lambda a: a.reshape((batch * drafts,) + a.shape[2:])
-    n, token, empty = verify.accept(key, flat(x), flat(p), flat(q_chain), flat(length))
+    n, token, empty = verify.accept(key, flat(t.x.reshape(batch, drafts, lookahead)),
+                                    flat(t.p.reshape((batch, drafts, lookahead) + t.p.shape[2:])), flat(q_chain),
+                                    flat(length))
     n, token, empty = n.reshape(batch, drafts), token.reshape(batch, drafts), empty.reshape(batch, drafts)
     best = jnp.argmax(n, axis=1)
     pick = lambda a: jnp.take_along_axis(a, best[:, None], axis=1)[:, 0]
-    kept = pick(n)
-    picks = jnp.where(jnp.arange(lookahead)[None] < kept[:, None], best[:, None], -1)
-    return kept, picks, pick(token), pick(empty)
-
-
-def no_residual_update(key, x, p, q, length):
-    """Every candidate is tested against the target's q itself, never the residual."""
-    batch, drafts, lookahead = x.shape
-    accept_key, sample_key = jax.random.split(key)
-    u = jax.random.uniform(accept_key, (batch, lookahead, drafts))
-    chain, alive, stopped = jnp.zeros((batch,), jnp.int32), length > 0, jnp.zeros((batch,), bool)
-    n, picks, final = jnp.zeros((batch,), jnp.int32), [], q[:, 0]
-    for d in range(lookahead):
-        r = tree.take_node(q, tree.node(chain, d, lookahead))
-        last = r
-        found, token, pick = jnp.zeros((batch,), bool), jnp.zeros((batch,), jnp.int32), jnp.full((batch,), -1)
-        for m in range(drafts):
-            t, p_m = x[:, m, d], p[:, m, d]
-            candidate = alive[:, m] & (length[:, m] > d) & ~found & ~stopped
-            ok = candidate & (u[:, d, m] * jnp.take_along_axis(p_m, t[:, None], 1)[:, 0]
-                              < jnp.take_along_axis(r, t[:, None], 1)[:, 0])
-            token, pick, found = jnp.where(ok, t, token), jnp.where(ok, m, pick), found | ok
-            res = jnp.maximum(r - p_m, 0.0)
-            res = res / jnp.maximum(res.sum(-1, keepdims=True), 1e-30)
-            last = jnp.where((candidate & ~ok)[:, None], res, last)
-        stop = ~stopped & ~found
-        final, stopped = jnp.where(stop[:, None], last, final), stopped | stop
-        n, chain = n + found, jnp.where(found, pick, chain)
-        alive = alive & found[:, None] & (length > d) & (x[:, :, d] == token[:, None])
-        picks.append(pick)
-    final = jnp.where(stopped[:, None], final, tree.take_node(q, tree.node(chain, lookahead, lookahead)))
-    token, empty = sample(sample_key, final)
-    return n.astype(jnp.int32), jnp.stack(picks, 1), token, empty
+    return pick(n), jnp.asarray(chain_nodes)[best], pick(token), pick(empty)
 
 
 WRONG_RULES = {"match_own_target_sample": match_own_target_sample,
@@ -357,18 +429,22 @@ def test_explain_loop_shows_the_winning_chain_of_the_first_tree_loop(pairs):
 
 
 def test_config_and_registry_agree_on_drafters_and_chains():
-    """SamplingConfig (which cannot import the decode layer) names the drafters and which
-    draw several chains as the registry's classes say."""
+    """SamplingConfig (which cannot import the decode layer) names the drafters, which
+    draw several chains, which honour draft_confidence and which grow dynamic trees as the
+    registry's classes declare."""
     from specjax.config import DRAFTERS
     from specjax.decode import drafters
     assert set(DRAFTERS) == set(drafters.REGISTRY)
     for name, kind in drafters.REGISTRY.items():
-        sampling = SamplingConfig(drafter=name, num_drafts=2)
-        if kind.several_chains:
-            sampling.validate()
-        else:
-            with pytest.raises(ConfigError, match="num_drafts=2"):
+        for declared, setting, message in ((kind.several_chains, dict(num_drafts=2), "num_drafts=2"),
+                                           (kind.adaptive, dict(draft_confidence=0.5), "draft_confidence=0.5"),
+                                           (kind.grows_trees, dict(draft_tree="dynamic"), "draft_tree='dynamic'")):
+            sampling = SamplingConfig(drafter=name, **setting)
+            if declared:
                 sampling.validate()
+            else:
+                with pytest.raises(ConfigError, match=message):
+                    sampling.validate()
 
 
 @pytest.mark.parametrize("bad,message", [(dict(num_drafts=0), "num_drafts=0"),

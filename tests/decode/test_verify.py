@@ -21,7 +21,7 @@ import numpy as np
 import pytest
 from scipy import stats as scipy_stats
 
-from specjax.decode import verify
+from specjax.decode import tree, verify
 from specjax.decode.drafters import Proposal
 
 ALPHA = 1e-3
@@ -107,8 +107,8 @@ def one_chain(rule: str):
     """The loop's rule for one chain (`verify.select`), called as a rule over x [B, K]."""
     def verifier(key, x, p, q, length):
         batch = x.shape[0]
-        n, picks, token, empty = verify.select(rule, 1)(
-            key, Proposal(x[:, None], p[:, None], length[:, None], jnp.zeros((batch, 1), jnp.int32)), q)
+        chains = Proposal(x[:, None], p[:, None], length[:, None], jnp.zeros((batch, 1), jnp.int32))
+        n, path, token, empty = verify.select(rule, 1)(key, tree.of_chains(chains, x.shape[1]), q)
         return n, token, empty
     return verifier
 

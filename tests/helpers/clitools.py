@@ -2,10 +2,13 @@
 interruptible command line, and many short runs forked from one process."""
 from __future__ import annotations
 
+import contextlib
 import os
 import pathlib
 import shutil
+import subprocess
 import sys
+import tempfile
 
 ROOT = pathlib.Path(__file__).resolve().parents[2]
 
@@ -125,6 +128,9 @@ for i, (args, env) in enumerate(cases):
         os.dup2(os.open(out, os.O_WRONLY | os.O_CREAT), 1)
         os.dup2(os.open(err, os.O_WRONLY | os.O_CREAT), 2)
         os.environ.update(env)
+        if "CLITOOLS_RLIMIT_AS" in env:  # a case that must not enumerate: a regression is a MemoryError
+            import resource
+            resource.setrlimit(resource.RLIMIT_AS, (int(env["CLITOOLS_RLIMIT_AS"]),) * 2)
         sys.argv = ["-m", *args]
         del sys.modules[module]  # imported above; runpy runs it afresh as __main__ (and warns if it is still there)
         code = 0
@@ -149,7 +155,8 @@ json.dump(results, sys.stdout)
 
 def run_many(module: str, cases: list, *, env: dict, cwd=None, parallel: int = 2, timeout: float = 600) -> list:
     """`python -m module *args` for each (args, extra_env) in `cases`, as CompletedProcesses
-    in the same order (see _FORK_SERVER)."""
+    in the same order (see _FORK_SERVER). `CLITOOLS_RLIMIT_AS` in a case's extra_env caps
+    that child's address space (bytes)."""
     import json
     import subprocess
     proc = subprocess.run([sys.executable, "-c", _FORK_SERVER, module, str(parallel)], cwd=cwd, env=env,
@@ -158,3 +165,39 @@ def run_many(module: str, cases: list, *, env: dict, cwd=None, parallel: int = 2
     assert proc.returncode == 0, proc.stderr[-4000:]
     return [subprocess.CompletedProcess([sys.executable, "-m", module, *a], r["returncode"], r["stdout"], r["stderr"])
             for (a, _), r in zip(cases, json.loads(proc.stdout))]
+
+
+@contextlib.contextmanager
+def read_only(path):
+    """`path` and everything below it unwritable for the runs this test starts: permission
+    bits, or for root (whom they do not stop) the immutable flag; skipped where neither works."""
+    def writable():
+        try:
+            with tempfile.TemporaryFile(dir=path):
+                return True
+        except OSError:
+            return False
+
+    subprocess.run(["chmod", "-R", "a-w", str(path)], check=True)
+    undo = ["chmod", "-R", "u+w", str(path)]
+    if writable():
+        subprocess.run(undo, check=True)
+        if subprocess.run(["chattr", "-R", "+i", str(path)], capture_output=True).returncode or writable():
+            import pytest
+            pytest.skip("cannot make a directory read-only here (root without chattr)")
+        undo = ["chattr", "-R", "-i", str(path)]
+    try:
+        yield
+    finally:
+        subprocess.run(undo, check=True)
+
+
+def python_limited(code: str, *, memory_bytes: int = 4 << 30, timeout: float = 300):
+    """`python -c code` from the repository root with its address space capped at
+    `memory_bytes` (set by the child before it runs `code`): a test of a size bound runs
+    the code that must not enumerate there, so that a regression is a MemoryError in a
+    child, not the host's OOM killer."""
+    import subprocess
+    capped = f"import resource\nresource.setrlimit(resource.RLIMIT_AS, ({memory_bytes}, {memory_bytes}))\n{code}"
+    return subprocess.run([sys.executable, "-c", capped], cwd=ROOT, env={**os.environ, "PYTHONPATH": str(ROOT)},
+                          capture_output=True, text=True, timeout=timeout)

@@ -51,8 +51,8 @@ class ParityLM(model.LM):
 
     parity: int = 0
 
-    def __call__(self, tokens, positions, cache, visible=None, features=False):
-        logits, fresh = super().__call__(tokens, positions, cache, visible, features)
+    def __call__(self, tokens, positions, cache, visible=None, features=False, prior=None):
+        logits, fresh = super().__call__(tokens, positions, cache, visible, features, prior)
         return jnp.where(jnp.arange(V) % 2 == self.parity, logits, -1e9), fresh
 
     def tree_flatten(self):
@@ -120,6 +120,7 @@ class Case(NamedTuple):
     datastore: str = ""  # which of the run's datastores to pass ('samples' for drafter='retrieval')
     prompts: str = ""  # prompts of another kind than `kind` (e.g. 'repeats' with kind 'same')
     num_drafts: int = 1  # M draft chains per loop (a tree when > 1)
+    tree_nodes: int = 0  # N > 0: a dynamic draft tree of N nodes (draft_tree='dynamic') instead of chains
 
 
 def groups_of(kind: str) -> list[list[int]]:
@@ -153,7 +154,8 @@ def run(models, case: Case, n: int = N, seed: int = 0, datastores=None):
     prompts = [groups[i % len(groups)] for i in range(n)]  # interleaved: ragged rows in one batch
     sampling = SamplingConfig(temperature=case.temperature, top_k=case.top_k, top_p=case.top_p, lookahead=case.K,
                               max_new_tokens=3, verify=case.verify, drafter=case.drafter,
-                              draft_confidence=case.draft_confidence, num_drafts=case.num_drafts)
+                              draft_confidence=case.draft_confidence, num_drafts=case.num_drafts,
+                              draft_tree="dynamic" if case.tree_nodes else "chains", tree_nodes=case.tree_nodes or 8)
     name = case.datastore or ("samples" if case.drafter == "retrieval" else "")
     with optimised():
         result = specjax.generate(target, draft, prompts, sampling, seed=seed, pad_to=8,  # short cache: cheaper

@@ -211,34 +211,51 @@ def test_two_builds_at_once_leave_one_library(tmp_path):
     assert [p.name for p in pathlib.Path(results[0]).parent.iterdir()] == ["libspecjax_kernels.so"]
 
 
-def attention_reference(q, k, v, k_all, v_all, layer, limit, visible):
+def attention_reference(q, k, v, k_all, v_all, layer, limit, visible, positions=None, window=0):
     """The attention over [cache below limit; own keys where visible], written out in jnp
-    (MHA/GQA, rotary: no position terms): q [B,T,N,H] -> [B,T,N,H]."""
+    (MHA/GQA, rotary: no position terms), with a sliding window of `window` positions
+    where > 0: q [B,T,N,H] -> [B,T,N,H]. Own keys k [B,U,G,H] at positions [B,U] (the
+    queries are the last T), visible [T,U] or [B,T,U]."""
     B, T, N, H = q.shape
-    G, S = k_all.shape[2], k_all.shape[3]
+    G, S, U = k_all.shape[2], k_all.shape[3], k.shape[1]
     qc = q.reshape(B, T, G, N // G, H)
     cached = jnp.einsum("BTGRH,BGSH->BGRTS", qc, k_all[layer])
     own = jnp.einsum("BTGRH,BUGH->BGRTU", qc, k)
-    cached = jnp.where((jnp.arange(S)[None] < limit[:, None])[:, None, None, None], cached, model.MASKED)
-    own = jnp.where(jnp.asarray(visible)[None, None, None], own, model.MASKED)
+    seen_cache = jnp.broadcast_to((jnp.arange(S)[None] < limit[:, None])[:, None], (B, T, S))
+    visible = jnp.asarray(visible)
+    seen_own = jnp.broadcast_to(visible if visible.ndim == 3 else visible[None], (B, T, U))
+    if window:
+        at = positions[:, U - T:]
+        seen_cache = seen_cache & (at[:, :, None] - jnp.arange(S)[None, None] < window)
+        seen_own = seen_own & (at[:, :, None] - positions[:, None, :] < window)
+    cached = jnp.where(seen_cache[:, None, None], cached, model.MASKED)
+    own = jnp.where(seen_own[:, None, None], own, model.MASKED)
     weights = jax.nn.softmax(jnp.concatenate([cached, own], -1) * H ** -0.5, axis=-1)
     out = (jnp.einsum("BGRTS,BGSH->BTGRH", weights[..., :S], v_all[layer])
            + jnp.einsum("BGRTU,BUGH->BTGRH", weights[..., S:], v))
     return out.reshape(B, T, N, H)
 
 
-def attention_float64(q, k, v, k_all, v_all, layer, limit, visible):
-    """The same in float64 numpy, one query at a time: the keys a query sees, softmax, the
-    weighted values (a query that sees none averages every cache slot and own key)."""
+def attention_float64(q, k, v, k_all, v_all, layer, limit, visible, positions=None, window=0):
+    """The same in float64 numpy, one query at a time: the keys a query sees (within the
+    window: cache slot s is position s), softmax, the weighted values (a query that sees
+    none averages every cache slot and own key). visible: [T, U] or, per row, [B, T, U]."""
     q, k, v, k_all, v_all = (np.asarray(a, np.float64) for a in (q, k, v, k_all, v_all))
     B, T, N, H = q.shape
-    G, S = k_all.shape[2], k_all.shape[3]
+    G, S, U = k_all.shape[2], k_all.shape[3], k.shape[1]
     out = np.zeros(q.shape)
+    visible = np.broadcast_to(visible, (B,) + np.shape(visible)[-2:])
     for b, t, n in np.ndindex(B, T, N):
         g = n // (N // G)
-        own = np.flatnonzero(np.asarray(visible)[t])
-        keys = np.concatenate([k_all[layer, b, g, :limit[b]], k[b, own, g]])
-        values = np.concatenate([v_all[layer, b, g, :limit[b]], v[b, own, g]])
+        own = np.flatnonzero(visible[b, t])
+        first = 0
+        if window:
+            p = np.asarray(positions)[b]
+            at = p[U - T + t]  # the query: the pass's keys come last
+            own = own[at - p[own] < window]
+            first = max(0, at - window + 1)
+        keys = np.concatenate([k_all[layer, b, g, first:limit[b]], k[b, own, g]])
+        values = np.concatenate([v_all[layer, b, g, first:limit[b]], v[b, own, g]])
         if len(keys) == 0:
             out[b, t, n] = np.concatenate([v_all[layer, b, g], v[b, :, g]]).mean(0)
             continue
@@ -249,18 +266,19 @@ def attention_float64(q, k, v, k_all, v_all, layer, limit, visible):
 
 
 def ancestors(T):
-    """A tree's visibility: node 0, then two branches (as `tree.ancestors(2, (T-1)//2)`)."""
+    """A tree's visibility: node 0, then two branches (as two chains' `tree.ancestors`)."""
     from specjax.decode import tree
     M = 2 if T >= 3 else 1
     a = np.eye(T, dtype=bool)
-    a[:1 + M * ((T - 1) // M), :1 + M * ((T - 1) // M)] = tree.ancestors(M, (T - 1) // M)
+    a[:1 + M * ((T - 1) // M), :1 + M * ((T - 1) // M)] = tree.ancestors(tree.chain_parents(M, (T - 1) // M)[0])
     return a
 
 
 @needs_kernel
 @pytest.mark.parametrize("B,T,N,G,H,S", [(1, 1, 8, 8, 64, 512), (1, 5, 8, 8, 64, 64), (2, 4, 8, 4, 8, 40),
                                          (8, 1, 8, 8, 16, 33), (1, 8, 4, 1, 20, 17), (2, 3, 6, 2, 3, 5),
-                                         (16, 3, 4, 1, 8, 9)])  # a batch of many short rows
+                                         (16, 3, 4, 1, 8, 9),  # a batch of many short rows
+                                         (1, 12, 8, 8, 16, 64), (2, 16, 4, 2, 8, 40)])  # up to ATTENTION_ROWS
 @pytest.mark.parametrize("mask", ["causal", "tree", "one query sees nothing"])
 def test_cached_attention_matches_the_reference(B, T, N, G, H, S, mask):
     L = 3
@@ -276,8 +294,9 @@ def test_cached_attention_matches_the_reference(B, T, N, G, H, S, mask):
         limit = limit.at[0].set(0)
         visible = visible.copy()
         visible[T - 1] = False
+    positions = limit[:, None] + jnp.arange(T)[None]
     fn = jax.jit(lambda q, k, v, ka, va, layer, n: dispatch.attention(q, k, v, ka, va, layer, n, visible,
-                                                                      H ** -0.5, None))
+                                                                      H ** -0.5, None, positions))
     for layer in range(L):
         args = (q, k, v, k_all, v_all, layer, limit)
         got = np.asarray(fn(*args))
@@ -285,6 +304,57 @@ def test_cached_attention_matches_the_reference(B, T, N, G, H, S, mask):
         # Op by op: jitted, XLA:CPU's fused softmax gives NaN for a row whose every logit is
         # masked (which the model never asks for: a query always sees its own key).
         close(got, np.asarray(attention_reference(*args, visible)))
+
+
+@needs_kernel
+@pytest.mark.parametrize("B,T,N,G,H,S", [(1, 5, 8, 8, 64, 64), (2, 4, 8, 4, 8, 40), (16, 3, 4, 1, 8, 9)])
+@pytest.mark.parametrize("window", [1, 3, 9])
+@pytest.mark.parametrize("mask", ["causal", "tree", "one query sees nothing"])
+def test_cached_attention_honours_a_sliding_window(B, T, N, G, H, S, window, mask):
+    """A sliding layer's keys: the cache slots and own keys fewer than `window` positions
+    before the query (a tree's nodes at their depths); window 1 leaves a query only its own
+    key, so a query that does not see itself sees nothing: uniform weights, as the jnp
+    softmax gives."""
+    keys = jax.random.split(jax.random.key(B * 10 + T + window), 6)
+    q = jax.random.normal(keys[0], (B, T, N, H))
+    k_all, v_all = (jax.random.normal(k, (2, B, G, S, H)) for k in keys[1:3])
+    k, v = (jax.random.normal(k, (B, T, G, H)) for k in keys[3:5])
+    limit = jnp.asarray(np.resize([S // 3, S - T, 0, 1, 5, 2, 3], B).clip(0, S), jnp.int32)
+    visible = ancestors(T) if mask == "tree" else np.tril(np.ones((T, T), bool))
+    positions = limit[:, None] + jnp.asarray(visible.sum(1) - 1)[None]  # a node's depth below the cache
+    if mask == "one query sees nothing":
+        visible = visible.copy()
+        visible[T - 1, T - 1] = False
+    args = (q, k, v, k_all, v_all, 1, limit, visible, positions, window)
+    fn = jax.jit(lambda q, k, v, ka, va, n, p, w: dispatch.attention(q, k, v, ka, va, 1, n, visible, H ** -0.5,
+                                                                     None, p, w))
+    got = np.asarray(fn(q, k, v, k_all, v_all, limit, positions, window))  # the window traced, as under scan
+    close(got, attention_float64(*args))
+    close(got, np.asarray(attention_reference(*args)))
+
+
+@needs_kernel
+@pytest.mark.parametrize("window", [0, 2])
+@pytest.mark.parametrize("B,T,U,N,G,H,S", [(1, 2, 9, 4, 2, 16, 20), (3, 4, 12, 8, 4, 8, 40), (2, 8, 8, 4, 1, 20, 17)])
+def test_cached_attention_sees_earlier_keys_through_each_rows_own_tree(B, T, U, N, G, H, S, window):
+    """A dynamic draft tree's pass: U own keys (earlier rounds' nodes, then the pass's T)
+    and a different visibility per row ([B, T, U]: each row grew its own tree), with and
+    without a sliding window over the keys' positions (nodes at their depths)."""
+    keys = jax.random.split(jax.random.key(U), 6)
+    q = jax.random.normal(keys[0], (B, T, N, H))
+    k_all, v_all = (jax.random.normal(k, (2, B, G, S, H)) for k in keys[1:3])
+    k, v = (jax.random.normal(k, (B, U, G, H)) for k in keys[3:5])
+    limit = jnp.asarray(np.resize([S // 2, 3, S - 3], B), jnp.int32)
+    rng = np.random.default_rng(U)
+    visible = rng.random((B, T, U)) < 0.5
+    visible[:, np.arange(T), U - T + np.arange(T)] = True  # each query sees its own key
+    positions = limit[:, None] + jnp.asarray(rng.integers(0, 3, (B, U)))
+    args = (q, k, v, k_all, v_all, 1, limit, visible, positions, window)
+    fn = jax.jit(lambda q, k, v, ka, va, n, p: dispatch.attention(q, k, v, ka, va, 1, n, visible, H ** -0.5, None, p,
+                                                                  window))
+    got = np.asarray(fn(q, k, v, k_all, v_all, limit, positions))
+    close(got, attention_float64(*args))
+    close(got, np.asarray(attention_reference(*args)))
 
 
 def test_attention_dispatch_counts_queries_per_row_not_rows():
@@ -298,8 +368,8 @@ def test_attention_dispatch_counts_queries_per_row_not_rows():
         with jax.set_mesh(mesh_for(devices)):
             return dispatch.use_attention(q, k_all, setting)
 
-    assert uses(1, 1) == uses(64, 1) == uses(64, kernels.MAX_ROWS) == kernels.available()
-    assert not uses(1, kernels.MAX_ROWS + 1)
+    assert uses(1, 1) == uses(64, 1) == uses(64, dispatch.ATTENTION_ROWS) == kernels.available()
+    assert not uses(1, dispatch.ATTENTION_ROWS + 1)
     assert not uses(64, 1, "1x8")
     assert not dispatch.use_attention(jnp.ones((64, 1, 4, 8)), jnp.ones((2, 64, 2, 16, 8)), NONE)
 
@@ -314,7 +384,8 @@ def test_cached_attention_gradient_uses_the_reference():
     limit, visible = jnp.array([4]), np.tril(np.ones((T, T), bool))
     ref = lambda q, k, v, ka, va: attention_reference(q, k, v, ka, va, 1, limit, visible)
     loss = lambda f: jax.grad(lambda *a: jnp.sum(jnp.sin(f(*a))), argnums=(0, 1, 2, 3, 4))
-    fast = lambda q, k, v, ka, va: dispatch.attention(q, k, v, ka, va, 1, limit, visible, H ** -0.5, ref)
+    fast = lambda q, k, v, ka, va: dispatch.attention(q, k, v, ka, va, 1, limit, visible, H ** -0.5, ref,
+                                                      limit[:, None] + jnp.arange(T)[None])
     for g, g_ref in zip(loss(fast)(q, k, v, k_all, v_all), loss(ref)(q, k, v, k_all, v_all)):
         close(g, np.asarray(g_ref))
 

@@ -25,11 +25,20 @@ def full_forward(lm, tokens):
     return np.asarray(logits)
 
 
+# Every switch of the model families at once (weights/arch/): a sliding window shorter
+# than the sequence on every other layer, with its own rotary base.
+SWITCHES = dict(qkv_bias=True, qk_norm=True, post_norms=True, norm_offset=1.0, ffw="geglu", attention_pattern="LG",
+                sliding_window=4, local_rope_theta=100.0, query_scale=0.3, embed_scale=3.0)
+
+
 @pytest.mark.parametrize("pos_encoding,scan_layers", [
-    ("rope", False), ("relative", True),
+    ("rope", False), ("relative", True), ("switches", False), ("switches", True),
     pytest.param("rope", True, marks=pytest.mark.slow), pytest.param("relative", False, marks=pytest.mark.slow)])
 def test_cached_decode_equals_full_forward_ragged(tiny, pos_encoding, scan_layers):
-    cfg = dataclasses.replace(tiny.target, pos_encoding=pos_encoding, scan_layers=scan_layers)
+    """Prefill and one-token steps (the attention kernel, on one CPU device) against one
+    pass over the whole sequence (XLA's attention: 20 queries)."""
+    changes = SWITCHES if pos_encoding == "switches" else dict(pos_encoding=pos_encoding)
+    cfg = dataclasses.replace(tiny.target, scan_layers=scan_layers, **changes)
     lm = model.init_lm(cfg, mesh_for("1x1"))
     B, T = 3, 20
     tokens = jax.random.randint(jax.random.key(1), (B, T), 0, cfg.vocab_size)
@@ -70,10 +79,13 @@ def test_scoring_k_plus_1_equals_single_steps(tiny):
     np.testing.assert_allclose(np.asarray(scored), np.stack(singles, 1), atol=ATOL)
 
 
-def test_scan_and_unrolled_layers_are_the_same_model(tiny):
+@pytest.mark.parametrize("changes", [{}, SWITCHES], ids=["plain", "switches"])
+def test_scan_and_unrolled_layers_are_the_same_model(tiny, changes):
+    """Under scan a layer's window and rotary base are picked by its traced index."""
     tokens = jax.random.randint(jax.random.key(3), (2, 10), 0, 32)
-    a = full_forward(model.init_lm(tiny.target, mesh_for("1x1")), tokens)
-    b = full_forward(model.init_lm(dataclasses.replace(tiny.target, scan_layers=True), mesh_for("1x1")), tokens)
+    cfg = dataclasses.replace(tiny.target, **changes)
+    a = full_forward(model.init_lm(cfg, mesh_for("1x1")), tokens)
+    b = full_forward(model.init_lm(dataclasses.replace(cfg, scan_layers=True), mesh_for("1x1")), tokens)
     np.testing.assert_allclose(a, b, atol=ATOL)
 
 

@@ -1,9 +1,10 @@
-"""Quantized weights (`kernels.Int8`, `kernels.Grouped`): the quantizations against float64
-numpy, the few-row kernel's int8, int4 and grouped 8-bit (Q8_0) variants and XLA's path against float64 numpy
-references of the dequantized weight (with int8 activations: of x rounded by numpy, next to
-a control that the unrounded product is far off), a quantized model through prefill and decode
-against the same model with those weights dequantized in numpy, the kernel's dispatch,
-and greedy SpS == greedy ArS on a quantized target."""
+"""Quantized weights (`kernels.Int8`, `kernels.Grouped`): the quantizations against float64 numpy,
+the few-row kernel's int8 and grouped variants (specjax's int4 and 8-bit groups, and every form
+a GGUF codec keeps: Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, the K-quants' two-level scales) and XLA's
+path against float64 numpy references of the dequantized weight (with int8 activations: of x
+rounded by numpy, next to a control that the unrounded product is far off), a quantized model
+through prefill and decode against the same model with those weights dequantized in numpy, the
+kernel's dispatch, and greedy SpS == greedy ArS on a quantized target."""
 from __future__ import annotations
 
 import dataclasses
@@ -18,11 +19,15 @@ from specjax import kernels, kv_cache, model
 from specjax.config import SamplingConfig
 from specjax.decode import api
 from specjax.kernels import NONE, Kernels, formats, library
+from specjax.weights.gguf_codecs import CODECS
 from conftest import mesh_for
 
 needs_kernel = pytest.mark.skipif(not kernels.available(), reason="kernel not built here (no C++ compiler?)")
-CALLS = {"int8": library.MATMUL_INT8_TARGET, "int4": library.MATMUL_INT4_TARGET, "q8": library.MATMUL_GROUPED8_TARGET,
-         "w4a8": library.MATMUL_A8_TARGET, "w8a8": library.MATMUL_A8_TARGET, "q8a8": library.MATMUL_A8_TARGET}
+GGUF_FORMS = tuple(CODECS)  # a GGUF type's form as a kind (float activations), and with "/a8" (int8 ones)
+CALLS = {"int8": library.MATMUL_INT8_TARGET, "int4": library.MATMUL_GROUPED_TARGET,
+         "w4a8": library.MATMUL_A8_TARGET, "w8a8": library.MATMUL_A8_TARGET,
+         **{t: library.MATMUL_GROUPED_TARGET for t in GGUF_FORMS},
+         **{t + "/a8": library.MATMUL_A8_TARGET for t in GGUF_FORMS}}
 FLOAT_CALL = library.MATMUL_TARGET
 ON = Kernels()
 KINDS = ("int8", "int4")
@@ -38,22 +43,57 @@ def quantize_reference(w: np.ndarray, axes: tuple[int, ...]) -> tuple[np.ndarray
 
 def dequantized(w) -> np.ndarray:
     """The weight in float64 as stored (a transposed table's [V, D] rows), from its arrays:
-    q * scale (int8), code * scale + min per group of 32 inputs (grouped)."""
+    q * scale (int8), (code - offset) * scale + min per group of inputs (grouped; two-level
+    scales multiplied out)."""
     if isinstance(w, formats.Grouped):
-        code, scale, low = (np.asarray(a, np.float64) for a in (w.code, w.scale, w.low))
+        code = np.asarray(w.code, np.float64) - w.offset
+        axis = -1 if w.transposed else -2
+
+        def per_group(top, factor):
+            if top is None:
+                return None
+            top = np.asarray(top, np.float64)
+            if factor is None:
+                return top
+            return np.repeat(top, factor.shape[axis] // top.shape[axis], axis=axis) * np.asarray(factor, np.float64)
+        scale, low = per_group(w.scale, w.scale_factor), per_group(w.low, w.low_factor)
         if w.transposed:  # [.., V, D], groups along D
-            g = np.arange(code.shape[-1]) // 32
-            return code * scale[..., g] + low[..., g]
+            g = np.arange(code.shape[-1]) // w.group
+            return code * scale[..., g] + (0 if low is None else low[..., g])
         lead = scale.ndim - 2
         shape = code.shape
         m = code.reshape(*shape[:lead], -1, int(np.prod(w.out)))
-        g = np.arange(m.shape[-2]) // 32
-        return (m * scale[..., g, :] + low[..., g, :]).reshape(shape)
+        g = np.arange(m.shape[-2]) // w.group
+        return (m * scale[..., g, :] + (0 if low is None else low[..., g, :])).reshape(shape)
     q, s = np.asarray(w.q, np.float64), np.asarray(w.scale, np.float64)
     if w.transposed:
         return q * s[..., None]
     lead = s.ndim - 1
     return q * s.reshape(*s.shape[:lead], *[1] * (q.ndim - lead - len(w.out)), *w.out)
+
+
+def random_grouped(type_name: str, K: int, N: int, rng, activations: str = "float32", transposed: bool = False):
+    """A Grouped weight [K, N] of a GGUF type's form (`gguf_codecs.CODECS`: its bits, group,
+    offset, minimums, two-level factors), with random codes over the whole width, float16
+    scales and minimums of both signs, and int8 factors over the whole byte."""
+    c = CODECS[type_name]
+    G = -(-K // c.group)
+    S = -(-G // c.per)
+    two = c.per > 1
+
+    def half(shape, size):  # float16 values, as the kernel stores them
+        return (rng.uniform(0.5, 1.5, shape) * rng.choice([-1, 1], shape) * size).astype(np.float16).astype(np.float32)
+    scale = half((S, N), 1 / (2 ** c.bits * K ** 0.5 * (64 if two else 1)))
+    low = half((S, N), 1 / (K ** 0.5 * (64 if two else 1))) if c.minimums else None
+    factor = lambda: rng.integers(-128, 128, (S * c.per, N)).astype(np.int8) if two else None  # noqa: E731
+    sf, lf = factor(), factor() if c.minimums else None
+    code = rng.integers(0, 2 ** c.bits, (K, N)).astype(np.uint8)
+    arrays = dict(code=code, scale=scale, low=low, scale_factor=sf, low_factor=lf)
+    if transposed:
+        arrays = {k: None if a is None else a.T for k, a in arrays.items()}
+    return formats.Grouped(**{k: None if a is None else jnp.asarray(a) for k, a in arrays.items()},
+                           out=(N,), transposed=transposed, bits=c.bits, activations=activations, group=c.group,
+                           offset=c.offset)
 
 
 def test_quantization_is_symmetric_per_output_channel():
@@ -112,14 +152,12 @@ def test_int4_quantization_has_a_scale_and_minimum_per_group_of_32_inputs():
 
 
 def quantize(kind, w):
-    if kind in ("q8", "q8a8"):  # Q8_0's form (what a GGUF file holds): int8 codes, a scale per 32 inputs, min 0
+    """`kind`'s weight of the shape of w: a quantizer's (of w's values), or a GGUF type's form
+    ('Q6_K', 'Q6_K/a8': int8 activations) with random codes and scales."""
+    if kind.split("/")[0] in CODECS:
         K, N = w.shape
-        G = -(-K // 32)
-        rng = np.random.default_rng(K + N)
-        scale = (rng.uniform(0.5, 1.5, (G, N)) / 127 * K ** -0.5).astype(np.float16).astype(np.float32)  # as GGUF's
-        code = rng.integers(-128, 128, (K, N)).astype(np.int8)  # -128 too: 0 once offset for the byte product
-        return formats.Grouped(jnp.asarray(code), jnp.asarray(scale), jnp.zeros((G, N), jnp.float32), (N,), bits=8,
-                               activations="int8" if kind == "q8a8" else "float32")
+        return random_grouped(kind.split("/")[0], K, N, np.random.default_rng(K + N),
+                              "int8" if kind.endswith("/a8") else "float32")
     return formats.QUANTIZERS[kind](jnp.asarray(w), 1)
 
 
@@ -136,57 +174,73 @@ def rounded(x: np.ndarray) -> np.ndarray:
     return (np.where(d > 0, q, 0).astype(np.float64) * d).reshape(T, -1)[:, :K]
 
 
-A8 = ("w4a8", "w8a8", "q8a8")  # int8 activations
+A8 = ("w4a8", "w8a8") + tuple(t + "/a8" for t in GGUF_FORMS)  # int8 activations
 # Rows per call: every tile size, then runs of rows as a prefill makes them; LONG rows of
 # K >= 301 inputs take more than one pass of the kernel over the panels (its passes hold
 # about 256 KiB of inputs: 216 float rows of 301, 816 rows of 320 int8 codes).
 LONG = 820
 ROWS = (*range(1, 9), 9, 13, LONG)
+GGUF_ROWS = (1, 4, 5, 8, 13, LONG)  # for the GGUF forms (every T: the slow per-instruction-set test)
 
 
 SHAPES = [(1, 1), (3, 17), (33, 47), (7, 130), (64, 64), (129, 200), (301, 1000)]
-A8_SHAPES = {"w4a8": SHAPES[1:], "w8a8": SHAPES[1:], "q8a8": [(33, 47), (301, 1000)]}  # the A8 code is one path
+# The GGUF forms share the int4 / 8-bit code paths but for their bits and groups: one shape
+# each, a short last group (one level) or two super-blocks (K-quants), and a partial panel;
+# Q4_K and Q6_K also with a last super-block cut short (K = 300: the format takes any K).
+A8_SHAPES = {"w4a8": SHAPES[1:], "w8a8": SHAPES[1:],
+             **{t + suffix: [(100, 150)] if CODECS[t].per == 1 else [(512, 150)] + [(300, 70)] * (t in ("Q4_K", "Q6_K"))
+                for t in GGUF_FORMS for suffix in ("", "/a8")}}
+ROW_BYTES = {4: 32, 5: 40, 6: 48, 8: 64}  # per panel row of 64 columns: nibbles, then a bit plane per bit above 4
+QUAD_BYTES = {4: 128, 5: 160, 6: 192, 8: 256}  # per A8 quad-row: 4 inputs of 64 columns
 
 
 @needs_kernel
-@pytest.mark.parametrize("kind,K,N", [(kind, K, N) for kind in KINDS + ("q8",) + A8
+@pytest.mark.parametrize("kind,K,N", [(kind, K, N) for kind in KINDS + GGUF_FORMS + A8
                                       for K, N in A8_SHAPES.get(kind, SHAPES)])
 def test_kernel_and_xla_path_match_float64_of_the_dequantized_weight(kind, K, N):
     """Every T in 1..8 (one tile), a prompt's runs of rows (9 and 13: tiles of 4 and a
     short one; LONG: more than one pass over the panels for every K here), partial panels
-    (N not a multiple of 64), odd K (and, for int4, K not a multiple of its groups): the
-    kernel (packed) and XLA's path (not packed) against x @ the dequantized weight in
-    float64 (with int8 activations, x rounded by numpy, and the product of x unrounded far
-    off: the rounding is really done); a row's value does not depend on the rows beside
-    it, bitwise."""
+    (N not a multiple of 64), odd K (and, for int4, K not a multiple of its groups), every
+    GGUF codec's form (bits, group, offset or minimums, two-level scales): the kernel
+    (packed) and XLA's path (not packed) against x @ the dequantized weight in float64
+    (with int8 activations, x rounded by numpy, and the product of x unrounded far off: the
+    rounding is really done); a row's value does not depend on the rows beside it,
+    bitwise. The panels hold as many bytes per weight as the format's bits (plus float16
+    scales, int8 factors)."""
     rng = np.random.default_rng(K * 1000 + N)
     w = (rng.standard_normal((K, N)) * K ** -0.5).astype(np.float32)
     qw = quantize(kind, w)
     packed = formats.pack_params({"w": qw}, {"w": (1, 2)})["w"]
+    P = -(-N // 64)
     if kind == "int8":
-        assert packed.panels.dtype == jnp.int8 and packed.panels.shape == (-(-N // 64), K, 64)
-    elif kind in A8:  # 4 inputs of a column side by side, K padded to whole groups
-        width = 128 if kind == "w4a8" else 256
-        assert packed.panels.dtype == jnp.uint8 and packed.panels.shape == (-(-N // 64), -(-K // 32) * 8, width)
-        assert packed.aux.shape == (-(-N // 64), -(-K // 32), 2, 64)
+        assert packed.panels.dtype == jnp.int8 and packed.panels.shape == (P, K, 64)
     else:
-        assert packed.panels.shape == (-(-N // 64), K, 32 if kind == "int4" else 64)
-        assert packed.panels.dtype == (jnp.uint8 if kind == "int4" else jnp.int8)
-        assert packed.aux.shape == (-(-N // 64), -(-K // 32), 2, 64)
+        a8 = kind in A8
+        Kp = -(-K // 32) * 32 if a8 else K  # A8: K padded to whole activation groups
+        shape = (P, Kp // 4, QUAD_BYTES[qw.bits]) if a8 else (P, K, ROW_BYTES[qw.bits])
+        assert packed.panels.dtype == jnp.uint8 and packed.panels.shape == shape
+        G = -(-Kp // qw.group)
+        per = CODECS[kind.split("/")[0]].per if kind.split("/")[0] in CODECS else 1
+        parts = 1 if qw.low is None else 2
+        assert packed.aux.dtype == jnp.float16 and packed.aux_factor.dtype == jnp.int8
+        assert packed.aux.shape == (P, -(-G // per), parts, 64)
+        assert packed.aux_factor.shape == (P, -(-G // per) * per if per > 1 else 0, parts, 64)
     deq = dequantized(qw)
     x_all = rng.standard_normal((LONG, K)).astype(np.float32)
     lowered = jax.jit(lambda x, w: kernels.project("TK,KN->TN", x, w, ON))
+    rows = GGUF_ROWS if kind.split("/")[0] in CODECS else ROWS
     with jax.set_mesh(mesh_for("1x1")):
         assert CALLS[kind] in lowered.lower(x_all[:3], packed).as_text()
         assert CALLS[kind] in lowered.lower(x_all, packed).as_text()  # a prompt's rows too
         assert CALLS[kind] not in lowered.lower(x_all[:3], qw).as_text()  # no panels: XLA
-        by_kernel = {T: np.asarray(lowered(x_all[:T], packed)) for T in ROWS}
-        by_xla = {T: np.asarray(lowered(x_all[:T], qw)) for T in ROWS}
-    for T in ROWS:
+        by_kernel = {T: np.asarray(lowered(x_all[:T], packed)) for T in rows}
+        by_xla = {T: np.asarray(lowered(x_all[:T], qw)) for T in rows}
+    for T in rows:
         x = rounded(x_all[:T]) if kind in A8 else x_all[:T].astype(np.float64)
         want = x @ deq
-        np.testing.assert_allclose(by_kernel[T], want, rtol=1e-5, atol=1e-5)
-        np.testing.assert_allclose(by_xla[T], want, rtol=1e-5, atol=1e-5)
+        atol = 1e-5 * max(1.0, np.abs(want).max())
+        np.testing.assert_allclose(by_kernel[T], want, rtol=1e-5, atol=atol)
+        np.testing.assert_allclose(by_xla[T], want, rtol=1e-5, atol=atol)
         np.testing.assert_array_equal(by_kernel[T], by_kernel[LONG][:T])
         if kind in A8 and K > 1:  # one input is its own group's max: rounded exactly
             assert np.abs(x_all[:T].astype(np.float64) @ deq - want).max() > 1e-3 * np.abs(want).max()
@@ -289,7 +343,7 @@ def test_an_a8_model_decodes_by_the_kernel_as_xla_computes_it(tiny, kind):
                 text = extend.lower(*args).as_text()
                 per_layer = 7 if cfg.ffw == "swiglu" else 6
                 assert len(kernel_outputs(text, kind)) == per_layer * cfg.num_layers + 1
-                assert not any(f"@{c}(" in text for c in (FLOAT_CALL, CALLS["int4"], CALLS["q8"]))
+                assert not any(f"@{c}(" in text for c in (FLOAT_CALL, CALLS["int4"]))
             out, cache = extend(*args)
             steps.append(out)
             start += T
@@ -352,22 +406,26 @@ ISAS = {
     "portable": ("-mno-avx512f -mno-avxvnni -mno-avx2 -mno-avx", ()),
 }
 ISA_ROWS = (*range(1, 9), 13)  # one tile each, then a run of tiles (A8: 4 rows; float, AVX2: 6) and a short one
-ISA_SCRIPT = f"ROWS = {ISA_ROWS}\n" + """
+# The grouped weights: specjax's quantizers, and every GGUF codec's form with float and int8 activations.
+ISA_GROUPED = ("int4", "w4a8", "w8a8") + GGUF_FORMS + tuple(t + "/a8" for t in GGUF_FORMS)
+GROUPED_FIELDS = ("code", "scale", "low", "scale_factor", "low_factor")
+ISA_SCRIPT = f"ROWS = {ISA_ROWS}\nFIELDS = {GROUPED_FIELDS}\n" + """
 import sys, numpy as np, jax, jax.numpy as jnp
 from specjax.kernels import Kernels, formats, available
 assert available()
 data = np.load(sys.argv[1])
 out = {}
-for kind in ("w4a8", "q8a8", "int4", "q8"):
-    w = formats.Grouped(jnp.asarray(data[kind + "_code"]), jnp.asarray(data["scale"]), jnp.asarray(data[kind + "_low"]),
-                        (data["scale"].shape[1],), bits=4 if kind.startswith(("w4", "int4")) else 8,
-                        activations="int8" if kind.endswith("a8") else "float32")
+run = jax.jit(lambda x, w: w.project("TK,KN->TN", x, Kernels()))
+for kind in sorted({k.split(".")[0] for k in data.files if k.endswith(".meta")}):
+    bits, group, offset, int8 = (int(v) for v in data[kind + ".meta"])
+    arrays = {f: jnp.asarray(data[f"{kind}.{f}"]) if f"{kind}.{f}" in data.files else None for f in FIELDS}
+    w = formats.Grouped(**arrays, out=(arrays["code"].shape[1],), bits=bits, group=group, offset=offset,
+                        activations="int8" if int8 else "float32")
     packed = formats.pack_params({"w": w}, {"w": (1, 2)})["w"]
-    run = jax.jit(lambda x, w: w.project("TK,KN->TN", x, Kernels()))
-    out[kind] = np.concatenate([np.asarray(run(jnp.asarray(data["x"][:T]), packed)) for T in ROWS])
+    out[kind] = np.concatenate([np.asarray(run(jnp.asarray(data[kind + ".x"][:T]), packed)) for T in ROWS])
 # The float-activation formats without groups: float32 panels and int8 with column scales.
 for kind, w in (("f32", formats.pack(jnp.asarray(data["f32_w"]), 1)),
-                ("i8", formats.pack_params({"w": formats.Int8(jnp.asarray(data["q8a8_code"]), jnp.asarray(data["i8_scale"]),
+                ("i8", formats.pack_params({"w": formats.Int8(jnp.asarray(data["i8_q"]), jnp.asarray(data["i8_scale"]),
                                                               (data["i8_scale"].shape[0],))}, {"w": (1, 2)})["w"])):
     run = jax.jit(lambda x, w: w.project("TK,KN->TN", x, Kernels()))
     out[kind] = np.concatenate([np.asarray(run(jnp.asarray(data["x"][:T]), w)) for T in ROWS])
@@ -386,11 +444,14 @@ def cpu_flags() -> set[str]:
 @pytest.mark.slow  # a build of the kernels per instruction set (~30 s each)
 @pytest.mark.parametrize("isa", sorted(ISAS))
 def test_every_instruction_sets_matmul_kernels_match_float64(isa, tmp_path):
-    """The few-row matmul's formats (A8, grouped, int8, float32) compiled for each
-    instruction set this CPU has (VNNI's byte dot products, AVX-512BW / AVX2 pair sums,
-    plain integer vectors; AVX2's register-sized tiles for a run of rows), in a fresh
-    process with SPECJAX_KERNEL_FLAGS, against numpy: x (rounded for A8) @ the dequantized
-    weight, T = 1..8 and 13, K = 100 (a short last group), N = 150 (a partial panel)."""
+    """The few-row matmul's formats (float32, int8, and every grouped form: specjax's int4
+    and 8-bit groups, each GGUF codec's bits, groups, offsets and two-level scales, with
+    float and int8 activations) compiled for each instruction set this CPU has (VNNI's byte
+    dot products, AVX-512BW / AVX2 pair sums and bit-plane expansions, plain integer
+    vectors; AVX2's register-sized tiles for a run of rows), in a fresh process with
+    SPECJAX_KERNEL_FLAGS, against numpy: x (rounded for A8) @ the dequantized weight,
+    T = 1..8 and 13, K = 100 (a short last group; the K-quants' forms 512), N = 150 (a
+    partial panel)."""
     import platform
     if platform.machine() not in ("x86_64", "AMD64"):
         pytest.skip(f"the flags name x86 features; this is {platform.machine()}")
@@ -401,33 +462,35 @@ def test_every_instruction_sets_matmul_kernels_match_float64(isa, tmp_path):
     import subprocess
     import sys
     rng = np.random.default_rng(7)
-    K, N = 100, 150
-    G = -(-K // 32)
-    scale = (rng.uniform(0.5, 1.5, (G, N)) / 64).astype(np.float16).astype(np.float32)  # as GGUF's
-    data = dict(x=rng.standard_normal((max(ISA_ROWS), K)).astype(np.float32) * 2, scale=scale,
-                w4a8_code=rng.integers(0, 16, (K, N)).astype(np.uint8),
-                w4a8_low=(-rng.uniform(0, 8, (G, N)) * scale).astype(np.float16).astype(np.float32),
-                q8a8_code=rng.integers(-128, 128, (K, N)).astype(np.int8), q8a8_low=np.zeros((G, N), np.float32))
-    data.update(int4_code=data["w4a8_code"], int4_low=data["w4a8_low"], q8_code=data["q8a8_code"],
-                q8_low=data["q8a8_low"], f32_w=rng.standard_normal((K, N)).astype(np.float32) / 10,
+    K, N = 100, 150  # a short last group, a partial panel; the K-quants' forms: two super-blocks of 256
+    data = dict(x=rng.standard_normal((max(ISA_ROWS), K)).astype(np.float32) * 2,
+                f32_w=rng.standard_normal((K, N)).astype(np.float32) / 10,
+                i8_q=rng.integers(-128, 128, (K, N)).astype(np.int8),
                 i8_scale=rng.uniform(0.5, 1.5, N).astype(np.float32) / 100)
+    weights = {}
+    for kind in ISA_GROUPED:
+        k = 512 if kind.split("/")[0] in CODECS and CODECS[kind.split("/")[0]].per > 1 else K
+        weights[kind] = w = quantize(kind, rng.standard_normal((k, N)).astype(np.float32) / 10)
+        name = kind.replace("/", "-")
+        data[name + ".meta"] = np.array([w.bits, w.group, w.offset, w.activations == "int8"])
+        data[name + ".x"] = rng.standard_normal((max(ISA_ROWS), k)).astype(np.float32) * 2
+        data.update({f"{name}.{f}": np.asarray(getattr(w, f)) for f in GROUPED_FIELDS if getattr(w, f) is not None})
     np.savez(tmp_path / "in.npz", **data)
     env = {**os.environ, "SPECJAX_KERNEL_FLAGS": extra, "JAX_PLATFORMS": "cpu", "XLA_FLAGS": ""}
     done = subprocess.run([sys.executable, "-c", ISA_SCRIPT, str(tmp_path / "in.npz"), str(tmp_path / "out.npz")],
-                          env=env, capture_output=True, text=True, timeout=600)
+                          env=env, capture_output=True, text=True, timeout=900)
     assert done.returncode == 0, done.stderr[-3000:]
     got = np.load(tmp_path / "out.npz")
-    for kind in ("w4a8", "q8a8", "int4", "q8"):
-        g = np.arange(K) // 32
-        deq = data[kind + "_code"].astype(np.float64) * scale[g] + data[kind + "_low"][g]
-        ends = np.cumsum(ISA_ROWS)
+    ends = np.cumsum(ISA_ROWS)
+    for kind, w in weights.items():
+        deq, x_all = dequantized(w), data[kind.replace("/", "-") + ".x"]
         for T, end in zip(ISA_ROWS, ends):
-            x = rounded(data["x"][:T]) if kind.endswith("a8") else data["x"][:T].astype(np.float64)
-            rows = got[kind][end - T:end]
+            x = rounded(x_all[:T]) if w.activations == "int8" else x_all[:T].astype(np.float64)
+            rows = got[kind.replace("/", "-")][end - T:end]
             np.testing.assert_allclose(rows, x @ deq, rtol=1e-5, atol=1e-5 * np.abs(x @ deq).max(), err_msg=kind)
     for kind, w in (("f32", data["f32_w"].astype(np.float64)),
-                    ("i8", data["q8a8_code"].astype(np.float64) * data["i8_scale"])):
+                    ("i8", data["i8_q"].astype(np.float64) * data["i8_scale"])):
         want = data["x"][:max(ISA_ROWS)].astype(np.float64) @ w
-        for T, end in zip(ISA_ROWS, np.cumsum(ISA_ROWS)):
+        for T, end in zip(ISA_ROWS, ends):
             np.testing.assert_allclose(got[kind][end - T:end], want[:T], rtol=1e-5, atol=1e-5 * np.abs(want).max(),
                                        err_msg=kind)

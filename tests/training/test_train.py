@@ -10,7 +10,6 @@ Runs go through the real entry point (`python -m specjax.train`) in subprocesses
 SPECJAX_CACHE, so later runs reuse the first run's compiled programs.
 """
 import collections
-import contextlib
 import dataclasses
 import json
 import math
@@ -20,7 +19,6 @@ import shutil
 import signal
 import subprocess
 import sys
-import tempfile
 import time
 
 import jax
@@ -32,7 +30,7 @@ from specjax.training.workdir import read_metrics
 from specjax.weights import checkpoint
 from specjax.config import load_config
 import clitools
-from clitools import TEXT_CONFIG, kernels_only_cache, run_many
+from clitools import TEXT_CONFIG, kernels_only_cache, read_only, run_many
 
 STEPS = 60
 LOG_EVERY = 3  # checkpoints every 10 steps: resumes land between two records
@@ -211,30 +209,6 @@ def test_a_second_run_on_the_same_workdir_is_refused_and_kill_9_frees_it(env, tm
     assert "nothing to train" in third.stdout + third.stderr
 
 
-@contextlib.contextmanager
-def read_only(path):
-    """`path` and everything below it unwritable for the runs this test starts: permission
-    bits, or for root (whom they do not stop) the immutable flag; skipped where neither works."""
-    def writable():
-        try:
-            with tempfile.TemporaryFile(dir=path):
-                return True
-        except OSError:
-            return False
-
-    subprocess.run(["chmod", "-R", "a-w", str(path)], check=True)
-    undo = ["chmod", "-R", "u+w", str(path)]
-    if writable():
-        subprocess.run(undo, check=True)
-        if subprocess.run(["chattr", "-R", "+i", str(path)], capture_output=True).returncode or writable():
-            pytest.skip("cannot make a directory read-only here (root without chattr)")
-        undo = ["chattr", "-R", "-i", str(path)]
-    try:
-        yield
-    finally:
-        subprocess.run(undo, check=True)
-
-
 def damage(workdir, kind):
     params = workdir / "60" / "params"
     if kind == "truncated":
@@ -284,6 +258,17 @@ BAD_TRAIN = [
                                  f"--export_hf={HF / 'pair_target'}"], ["is the teacher's directory"]),
     ("teacher_hf is a file", [SWIGLU, f"--config.train.teacher_hf={HF / 'pair_target' / 'config.json'}"],
      ["config.json: is a file, not a Hugging Face model directory"]),
+    # Refused before anything trains, for the right reason (tiny_medusa's own target is a
+    # gelu one, which the Hugging Face check named instead).
+    ("export of draft heads", ["--config=tiny_medusa", "--export_hf={files}/heads_export"],
+     ["trains medusa draft heads on a frozen target, not a model", "nothing to export"]),
+    # A refused teacher leaves no workdir (its train.lock was left behind).
+    ("teacher of another vocabulary", [SWIGLU, "--config.target.vocab_size=64", "--config.draft.vocab_size=64",
+                                       f"--config.train.teacher_hf={HF / 'pair_target'}",
+                                       "--workdir={files}/teacher_run"], ["vocab_size=32, the student 64",
+                                                                          "distillation needs one vocabulary"]),
+    ("teacher checkpoint missing", ["--config.train.teacher=tiny", "--config.train.teacher_checkpoint={files}/nothing",
+                                    "--workdir={files}/teacher_run"], ["no checkpoint directory", "nothing"]),
     ("eagle width", ["--config=tiny_eagle", "--config.heads.width=12", "--workdir={files}/eagle_run"],
      ["heads.width=12", "a multiple of the target's head_dim=8"]),
     ("eagle draft vocabulary", ["--config=tiny_eagle", "--config.heads.draft_vocab=33", "--workdir={files}/eagle_run"],
@@ -352,6 +337,8 @@ def test_bad_input_is_one_line_and_exit_2(bad_runs, bad_files, case):
         assert "step" not in bad_runs[name].stdout  # refused before training
     if name.startswith("eagle"):
         assert not (bad_files / "eagle_run").exists()  # refused before the workdir is made
+    if name.startswith("teacher"):
+        assert not (bad_files / "teacher_run").exists()
 
 
 def test_read_only_workdir_and_read_only_checkpoint_are_one_line_and_exit_2(env, reference, tmp_path):

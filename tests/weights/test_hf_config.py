@@ -16,6 +16,8 @@ import pytest
 
 from specjax.config import UsageError
 from specjax.weights import hf, hf_files
+from clitools import python_limited
+from gguf_edit import named_pipe
 
 FIXTURES = pathlib.Path(__file__).resolve().parents[1] / "fixtures" / "hf"
 DELETE = object()  # an edit that removes the key (or, for a whole file, the file)
@@ -240,19 +242,19 @@ def test_files_and_directories_in_the_wrong_place_are_one_line(tmp_path, what):
 
 def test_mistral_applies_its_sliding_window_whatever_use_sliding_window_says(tmp_path):
     """transformers' Mistral masks with `sliding_window` whenever it is not null (it has
-    no use_sliding_window key: that is Qwen2's), so a short window is refused."""
+    no use_sliding_window key: that is Qwen2's): every layer slides."""
     d = edited(tmp_path, "mistral", {"config.json": {"sliding_window": 64, "use_sliding_window": False}})
-    with pytest.raises(UsageError, match="sliding_window=64 is below max_position_embeddings=256"):
-        hf.read_config(d)
+    cfg = hf.read_config(d).model
+    assert (cfg.attention_pattern, cfg.sliding_window) == ("L", 64)
 
 
 def test_mistral_without_a_sliding_window_key_has_transformers_default_window(tmp_path):
     """MistralConfig defaults sliding_window to 4096 and max_position_embeddings to
-    131072: a config.json with neither key describes a windowed model, refused; with a
-    context within the window it is the plain model."""
+    131072: a config.json with neither key describes a windowed model; with a context
+    within the window it is the plain model."""
     d = edited(tmp_path, "mistral", {"config.json": {"sliding_window": DELETE, "max_position_embeddings": DELETE}})
-    with pytest.raises(UsageError, match="sliding_window=4096 is below max_position_embeddings=131072"):
-        hf.read_config(d)
+    cfg = hf.read_config(d).model
+    assert (cfg.attention_pattern, cfg.sliding_window, cfg.max_seq_len) == ("L", 4096, 131072)
     d = edited(tmp_path / "b", "mistral", {"config.json": {"sliding_window": DELETE}})
     assert hf.read_config(d).model == hf.read_config(FIXTURES / "mistral").model
 
@@ -293,3 +295,43 @@ def test_model_type_and_architectures_must_agree(tmp_path):
     d = edited(tmp_path, "llama_gqa", {"config.json": {"model_type": "mistral"}})
     with pytest.raises(UsageError, match="model_type='mistral'"):
         hf.read_config(d)
+
+
+# ------------------------------------------------------------------ sizes and file kinds
+
+
+def test_a_huge_layer_count_is_refused_before_anything_counts_layers(tmp_path):
+    """num_hidden_layers=1e9 once made 9e9 tensor names (a MemoryError, or the OOM
+    killer) before comparing them with the files: read in a child capped at 4 GiB."""
+    d = edited(tmp_path, "llama_gqa", {"config.json": {"num_hidden_layers": 10**9}})
+    proc = python_limited("from specjax.config import UsageError\n"
+                          "from specjax.weights import hf\n"
+                          "try:\n"
+                          f"    hf.check_weights({str(d)!r}, hf.read_config({str(d)!r}).model)\n"
+                          "except UsageError as e:\n"
+                          "    print(e)\n")
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    assert f"{d / 'config.json'}: num_hidden_layers=1000000000: the safetensors files hold 2 layers" in proc.stdout
+
+
+def test_a_layer_count_the_files_do_not_hold_is_named(tmp_path):
+    d = edited(tmp_path, "llama_gqa", {"config.json": {"num_hidden_layers": 3}})
+    with pytest.raises(UsageError, match="num_hidden_layers=3: the safetensors files hold 2 layers"):
+        read_everything(d)
+
+
+@pytest.mark.parametrize("name", ["config.json", "generation_config.json", "tokenizer_config.json", "tokenizer.json",
+                                  "model.safetensors"])
+def test_a_named_pipe_in_the_directory_is_refused_without_waiting(tmp_path, name):
+    d = edited(tmp_path, "llama_gqa", {name: DELETE})
+    named_pipe(d / name)
+    with pytest.raises(UsageError) as err:
+        read_everything(d)
+    assert str(err.value) == f"{d / name}: is a named pipe, not a file"
+
+
+def test_a_named_pipe_as_tokenizer_model_is_refused(tmp_path):
+    d = edited(tmp_path, "llama_mha_tied", {**SP_ONLY, "tokenizer.model": DELETE})
+    named_pipe(d / "tokenizer.model")
+    with pytest.raises(UsageError, match="tokenizer.model: is a named pipe, not a file"):
+        read_everything(d)

@@ -19,10 +19,19 @@ the compiled loop, plus a pytree `state` the loop carries. Its interface (`base.
                           token, the kept chain and (when `needs_features`) the target's
                           hidden states along the kept path (the draft cache's rollback)
 
-and class attributes that say what it needs (`needs_draft_model`, `uses_datastore`,
-`needs_datastore`, `several_chains`, `needs_features`): the loop
-and the command lines read those, never the drafter's name. Any rule that decides how
-much to draft looks at the drafter's side only (invariant 9).
+and, to grow dynamic draft trees (`grows_trees`; `decode/growth.py`), one more method:
+
+  expand(state, carry, tokens, length, Expansion) -> (logits [B, W, V'], state, carry)
+      the next-token logits after each node of a round (the first call: after the
+      pending token), given its path; `draft_vocab` says which tokens V' are
+
+and declarations (class attributes, `base.Drafter`): what it draws from
+(`needs_draft_model`, `heads_kind`), `uses_datastore` / `needs_datastore`,
+`several_chains`, `adaptive` (honours draft_confidence), `needs_features`, `grows_trees`,
+its cap on K (`max_lookahead`) and the config that trains what it draws from
+(`trained_by`). The loop, the run setup (`specjax.app.setup`), plan, bench and the flag
+checks read those, never the drafter's name. Any rule that decides how much to draft looks
+at the drafter's side only (invariant 9).
 
   model      the draft model samples K tokens (`draft_model`)
   ngram      prompt lookup in the row's own context (`lookup`)
@@ -31,31 +40,35 @@ much to draft looks at the drafter's side only (invariant 9).
   medusa     heads on the target's last hidden state propose all K at once (`medusa`)
   eagle      one layer drafts autoregressively in the target's feature space (`eagle`)
   eagle3     that layer over a fusion of low, middle and high target layers (`eagle`)
+  parallel   a draft model with mask tokens proposes all K from one forward (`parallel`)
 
-A new drafter is one more class and one line in REGISTRY: a self-draft (the target's own
+A new drafter is one more class and one line in REGISTRY (and its name in
+`config.DRAFTERS`, with `SEVERAL_CHAINS` / `ADAPTIVE` where it declares them: the config
+layer does not import this one; a test checks they agree): a self-draft (the target's own
 int8/int4 copy, or its first N layers) is `model` over a derived LM (`model.SelfDraft`,
 whose cache starts as the target's prefilled one: no second prefill); the heads drafters
-(`needs_heads`: the run's draft is a `specjax.heads.Heads`) read the target's hidden
+(`heads_kind`: the run's draft is a `specjax.heads.Heads` of that kind) read the target's hidden
 states (`needs_features`: `init_state` gets the prefill's, `update` the scoring pass's
 along the kept path).
 """
 from __future__ import annotations
 
 from specjax.config import SamplingConfig, UsageError
-from specjax.decode.drafters.base import SOURCES, Drafter, Prefill, Proposal, Verdict, point_mass, select
+from specjax.decode.drafters.base import (SOURCES, Drafter, Expansion, Prefill, Proposal, Verdict, point_mass,
+                                          select)
 from specjax.decode.drafters.draft_model import ModelDrafter, model_proposal, refeed_window
 from specjax.decode.drafters.hybrid import HybridDrafter
 from specjax.decode.drafters.lookup import NgramDrafter, RetrievalDrafter, ngram_match
 from specjax.decode.drafters.eagle import Eagle3Drafter, EagleDrafter
 from specjax.decode.drafters.medusa import MedusaDrafter
+from specjax.decode.drafters.parallel import ParallelDrafter
 
 REGISTRY: dict[str, type[Drafter]] = {cls.name: cls for cls in (ModelDrafter, NgramDrafter, RetrievalDrafter,
                                                                  HybridDrafter, MedusaDrafter, EagleDrafter,
-                                                                 Eagle3Drafter)}
+                                                                 Eagle3Drafter, ParallelDrafter)}
 
-__all__ = ["REGISTRY", "SOURCES", "Drafter", "Eagle3Drafter", "EagleDrafter", "HybridDrafter", "MedusaDrafter",
-           "ModelDrafter", "NgramDrafter",
-           "Prefill", "Proposal",
+__all__ = ["REGISTRY", "SOURCES", "Drafter", "Eagle3Drafter", "EagleDrafter", "Expansion", "HybridDrafter",
+           "MedusaDrafter", "ModelDrafter", "NgramDrafter", "ParallelDrafter", "Prefill", "Proposal",
            "RetrievalDrafter", "Verdict", "kind", "make", "model_proposal", "ngram_match", "point_mass",
            "refeed_window", "select"]
 
@@ -74,7 +87,7 @@ def draft_kind(name: str) -> str | None:
     """What the drafter `name` draws from beside the target: 'model' (a draft LM),
     'heads' (draft heads on the target) or None (nothing: a lookup)."""
     cls = kind(name)
-    return "heads" if cls.needs_heads else "model" if cls.needs_draft_model else None
+    return "heads" if cls.heads_kind else "model" if cls.needs_draft_model else None
 
 
 def make(sampling: SamplingConfig, target, draft, datastore, mesh) -> Drafter | None:

@@ -11,7 +11,7 @@ from specjax.config import SamplingConfig
 
 # Proposal.source indexes this: the drafters that propose tokens of their own (hybrid
 # picks one of theirs per row and chain). A new such drafter adds its name here.
-SOURCES = ("model", "ngram", "retrieval", "medusa", "eagle", "eagle3")
+SOURCES = ("model", "ngram", "retrieval", "medusa", "eagle", "parallel", "eagle3")
 
 
 class Proposal(NamedTuple):
@@ -46,19 +46,49 @@ class Verdict(NamedTuple):
     features: jax.Array | None = None
 
 
+class Expansion(NamedTuple):
+    """Nodes of a draft tree being grown (`decode/growth.py`) whose children's distribution
+    the drafter is asked for (`Drafter.expand`): first the root alone (node 0, the row's
+    pending token; `first` = 0), then each round's new nodes `first`..`first` + W - 1."""
+
+    first: int  # the first new node's index (static); 0: the root call
+    tokens: jax.Array  # [B, W] the new nodes' tokens (the root call: the pending token)
+    parent: jax.Array  # [B, W] their parents' node indices (0: the pending token)
+    depth: jax.Array  # [B, W] their depths 1..K (the root: 0): a node sits at the pending token's position + depth
+    # [B, W, N] which of the nodes 1..N are each new node's ancestors (the pending token,
+    # node 0, is every node's and is in no buffer of this loop: the root call put it in the
+    # drafter's cache). New nodes of one round are never each other's ancestors.
+    above: jax.Array
+    num_nodes: int  # N, the tree's node budget (static)
+
+
 class Drafter:
     """The interface (see the package docstring). Subclasses are frozen dataclasses
     registered as pytrees: their arrays (a draft model's params, a datastore's index) are
-    leaves, their settings static. The class attributes say what a drafter needs, so
-    nothing outside the registry asks which drafter it is."""
+    leaves, their settings static. The class attributes DECLARE what a drafter needs and
+    what it does with the settings; the run setup (`specjax.app.setup`), plan, bench, train
+    and the flag checks read them, so nothing outside the registry asks which drafter it is."""
 
     name: ClassVar[str]
-    needs_draft_model: ClassVar[bool] = False  # a run without a draft model cannot use it
+    needs_draft_model: ClassVar[bool] = False  # draws from a draft LM: a run without one cannot use it
+    heads_kind: ClassVar[str | None] = None  # draws from draft heads of this `HeadsConfig.kind` on the target
     uses_datastore: ClassVar[bool] = False  # accepts a datastore
     needs_datastore: ClassVar[bool] = False  # cannot run without one
     several_chains: ClassVar[bool] = False  # draws M > 1 independent chains per loop
-    needs_heads: ClassVar[bool] = False  # draws from draft heads on the target (`specjax.heads`)
+    adaptive: ClassVar[bool] = False  # honours draft_confidence (stops on the draft's own side: invariant 9)
     needs_features: ClassVar[bool] = False  # reads the target's hidden states (init_state, Verdict.features)
+    grows_trees: ClassVar[bool] = False  # implements `expand`: SamplingConfig.draft_tree='dynamic'
+    # A config whose `python -m specjax.train` makes what this drafter draws from (for
+    # messages: '' where it draws from nothing trained, or from a draft model of any config).
+    trained_by: ClassVar[str] = ""
+
+    @classmethod
+    def max_lookahead(cls, draft_cfg) -> int | None:
+        """The most tokens one loop can propose with these weights (`draft_cfg`: the heads'
+        `HeadsConfig` for a heads drafter, else the draft's `ModelConfig` or None); None:
+        no cap but the context's. UsageError where these weights cannot serve it at all
+        (a draft model without what the drafter needs)."""
+        return None
 
     @property
     def features(self) -> bool | tuple[int, ...]:
@@ -88,6 +118,28 @@ class Drafter:
         tokens[b, :length[b]], the new state, nonfinite [B]: a distribution of the drafter
         was not one)."""
         raise NotImplementedError
+
+    def expand(self, state, carry, tokens: jax.Array, length: jax.Array, nodes: Expansion):
+        """A dynamic draft tree's one drafter-specific step (`decode/growth.py` does the rest:
+        which nodes to grow, their draws without replacement, the layout): the logits of
+        the token after each of `nodes` given its path, [B, W, V'] over `draft_vocab`, ->
+        (logits, state, carry). The first call (carry None) is the root's: the drafter
+        brings its state up to the row's context tokens[b, :length[b]] (as `propose`'s
+        first step does: the rollback of `update` must leave the next root call what it
+        needs) and returns the logits after the pending token and its own `carry`, a pytree
+        it keeps for this loop's later calls (a draft model: every node's keys and
+        values, which the next rounds' nodes attend to as `kv_cache.Prior` where `above`
+        says). Each later call gets one round's new nodes; a drafter may compute their
+        logits however it likes (one forward over the W nodes with the tree's visibility;
+        a parallel drafter may read them from its root call). Exactness needs nothing of
+        it: each node's p is whatever distribution its logits give."""
+        raise NotImplementedError
+
+    @property
+    def draft_vocab(self) -> jax.Array | None:
+        """The token ids [V'] that `expand`'s logits score (a draft vocabulary), or None: the
+        target's whole vocabulary."""
+        return None
 
     def update(self, state, verdict: Verdict):
         """The state after verification (e.g. a draft cache rolled back to what was kept)."""

@@ -2,7 +2,8 @@
 step at a time; with draft_confidence > 0 a row stops after the first position whose
 distribution's top probability is below it (a rule that looks only at the draft's side).
 With M chains the draft cache has a row per chain and the M chains are M independent
-draws (greedy: they start with the draft's M most likely tokens).
+draws (greedy: they start with the draft's M most likely tokens). A grown tree
+(`decode/growth.py`) asks `expand` for one forward per round over the round's nodes.
 
 The state is the draft's KV cache. It must hold every token the target accepted
 (invariant 4): each loop's first step re-feeds the last `window` tokens of the context,
@@ -18,7 +19,7 @@ import jax
 import jax.numpy as jnp
 
 from specjax.config import SamplingConfig, UsageError
-from specjax.decode.drafters.base import SOURCES, Drafter, Proposal, Verdict, point_mass
+from specjax.decode.drafters.base import SOURCES, Drafter, Expansion, Proposal, Verdict, point_mass
 from specjax.decode.warping import Warp, sample, warp
 from specjax.decode.state import prefill
 from specjax import kv_cache, sharding
@@ -26,17 +27,31 @@ from specjax.kv_cache import KVCache
 from specjax.model import LM, SelfDraft
 
 
-def refeed_window(lookahead: int, num_drafts: int, after_lookups: bool = False) -> int:
+def refeed_window(lookahead: int, num_drafts: int, after_lookups: bool = False, grown: bool = False) -> int:
     """Tokens the draft model's first step of a loop feeds, ending at the pending token.
 
     The last TWO for one chain: when the previous loop accepted all K drafts, x_K was
     never fed to the draft, and re-feeding it keeps the draft cache complete without a
     data-dependent shape. K+1 behind lookups (hybrid), because a row whose previous loop
     used a lookup proposal fed the draft nothing in it and may have emitted up to K+1
-    tokens since; and for several chains, as each chain has its own draft-cache row and
+    tokens since; for several chains, as each chain has its own draft-cache row and
     only the winner's holds the kept path (the others are right only up to the old
-    pending token)."""
-    return lookahead + 1 if after_lookups or num_drafts > 1 else 2
+    pending token); and for a grown tree, whose nodes never enter the draft cache."""
+    return lookahead + 1 if after_lookups or num_drafts > 1 or grown else 2
+
+
+def refeed(draft: LM, cache: KVCache, tokens: jax.Array, length: jax.Array, window: int):
+    """A loop's first draft step: the `window` tokens that end at the pending token, into
+    the cache. -> (the logits after the pending token [B, V], the cache holding the row's
+    context, pending token included)."""
+    # Consecutive positions from max(length - window, 0): a row shorter than the window
+    # feeds tokens past its pending one too (their entries are overwritten before any
+    # query sees them, and lengths stop at the pending token), and its pending token's
+    # logits are taken where it sits.
+    start = jnp.maximum(length - window, 0)
+    positions = start[:, None] + jnp.arange(window)[None, :]
+    logits, cache = draft.extend(jnp.take_along_axis(tokens, positions, axis=1), positions, cache)
+    return jnp.take_along_axis(logits, (length - 1 - start)[:, None, None], axis=1)[:, 0], cache.with_lengths(length)
 
 
 def model_proposal(draft: LM, cache: KVCache, tokens: jax.Array, length: jax.Array, key: jax.Array,
@@ -56,13 +71,7 @@ def model_proposal(draft: LM, cache: KVCache, tokens: jax.Array, length: jax.Arr
     same chain; this way they start with M different tokens. Each is a deterministic
     choice, so its p is a point mass, as greedy's argmax is."""
     batch = tokens.shape[0]
-    # Consecutive positions from max(length - window, 0): a row shorter than the window
-    # feeds tokens past its pending one too (their entries are overwritten before any
-    # query sees them), and its pending token's logits are taken where it sits.
-    start = jnp.maximum(length - window, 0)
-    positions = start[:, None] + jnp.arange(window)[None, :]
-    logits, cache = draft.extend(jnp.take_along_axis(tokens, positions, axis=1), positions, cache)
-    logits = jnp.take_along_axis(logits, (length - 1 - start)[:, None, None], axis=1)[:, 0]
+    logits, cache = refeed(draft, cache, tokens, length, window)
     keys = jax.random.split(key, lookahead)
     bad = jnp.zeros((batch,), bool)  # a draft distribution that is not one (NaN/inf logits, no mass)
     going = jnp.ones((batch,), bool) if active is None else active
@@ -136,6 +145,8 @@ class ModelDrafter(Drafter):
     name = "model"
     needs_draft_model = True
     several_chains = True
+    adaptive = True
+    grows_trees = True
 
     @classmethod
     def make(cls, sampling: SamplingConfig, target: LM, draft: LM | None, datastore, mesh,
@@ -146,7 +157,8 @@ class ModelDrafter(Drafter):
                                  "(draft=None)")
             return None  # the paper's baseline: autoregressive sampling
         return cls(draft.packed(), float(sampling.draft_confidence),  # packed where the CPU kernel runs
-                   refeed_window(sampling.lookahead, sampling.num_drafts, after_lookups),
+                   refeed_window(sampling.lookahead, sampling.num_drafts, after_lookups,
+                                 sampling.draft_tree == "dynamic"),
                    isinstance(draft, SelfDraft) and shares_cache_layout(draft.cfg, target.cfg))
 
     def init_state(self, prompts, prompt_lens, size, num_drafts, prefilled) -> KVCache:
@@ -171,6 +183,26 @@ class ModelDrafter(Drafter):
                                           distinct_first=drafts if drafts > 1 else 0)
         prop = Proposal(*(a.reshape((batch, drafts) + a.shape[1:]) for a in prop))
         return prop, cache, jnp.any(bad.reshape(batch, drafts), axis=1)
+
+    def expand(self, state: KVCache, carry, tokens, length, nodes: Expansion):
+        """A grown tree's rounds (`decode/growth.py`): the root call re-feeds the window into
+        the cache; each round is one forward over its nodes, which attend to the cache
+        and, through `carry` (every node's keys and values, `kv_cache.Prior`), to their
+        ancestors among the earlier rounds' nodes."""
+        batch, W = nodes.tokens.shape
+        if carry is None:
+            logits, cache = refeed(self.lm, state, tokens, length, self.window)
+            cfg = self.lm.cfg
+            shape = (cfg.num_layers, batch, nodes.num_nodes, cfg.num_kv_heads, cfg.head_dim)
+            empty = sharding.constrain(jnp.zeros(shape, jnp.dtype(cfg.compute_dtype)), kv_cache.FRESH_AXES)
+            return logits[:, None], cache, kv_cache.Prior(empty, empty, jnp.zeros((batch, nodes.num_nodes), jnp.int32))
+        positions = (length - 1)[:, None] + nodes.depth
+        visible = jnp.concatenate([nodes.above, jnp.broadcast_to(jnp.eye(W, dtype=bool), (batch, W, W))], axis=2)
+        logits, fresh = self.lm(nodes.tokens, positions, state, visible, prior=carry)
+        at = nodes.first - 1  # the round's nodes' slots among nodes 1..N
+        put = lambda buffer, new, axis: jax.lax.dynamic_update_slice_in_dim(buffer, new.astype(buffer.dtype), at, axis)
+        return logits, state, kv_cache.Prior(put(carry.k, fresh.k, 2), put(carry.v, fresh.v, 2),
+                                             put(carry.positions, positions, 1))
 
     def update(self, state: KVCache, verdict: Verdict) -> KVCache:
         """Roll back to [0, length - window): the next loop's first step re-feeds the rest."""

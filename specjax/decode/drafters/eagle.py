@@ -9,7 +9,9 @@ scoring pass returned (`Verdict.features`, the kept path's nodes) and the tokens
 them; its output at the last true pair predicts the feature at the pending token, which
 gives x_1; then K-1 steps feed the layer's own predicted feature with the token just
 drawn. Each x_j is drawn from its warped softmax, p_j is exactly that distribution, and
-verification is unchanged (exact). One chain (M = 1). A layer with a draft vocabulary
+verification is unchanged (exact). One chain (M = 1), or a grown tree (`expand`: one
+pass of the layer per round over that round's nodes, `decode/growth.py`). A layer with a
+draft vocabulary
 (`HeadsConfig.draft_vocab`) scores its feature against those N tokens only (a copy of
 the unembedding's N columns, whole on every device: no collective, N/V of the reads): x_j
 is drawn from the warped softmax over them and p_j is that distribution, zero on the
@@ -39,10 +41,11 @@ import jax
 import jax.numpy as jnp
 
 from specjax.config import SamplingConfig
-from specjax.decode.drafters.base import SOURCES, Drafter, Proposal, Verdict
+from specjax.decode.drafters.base import SOURCES, Drafter, Expansion, Proposal, Verdict
 from specjax.decode.warping import sample, warp
 from specjax import heads as heads_lib
 from specjax.heads import Heads
+from specjax import kv_cache
 from specjax.kv_cache import KVCache
 from specjax.model import LM, whole_table
 
@@ -83,8 +86,10 @@ class EagleDrafter(Drafter):
     window_weight: Any = None
 
     name = "eagle"
-    needs_heads = True
+    heads_kind = "eagle"
     needs_features = True
+    trained_by = "mini_eagle"
+    grows_trees = True
 
     @property
     def features(self):
@@ -92,7 +97,7 @@ class EagleDrafter(Drafter):
 
     @classmethod
     def make(cls, sampling: SamplingConfig, target: LM, draft, datastore, mesh):
-        heads = heads_lib.checked(draft, target.cfg, cls.name, sampling.drafter)
+        heads = heads_lib.checked(draft, target.cfg, cls.heads_kind, sampling.drafter)
         fold = heads_lib.folded(heads, target)  # from the float layer, quantized and packed as the layer is
         unembed = fold.unembed if fold is not None else heads_lib.unembedding(heads, target)
         return cls(heads.packed(target), target, sampling.lookahead, whole_table(target), unembed,
@@ -108,20 +113,26 @@ class EagleDrafter(Drafter):
         return EagleState(cache.with_lengths(start), window_at(features, start, self.lookahead + 1),
                           jnp.ones((batch,), jnp.int32), start)
 
-    def propose(self, state: EagleState, tokens, length, key, lookahead, num_drafts, warping):
-        batch, K = tokens.shape[0], lookahead
-        positions = state.start[:, None] + jnp.arange(K + 1)[None, :]
+    def window_pass(self, state: EagleState, tokens):
+        """A loop's first pass, over the window of true features and the tokens after them.
+        -> (the predicted feature at the pending token [B, 1, D, or W when folded], the
+        layer's cache holding the pairs before the pending token, its position [B])."""
+        positions = state.start[:, None] + jnp.arange(state.window.shape[1])[None, :]
         after = jnp.take_along_axis(tokens, jnp.clip(positions + 1, 0, tokens.shape[1] - 1), axis=1)
-        folded = self.feature_weight is not None  # then `feature` below is the block's W-wide output
         if self.window_weight is None:
             window, weight = self.heads.fused(state.window, self.target.kernels), None
         else:  # w_fuse folded into w_feature: the layers only normalised
             window, weight = self.heads.normalized(state.window), self.window_weight
         predicted, cache = self.heads.eagle_step(self.target, window, after, positions, state.cache,
-                                                 self.table, weight, up=not folded)
+                                                 self.table, weight, up=self.feature_weight is None)
         pending = state.start + state.count  # the pending token's position
         cache = cache.with_lengths(pending)  # the pairs of true features; the rest is rewritten
-        feature = jnp.take_along_axis(predicted, (state.count - 1)[:, None, None], axis=1)  # [B, 1, D or W] at pending
+        return jnp.take_along_axis(predicted, (state.count - 1)[:, None, None], axis=1), cache, pending
+
+    def propose(self, state: EagleState, tokens, length, key, lookahead, num_drafts, warping):
+        batch, K = tokens.shape[0], lookahead
+        folded = self.feature_weight is not None  # then `feature` below is the block's W-wide output
+        feature, cache, pending = self.window_pass(state, tokens)
         keys = jax.random.split(key, K)
         unembed = self.unembed if self.unembed is not None else heads_lib.Unembedding(self.target)
 
@@ -148,6 +159,39 @@ class EagleDrafter(Drafter):
                         jnp.full((batch, 1), SOURCES.index(self.name), jnp.int32))
         return prop, state._replace(cache=cache), bad
 
+    def expand(self, state: EagleState, carry, tokens, length, nodes: Expansion):
+        """A grown tree's rounds (`decode/growth.py`): the root call is the window pass;
+        each round one pass of the layer over its nodes' pairs (the parent's predicted
+        feature, the node's token) at the parent's position, attending to the layer's
+        cache and, through `carry`, to the pairs of their ancestors in earlier rounds."""
+        unembed = self.unembed if self.unembed is not None else heads_lib.Unembedding(self.target)
+        batch, W = nodes.tokens.shape
+        if carry is None:
+            feature, cache, pending = self.window_pass(state, tokens)
+            block = heads_lib.eagle_block_config(self.heads.model, self.heads.cfg)
+            shape = (1, batch, nodes.num_nodes, block.num_kv_heads, block.head_dim)
+            empty = jnp.zeros(shape, jnp.dtype(block.compute_dtype))
+            features = jnp.zeros((batch, nodes.num_nodes + 1, feature.shape[-1]), feature.dtype).at[:, :1].set(feature)
+            prior = kv_cache.Prior(empty, empty, jnp.zeros((batch, nodes.num_nodes), jnp.int32))
+            return unembed.logits(feature), state._replace(cache=cache), (prior, features, pending)
+        prior, features, pending = carry
+        positions = (pending - 1)[:, None] + nodes.depth  # a node's pair sits at its parent's position, as in `propose`
+        visible = jnp.concatenate([nodes.above, jnp.broadcast_to(jnp.eye(W, dtype=bool), (batch, W, W))], axis=2)
+        parents = jnp.take_along_axis(features, nodes.parent[:, :, None], axis=1)
+        predicted, fresh = self.heads(parents, self.target.embed(nodes.tokens, self.table), positions, state.cache,
+                                      visible, self.target.kernels, self.feature_weight, self.feature_weight is None,
+                                      prior)
+        put = lambda buffer, new, at, axis: jax.lax.dynamic_update_slice_in_dim(  # noqa: E731
+            buffer, new.astype(buffer.dtype), at, axis)
+        at = nodes.first - 1  # among nodes 1..N; `features` holds node 0's too
+        prior = kv_cache.Prior(put(prior.k, fresh.k, at, 2), put(prior.v, fresh.v, at, 2),
+                               put(prior.positions, positions, at, 1))
+        return unembed.logits(predicted), state, (prior, put(features, predicted, nodes.first, 1), pending)
+
+    @property
+    def draft_vocab(self):
+        return None if self.unembed is None else self.unembed.ids
+
     def update(self, state: EagleState, verdict: Verdict) -> EagleState:
         """The kept path's true features become the next window: the old pending token's
         (node 0) through the last kept node's; the cache rolls back to before them."""
@@ -161,6 +205,10 @@ class EagleDrafter(Drafter):
 @jax.tree_util.register_dataclass
 @dataclasses.dataclass(frozen=True)
 class Eagle3Drafter(EagleDrafter):
-    """`EagleDrafter` over an EAGLE-3 layer (heads of kind 'eagle3'): the module docstring."""
+    """`EagleDrafter` over an EAGLE-3 layer (heads of kind 'eagle3'): the module docstring.
+    It grows trees as EAGLE does: the root call's window pass fuses the target's layers,
+    and each round reads its parents' predicted features, unfused, as the draft steps do."""
 
     name = "eagle3"
+    heads_kind = "eagle3"
+    trained_by = "mini_eagle3"

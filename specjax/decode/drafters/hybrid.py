@@ -30,6 +30,7 @@ class HybridDrafter(Drafter):
 
     name = "hybrid"
     needs_draft_model = True
+    adaptive = True  # its draft-model rows stop as `model`'s do
     uses_datastore = True
     several_chains = True
 

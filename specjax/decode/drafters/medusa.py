@@ -40,14 +40,19 @@ class MedusaDrafter(Drafter):
     target: LM  # the loop's target: its unembedding turns the heads' states into logits
 
     name = "medusa"
-    needs_heads = True
+    heads_kind = "medusa"
     several_chains = True
     needs_features = True
+    trained_by = "mini_medusa"
+
+    @classmethod
+    def max_lookahead(cls, draft_cfg) -> int:
+        return draft_cfg.num_heads  # head j proposes the token j places on: K heads, K tokens
 
     @classmethod
     def make(cls, sampling: SamplingConfig, target: LM, draft, datastore, mesh):
-        draft = heads_lib.checked(draft, target.cfg, "medusa", sampling.drafter)
-        if sampling.lookahead > draft.cfg.num_heads:
+        draft = heads_lib.checked(draft, target.cfg, cls.heads_kind, sampling.drafter)
+        if sampling.lookahead > cls.max_lookahead(draft.cfg):
             raise UsageError(f"lookahead={sampling.lookahead} with drafter={sampling.drafter!r}: the heads propose "
                              f"at most {draft.cfg.num_heads} tokens a loop (num_heads={draft.cfg.num_heads})")
         return cls(draft, target)
