@@ -35,7 +35,7 @@ from flax import nnx
 from specjax import kv_cache, kv_heads, sharding
 from specjax.config import QUANTIZATIONS, ModelConfig
 from specjax.kernels import (DEFAULT as DEFAULT_KERNELS, QUANTIZED, Kernels, Packed, dispatch, pack_params, project,
-                             quantize_params, rows, should_pack, stored)
+                             quantize_params, rows, should_pack)
 from specjax.kv_cache import CACHE_AXES, Fresh, KVCache
 
 MASKED = -1e30

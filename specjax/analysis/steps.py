@@ -18,7 +18,6 @@ definitions are in docs/pods.md.
 """
 from __future__ import annotations
 
-import dataclasses
 import functools
 import time
 
