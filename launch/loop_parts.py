@@ -10,7 +10,7 @@ Each part runs N times inside one jitted `fori_loop` from the same prefilled sta
 `generate` compiles it (api.compile_lowered), at batch 1:
   speculate       draft K tokens, score K+1 with the target, warp, verify (one SpS loop)
   proposal        the drafter's own K tokens alone (--drafter=model: K draft-model steps;
-                  eagle: the layer's window pass and K-1 steps; medusa: the heads), then
+                  eagle, eagle3: the layer's window pass and K-1 steps; medusa: the heads), then
                   its rollback as after a loop that kept nothing
   ngram lookup    the prompt lookup alone (--drafter=ngram: no draft model)
   target pass     one (K+1)-token target forward alone, and (ngram) a 1-token one: the
@@ -46,7 +46,7 @@ from absl import flags  # noqa: E402
 
 from specjax.app import cli, setup  # noqa: E402
 from specjax.app.locate import Sources  # noqa: E402
-from specjax.decode import drafters, program as program_lib, speculative as sps, verify  # noqa: E402
+from specjax.decode import drafters, program as program_lib, speculative as sps, tree, verify  # noqa: E402
 from specjax.decode.warping import Warp, warp  # noqa: E402
 from specjax.kernels import Kernels  # noqa: E402
 
@@ -64,7 +64,7 @@ def define_flags() -> None:
     flags.DEFINE_integer("repeats", 5, "Timed pairs (65 and 5 iterations) per part; medians.")
     flags.DEFINE_list("kernels", ["default"], "Kernel settings to compare, interleaved (as forward_cost.py's: on, "
                       "off, default, or kernels' names joined by +, e.g. matmul+attention).")
-    flags.DEFINE_enum("drafter", None, list(DRAFTERS), "The drafter (default: the config's); eagle and medusa "
+    flags.DEFINE_enum("drafter", None, list(DRAFTERS), "The drafter (default: the config's); eagle, eagle3 and medusa "
                       "with random heads of the config's heads setting (--config=mini_eagle: its half-width, "
                       "draft-vocabulary, int8 layer).")
     flags.DEFINE_string("shape", None, "The target's shape, one of launch/shapes.py's (default: the config's).")
@@ -77,7 +77,8 @@ def define_flags() -> None:
 
 
 CONTEXTS = ("random", "distinct", "repeating")
-DRAFTERS = ("model", "ngram", "eagle", "medusa", "parallel")  # one chain each; hybrid and retrieval are not timed here
+# One chain each; hybrid and retrieval are not timed here.
+DRAFTERS = ("model", "ngram", "eagle", "eagle3", "medusa", "parallel")
 
 
 def token_buffer(context: str, size: int, prompt_len: int, vocab: int) -> jax.Array:
@@ -117,7 +118,8 @@ def parts(K: int, w: Warp, rule: str, drafter: str):
         prop, state, bad = d.propose(s.drafter_state, s.tokens, s.length, sub, K, 1, w)
         length = s.length + 3 + never(prop.x[:, 0, -1]) + never(prop.p[:, 0, -1, 0]) + bad
         batch = length.shape[0]
-        features = jnp.zeros((batch, K + 1, t.cfg.d_model), t.cfg.compute_dtype) if d.needs_features else None
+        width = t.cfg.d_model * (len(d.features) if isinstance(d.features, tuple) else 1)  # EAGLE-3: its layers'
+        features = jnp.zeros((batch, K + 1, width), t.cfg.compute_dtype) if d.features else None
         zero = jnp.zeros((batch,), jnp.int32)
         state = d.update(state, drafters.Verdict(length, zero, zero, zero, features))
         return dataclasses.replace(s, key=key, drafter_state=state, length=length)
@@ -135,7 +137,7 @@ def parts(K: int, w: Warp, rule: str, drafter: str):
             batch = q.shape[0]
             chain = drafters.Proposal(s.tokens[:, None, 1:K + 1], q[:, None, :K], jnp.full((batch, 1), K),
                                       jnp.zeros((batch, 1), jnp.int32))
-            n, _, token, empty = verify.select(rule, 1)(s.key, chain, q)
+            n, _, token, empty = verify.select(rule, 1)(s.key, tree.of_chains(chain, K), q)  # as speculate lays it
             out = never(n) + never(token) + jnp.any(bad, axis=1) + empty
         return dataclasses.replace(s, target_cache=cache.with_lengths(s.length + 2), length=s.length + 3 + out)
 

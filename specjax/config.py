@@ -282,14 +282,18 @@ MAX_NUM_DRAFTS = 16
 MAX_TREE_NODES = 64  # num_drafts * lookahead, or tree_nodes
 
 VERIFY_RULES = ("block", "tokenwise")
-DRAFTERS = ("model", "ngram", "retrieval", "hybrid", "medusa", "eagle", "parallel")
+EAGLE_KINDS = ("eagle", "eagle3")  # the heads kinds made of one EAGLE layer (`heads.EagleHead`)
+EAGLE3_TTT_STEPS = 7  # EAGLE-3's training-time test depth (its training code unrolls 7 steps)
+MAX_TTT_STEPS = 16  # each step is one more pass of the layer in every training step
+MAX_SELF_DISTILL = 1 << 20  # samples of the teacher a run generates before it trains
+DRAFTERS = ("model", "ngram", "retrieval", "hybrid", "medusa", "eagle", "eagle3", "parallel")
 # What the drafters declare (`decode.drafters`, which this layer does not import; a test
 # checks the two agree): those that draw several independent chains per loop (each chain
 # a fresh draw), those with an adaptive draft length (draft_confidence), and those that
 # grow dynamic draft trees (`Drafter.grows_trees`: they implement `expand`).
 SEVERAL_CHAINS = ("model", "hybrid", "medusa", "parallel")
 ADAPTIVE = ("model", "hybrid")
-GROWN_TREES = ("model", "eagle")
+GROWN_TREES = ("model", "eagle", "eagle3")
 DRAFT_TREES = ("chains", "dynamic")
 
 
@@ -314,8 +318,8 @@ class SamplingConfig:
     # ids (Llama 3 lists several).
     eos_id: Union[int, tuple[int, ...], None] = None
     verify: str = "block"  # 'block' (Sun et al. 2025: jointly, never worse) | 'tokenwise' (the paper's rule)
-    # 'model' | 'ngram' (prompt lookup) | 'retrieval' (a datastore) | 'hybrid' | 'medusa' | 'eagle' (heads on
-    # the target: `specjax.heads`) | 'parallel' (a draft model with mask tokens: K tokens from one forward)
+    # 'model' | 'ngram' (prompt lookup) | 'retrieval' (a datastore) | 'hybrid' | 'medusa' | 'eagle' | 'eagle3'
+    # (heads on the target: `specjax.heads`) | 'parallel' (a draft model with mask tokens: K tokens from one forward)
     drafter: str = "model"
     ngram: int = 3  # longest context suffix the lookup drafters match (shorter ones down to 1 as fallback)
     draft_confidence: float = 0.0  # > 0: a row stops drafting after a draft distribution whose top p is below it
@@ -405,9 +409,12 @@ class HeadsConfig:
     """Draft heads on the target's final hidden state (`specjax.heads`): kind 'medusa',
     `num_heads` residual SiLU blocks, head m proposing the token m+1 places past the one
     the target's own unembedding predicts from the same state, through that unembedding;
-    kind 'eagle', one decoder layer drafting autoregressively in feature space."""
+    kind 'eagle', one decoder layer drafting autoregressively in feature space; kind
+    'eagle3', that layer reading a fusion of low, middle and high target layers and
+    trained by the training-time test (EAGLE-3). The two EAGLE kinds share every field
+    below; they differ in what `feature_layers` and `ttt_steps` default to."""
 
-    kind: str = "medusa"  # 'medusa' | 'eagle'
+    kind: str = "medusa"  # 'medusa' | 'eagle' | 'eagle3'
     num_heads: int = 4  # medusa: the longest lookahead they can propose (eagle: unused)
     init_seed: int = 0
     # eagle: the layer's width (0: the target's d_model). A narrower layer reads the
@@ -426,22 +433,59 @@ class HeadsConfig:
     # heads setting (`--config.heads.quantize=...` with heads of this kind) overrides the
     # checkpoint's.
     quantize: str = ""
+    # eagle, eagle3: the target features the layer reads. Empty: kind 'eagle' reads the final
+    # hidden state; kind 'eagle3' EAGLE-3's choice for an L-layer target, the residual stream
+    # entering its 0-based layers 2, L // 2 and L - 3 (as EAGLE-3's code hooks them; clipped
+    # to 1..L, repeats dropped: set them on a shallow target). Else layer counts n in 1..L,
+    # increasing: the residual stream after the first n layers (n = L: the last layer's
+    # output before the final norm), concatenated and fused by a learned [len * D, D]
+    # projection into the feature the layer reads.
+    feature_layers: tuple[int, ...] = ()
+    # eagle, eagle3: the training-time test's depth (EAGLE-3): in training the layer runs
+    # this many steps at every position, each step reading the feature the step before it
+    # predicted (the first: the target's), as it drafts. 1 is teacher forcing (EAGLE-1's);
+    # 0: the kind's own, 1 for 'eagle', EAGLE-3's 7 for 'eagle3'.
+    ttt_steps: int = 0
 
     def __post_init__(self):
         _plain_numbers(self)
+        if isinstance(self.feature_layers, list):  # read back from a checkpoint's JSON
+            object.__setattr__(self, "feature_layers", tuple(self.feature_layers))
 
     def validate(self) -> "HeadsConfig":
-        _choice(self, "kind", {"medusa", "eagle"})
+        _choice(self, "kind", {"medusa", *EAGLE_KINDS})
         _integer(self, "num_heads", 1, 64)
         _integer(self, "init_seed", 0, SEED_LIMIT - 1)
         _integer(self, "width", 0, hint=" (0: the target's d_model)")
         _integer(self, "draft_vocab", 0, hint=" (0: the target's whole vocabulary)")
         _choice(self, "quantize", {"", *QUANTIZATIONS})
-        if self.kind != "eagle" and (self.width or self.draft_vocab or self.quantize):
+        layers = self.feature_layers
+        if not isinstance(layers, tuple) or any(isinstance(n, bool) or not isinstance(n, int) for n in layers) \
+                or any(n < 1 for n in layers) or list(layers) != sorted(set(layers)):
+            raise ConfigError(f"heads.feature_layers={layers!r}: must be increasing layer counts >= 1 (the residual "
+                              "stream after that many target layers), or empty for the kind's own")
+        _integer(self, "ttt_steps", 0, MAX_TTT_STEPS, hint=" (the training-time test's depth; 0: the kind's own)",
+                 label="heads.ttt_steps")
+        if self.kind not in EAGLE_KINDS and (self.width or self.draft_vocab or self.quantize or layers
+                                             or self.ttt_steps):
             raise ConfigError(f"heads.width={self.width}, heads.draft_vocab={self.draft_vocab}, heads.quantize="
-                              f"{self.quantize!r}: only EAGLE heads (heads.kind='eagle') have them, these are "
+                              f"{self.quantize!r}, heads.feature_layers={layers!r}, heads.ttt_steps={self.ttt_steps}: "
+                              f"only EAGLE heads (heads.kind='eagle' or 'eagle3') have them, these are "
                               f"{self.kind!r}; leave them unset")
         return self
+
+    def layers_for(self, num_layers: int) -> tuple[int, ...]:
+        """The target layer counts an EAGLE layer reads on an L-layer target (`feature_layers`,
+        or the kind's own: () for 'eagle', the final hidden state)."""
+        if self.feature_layers or self.kind != "eagle3":
+            return self.feature_layers
+        L = num_layers
+        return tuple(sorted({min(max(n, 1), L) for n in (2, L // 2, L - 3)}))
+
+    @property
+    def test_steps(self) -> int:
+        """The training-time test's depth (`ttt_steps`, or the kind's own)."""
+        return self.ttt_steps or (EAGLE3_TTT_STEPS if self.kind == "eagle3" else 1)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -468,6 +512,13 @@ class TrainConfig:
     teacher_gguf: str = ""  # or: a GGUF file (specjax.weights.gguf) as the teacher
     distill_temperature: float = 1.0
     distill_weight: float = 1.0  # loss = w * KL(teacher || student) + (1 - w) * LM loss
+    # Self-distillation (EAGLE-3 and its peers train their drafters on the target's own
+    # generations where the corpus is not the target's): > 0 trains on this many samples of
+    # the frozen teacher instead of the corpus, each `self_distill_prompt` corpus tokens at
+    # a random offset continued by the teacher (the config's sampling settings, ArS) to
+    # seq_len + 1 tokens or a stop token; made once per workdir (`training.samples`).
+    self_distill: int = 0
+    self_distill_prompt: int = 16
     # Start from another trained model's params instead of a random init (PARD's low-cost
     # adaptation of an autoregressive draft into a parallel one): a config name (its default
     # checkpoint) or a checkpoint directory, of the same model but for parallel_draft; the
@@ -496,6 +547,15 @@ class TrainConfig:
         _number(self, "distill_weight", "in [0, 1]", lambda v: 0 <= v <= 1)
         _number(self, "distill_temperature", "a finite number > 0", finite(0, math.inf))
         _text(self, "teacher_hf", "teacher_gguf", "init_from")
+        _integer(self, "self_distill", 0, MAX_SELF_DISTILL, hint=" (samples of the teacher to train on; 0: the "
+                 "corpus itself)", label="train.self_distill")
+        _integer(self, "self_distill_prompt", 1, self.seq_len, hint=f" (corpus tokens each sample continues, at most "
+                 f"train.seq_len={self.seq_len})", label="train.self_distill_prompt")
+        if self.self_distill and self.self_distill * self.val_fraction < 1:
+            raise ConfigError(f"train.self_distill={self.self_distill} samples x train.val_fraction="
+                              f"{self.val_fraction} "
+                              "keep less than one sample for validation: raise train.self_distill to at least "
+                              f"{math.ceil(1 / self.val_fraction)} or train.val_fraction")
         given = [f"{k}={getattr(self, k)!r}" for k in ("teacher", "teacher_hf", "teacher_gguf") if getattr(self, k)]
         if len(given) > 1:
             raise ConfigError(f"TrainConfig.{' and '.join(given)}: give one teacher (a config's checkpoint, a Hugging "
@@ -531,7 +591,7 @@ class Config:
         _plain_numbers(self)
 
     def heads_for(self, kind: str) -> HeadsConfig:
-        """The draft heads of `kind` ('medusa', 'eagle') a run without their checkpoint
+        """The draft heads of `kind` ('medusa', 'eagle', 'eagle3') a run without their checkpoint
         makes: this config's own where they are of that kind (`--config.heads.num_heads=3`
         sets them on a config without any), else the defaults."""
         own = self.heads if self.heads is not None and self.heads.kind == kind else None
@@ -639,6 +699,8 @@ def _coerce(text: str, annotation: Any, where: str) -> Any:
             return float(text)
         if annotation is str:
             return text
+        if typing.get_origin(annotation) is tuple:  # 'tuple[int, ...]': comma-separated, '' the empty one
+            return tuple(int(part) for part in text.split(",") if part.strip())
     except ValueError:
         pass
     else:

@@ -17,6 +17,14 @@ plans. `Heads` is the loop's handle, a pytree whose leaves are the params (as `L
 Training (`heads_loss`): with the target frozen, head m at position t learns the
 target's own distribution at position t+m (KL(target || head), the token at t+1+m),
 mixed with cross-entropy on the corpus token as distillation mixes it.
+
+The EAGLE layer (`EagleHead`, kinds 'eagle' and 'eagle3') is one module whose options
+make EAGLE-1/2 or EAGLE-3 (Li et al. 2025, "EAGLE-3", arXiv 2503.01840): which target
+features it reads (`HeadsConfig.feature_layers`: the final hidden state, or several
+layers' residual streams fused by a learned projection) and how deep its training-time
+test runs (`HeadsConfig.ttt_steps`). `eagle` is the layer over the top feature with
+teacher forcing (and EAGLE's feature regression); `eagle3` reads low, middle and high
+layers and trains on its own fed-back features, by the token loss alone.
 """
 from __future__ import annotations
 
@@ -30,7 +38,7 @@ import numpy as np
 from flax import nnx
 
 from specjax import kv_cache, sharding
-from specjax.config import HeadsConfig, ModelConfig, TrainConfig, UsageError
+from specjax.config import EAGLE_KINDS, HeadsConfig, ModelConfig, TrainConfig, UsageError
 from specjax.kernels import DEFAULT as DEFAULT_KERNELS, Kernels
 from specjax.kernels.formats import pack_params, project, quantize_params, should_pack, stored
 from specjax.kv_cache import Fresh, KVCache
@@ -76,26 +84,68 @@ def eagle_block_config(cfg: ModelConfig, hcfg: HeadsConfig | None = None) -> Mod
                                d_ff=max(1, cfg.d_ff * width // cfg.d_model), kv_copies=1)
 
 
+def feature_layers(hcfg: HeadsConfig, cfg: ModelConfig) -> tuple[int, ...]:
+    """The target layer counts an EAGLE layer of `hcfg` reads on a target of `cfg`
+    (`HeadsConfig.layers_for`; () for the final hidden state), checked against its depth."""
+    layers = hcfg.layers_for(cfg.num_layers)
+    if layers and layers[-1] > cfg.num_layers:
+        raise UsageError(f"heads.feature_layers={layers}: the target has {cfg.num_layers} "
+                         f"layer{'s' if cfg.num_layers > 1 else ''} (each must be in 1..{cfg.num_layers})")
+    return layers
+
+
 class EagleHead(nnx.Module):
     """EAGLE (Li et al. 2024, arXiv 2401.15077): one decoder layer over the target's
     feature at position j and the embedding of token j+1 (concatenated, projected to the
     layer's width), predicting the target's feature at j+1, whose unembedding (the
     target's) gives token j+2. Autoregressive in feature space, with its own one-layer KV
     cache. A layer narrower than the target (`HeadsConfig.width`) projects its output
-    back to the target's d_model."""
+    back to the target's d_model.
+
+    EAGLE-3 (arXiv 2503.01840): with `feature_layers`, the target's feature is several
+    layers' residual streams [len * D] fused by `w_fuse` [len * D, D] (EAGLE-3's fc) into
+    the D-wide feature the layer reads (`fuse`); the layer's own output, fed back while it
+    drafts, is read unfused. No norm sits between the output and the target's unembedding,
+    so a narrow layer's w_up still folds into the draft steps (`Folded`)."""
 
     def __init__(self, hcfg: HeadsConfig, cfg: ModelConfig, keys: Keys, random: bool):
         D, W, dt = cfg.d_model, eagle_block_config(cfg, hcfg).d_model, cfg.param_dtype
+        F = len(feature_layers(hcfg, cfg)) * D
+        self.w_fuse = (nnx.Param(((F ** -0.5) * jax.random.normal(keys(), (F, D))).astype(dt), logical=(None, "embed"))
+                       if F else None)
         self.w_feature = nnx.Param(((D ** -0.5) * jax.random.normal(keys(), (D, W))).astype(dt), logical=("embed", None))
         self.w_token = nnx.Param(((D ** -0.5) * jax.random.normal(keys(), (D, W))).astype(dt), logical=("embed", None))
         self.block = Block(eagle_block_config(cfg, hcfg), keys)
         self.w_up = (nnx.Param(((W ** -0.5) * jax.random.normal(keys(), (W, D))).astype(dt), logical=(None, "embed"))
                      if W != D else None)
         self.compute_dtype = cfg.compute_dtype
+        self.norm_eps = cfg.norm_eps
+
+    def fuse(self, features, kernels: Kernels = DEFAULT_KERNELS) -> jax.Array:
+        """The target's features [B, T, len * D] -> the D-wide feature the layer reads (the
+        final hidden state, without `feature_layers`, as it is). Each layer's residual
+        stream is RMS-normalised first: its scale grows with depth (mini_target's, after
+        layers 2, 4 and 6: RMS 3.8, 7.0, 9.2 against the final norm's 1.0; a random
+        layer fusing them raw started training at KL ~26 nats), and the layer's output,
+        whose scale the target's unembedding reads directly, starts from them. EAGLE-3
+        normalises inside its layer (its hidden_norm) and before its own head; the draft
+        steps here feed the output back unnormalised, so that a narrow layer's w_up still
+        folds (`Folded`)."""
+        if self.w_fuse is None:
+            return features
+        ct = jnp.dtype(self.compute_dtype)
+        return project("BTF,FD->BTD", self.normalized(features), self.w_fuse.value, kernels, ct)
+
+    def normalized(self, features) -> jax.Array:
+        """The target's layers [B, T, len * D], each RMS-normalised (`fuse`'s first step)."""
+        D = self.w_fuse.value.shape[-1]
+        x = features.astype(jnp.float32).reshape(features.shape[:-1] + (-1, D))
+        x = x * jax.lax.rsqrt(jnp.mean(x * x, axis=-1, keepdims=True) + self.norm_eps)
+        return x.reshape(features.shape).astype(jnp.dtype(self.compute_dtype))
 
     def __call__(self, features, embedded, positions, cache: KVCache, visible=None,
                  kernels: Kernels = DEFAULT_KERNELS, feature_weight=None, up: bool = True,
-                 prior: kv_cache.Prior | None = None) -> tuple[jax.Array, Fresh]:
+                 prior: kv_cache.Prior | None = None, cache_visible=None) -> tuple[jax.Array, Fresh]:
         """features, embedded [B, T, D] (the target's feature at positions[t] and the
         embedding of the token after it) -> (predicted features [B, T, D] of the next
         positions, Fresh: this pass's keys and values for the layer's cache, read only).
@@ -103,22 +153,24 @@ class EagleHead(nnx.Module):
         before w_up, and `feature_weight` (w_up @ w_feature, [W, W]) reads such an output
         as the feature input in place of w_feature. `prior`: the layer's keys of earlier
         passes that its cache does not hold (a grown draft tree's, `kv_cache.Prior` with
-        one layer), seen where `visible` [.., T, U + T] says."""
+        one layer), seen where `visible` [.., T, U + T] says. `cache_visible`: a bool [T, S]
+        of the cache entries each position sees, in place of the row's length (the
+        training-time test's, `training_time_test`)."""
         ct = jnp.dtype(self.compute_dtype)
         x = (project("BTD,DW->BTW", features.astype(ct), self.w_feature.value if feature_weight is None
                      else feature_weight, kernels, ct)
              + project("BTD,DW->BTW", embedded.astype(ct), self.w_token.value, kernels, ct))
         T = x.shape[1]
         visible = causal(T) if visible is None else visible
+        limit = cache_limit(cache, positions) if cache_visible is None else jnp.asarray(cache_visible, bool)
         layer_prior = None if prior is None else (prior.k[0], prior.v[0], prior.positions)
-        x, k, v = self.block(x, positions, cache.k, cache.v, None, 0, cache_limit(cache, positions), visible, kernels,
-                             layer_prior)
+        x, k, v = self.block(x, positions, cache.k, cache.v, None, 0, limit, visible, kernels, layer_prior)
         if self.w_up is not None and up:
             x = project("BTW,WD->BTD", x, self.w_up.value, kernels, ct)
         return x, Fresh(*ordered_after(k[None], v[None], x))
 
 
-MODULES = {"medusa": MedusaHeads, "eagle": EagleHead}
+MODULES = {"medusa": MedusaHeads, "eagle": EagleHead, "eagle3": EagleHead}
 
 
 @jax.tree_util.register_pytree_node_class
@@ -138,6 +190,21 @@ class Heads:
         """The module's forward: Medusa's (hidden, count), EAGLE's (features, embedded,
         positions, cache, visible, kernels)."""
         return nnx.merge(self.graphdef, self.params)(*args, **kwargs)
+
+    @property
+    def features(self) -> bool | tuple[int, ...]:
+        """What these heads read of the target's forward (`model.Transformer`'s `features`):
+        its final hidden state (True), or the layer counts an EAGLE-3 layer fuses."""
+        return (self.cfg.kind in EAGLE_KINDS and self.cfg.layers_for(self.model.num_layers)) or True
+
+    def fused(self, features: jax.Array, kernels: Kernels = DEFAULT_KERNELS) -> jax.Array:
+        """The target's features as the EAGLE layer reads them (`EagleHead.fuse`)."""
+        return nnx.merge(self.graphdef, self.params).fuse(features, kernels)
+
+    def normalized(self, features: jax.Array) -> jax.Array:
+        """The target's layers each RMS-normalised, not yet fused: for a window pass that
+        reads them through w_fuse w_feature folded (`Folded.window`)."""
+        return nnx.merge(self.graphdef, self.params).normalized(features)
 
     def eagle_step(self, target: LM, features, tokens, positions, cache: KVCache,
                    table=None, feature_weight=None, up: bool = True) -> tuple[jax.Array, KVCache]:
@@ -169,8 +236,8 @@ class Heads:
         if made is not None:
             return made
         made = self
-        if self.cfg.kind == "eagle":
-            names = {**PROJECTIONS, "w_feature": (1, 2), "w_token": (1, 2), "w_up": (1, 2)}
+        if self.cfg.kind in EAGLE_KINDS:
+            names = {**PROJECTIONS, "w_fuse": (1, 2), "w_feature": (1, 2), "w_token": (1, 2), "w_up": (1, 2)}
             params = decoding_weights(self.params, names, self.cfg.quantize, self.model, target)
             made = dataclasses.replace(self, params=params)
             object.__setattr__(made, "_packed", made)
@@ -238,12 +305,16 @@ class Folded:
     [D, W]; both products are linear in x, so they are folded into `columns` = w_up C
     [W, N] and `feature` = w_up w_feature [W, W], and the step never forms the D-wide
     feature: a step reads W x (N + W) weights where it read W x D + D x (N + W). Only the
-    window pass, which reads the target's true D-wide features, runs w_feature itself.
-    The draft's numbers differ from the unfolded layer's by float rounding; p is whatever
-    it computes, so sampling stays exact."""
+    window pass, which reads the target's true D-wide features, runs w_feature itself;
+    an EAGLE-3 layer's window pass reads its fused layers [len * D] through w_fuse then
+    w_feature, also linear, folded into `window` = w_fuse w_feature [len * D, W] (a
+    3-layer fusion at D = 512, W = 256: 3 x 512 x 256 weights where it read
+    3 x 512 x 512 + 512 x 256). The draft's numbers differ from the unfolded layer's by
+    float rounding; p is whatever it computes, so sampling stays exact."""
 
     unembed: Unembedding  # with columns = w_up C [W, N]
     feature: Any  # w_up w_feature [W, W]
+    window: Any = None  # w_fuse w_feature [len * D, W] (an EAGLE-3 layer), else None
 
 
 def unembedding(heads: Heads, target: LM, fold: bool = False) -> Unembedding:
@@ -285,23 +356,26 @@ def folded(heads: Heads, target: LM) -> Folded | None:
     """`Folded` for an EAGLE layer narrower than the target with a draft vocabulary
     (float `heads`, before `packed`), its weights quantized and packed as the layer's
     (`HeadsConfig.quantize`); None for any other layer."""
-    if heads.cfg.kind != "eagle" or heads.vocab is None or "w_up" not in heads.params:
+    if heads.cfg.kind not in EAGLE_KINDS or heads.vocab is None or "w_up" not in heads.params:
         return None
-    up, feature = heads.params["w_up"].value, heads.params["w_feature"].value
-    if not isinstance(jax.tree.leaves(up)[0], jax.Array):  # `plan`'s abstract params
-        product = jax.ShapeDtypeStruct((up.shape[0], feature.shape[1]), feature.dtype,
-                                       sharding=getattr(feature, "sharding", None))
-    else:
-        product = jax.jit(float_product)(up, feature)
-        product = decoding_weights({"feature": product}, {"feature": (1, 2)}, heads.cfg.quantize, target.cfg,
-                                   target)["feature"]
-    return Folded(unembedding(heads, target, fold=True), product)
+    feature = heads.params["w_feature"].value
+
+    def fold(a):  # a @ w_feature, quantized and packed as the layer's weights
+        if not isinstance(jax.tree.leaves(a)[0], jax.Array):  # `plan`'s abstract params
+            return jax.ShapeDtypeStruct((a.shape[0], feature.shape[1]), feature.dtype,
+                                        sharding=getattr(feature, "sharding", None))
+        product = jax.jit(float_product)(a, feature)
+        return decoding_weights({"w": product}, {"w": (1, 2)}, heads.cfg.quantize, target.cfg, target)["w"]
+
+    return Folded(unembedding(heads, target, fold=True), fold(heads.params["w_up"].value),
+                  fold(heads.params["w_fuse"].value) if "w_fuse" in heads.params else None)
 
 
 def checked(draft, target_cfg: ModelConfig, kind: str, drafter: str) -> Heads:
     """`draft` if it is heads of `kind` made for a target as wide as `target_cfg`, else a
     UsageError naming what was given (a drafter's `make`)."""
-    what = {"medusa": "Medusa heads (heads of kind 'medusa'", "eagle": "an EAGLE layer (heads of kind 'eagle'"}[kind]
+    what = {"medusa": "Medusa heads (heads of kind 'medusa'", "eagle": "an EAGLE layer (heads of kind 'eagle'",
+            "eagle3": "an EAGLE-3 layer (heads of kind 'eagle3'"}[kind]
     if not isinstance(draft, Heads) or draft.cfg.kind != kind:
         got = f"{draft.cfg.kind} heads" if isinstance(draft, Heads) else type(draft).__name__
         raise UsageError(f"drafter={drafter!r} needs {what}: a config with `heads`, trained by `python -m "
@@ -362,33 +436,88 @@ def init_heads(hcfg: HeadsConfig, cfg: ModelConfig, mesh: jax.sharding.Mesh, *, 
     return dataclasses.replace(abstract, params=init(), vocab=draft_vocabulary(hcfg, cfg, vocab, mesh))
 
 
+def test_visibility(T: int, j: int) -> np.ndarray:
+    """The training-time test over a sequence of T tokens: which earlier keys step j's rows
+    see, [T-1-j, S] over the keys of steps 0..j-1 laid end to end (step i: T-1-i rows).
+    Row t of step j reads the feature at t (the target's for step 0, else the one step j-1
+    predicted at t) and token t+1+j at position t+j, and predicts token t+2+j; it sees what
+    the same row sees when the layer drafts its j-th step after a window ending at t: step
+    0's rows up to t (the pairs of true features) and its own row of steps 1..j-1 (the
+    features it fed back itself), then its own key; as EAGLE-3's training code does."""
+    t = np.arange(T - 1 - j)
+    blocks = [np.arange(T - 1)[None, :] <= t[:, None]]  # step 0: the true pairs up to t
+    blocks += [np.arange(T - 1 - i)[None, :] == t[:, None] for i in range(1, j)]  # steps 1..j-1: row t's own
+    return np.concatenate(blocks, axis=1)
+
+
+def training_time_test(heads: Heads, target: LM, inputs: jax.Array, hidden: jax.Array, steps: int) -> list:
+    """The EAGLE layer's predicted features over token rows `inputs` [B, T] whose target
+    features (`heads.features` of the target's forward) are `hidden` [B, T, ...], for
+    `steps` steps of the training-time test (`test_visibility`): step j's [B, T-1-j, D],
+    row t the feature at t+1+j, the layer having fed back its own features j times. Step
+    j is one pass over its T-1-j rows, reading the keys of the steps before it as a cache
+    with a per-row visibility (as drafting reads its cache) and its own key."""
+    B, T = inputs.shape
+    embedded = target.embed(inputs)
+    features = heads.fused(hidden[:, :-1])  # step 0 reads the target's
+    keys, values, out = [], [], []
+    for j in range(steps):
+        rows = T - 1 - j
+        positions = jnp.broadcast_to(jnp.arange(j, T - 1, dtype=jnp.int32), (B, rows))
+        cache, seen = heads.empty_cache(B, 0), None
+        if j:  # the steps before: [L=1, B, G, S, H], as a cache holds them
+            cache = dataclasses.replace(cache, k=jnp.concatenate(keys, axis=3), v=jnp.concatenate(values, axis=3))
+            seen = test_visibility(T, j)
+        visible = causal(rows) if j == 0 else jnp.eye(rows, dtype=bool)
+        predicted, fresh = heads(features, embedded[:, 1 + j:], positions, cache, visible, cache_visible=seen)
+        keys.append(jnp.swapaxes(fresh.k, 2, 3))
+        values.append(jnp.swapaxes(fresh.v, 2, 3))
+        out.append(predicted)
+        features = predicted[:, :rows - 1]  # step j+1 reads them
+    return out
+
+
 def heads_loss(tc: TrainConfig):
     """loss(heads, target LM, batch [B, T+1], distill weight w) -> (loss, metrics), the
     target frozen (no gradient reaches it). Medusa: the mean over heads of
     w * T^2 * KL(target_T at t+m || head m at t) + (1 - w) * CE on token t+1+m. EAGLE: the
-    same mix for the token its predicted feature gives, plus the smooth-L1 error of that
-    feature against the target's (EAGLE's regression term)."""
+    same mix for the token its predicted feature gives, plus, where it reads the final
+    hidden state, the smooth-L1 error of that feature against the target's (EAGLE's
+    regression term; EAGLE-3's fused features have no target to regress to, and it drops
+    the term). With a training-time test of n steps (`HeadsConfig.test_steps`), step j's
+    terms, for the token j places further on from the layer's own fed-back feature
+    (`training_time_test`), weigh 0.8^j (EAGLE-3's weights), summed; the logged 'ce' and
+    'kl' are step 0's (teacher-forced, as an n = 1 layer's), 'kl_last' the last step's."""
     from specjax.training.losses import cross_entropy, distill_kl
     temp = tc.distill_temperature
 
     def eagle_loss(heads: Heads, target: LM, batch: jax.Array, w):
-        # Teacher forcing: the target's true feature at j and token j+1 in, its feature at j+1 out.
         inputs = batch[:, :-1]
-        B, T = inputs.shape
-        target_logits, hidden = jax.lax.stop_gradient(full_forward(target, inputs, features=True))
-        positions = jnp.broadcast_to(jnp.arange(T - 1, dtype=jnp.int32), (B, T - 1))
-        predicted, _ = heads(hidden[:, :-1], target.embed(inputs[:, 1:]), positions, heads.empty_cache(B, 0))
-        logits = target.logits(predicted)  # token j+2
-        ce = cross_entropy(logits, batch[:, 2:])
-        kl = distill_kl(target_logits[:, 1:], logits, temp)
-        error = jnp.abs(predicted.astype(jnp.float32) - hidden[:, 1:].astype(jnp.float32))
-        regression = jnp.mean(jnp.where(error < 1.0, 0.5 * error ** 2, error - 0.5))  # smooth L1, as EAGLE's
-        loss = w * temp ** 2 * kl + (1 - w) * ce + regression
-        return loss, {"ce": ce, "kl": kl if temp == 1.0 else distill_kl(target_logits[:, 1:], logits),
-                      "regression": regression, "loss": loss}
+        T = inputs.shape[1]
+        reads = heads.features
+        target_logits, hidden = jax.lax.stop_gradient(full_forward(target, inputs, features=reads))
+        loss, metrics = 0.0, {}
+        predictions = training_time_test(heads, target, inputs, hidden, min(heads.cfg.test_steps, T - 1))
+        for j, mine in enumerate(predictions):  # features at t+1+j
+            logits = target.logits(mine)  # token t+2+j
+            ce = cross_entropy(logits, batch[:, 2 + j:])
+            kl = distill_kl(target_logits[:, 1 + j:], logits, temp)
+            term = w * temp ** 2 * kl + (1 - w) * ce
+            if reads is True:
+                error = jnp.abs(mine.astype(jnp.float32) - hidden[:, 1 + j:].astype(jnp.float32))
+                regression = jnp.mean(jnp.where(error < 1.0, 0.5 * error ** 2, error - 0.5))  # smooth L1, as EAGLE's
+                term = term + regression
+                metrics.setdefault("regression", regression)
+            loss = loss + 0.8 ** j * term
+            plain_kl = kl if temp == 1.0 else distill_kl(target_logits[:, 1 + j:], logits)
+            if j == 0:
+                metrics.update(ce=ce, kl=plain_kl)
+            elif j == len(predictions) - 1:
+                metrics["kl_last"] = plain_kl
+        return loss, {**metrics, "loss": loss}
 
     def loss_fn(heads: Heads, target: LM, batch: jax.Array, w):
-        if heads.cfg.kind == "eagle":
+        if heads.cfg.kind in EAGLE_KINDS:
             return eagle_loss(heads, target, batch, w)
         inputs = batch[:, :-1]
         target_logits, hidden = jax.lax.stop_gradient(full_forward(target, inputs, features=True))

@@ -35,7 +35,7 @@ from flax import nnx
 from specjax import kv_cache, kv_heads, sharding
 from specjax.config import QUANTIZATIONS, ModelConfig
 from specjax.kernels import (DEFAULT as DEFAULT_KERNELS, QUANTIZED, Kernels, Packed, dispatch, pack_params, project,
-                             quantize_params, rows, should_pack, stored)
+                             quantize_params, rows, should_pack)
 from specjax.kv_cache import CACHE_AXES, Fresh, KVCache
 
 MASKED = -1e30
@@ -271,16 +271,17 @@ class Attention(nnx.Module):
     def attend(self, q, k, v, k_all, v_all, table, layer, positions, key_positions, limit, visible,
                kernels: Kernels, window=0):
         """THE attention -> [B,T,N*H]: one softmax per query over the row's cache entries
-        below limit[b] and the own keys k, v [B,U,G,H] (at `key_positions` [B,U]: the pass's,
-        after any earlier passes' that no cache holds) u with visible[t, u] ([T,U], or
-        [B,T,U] where each row's tree differs), with the content and position terms of a
-        plain forward over the query's own path (a key's distance is the difference of the
-        positions: rotary has it in k; Transformer-XL's term reads the cache part through
-        the precomputed table and `relative_shift`, the own part at the position
-        differences). A sliding layer (`window` > 0, an int or traced) also masks every key
-        `window` or more positions before the query (cache slot s holds position s). On one
-        CPU device and for rotary positions `cached_attention.cc` computes it; `reference`
-        (jnp) elsewhere and for gradients."""
+        below limit[b] (or, `limit` a bool [T, S], the entries s with limit[t, s]) and the own
+        keys k, v [B,U,G,H] (at `key_positions` [B,U]: the pass's, after any earlier passes'
+        that no cache holds) u with visible[t, u] ([T,U], or [B,T,U] where each row's tree
+        differs), with the content and position terms of a plain forward over the query's
+        own path (a key's distance is the difference of the positions: rotary has it in k;
+        Transformer-XL's term reads the cache part through the precomputed table and
+        `relative_shift`, the own part at the position differences). A sliding layer
+        (`window` > 0, an int or traced) also masks every key `window` or more positions
+        before the query (cache slot s holds position s). On one CPU device and for rotary
+        positions `cached_attention.cc` computes it; `reference` (jnp) elsewhere and for
+        gradients."""
         cfg = self.cfg
         ct = jnp.dtype(cfg.compute_dtype)
         B, T, N, H = q.shape
@@ -310,8 +311,11 @@ class Attention(nnx.Module):
                 distance = jnp.clip(positions[:, :, None] - key_positions[:, None, :], 0, width - 1)  # [B,T,U]
                 index = jnp.broadcast_to((width - 1 - distance)[:, None, None], (B, G, R, T, U))
                 own = own + jnp.take_along_axis(by_reversed, index, axis=-1)
-            below = jnp.arange(S)[None, :] < limit[:, None]  # [B,S]: the same for every query of a row
-            cached_seen, own_seen = below[:, None, None, None], seen
+            if limit.dtype == bool:  # the caller's [T, S] visibility of the cache (an EAGLE training-time test)
+                cached_seen = limit[None, None, None]
+            else:  # [B,S]: the same for every query of a row
+                cached_seen = (jnp.arange(S)[None, :] < limit[:, None])[:, None, None, None]
+            own_seen = seen
             if not isinstance(window, int) or window:
                 reach = jnp.where(window > 0, window, jnp.iinfo(jnp.int32).max)  # 0 (traced): no window
                 near = lambda d: (d < reach)[:, None, None]  # noqa: E731 ([B, T, keys] -> [B, 1, 1, T, keys])
@@ -324,7 +328,7 @@ class Attention(nnx.Module):
                    + jnp.einsum("BGRTU,BUGH->BTGRH", weights[..., S:], v.astype(ct)))
             return out.reshape(B, T, N, H)
 
-        if cfg.pos_encoding != "relative" and dispatch.use_attention(q, k_all, kernels):
+        if cfg.pos_encoding != "relative" and limit.dtype != bool and dispatch.use_attention(q, k_all, kernels):
             # Reads this layer of the cache in place (XLA copies each layer's slice per step).
             out = dispatch.attention(q, k, v, k_all, v_all, layer, limit, visible, scale, reference, key_positions,
                                      window)
@@ -447,13 +451,16 @@ class Transformer(nnx.Module):
         return x
 
     def __call__(self, tokens, positions, cache: KVCache, visible=None, kernels: Kernels = DEFAULT_KERNELS,
-                 features: bool = False, prior: kv_cache.Prior | None = None):
+                 features: bool | tuple[int, ...] = False, prior: kv_cache.Prior | None = None):
         """-> (logits [B,T,V] float32, Fresh): the module docstring's forward. `visible`: a
         [T, T] mask of the pass's own keys each query sees, or [B, T, T] where each row's
-        tree differs (None: causal); `features`: also return the final hidden states in
-        Fresh.hidden. `prior`: keys and values of earlier passes that no cache holds (a
-        draft tree's earlier rounds, `kv_cache.Prior`), seen before the pass's own:
-        `visible` is then [.., T, U + T]. The cache is only read."""
+        tree differs (None: causal); `features`: also return in Fresh.hidden the final
+        hidden states (True), or (a tuple of layer counts n in 1..L) the residual stream
+        after the first n layers for each n, concatenated [B, T, len * D] (EAGLE-3's low,
+        middle and high features; n = L is the last layer's output before the final norm).
+        A static choice: False costs nothing. `prior`: keys and values of earlier passes
+        that no cache holds (a draft tree's earlier rounds, `kv_cache.Prior`), seen before
+        the pass's own: `visible` is then [.., T, U + T]. The cache is only read."""
         cfg = self.cfg
         T = tokens.shape[1]
         x = self.embed_tokens(tokens)
@@ -467,6 +474,7 @@ class Transformer(nnx.Module):
         if table is None:  # no table carried (prefill, training): computed here, for the pass's distances too
             table = self.position_table(max(cache.size, T))
         args = (positions, cache.k, cache.v, table)
+        taps = features if isinstance(features, tuple) else ()
         if cfg.scan_layers:
             graphdef, stacked = nnx.split(self.layers)
 
@@ -475,27 +483,31 @@ class Transformer(nnx.Module):
                 if layer_params is None:  # the first num_layers of a longer stack (a self-draft)
                     layer_params = jax.tree.map(lambda a: a[i], stacked)
                 x, k, v = nnx.merge(graphdef, layer_params)(x, *args, i, limit, visible, kernels, layer_prior(i))
-                return (x, i + 1), (k, v)
+                return (x, i + 1), (k, v, x if taps else None)
 
             if stacked_layers(stacked) == cfg.num_layers:
-                (x, _), (k, v) = jax.lax.scan(body, (x, 0), stacked)
+                (x, _), (k, v, xs) = jax.lax.scan(body, (x, 0), stacked)
             else:
                 # A model made of the first layers of another's stacked params
                 # (`weights.self_draft`) indexes the stack in the loop, as scan over xs
                 # does, rather than slicing it, which would copy those layers.
-                (x, _), (k, v) = jax.lax.scan(body, (x, 0), None, length=cfg.num_layers)
+                (x, _), (k, v, xs) = jax.lax.scan(body, (x, 0), None, length=cfg.num_layers)
+            tapped = {n: xs[n - 1] for n in taps}
         else:
-            kv = []
+            kv, tapped = [], {}
             for i, block in enumerate(self.layers):
                 x, k, v = block(x, *args, i, limit, visible, kernels, layer_prior(i))
                 kv.append((k, v))
+                if i + 1 in taps:
+                    tapped[i + 1] = x
             k, v = (jnp.stack(a) for a in zip(*kv))
         x = self.final_norm(x)
         logits = self.logits(x, kernels)
         k, v = ordered_after(k, v, x)
+        hidden = jnp.concatenate([tapped[n] for n in taps], axis=-1) if taps else x if features else None
         # The hidden states stay whole rows (like the residual stream): a consumer that
         # wanted them split over 'model' would otherwise split the pass's own activations.
-        return logits, Fresh(k, v, sharding.constrain(x, ("batch", None, "embed")) if features else None)
+        return logits, Fresh(k, v, None if hidden is None else sharding.constrain(hidden, ("batch", None, "embed")))
 
 
 def mask_id(cfg: ModelConfig) -> int:
@@ -573,7 +585,7 @@ class LM:
     params: Any
     kernels: Kernels = DEFAULT_KERNELS
 
-    def __call__(self, tokens, positions, cache: KVCache, visible=None, features: bool = False,
+    def __call__(self, tokens, positions, cache: KVCache, visible=None, features: bool | tuple[int, ...] = False,
                  prior: kv_cache.Prior | None = None):
         return nnx.merge(self.graphdef, self.params)(tokens, positions, cache, visible, self.kernels, features, prior)
 
@@ -732,11 +744,11 @@ def init_lm(cfg: ModelConfig, mesh: jax.sharding.Mesh, seed: int | None = None, 
 _kept_init_program = functools.lru_cache(maxsize=16)(init_program)
 
 
-def full_forward(lm: LM, tokens: jax.Array, features: bool = False):
+def full_forward(lm: LM, tokens: jax.Array, features: bool | tuple[int, ...] = False):
     """Logits [B, T, V] of whole sequences through the same forward that sampling uses,
     over an empty cache (no slots: every position sees its own keys before it, causally):
     the training loss and the exact reference distributions both come from here. With
-    `features`: (logits, final hidden states [B, T, D])."""
+    `features` (True, or layer counts: the forward's): (logits, those hidden states)."""
     batch, length = tokens.shape
     positions = jnp.broadcast_to(jnp.arange(length, dtype=jnp.int32), (batch, length))
     logits, fresh = lm(tokens, positions, kv_cache.empty(lm.cfg, batch, 0), features=features)

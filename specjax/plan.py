@@ -65,7 +65,7 @@ def define_flags() -> None:
                        "Fixed latency per collective in the TPU roofline (microseconds).")
     cli.define_quantize_flag()
     # The sampling group of sample/bench/evaluate (the budget is --cache_len here): the
-    # programs compiled sample with them. --drafter=medusa|eagle also compiles drafting by
+    # programs compiled sample with them. --drafter=medusa|eagle|eagle3 also compiles drafting by
     # random draft heads on the target (the config's, else the defaults: size them with
     # --config.heads.num_heads=N), next to the config's draft model; --num_drafts > 1 also
     # compiles the tree loop of that many chains next to the chain, --draft_tree=dynamic the
@@ -110,7 +110,7 @@ def drafting(cfg) -> tuple[SamplingConfig, HeadsConfig | None]:
                          "chains from")
     if sampling.draft_tree == "dynamic" and not cls.heads_kind and cfg.draft is None:
         raise UsageError(f"--draft_tree=dynamic: --config={FLAGS.config} has no draft model to grow a tree with "
-                         "(or pass --drafter=eagle)")
+                         "(or pass --drafter=eagle or eagle3)")
     # A config without a draft model plans ArS (and any heads drafting) alone.
     used = () if cls.needs_draft_model and cfg.draft is None else (sampling.drafter,)
     setup.prepare(setup.Request(cfg, sampling, used, sources=Sources(init="random")))

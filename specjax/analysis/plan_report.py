@@ -47,7 +47,8 @@ def format_report(r: dict) -> str:
                       "(XLA:CPU only)"))
     if "heads" in r:
         h = r["heads"]
-        what = f"{h['num_heads']} Medusa heads" if h["kind"] == "medusa" else "one EAGLE layer"
+        what = {"medusa": f"{h['num_heads']} Medusa heads", "eagle3": "one EAGLE-3 layer"}.get(h["kind"],
+                                                                                              "one EAGLE layer")
         out.append(f"{h['kind']:<8} {_count(h['params']):>10}  {what} (random; sps_{h['kind']} drafts with them), "
                    f"{_gib(h['weight_bytes_per_device'])} per device")
     for name, m in r["models"].items():

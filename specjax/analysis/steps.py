@@ -18,7 +18,6 @@ definitions are in docs/pods.md.
 """
 from __future__ import annotations
 
-import dataclasses
 import functools
 import time
 
@@ -112,7 +111,7 @@ def step_functions(prog: Program) -> dict:
             shape, dtype, sharding=sharding.named(mesh, ("batch",) + (None,) * (len(shape) - 1), shape))
         score_args = (target, rows((batch, nodes), jnp.int32), rows((batch, nodes), jnp.int32), state.target_cache,
                       warp_values, None if M == 1 else rows((batch, K + 1), jnp.int32))
-        score = functools.partial(_score, settings=settings, features=drafter.needs_features)
+        score = functools.partial(_score, settings=settings, features=drafter.features)
         key = jax.eval_shape(lambda s: seed_key(s), seed)
         key = jax.ShapeDtypeStruct(key.shape, key.dtype, sharding=sharding.replicated(mesh))
         propose = functools.partial(_propose, settings=settings)

@@ -88,9 +88,9 @@ SAMPLING_FLAGS = {
     "verify": (VERIFY_RULES, "SpS acceptance rule: block (block verification, never worse) or tokenwise (the "
                "paper's); several chains are verified as a tree"),
     "drafter": (DRAFTERS, "who proposes: model (the draft model), ngram (prompt lookup in the row's own context), "
-                "retrieval (--datastore), hybrid (ngram, else the datastore, else the model), medusa or eagle "
-                "(draft heads on the target's features), parallel (a draft model with mask tokens: all K from one "
-                "forward)"),
+                "retrieval (--datastore), hybrid (ngram, else the datastore, else the model), medusa, eagle or "
+                "eagle3 (draft heads on the target's features), parallel (a draft model with mask tokens: all K "
+                "from one forward)"),
     "ngram": (int, "longest context suffix the lookup drafters match"),
     "draft_confidence": (float, "in [0, 1): a row stops drafting after a draft distribution whose top "
                          "probability is below this (--lookahead is the most); 0 = fixed K"),
@@ -98,7 +98,7 @@ SAMPLING_FLAGS = {
                    "rejection sampling); 1 = one chain"),
     "draft_tree": (DRAFT_TREES, "chains (--num_drafts chains of --lookahead tokens) or dynamic (a tree of "
                    "--tree_nodes draft tokens at most --lookahead deep, grown where the drafter is confident; "
-                   "drafter model or eagle)"),
+                   "drafter model, eagle or eagle3)"),
     "tree_nodes": (int, "N, a dynamic draft tree's draft tokens per loop (the target scores N + 1)"),
 }
 

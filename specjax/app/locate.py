@@ -17,7 +17,7 @@ from typing import Optional, Sequence
 import jax
 
 from specjax import distributed
-from specjax.config import Config, ModelConfig, UsageError, load_config, user_path
+from specjax.config import EAGLE_KINDS, Config, ModelConfig, UsageError, load_config, user_path
 from specjax.model import init_lm
 from specjax.training import trainer
 from specjax.weights import checkpoint as ckpt_lib
@@ -346,8 +346,9 @@ class Weights:
         """(target, draft or None) on `mesh`; with `quantize` ('int8', 'int4'), each quantized
         on load (`LM.quantized`; a GGUF file's Q8_0/Q4_0/Q4_1 tensors taken as stored):
         the run samples the quantized models. A self-draft is made of the (quantized)
-        target's own arrays; with need_draft='medusa' or 'eagle' the draft is those heads."""
-        if need_draft in ("medusa", "eagle"):
+        target's own arrays; with need_draft a kind of heads ('medusa', 'eagle', 'eagle3') the draft
+        is those heads."""
+        if need_draft in ("medusa", *EAGLE_KINDS):
             target, _ = self.load(mesh, need_draft=False, quantize=quantize)
             return target, self.heads(target, mesh, need_draft)
         if self.self_draft is not None:

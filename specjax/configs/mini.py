@@ -8,7 +8,8 @@ def get_config() -> Config:
     draft = load_config("mini_draft").target
     return Config(name="mini", target=target, draft=draft, tokenizer_vocab=target.vocab_size,
                   target_from="mini_target", draft_from="mini_draft",
-                  heads_from="mini_medusa,mini_eagle",  # the heads --drafter=medusa and --drafter=eagle use
+                  # the heads --drafter=medusa, --drafter=eagle and --drafter=eagle3 use
+                  heads_from="mini_medusa,mini_eagle,mini_eagle3",
                   # K=6: the fastest SpS of K=2..7 for the trained pair on CPU with the packed
                   # few-row kernel, which scores up to 8 tokens for about the cost of one
                   # (benchmarks/kernels.md, "Second round ... the demo's K").

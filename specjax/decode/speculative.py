@@ -91,7 +91,7 @@ def start(target: LM, drafter: Drafter, prompts: jax.Array, prompt_lens: jax.Arr
           settings: Settings, size: int) -> SpsState:
     """The loop's state after prefilling the target's cache (and the drafter's state) with the prompts."""
     batch = prompts.shape[0]
-    prefilled = Prefill(*prefill(target, prompts, prompt_lens, size, features=True)) if drafter.needs_features \
+    prefilled = Prefill(*prefill(target, prompts, prompt_lens, size, features=drafter.features)) if drafter.features \
         else Prefill(prefill(target, prompts, prompt_lens, size))
     return SpsState(token_buffer(prompts, size), prompt_lens, jnp.zeros((batch,), bool), prefilled.cache,
                     drafter.init_state(prompts, prompt_lens, size, settings.num_drafts, prefilled), key,
@@ -119,7 +119,7 @@ def speculate(target: LM, drafter: Drafter, s: SpsState, settings: Settings):
     # lax.cond choosing a 1-token pass there made XLA copy the whole KV cache into and out
     # of the conditional in every loop, which cost more than the K extra positions do with
     # the few-row kernel (counted in the compiled HLO; no figure in benchmarks/ yet).
-    logits, fresh = target(scored, positions, s.target_cache, visible, features=drafter.needs_features)
+    logits, fresh = target(scored, positions, s.target_cache, visible, features=drafter.features)
     q, target_bad = warp(logits, warping)
     target_bad = jnp.any(target_bad, axis=1)
     num_accepted, path, next_token, empty = verify.select(settings.verify, M, bool(settings.tree_nodes))(

@@ -16,11 +16,11 @@ from specjax.model import LM
 from specjax.sharding import constrain
 
 
-def prefill(lm: LM, prompts: jax.Array, prompt_lens: jax.Array, size: int, features: bool = False):
+def prefill(lm: LM, prompts: jax.Array, prompt_lens: jax.Array, size: int, features: bool | tuple[int, ...] = False):
     """Write every prompt token into a fresh cache. Each row's last prompt token is left
     'pending' (the next step feeds it again and samples from its logits), so ragged rows
     need no per-row logit gather here; entries past a row's length are masked. With
-    `features`: (cache, the final hidden states [B, W, D] at every prompt position)."""
+    `features`: (cache, the hidden states the forward returns for it at every prompt position)."""
     batch, width = prompts.shape
     positions = jnp.broadcast_to(jnp.arange(width, dtype=jnp.int32), (batch, width))
     cache = lm.with_position_table(kv_cache.empty(lm.cfg, batch, size))

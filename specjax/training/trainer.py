@@ -50,11 +50,12 @@ from flax import nnx
 from tqdm import tqdm
 
 from specjax import kv_heads, sharding
+from specjax.training import samples
 from specjax.training.corpus import Batches, load_corpus
 from specjax.training.losses import make_loss
 from specjax.training.workdir import METRICS_FILE, MetricsLog, StopRequest, WorkdirLock
 from specjax.weights import checkpoint
-from specjax.config import Config, ConfigError, TrainConfig, UsageError, load_config, user_path
+from specjax.config import EAGLE_KINDS, Config, ConfigError, TrainConfig, UsageError, load_config, user_path
 from specjax.heads import Heads, abstract_heads, draft_vocabulary, heads_loss, init_heads, most_frequent
 from specjax.model import LM, abstract_lm, init_lm
 from specjax.weights.tokenizer import Tokenizer
@@ -127,10 +128,13 @@ def make_steps(student: LM | Heads, teacher: Optional[LM], optimizer, tc: TrainC
 
 
 def _describe_heads(hcfg, target) -> str:
-    if hcfg.kind != "eagle":
+    if hcfg.kind not in EAGLE_KINDS:
         return f"{hcfg.num_heads} {hcfg.kind} heads"
-    return (f"one EAGLE layer of width {hcfg.width or target.d_model}"
-            + (f", draft vocabulary of {hcfg.draft_vocab} tokens" if hcfg.draft_vocab else ""))
+    layers = hcfg.layers_for(target.num_layers)
+    return (f"one {'EAGLE-3' if hcfg.kind == 'eagle3' else 'EAGLE'} layer of width {hcfg.width or target.d_model}"
+            + (f", draft vocabulary of {hcfg.draft_vocab} tokens" if hcfg.draft_vocab else "")
+            + (f", reading layers {', '.join(map(str, layers))} of {target.num_layers}" if layers else "")
+            + (f", training-time test of {hcfg.test_steps} steps" if hcfg.test_steps > 1 else ""))
 
 
 class TrainingDiverged(FloatingPointError):
@@ -238,6 +242,11 @@ def train(config: Config, workdir=None, progress: bool = True, devices=None) -> 
         raise ConfigError(f"config {config.name!r} has draft heads, which train on a frozen target: name it with "
                           "train.teacher (a config), train.teacher_hf (a Hugging Face directory) or train.teacher_gguf")
 
+    if tc.self_distill and not (tc.teacher or tc.teacher_hf or tc.teacher_gguf):
+        raise ConfigError(f"train.self_distill={tc.self_distill} trains on samples of the teacher, and config "
+                          f"{config.name!r} has none: name it with train.teacher, train.teacher_hf or "
+                          "train.teacher_gguf, or set train.self_distill=0")
+
     if config.heads is not None:  # their shapes on the config's target, checked before the workdir is touched
         abstract_heads(config.heads, config.target)
     if config.heads is not None and tc.init_from:
@@ -251,6 +260,9 @@ def train(config: Config, workdir=None, progress: bool = True, devices=None) -> 
         if config.heads is not None:  # the heads are shaped by the target they read, the teacher
             config = dataclasses.replace(config, target=kv_heads.original(teacher.cfg))
         corpus = load_corpus(config, teacher_tokenizer, progress and is_main)
+        if tc.self_distill:
+            stop_ids = config.sampling.stop_ids or tuple(getattr(teacher_tokenizer, "stop_ids", ()))
+            corpus = samples.self_distilled(corpus, teacher, config, workdir, stop_ids, progress and is_main)
         batches = Batches(corpus, tc, mesh)
         log = MetricsLog(workdir / METRICS_FILE, enabled=is_main)
 

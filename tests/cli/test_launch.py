@@ -154,11 +154,13 @@ def test_the_compilation_cache_goes_where_every_worker_reads_it(monkeypatch, tmp
                                             ("ngram", ["speculate", "ngram lookup", "target pass (1 token)"]),
                                             ("model --self_draft=int8", ["speculate", "model proposal",
                                                                          "target pass (5 tokens)"]),
-                                            ("eagle", ["speculate", "eagle proposal", "target pass (5 tokens)"])])
+                                            ("eagle", ["speculate", "eagle proposal", "target pass (5 tokens)"]),
+                                            ("eagle3", ["speculate", "eagle3 proposal", "target pass (5 tokens)"])])
 def test_loop_parts_times_each_part_of_a_loop(drafter, parts):
     """launch/loop_parts.py on tiny, as the loop runs (the drafter made by `drafters.make`,
     temperature and top-p traced; the draft the config's, the target's own int8 copy, or
-    random EAGLE heads): every part compiles, runs and is printed with its time."""
+    random EAGLE or EAGLE-3 heads; EAGLE-3's stand-in features as wide as its fused layers): every
+    part compiles, runs and is printed with its time."""
     proc = subprocess.run([sys.executable, "launch/loop_parts.py", "--config=tiny", *f"--drafter={drafter}".split(),
                            "--repeats=1", "--cache=256", "--prompt_len=8"], cwd=REPO, capture_output=True,
                           text=True, timeout=600, env={**os.environ, "XLA_FLAGS": xla_flags(1)})

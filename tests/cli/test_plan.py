@@ -308,11 +308,12 @@ def test_plan_duplicates_kv_heads_on_a_wider_model_axis_and_sizes_another_chip(t
     assert dup["capacity"]["fits"] and dup["setup"]["devices"] == 8
 
 
-@pytest.mark.parametrize("drafter", ["model", pytest.param("eagle", marks=pytest.mark.slow)])
+@pytest.mark.parametrize("drafter", ["model", pytest.param("eagle", marks=pytest.mark.slow),
+                                     pytest.param("eagle3", marks=pytest.mark.slow)])
 def test_plan_compiles_the_dynamic_tree_loops_with_the_chain_loops_collectives(tmp_path, drafter):
     """tiny on 1x8, K=4, --draft_tree=dynamic --tree_nodes=8: the loops that grow a tree by
-    the draft model (and with --drafter=eagle by an EAGLE layer) compile, and each has its
-    chain loop's collectives per loop: one target pass over the 9 nodes, and K draft
+    the draft model (and with --drafter=eagle or eagle3 by an EAGLE or EAGLE-3 layer)
+    compile, and each has its chain loop's collectives per loop: one target pass over the 9 nodes, and K draft
     passes (the root's window, then one per round over the round's nodes)."""
     out = tmp_path / "plan.json"
     proc = subprocess.run([sys.executable, "-m", "specjax.plan", "--config=tiny", "--mesh=1x8", f"--drafter={drafter}",
@@ -320,7 +321,7 @@ def test_plan_compiles_the_dynamic_tree_loops_with_the_chain_loops_collectives(t
                           cwd=REPO, capture_output=True, text=True, timeout=600)
     assert proc.returncode == 0, proc.stderr[-3000:]
     programs = json.loads(out.read_text())["programs"]
-    pairs = [("sps", "sps_dynamic")] + ([("sps_eagle", "sps_eagle_dynamic")] if drafter == "eagle" else [])
+    pairs = [("sps", "sps_dynamic")] + ([(f"sps_{drafter}", f"sps_{drafter}_dynamic")] if drafter != "model" else [])
     for chain, grown in pairs:
         counts = lambda name: {kind: c["count"] for kind, c in programs[name]["collectives_per_loop"].items()}  # noqa: E731
         assert counts(grown) == counts(chain), grown
@@ -338,7 +339,8 @@ def test_plan_compiles_the_dynamic_tree_loops_with_the_chain_loops_collectives(t
     (["--batch=0"], "--batch=0: must be a positive integer"),
     (["--num_drafts=0"], "num_drafts=0: must be"),
     (["--drafter=medusa:3"], "--drafter"),  # the sampling group's names, as in sample (count: --config.heads)
-    (["--drafter=ngram"], "--drafter=ngram: plan compiles draft models and draft heads (model, medusa, eagle, parallel)"),
+    (["--drafter=ngram"], "--drafter=ngram: plan compiles draft models and draft heads (model, medusa, eagle, eagle3, "
+                          "parallel)"),
     (["--drafter=medusa", "--config.heads.num_heads=0"], "num_heads=0"),
     (["--drafter=eagle", "--num_drafts=2"], "num_drafts=2 with drafter='eagle'"),
     # What sample and bench refuse, plan refuses too (it planned K=4 and reported 6).
@@ -600,11 +602,12 @@ def test_plan_of_quantized_models_counts_their_bytes(tmp_path):
 
 @pytest.mark.parametrize("heads, program, extra", [
     pytest.param("medusa --config.heads.num_heads=3", "sps_medusa", 1, marks=pytest.mark.slow),
-    ("eagle", "sps_eagle", 4 * 2)])
+    ("eagle", "sps_eagle", 4 * 2), ("eagle3", "sps_eagle3", 4 * 2)])
 def test_plan_compiles_the_loop_with_draft_heads_and_counts_their_all_reduces(tmp_path, heads, program, extra):
     """tiny on 1x8, K=4: Medusa's heads add one all-reduce to the target's pass (2 per layer
     + the embedding); the EAGLE layer's K passes add its block's 2 each (the token it
-    reads is embedded from a whole copy of the table on every device)."""
+    reads is embedded from a whole copy of the table on every device); the EAGLE-3 layer's
+    too (the target's layers it fuses are whole rows, as the final hidden state is)."""
     out = tmp_path / "plan.json"
     proc = subprocess.run([sys.executable, "-m", "specjax.plan", "--config=tiny", "--mesh=1x8",
                            *f"--drafter={heads}".split(), f"--json={out}"],

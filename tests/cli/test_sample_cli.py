@@ -158,6 +158,16 @@ def test_greedy_sps_equals_greedy_ars(greedy):
     assert sps[0, 0] != sps[1, 0]  # different prompts, different continuations: the comparison has teeth
 
 
+def test_eagle3_from_the_command_line_gives_ars_tokens(env, greedy, tmp_path):
+    """--drafter=eagle3 with random EAGLE-3 heads (on tiny's two layers: both fused, the
+    kind's default): greedy SpS writes ArS's tokens, and the eagle3 drafter proposed them."""
+    out = tmp_path / "eagle3.jsonl"
+    proc = sample(env, *TINY, "--mode=sps", *GREEDY, "--drafter=eagle3", f"--output={out}")
+    assert proc.returncode == 0, proc.stderr
+    assert by_row(read_jsonl(out), "sps") == by_row(greedy["ars"][1], "ars")
+    assert "eagle3 drafter" in proc.stdout and "proposed by drafter: eagle3" in proc.stdout
+
+
 def test_several_drafts_from_the_command_line(env, greedy, tmp_path):
     """--num_drafts=3 --drafter=hybrid: the tree loop gives the greedy tokens of the chain
     loop (both are greedy ArS's), with per-chain statistics in the JSONL and the summary."""
@@ -364,6 +374,19 @@ BAD_INPUTS = [
     ("num_samples 0", ["--num_samples=0"], {}, ["--num_samples=0", "positive integer"]),
     ("verify misspelled", ["--verify=greedy"], {}, ["--verify=greedy", "block|tokenwise"]),
     ("drafter unknown", ["--drafter=tree"], {}, ["--drafter=tree", "model|ngram|retrieval|hybrid"]),
+    ("eagle3 layers beyond the target", ["--drafter=eagle3", "--config.heads.kind=eagle3",
+                                         "--config.heads.feature_layers=1,3"], {},
+     ["heads.feature_layers=(1, 3)", "the target has 2 layers", "in 1..2"]),
+    ("eagle3 layers not increasing", ["--drafter=eagle3", "--config.heads.kind=eagle3",
+                                      "--config.heads.feature_layers=2,1"], {},
+     ["heads.feature_layers=(2, 1)", "increasing layer counts >= 1"]),
+    ("eagle3 layers not numbers", ["--drafter=eagle3", "--config.heads.kind=eagle3",
+                                   "--config.heads.feature_layers=1,x"], {},
+     ["--config.heads.feature_layers='1,x'", "not a valid tuple"]),
+    ("eagle3 ttt_steps negative", ["--drafter=eagle3", "--config.heads.kind=eagle3", "--config.heads.ttt_steps=-1"],
+     {}, ["heads.ttt_steps=-1", "[0, 16]"]),
+    ("eagle3 options on medusa heads", ["--drafter=medusa", "--config.heads.feature_layers=1"], {},
+     ["heads.feature_layers=(1,)", "only EAGLE heads", "'medusa'"]),
     ("ngram 0", ["--drafter=ngram", "--ngram=0"], {}, ["ngram=0", "integer in [1, 16]"]),
     ("ngram 1000", ["--drafter=ngram", "--ngram=1000"], {}, ["ngram=1000", "integer in [1, 16]"]),
     ("ngram 10^30", ["--drafter=ngram", "--ngram=" + "1" + "0" * 30], {}, ["ngram=1" + "0" * 30, "[1, 16]"]),
@@ -386,7 +409,7 @@ BAD_INPUTS = [
     ("tree_nodes without a dynamic tree", ["--tree_nodes=4"], {}, ["--tree_nodes=4 applies to a dynamic draft tree",
                                                                    "--draft_tree=dynamic"]),
     ("dynamic tree with a lookup", ["--drafter=ngram", "--draft_tree=dynamic"], {},
-     ["draft_tree='dynamic' with drafter='ngram'", "'model' or 'eagle'"]),
+     ["draft_tree='dynamic' with drafter='ngram'", "'model', 'eagle' or 'eagle3'"]),
     ("dynamic tree with chains", ["--draft_tree=dynamic", "--num_drafts=2"], {},
      ["draft_tree='dynamic' with num_drafts=2", "replaces the chains"]),
     ("dynamic tree with draft_confidence", ["--draft_tree=dynamic", "--draft_confidence=0.3"], {},

@@ -1,20 +1,23 @@
 """The EAGLE drafter (`--drafter=eagle`, `specjax.heads.EagleHead`): one decoder layer
-drafting in the target's feature space.
+drafting in the target's feature space. The checks of the drafting machinery that EAGLE-3
+shares (`--drafter=eagle3`: the same drafter over a fusion of the target's layers) run
+for both kinds here; EAGLE-3's own (Theorem 1, the training-time test) are in
+test_eagle3.py.
 
 - Theorem 1 (the enumeration and chi-square test of `theorem1`, N = 100,000 samples per
   case, one compiled program and one batch each, ALPHA = 0.001) with a random EAGLE layer
   on the one-layer tiny target: K = 1 and 3, temperature 1 and 0.7 with top-p, a ragged
   batch (all in the slow set, with the control); the negative control (p taken before
   warping) is rejected with N_NEGATIVE samples.
-- Greedy SpS == greedy ArS token for token, on one device and eight.
+- Greedy SpS == greedy ArS token for token, on one device and eight (both kinds).
 - The fused loop: one while loop, no host round trip, no cache copied (the target's or
   the layer's own), and the layer's K passes add their own collectives only.
 - The state after the prompts and after four loops: the window holds the TARGET's features (a full forward
   of the row's tokens) from `start`, start + count is the pending token's position, and
   the layer's cache before `start` equals a teacher-forced pass of the layer over the
-  target's true features. The same check rejects a wrong variant whose next loop starts
-  from the layer's own predicted features (a quality bug, not an exactness one: Theorem 1
-  cannot see it, this test does).
+  target's true features (EAGLE-3: its layers' residual streams, fused). The same check
+  rejects a wrong variant whose next loop starts from the layer's own predicted features
+  (a quality bug, not an exactness one: Theorem 1 cannot see it, this test does).
 - Bad input: Medusa heads for the EAGLE drafter and the reverse, several chains.
 """
 import dataclasses
@@ -27,7 +30,7 @@ import pytest
 import specjax
 from specjax import heads as heads_lib, kernels, model
 from specjax.config import ConfigError, HeadsConfig, SamplingConfig, UsageError
-from specjax.decode import program, speculative
+from specjax.decode import drafters, program, speculative
 from specjax.decode.drafters import eagle
 from specjax.decode.warping import warp
 from specjax.heads import init_heads
@@ -36,6 +39,7 @@ from models import RAGGED, cache_copies, fused_loop_collectives, tiny_pairs
 from theorem1 import ALPHA, N, N_NEGATIVE, Case, make_models, run
 
 EAGLE = HeadsConfig(kind="eagle", init_seed=2)
+EAGLE3 = HeadsConfig(kind="eagle3", init_seed=2)  # on tiny's 2 layers: it fuses both (the kind's default)
 
 
 @pytest.fixture(scope="module")
@@ -120,19 +124,29 @@ def unwarped_distributions(drafter, state, x, tokens, K):
     return teacher_forced(drafter, state, x, tokens, K)[:, None]
 
 
-@pytest.mark.parametrize("temperature,top_p", [(1.0, 1.0), (0.7, 0.8)])
-def test_a_narrow_layer_folds_w_up_into_its_steps(narrow_models, temperature, top_p):
+@pytest.mark.parametrize("kind,temperature,top_p", [("eagle", 1.0, 1.0), ("eagle", 0.7, 0.8), ("eagle3", 0.7, 0.8)])
+def test_a_narrow_layer_folds_w_up_into_its_steps(narrow_models, kind, temperature, top_p):
     """A narrow layer with a draft vocabulary (float here) drafts with w_up folded into the
-    columns and the next step's w_feature (`heads.Folded`): its p along the chain it drew
-    equals the unfolded layer's teacher-forced on that chain (D-wide features, w_up, then
-    the draft vocabulary's columns and the same warping) to float rounding; the drafter
-    holds the folded [W, W] weight."""
+    columns and the next step's w_feature (`heads.Folded`; EAGLE-3's window pass also
+    w_fuse into w_feature): its p along the chain it drew equals the unfolded layer's
+    teacher-forced on that chain (D-wide features, w_up, then the draft vocabulary's
+    columns and the same warping) to float rounding; the drafter holds the folded [W, W]
+    weight (and EAGLE-3's [2 * D, W])."""
     target, heads = narrow_models
+    if kind == "eagle3":  # the two-layer tiny target, both layers fused
+        target = model.init_lm(dataclasses.replace(target.cfg, num_layers=2), mesh_for("1x1"))
+        heads = init_heads(dataclasses.replace(NARROW, kind=kind), target.cfg, mesh_for("1x1"), vocab=NARROW_VOCAB)
+        assert heads.features == (1, 2)
     heads = dataclasses.replace(heads, cfg=dataclasses.replace(heads.cfg, quantize=""))
     target = target.packed()
-    drafter = eagle.EagleDrafter.make(SamplingConfig(lookahead=3, drafter="eagle"), target, heads, None, None)
+    cls = drafters.kind(kind)
+    drafter = cls.make(SamplingConfig(lookahead=3, drafter=kind), target, heads, None, None)
     W = NARROW.width
     assert drafter.feature_weight is not None and kernels.stored(drafter.feature_weight).shape == (W, W)
+    if kind == "eagle3":  # its window pass reads the two layers through w_fuse w_feature folded
+        assert kernels.stored(drafter.window_weight).shape == (2 * target.cfg.d_model, W)
+    else:
+        assert drafter.window_weight is None
     assert kernels.stored(drafter.unembed.columns).shape == (W, NARROW.draft_vocab)
     prompts = jnp.asarray([[5, 9, 2, 7, 1, 30], [4, 11, 8, 0, 0, 0]])
     lens = jnp.asarray([6, 3])
@@ -142,7 +156,7 @@ def test_a_narrow_layer_folds_w_up_into_its_steps(narrow_models, temperature, to
     tokens = jnp.concatenate([prompts, jnp.zeros((2, 26), jnp.int32)], axis=1)
     prop, _, bad = drafter.propose(state.drafter_state, tokens, lens, jax.random.key(1), 3, 1, warping)
     assert not np.any(np.asarray(bad))
-    plain = eagle.EagleDrafter(heads.packed(target), target, 3, None, heads_lib.unembedding(heads, target))
+    plain = cls(heads.packed(target), target, 3, None, heads_lib.unembedding(heads, target))
     want = teacher_forced(plain, state.drafter_state, prop.x[:, 0], tokens, 3, warping)
     np.testing.assert_allclose(np.asarray(prop.p[:, 0]), np.asarray(want), rtol=1e-4, atol=1e-5)
 
@@ -151,10 +165,11 @@ def teacher_forced(drafter, state, x, tokens, K, warping=None):
     """The layer's p along the chain x, teacher-forced on x itself, unfolded: its window
     pass, then its d_model-wide feature scored by its unembedding (the draft vocabulary's
     columns where it has one) and fed back through w_feature; warped by `warping`, or the
-    plain softmax where None."""
+    plain softmax where None. (EAGLE-3: the window's layer features fused first.)"""
     positions = state.start[:, None] + jnp.arange(K + 1)[None, :]
     after = jnp.take_along_axis(tokens, jnp.clip(positions + 1, 0, tokens.shape[1] - 1), axis=1)
-    predicted, cache = drafter.heads.eagle_step(drafter.target, state.window, after, positions, state.cache)
+    predicted, cache = drafter.heads.eagle_step(drafter.target, drafter.heads.fused(state.window), after, positions,
+                                                state.cache)
     pending = state.start + state.count
     cache = cache.with_lengths(pending)
     feature = jnp.take_along_axis(predicted, (state.count - 1)[:, None, None], axis=1)
@@ -175,16 +190,24 @@ def pairs(tiny):
             for name, (target, _) in tiny_pairs(tiny).items()}
 
 
-@pytest.mark.parametrize("mesh_name,narrow", [("1x1", False), ("1x1", True), pytest.param("1x8", False, marks=pytest.mark.slow),
-                                              ("1x8", True)])
-def test_greedy_sps_equals_greedy_ars(pairs, mesh_name, narrow):
-    target, heads = pairs[mesh_name]
-    greedy = SamplingConfig(temperature=0, lookahead=4, max_new_tokens=64, drafter="eagle")
+@pytest.fixture(scope="module")
+def pairs3(pairs):
+    """EAGLE-3 layers on the same targets (tiny's two layers, fused)."""
+    return {name: (target, init_heads(EAGLE3, target.cfg, mesh_for(name))) for name, (target, _) in pairs.items()}
+
+
+@pytest.mark.parametrize("kind,mesh_name,narrow", [
+    ("eagle", "1x1", False), ("eagle", "1x1", True), pytest.param("eagle", "1x8", False, marks=pytest.mark.slow),
+    ("eagle", "1x8", True), ("eagle3", "1x1", False), ("eagle3", "1x1", True),
+    pytest.param("eagle3", "1x8", False, marks=pytest.mark.slow), ("eagle3", "1x8", True)])
+def test_greedy_sps_equals_greedy_ars(pairs, pairs3, kind, mesh_name, narrow):
+    target, heads = (pairs if kind == "eagle" else pairs3)[mesh_name]
+    greedy = SamplingConfig(temperature=0, lookahead=4, max_new_tokens=64, drafter=kind)
     if narrow:  # a narrower quantized layer and a draft vocabulary (on a mesh: its columns whole on every device)
         quantize = "w4a8" if mesh_name == "1x1" else "int8"  # int4 codes times int8 activations on one device
-        cfg = dataclasses.replace(NARROW, quantize=quantize)
+        cfg = dataclasses.replace(NARROW, quantize=quantize, kind=kind)
         heads = init_heads(cfg, target.cfg, mesh_for(mesh_name), vocab=NARROW_VOCAB)
-        drafter = eagle.EagleDrafter.make(greedy, target, heads, None, None)
+        drafter = drafters.kind(kind).make(greedy, target, heads, None, None)
         is_q = lambda x: isinstance(x, kernels.QUANTIZED)  # noqa: E731
         weights = [w for w in jax.tree.leaves((drafter.heads.params, drafter.unembed.columns), is_leaf=is_q)
                    if is_q(w) or isinstance(w, kernels.Packed)]
@@ -195,7 +218,7 @@ def test_greedy_sps_equals_greedy_ars(pairs, mesh_name, narrow):
     ars = specjax.generate(target, None, RAGGED, dataclasses.replace(greedy, drafter="model"))
     sps = specjax.generate(target, heads, RAGGED, greedy)
     assert sps.tokens == ars.tokens
-    assert sps.accepted.sum() > 0 and sps.summary()["proposed_by"].keys() == {"eagle"}
+    assert sps.accepted.sum() > 0 and sps.summary()["proposed_by"].keys() == {kind}
 
 
 def test_one_fused_loop_and_no_cache_copy(pairs):
@@ -244,7 +267,7 @@ def test_whole_table_embeds_as_the_vocab_parallel_lookup(pairs):
 
 def run_loops(target, heads, prompts, loops):
     """The loop state after `loops` loops (the loop body `generate` runs), at temperature 1."""
-    drafter = eagle.EagleDrafter(heads, target.packed(), 3)
+    drafter = drafters.kind(heads.cfg.kind)(heads, target.packed(), 3)
     width = max(map(len, prompts))
     tokens = jnp.asarray([p + [0] * (width - len(p)) for p in prompts])
     settings = speculative.Settings(3, program.warping_of(SamplingConfig(temperature=1.0)))
@@ -267,11 +290,11 @@ def state_errors(target, heads, state) -> list[str]:
     # Both references over every row at full width, one compiled pass each: the target and
     # the layer are causal, so a row's positions before its length see only its own tokens.
     tokens = state.tokens
-    _, hidden_all = jax.jit(lambda lm, t: model.full_forward(lm, t, features=True))(target, tokens)
+    _, hidden_all = jax.jit(lambda lm, t: model.full_forward(lm, t, features=heads.features))(target, tokens)
     B, W = tokens.shape
     positions = jnp.broadcast_to(jnp.arange(W - 1), (B, W - 1))
-    _, fresh_all = jax.jit(lambda h, lm, t: h(hidden_all[:, :-1], lm.embed(t[:, 1:]), positions, h.empty_cache(B, 0)))(
-        heads, target, tokens)
+    _, fresh_all = jax.jit(lambda h, lm, t: h(h.fused(hidden_all[:, :-1]), lm.embed(t[:, 1:]), positions,
+                                              h.empty_cache(B, 0)))(heads, target, tokens)
     for b in range(B):
         n = int(state.length[b])
         hidden = hidden_all[b:b + 1, :n]
@@ -289,8 +312,9 @@ def state_errors(target, heads, state) -> list[str]:
     return out
 
 
-def test_each_loop_starts_from_the_targets_features(pairs, patch):
-    target, heads = pairs["1x1"]
+@pytest.mark.parametrize("kind", ["eagle", "eagle3"])
+def test_each_loop_starts_from_the_targets_features(pairs, pairs3, patch, kind):
+    target, heads = (pairs if kind == "eagle" else pairs3)["1x1"]
     prompts = [[5, 9, 2, 7, 1, 30], [4, 11], [8]]
     for loops in (0, 4):
         state = run_loops(target, heads, prompts, loops)

@@ -7,10 +7,10 @@
    to the right ancestors through `kv_cache.Prior`; its token has p > 0, siblings are
    distinct, parents precede children, depths are the parent's + 1 and at most K, and at
    temperature 0 a node's children are the draft's most likely tokens in order, as point
-   masses. Rotary and Transformer-XL positions; the model drafter and a narrow EAGLE layer
-   with a draft vocabulary (folded); ragged rows.
+   masses. Rotary and Transformer-XL positions; the model drafter and a narrow EAGLE (and
+   EAGLE-3) layer with a draft vocabulary (folded); ragged rows.
 2. Greedy SpS with a grown tree gives greedy ArS's tokens (model: a random draft; with -m
-   slow the target drafting for itself, which keeps deep paths, eagle, and 8 devices), in
+   slow the target drafting for itself, which keeps deep paths, eagle, eagle3, and 8 devices), in
    one fused loop with no host round trip and no copy of either cache; `explain_loop`
    shows the first loop (slow).
 Theorem 1 for grown trees: test_growth_theorem1.py; the verification of siblings drawn
@@ -123,19 +123,24 @@ def test_model_drafter_nodes_carry_the_drafts_distribution_along_their_paths(tin
     check_tree(nodes, full_forward_reference(draft), program.warping_of(sampling))
 
 
-@pytest.mark.parametrize("temperature", [0.9, pytest.param(0.0, marks=pytest.mark.slow)])
-def test_eagle_drafter_nodes_carry_the_layers_distribution_along_their_paths(tiny, temperature):
+@pytest.mark.parametrize("kind,temperature", [("eagle", 0.9), pytest.param("eagle", 0.0, marks=pytest.mark.slow),
+                                              ("eagle3", 0.9)])
+def test_eagle_drafter_nodes_carry_the_layers_distribution_along_their_paths(tiny, kind, temperature):
     """A narrow layer with a draft vocabulary of 20 tokens, folded for drafting (float):
     each node's p is the unfolded layer's teacher-forced on its path, spread onto the
-    draft vocabulary's ids."""
+    draft vocabulary's ids. EAGLE-3 (the one-layer target's layer, fused through w_fuse):
+    the root call's window pass reads the fused layers through w_fuse w_feature folded,
+    the rounds the layer's own features, as its chain does."""
     target, _ = make_models(tiny)
-    heads = init_heads(dataclasses.replace(NARROW, quantize=""), target.cfg, mesh_for("1x1"), vocab=NARROW_VOCAB)
-    sampling = SamplingConfig(temperature=temperature, lookahead=K, drafter="eagle", draft_tree="dynamic",
+    hcfg = dataclasses.replace(NARROW, quantize="", kind=kind)
+    heads = init_heads(hcfg, target.cfg, mesh_for("1x1"), vocab=NARROW_VOCAB)
+    sampling = SamplingConfig(temperature=temperature, lookahead=K, drafter=kind, draft_tree="dynamic",
                               tree_nodes=NODES)
     drafter, state, nodes, tokens = grown(target, heads, sampling)
     assert drafter.feature_weight is not None  # the folded layer drafts
-    plain = drafters.EagleDrafter(drafter.heads, drafter.target, K, None,
-                                  specjax.heads.unembedding(heads, drafter.target))
+    assert (drafter.window_weight is not None) == (kind == "eagle3")
+    plain = drafters.kind(kind)(drafter.heads, drafter.target, K, None,
+                                specjax.heads.unembedding(heads, drafter.target))
     rows = {}
 
     def reference(b, path):  # the layer's plain softmax after the path, as logits
@@ -189,15 +194,16 @@ def test_greedy_grown_tree_of_a_sure_draft_keeps_deep_paths(pairs):
 
 
 @pytest.mark.slow
-def test_greedy_grown_tree_with_eagle_equals_greedy_ars(pairs):
+@pytest.mark.parametrize("kind", ["eagle", "eagle3"])
+def test_greedy_grown_tree_with_eagle_equals_greedy_ars(pairs, kind):
     target, _ = pairs["1x1"]
-    heads = init_heads(HeadsConfig(kind="eagle", init_seed=2), target.cfg, mesh_for("1x1"))
+    heads = init_heads(HeadsConfig(kind=kind, init_seed=2), target.cfg, mesh_for("1x1"))
     greedy = SamplingConfig(temperature=0, lookahead=4, max_new_tokens=48)
     ars = specjax.generate(target, None, RAGGED, greedy)
-    sps = specjax.generate(target, heads, RAGGED, dataclasses.replace(greedy, drafter="eagle", draft_tree="dynamic",
+    sps = specjax.generate(target, heads, RAGGED, dataclasses.replace(greedy, drafter=kind, draft_tree="dynamic",
                                                                       tree_nodes=8))
     assert sps.tokens == ars.tokens
-    assert sps.accepted.sum() > 0 and sps.summary()["proposed_by"].keys() == {"eagle"}
+    assert sps.accepted.sum() > 0 and sps.summary()["proposed_by"].keys() == {kind}
 
 
 @pytest.mark.slow

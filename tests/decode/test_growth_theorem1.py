@@ -3,7 +3,7 @@ fused loop with a grown tree samples the target's exact distribution (enumeratio
 chi-square test of `theorem1`: N = 100,000 samples per case, one compiled program and one
 batch each, ALPHA = 0.001): the model drafter at temperature 1 with ragged rows, 0.7 with
 top-p 0.8, top-k 5, trees of 4 to 8 nodes and depth 2 to 4, the target as its own draft
-(p == q), a draft with disjoint support, and the EAGLE drafter (a random layer).
+(p == q), a draft with disjoint support, and the EAGLE and EAGLE-3 drafters (random layers).
 
 Negative control, REJECTED by the same test with N_NEGATIVE samples: growth by a node's
 own probability (EAGLE-2's reranking: a child drawn for every open node, the one whose
@@ -39,6 +39,7 @@ CASES = {
     "draft_is_target_N4_K3": grown_case(1.0, 0, 1.0, 3, "same", 4),
     "disjoint_support_N4_K2": grown_case(1.0, 0, 1.0, 2, "disjoint", 4),
     "eagle_ragged_N4_K3": grown_case(0.9, 0, 1.0, 3, "ragged", 4, "eagle"),
+    "eagle3_ragged_N4_K3": grown_case(0.9, 0, 1.0, 3, "ragged", 4, "eagle3"),
 }
 DEFAULT = {"ragged_N4_K3", "ragged_N4_K3-keep_by_own_probability"}
 
@@ -49,9 +50,9 @@ def maybe_slow(name, *rest):
 
 
 def models_for(models, case):
-    if case.drafter == "eagle":
+    if case.drafter in ("eagle", "eagle3"):
         target, _ = models
-        return target, init_heads(HeadsConfig(kind="eagle", init_seed=2), target.cfg, mesh_for("1x1"))
+        return target, init_heads(HeadsConfig(kind=case.drafter, init_seed=2), target.cfg, mesh_for("1x1"))
     return models
 
 

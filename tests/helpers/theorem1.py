@@ -63,13 +63,14 @@ class ParityLM(model.LM):
         return cls(aux[0], aux[1], children[0], aux[2], aux[3])
 
 
-def make_models(tiny):
+def make_models(tiny, num_layers: int = 1):
     """Target: tiny with logits sharpened x3. Draft: the target with noise on its output
     layer, so p resembles q (acceptance ~0.5, like a trained draft) but is not equal."""
     # One layer and one kv head (MQA): XLA:CPU runs attention at batch 100k as one tiny
     # GEMM per (row, kv head), so this halves the cost of the 100k-row batches. Theorem 1
-    # does not depend on the architecture.
-    one_layer = dataclasses.replace(tiny.target, num_layers=1, num_kv_heads=1)
+    # does not depend on the architecture. (`num_layers`: a drafter that reads several of
+    # the target's layers, EAGLE-3's.)
+    one_layer = dataclasses.replace(tiny.target, num_layers=num_layers, num_kv_heads=1)
     target = sharpened(model.init_lm(one_layer, mesh_for("1x1")), 3.0)
     params = jax.tree.map(lambda x: x, target.params)
     u = params["unembed"].value

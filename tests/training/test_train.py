@@ -273,6 +273,21 @@ BAD_TRAIN = [
      ["heads.width=12", "a multiple of the target's head_dim=8"]),
     ("eagle draft vocabulary", ["--config=tiny_eagle", "--config.heads.draft_vocab=33", "--workdir={files}/eagle_run"],
      ["heads.draft_vocab=33", "the target has only 32 tokens"]),
+    ("eagle3 layers beyond the target", ["--config=tiny_eagle3", "--config.heads.feature_layers=3",
+                                         "--workdir={files}/eagle_run"], ["heads.feature_layers=(3,)", "2 layers"]),
+    ("eagle3 ttt_steps", ["--config=tiny_eagle3", "--config.heads.ttt_steps=17", "--workdir={files}/eagle_run"],
+     ["heads.ttt_steps=17", "[0, 16]"]),
+    ("self_distill without a teacher", ["--config.train.self_distill=200"],
+     ["train.self_distill=200", "config 'tiny' has none", "train.teacher"]),
+    ("eagle3 self_distill leaves no validation", ["--config=tiny_eagle3", "--config.train.self_distill=10",
+                                                  "--workdir={files}/eagle_run"],
+     ["train.self_distill=10 samples x train.val_fraction=0.01", "at least 100"]),
+    ("eagle3 self_distill prompt beyond seq_len", ["--config=tiny_eagle3", "--config.train.self_distill=200",
+                                                   "--config.train.self_distill_prompt=33",
+                                                   "--workdir={files}/eagle_run"],
+     ["train.self_distill_prompt=33", "at most train.seq_len=32"]),
+    ("eagle3 self_distill negative", ["--config=tiny_eagle3", "--config.train.self_distill=-1",
+                                      "--workdir={files}/eagle_run"], ["train.self_distill=-1", "integer in [0, "]),
 ]
 
 
@@ -368,15 +383,23 @@ HEADS_STEPS = 30
 HEADS = ["--config.train.learning_rate=0.01", f"--config.train.steps={HEADS_STEPS}"]
 
 
+# EAGLE-3 trains on 128 greedy samples of the teacher (self-distillation; greedy, so that
+# `test_self_distillation_trains_on_the_teachers_samples` can check them with a forward),
+# each 16 corpus tokens continued to seq_len + 1 = 33 tokens, 2% of them for validation.
+SELF_DISTILL = ["--config.train.self_distill=128", "--config.train.self_distill_prompt=16",
+                "--config.train.val_fraction=0.02", "--config.sampling.temperature=0"]
+
+
 def heads_command(reference, workdir, kind="medusa"):
     overrides = [o for o in OVERRIDES if not o.startswith("--config.train.steps=")]
-    # The EAGLE layer at half the target's width, with a draft vocabulary of half its tokens.
-    eagle = ["--config.heads.width=16", "--config.heads.draft_vocab=16"] if kind == "eagle" else []
+    # The EAGLE layers at half the target's width, with a draft vocabulary of half its tokens.
+    eagle = ["--config.heads.width=16", "--config.heads.draft_vocab=16"] if kind != "medusa" else []
     return [sys.executable, "-m", "specjax.train", f"--config=tiny_{kind}", f"--workdir={workdir}", "--noprogress",
-            *overrides, *HEADS, *eagle, f"--config.train.teacher_checkpoint={reference}"]
+            *overrides, *HEADS, *eagle, *(SELF_DISTILL if kind == "eagle3" else []),
+            f"--config.train.teacher_checkpoint={reference}"]
 
 
-@pytest.fixture(scope="module", params=["medusa", "eagle"])
+@pytest.fixture(scope="module", params=["medusa", "eagle", "eagle3"])
 def heads_reference(request, env, reference, tmp_path_factory):
     workdir = tmp_path_factory.mktemp(request.param)
     proc = subprocess.run(heads_command(reference, workdir, request.param), env=env, capture_output=True, text=True,
@@ -391,7 +414,10 @@ def test_heads_learn_the_frozen_targets_later_tokens(heads_reference, reference)
     chain with few likely successors. The KL cannot reach 0 (head m does not see the m
     tokens in between, which the target's distribution at t+1+m depends on); 30 steps
     must take it down by a quarter (observed: 1.84 -> 1.12 nats). The EAGLE layer (random
-    at first) sees the token in between: its KL must fall to a quarter (observed: 2.31 -> 0.14)."""
+    at first) sees the token in between: its KL must fall to a quarter (observed: 2.10 -> 0.30);
+    the EAGLE-3 layer's too, on the teacher's samples (observed: 2.30 -> 0.19), and its KL at
+    the training-time test's last step (from its third feature of its own) with it
+    (observed: 3.75 -> 0.19)."""
     kind, heads_reference = heads_reference
     records = read_metrics(heads_reference)
     first, last = records[LOG_EVERY]["kl"], records[HEADS_STEPS]["kl"]
@@ -406,23 +432,50 @@ def test_heads_learn_the_frozen_targets_later_tokens(heads_reference, reference)
         ranked = sorted(collections.Counter(train.tolist()).items(), key=lambda kv: (-kv[1], kv[0]))
         assert meta["draft_vocab"] == [token for token, _ in ranked[:16]]
         assert meta["heads"]["width"] == 16
+    if kind == "eagle3":
+        assert records[HEADS_STEPS]["kl_last"] < 0.25 * records[LOG_EVERY]["kl_last"]
+        assert (meta["heads"]["ttt_steps"], meta["heads"]["feature_layers"]) == (3, [])
+
+
+def test_self_distillation_trains_on_the_teachers_samples(heads_reference, reference):
+    """train.self_distill: the training stream (samples.npz in the workdir) is 128 samples
+    of 33 tokens, each 16 consecutive tokens of the corpus's training split followed by the
+    teacher's greedy continuation (checked by the teacher's own forward over the sample:
+    each continuation token is the argmax after the tokens before it)."""
+    kind, workdir = heads_reference
+    if kind != "eagle3":
+        pytest.skip("the EAGLE-3 run trains on the teacher's samples")
+    with np.load(workdir / "samples.npz") as saved:
+        rows = saved["tokens"].reshape(128, 33)
+    train, _ = data.split_train_val(corpus.synthetic_tokens(32), 0.02)
+    for prompt in rows[:, :16]:
+        starts = np.flatnonzero(train[:len(train) - 15] == prompt[0])
+        assert any(np.array_equal(train[s:s + 16], prompt) for s in starts), prompt
+    mesh = jax.make_mesh((1, 1), ("data", "model"), devices=jax.devices()[:1],
+                         axis_types=(jax.sharding.AxisType.Auto,) * 2)
+    teacher = checkpoint.load_lm(load_config("tiny").target, mesh, reference)
+    from specjax.model import full_forward
+    greedy = np.asarray(jax.numpy.argmax(full_forward(teacher, jax.numpy.asarray(rows[:, :-1])), axis=-1))
+    np.testing.assert_array_equal(greedy[:, 15:], rows[:, 16:])
+    assert len({tuple(r) for r in rows[:, 16:]}) > 1  # different prompts, different continuations
 
 
 @pytest.mark.slow  # the trainer's resume path is the model's, tested by default above
 def test_heads_resume_exactly_after_kill_9(env, reference, heads_reference, tmp_path):
     kind, heads_reference = heads_reference
-    if kind != "medusa":
-        pytest.skip("one kind of heads is enough: the trainer path is the same for both")
+    if kind == "eagle":
+        pytest.skip("the trainer path is Medusa's; EAGLE-3's adds the training-time test and the teacher's samples")
     workdir = tmp_path / "heads"
     log = open(f"{workdir}.log", "w")
-    proc = subprocess.Popen(heads_command(reference, workdir), env=env, stdout=log, stderr=subprocess.STDOUT)
+    proc = subprocess.Popen(heads_command(reference, workdir, kind), env=env, stdout=log, stderr=subprocess.STDOUT)
     log.close()
     proc.log = f"{workdir}.log"
     wait_for(proc, lambda: (workdir / "10").is_dir() and last_train_step(workdir) >= 12, "checkpoint 10")
     proc.send_signal(signal.SIGKILL)
     proc.wait()
     assert last_train_step(workdir) < HEADS_STEPS, "the run finished before it was killed: the test proved nothing"
-    proc = subprocess.run(heads_command(reference, workdir), env=env, capture_output=True, text=True, timeout=TIMEOUT)
+    proc = subprocess.run(heads_command(reference, workdir, kind), env=env, capture_output=True, text=True,
+                          timeout=TIMEOUT)
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert [e["event"] for e in events(workdir)] == ["start", "resume", "done"]
     for kind, field in (("train", "kl"), ("train", "loss"), ("val", "val_loss")):
@@ -444,7 +497,7 @@ def test_sample_with_trained_heads_greedy_equals_ars(env, reference, heads_refer
                            f"--draft_checkpoint={heads_reference}", "--prompt_tokens=3,17,5", "--mode=both",
                            "--temperature=0", "--max_new_tokens=24", f"--output={out}",
                            # the run's own precision for the layer over the checkpoint's (float)
-                           *(["--config.heads.quantize=int8"] if kind == "eagle" else [])],
+                           *(["--config.heads.quantize=int8"] if kind != "medusa" else [])],
                           env=env, capture_output=True, text=True, timeout=TIMEOUT)
     assert proc.returncode == 0, proc.stderr[-3000:]
     rows = [json.loads(line) for line in out.read_text().splitlines()]

@@ -39,6 +39,7 @@ at the drafter's side only (invariant 9).
   hybrid     per row a full-suffix lookup, else the draft model (`hybrid`)
   medusa     heads on the target's last hidden state propose all K at once (`medusa`)
   eagle      one layer drafts autoregressively in the target's feature space (`eagle`)
+  eagle3     that layer over a fusion of low, middle and high target layers (`eagle`)
   parallel   a draft model with mask tokens proposes all K from one forward (`parallel`)
 
 A new drafter is one more class and one line in REGISTRY (and its name in
@@ -58,16 +59,16 @@ from specjax.decode.drafters.base import (SOURCES, Drafter, Expansion, Prefill, 
 from specjax.decode.drafters.draft_model import ModelDrafter, model_proposal, refeed_window
 from specjax.decode.drafters.hybrid import HybridDrafter
 from specjax.decode.drafters.lookup import NgramDrafter, RetrievalDrafter, ngram_match
-from specjax.decode.drafters.eagle import EagleDrafter
+from specjax.decode.drafters.eagle import Eagle3Drafter, EagleDrafter
 from specjax.decode.drafters.medusa import MedusaDrafter
 from specjax.decode.drafters.parallel import ParallelDrafter
 
 REGISTRY: dict[str, type[Drafter]] = {cls.name: cls for cls in (ModelDrafter, NgramDrafter, RetrievalDrafter,
                                                                  HybridDrafter, MedusaDrafter, EagleDrafter,
-                                                                 ParallelDrafter)}
+                                                                 Eagle3Drafter, ParallelDrafter)}
 
-__all__ = ["REGISTRY", "SOURCES", "Drafter", "EagleDrafter", "Expansion", "HybridDrafter", "MedusaDrafter", "ModelDrafter",
-           "NgramDrafter", "ParallelDrafter", "Prefill", "Proposal",
+__all__ = ["REGISTRY", "SOURCES", "Drafter", "Eagle3Drafter", "EagleDrafter", "Expansion", "HybridDrafter",
+           "MedusaDrafter", "ModelDrafter", "NgramDrafter", "ParallelDrafter", "Prefill", "Proposal",
            "RetrievalDrafter", "Verdict", "kind", "make", "model_proposal", "ngram_match", "point_mass",
            "refeed_window", "select"]
 

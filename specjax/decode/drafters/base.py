@@ -11,7 +11,7 @@ from specjax.config import SamplingConfig
 
 # Proposal.source indexes this: the drafters that propose tokens of their own (hybrid
 # picks one of theirs per row and chain). A new such drafter adds its name here.
-SOURCES = ("model", "ngram", "retrieval", "medusa", "eagle", "parallel")
+SOURCES = ("model", "ngram", "retrieval", "medusa", "eagle", "parallel", "eagle3")
 
 
 class Proposal(NamedTuple):
@@ -29,7 +29,8 @@ class Prefill(NamedTuple):
 
     cache: Any  # kv_cache.KVCache: the target's cache over the prompts (each row's last token pending)
     features: jax.Array | None = None  # [B, W, D] its final hidden states at every prompt position (when
-    # the drafter `needs_features`), else None
+    # the drafter `needs_features`; [B, W, len * D] the layers an EAGLE-3 drafter reads: `Drafter.features`),
+    # else None
 
 
 class Verdict(NamedTuple):
@@ -40,7 +41,8 @@ class Verdict(NamedTuple):
     next_token: jax.Array  # [B] the residual or bonus token (the new pending one)
     chain: jax.Array  # [B] the chain whose path was kept
     # [B, K+1, D] the target's final hidden states at the kept path's nodes (the old pending
-    # token, then the kept chain's K nodes), when the drafter asks for them; else None.
+    # token, then the kept chain's K nodes), when the drafter asks for them (the layers it
+    # reads, `Drafter.features`: [B, K+1, len * D] for EAGLE-3); else None.
     features: jax.Array | None = None
 
 
@@ -87,6 +89,13 @@ class Drafter:
         no cap but the context's. UsageError where these weights cannot serve it at all
         (a draft model without what the drafter needs)."""
         return None
+
+    @property
+    def features(self) -> bool | tuple[int, ...]:
+        """Which of the target's hidden states Prefill.features and Verdict.features carry:
+        the forward's static `features` (False: none; True: the final ones; layer counts:
+        those layers' residual streams, EAGLE-3's)."""
+        return self.needs_features
 
     @classmethod
     def make(cls, sampling: SamplingConfig, target, draft, datastore, mesh) -> "Drafter | None":

@@ -1,5 +1,6 @@
-"""`eagle`: one decoder layer drafts autoregressively in the target's feature space
-(`specjax.heads.EagleHead`; Li et al. 2024, arXiv 2401.15077).
+"""`eagle` and `eagle3`: one decoder layer drafts autoregressively in the target's feature
+space (`specjax.heads.EagleHead`; Li et al. 2024, arXiv 2401.15077; EAGLE-3: Li et al.
+2025, arXiv 2503.01840).
 
 The layer reads (the target's feature at position j, the embedding of token j+1) and
 predicts the feature at j+1, whose unembedding (the target's) gives token j+2. Each
@@ -23,6 +24,13 @@ rewrites the rest, so the next loop always starts from the target's features for
 accepted prefix, never from the layer's own predictions. After the prompts the window is
 the prefill's feature at the second-to-last prompt token (count 1), and the cache the
 pairs before it.
+
+`eagle3` is the same drafter over heads of kind 'eagle3': the target's feature is then
+several layers' residual streams (`HeadsConfig.feature_layers`), which the scoring pass
+and the prefill return concatenated (the forward's `features`, this drafter's
+`features`) and the window holds as they are; the window pass fuses them into the
+layer's D-wide feature (`EagleHead.fuse`), and the draft steps read the layer's own
+output, unfused, as it was trained to (the training-time test).
 """
 from __future__ import annotations
 
@@ -44,7 +52,7 @@ from specjax.model import LM, whole_table
 
 class EagleState(NamedTuple):
     cache: KVCache  # the layer's own, holding the pairs of true features before `start`
-    window: jax.Array  # [B, K+1, D] true features from `start` on
+    window: jax.Array  # [B, K+1, D] true features from `start` on (eagle3: [B, K+1, len(feature_layers) * D])
     count: jax.Array  # [B] how many window features are real (1..K+1)
     start: jax.Array  # [B] the position of window[:, 0]
 
@@ -74,6 +82,8 @@ class EagleDrafter(Drafter):
     # A narrow layer with a draft vocabulary: its draft steps fold w_up into the columns
     # and the next step's w_feature (`heads.Folded`; then `unembed` is the folded one).
     feature_weight: Any = None
+    # ... and an EAGLE-3 one's window pass w_fuse into w_feature (`heads.Folded.window`).
+    window_weight: Any = None
 
     name = "eagle"
     heads_kind = "eagle"
@@ -81,20 +91,24 @@ class EagleDrafter(Drafter):
     trained_by = "mini_eagle"
     grows_trees = True
 
+    @property
+    def features(self):
+        return self.heads.features
+
     @classmethod
     def make(cls, sampling: SamplingConfig, target: LM, draft, datastore, mesh):
         heads = heads_lib.checked(draft, target.cfg, cls.heads_kind, sampling.drafter)
         fold = heads_lib.folded(heads, target)  # from the float layer, quantized and packed as the layer is
         unembed = fold.unembed if fold is not None else heads_lib.unembedding(heads, target)
         return cls(heads.packed(target), target, sampling.lookahead, whole_table(target), unembed,
-                   None if fold is None else fold.feature)
+                   None if fold is None else fold.feature, None if fold is None else fold.window)
 
     def init_state(self, prompts, prompt_lens, size, num_drafts, prefilled) -> EagleState:
         features = prefilled.features
         batch, width = prompts.shape
         positions = jnp.broadcast_to(jnp.arange(width - 1, dtype=jnp.int32), (batch, width - 1))
-        _, cache = self.heads.eagle_step(self.target, features[:, :-1], prompts[:, 1:], positions,
-                                         self.heads.empty_cache(batch, size), self.table)
+        _, cache = self.heads.eagle_step(self.target, self.heads.fused(features[:, :-1], self.target.kernels),
+                                         prompts[:, 1:], positions, self.heads.empty_cache(batch, size), self.table)
         start = jnp.maximum(prompt_lens - 2, 0)
         return EagleState(cache.with_lengths(start), window_at(features, start, self.lookahead + 1),
                           jnp.ones((batch,), jnp.int32), start)
@@ -105,8 +119,12 @@ class EagleDrafter(Drafter):
         layer's cache holding the pairs before the pending token, its position [B])."""
         positions = state.start[:, None] + jnp.arange(state.window.shape[1])[None, :]
         after = jnp.take_along_axis(tokens, jnp.clip(positions + 1, 0, tokens.shape[1] - 1), axis=1)
-        predicted, cache = self.heads.eagle_step(self.target, state.window, after, positions, state.cache,
-                                                 self.table, up=self.feature_weight is None)
+        if self.window_weight is None:
+            window, weight = self.heads.fused(state.window, self.target.kernels), None
+        else:  # w_fuse folded into w_feature: the layers only normalised
+            window, weight = self.heads.normalized(state.window), self.window_weight
+        predicted, cache = self.heads.eagle_step(self.target, window, after, positions, state.cache,
+                                                 self.table, weight, up=self.feature_weight is None)
         pending = state.start + state.count  # the pending token's position
         cache = cache.with_lengths(pending)  # the pairs of true features; the rest is rewritten
         return jnp.take_along_axis(predicted, (state.count - 1)[:, None, None], axis=1), cache, pending
@@ -182,3 +200,15 @@ class EagleDrafter(Drafter):
 
     def describe(self) -> dict:
         return {"drafter": self.name}
+
+
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass(frozen=True)
+class Eagle3Drafter(EagleDrafter):
+    """`EagleDrafter` over an EAGLE-3 layer (heads of kind 'eagle3'): the module docstring.
+    It grows trees as EAGLE does: the root call's window pass fuses the target's layers,
+    and each round reads its parents' predicted features, unfused, as the draft steps do."""
+
+    name = "eagle3"
+    heads_kind = "eagle3"
+    trained_by = "mini_eagle3"

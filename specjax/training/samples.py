@@ -1,0 +1,93 @@
+"""The target's own samples as training data (self-distillation, `train.self_distill`).
+
+A drafter learns to predict the target where it drafts: on the target's own outputs.
+When the corpus is not what the target was trained on (a released model and the
+standard library's sources), EAGLE-3 and the trainers built on it (SpecForge) regenerate
+the data with the target first. Here: `train.self_distill` samples, each a prompt of
+`train.self_distill_prompt` tokens cut from the corpus's training stream at a seeded
+random offset, continued by the frozen teacher with plain autoregressive sampling
+(`specjax.generate`, the config's temperature, top-k and top-p) until the sample holds
+seq_len + 1 tokens or the teacher emits a stop token. The samples, laid end to end, are
+the new training stream; the last `val_fraction` of them the validation stream.
+
+Made once per workdir and written there (`samples.npz`, with the settings that made
+it): a resumed run reads the same tokens, so it stays bit for bit an uninterrupted
+run's. A run whose settings differ makes them again.
+"""
+from __future__ import annotations
+
+import dataclasses
+import io
+import json
+import os
+import pathlib
+
+import jax
+import numpy as np
+from tqdm import tqdm
+
+from specjax.config import Config, is_remote
+from specjax.training import data
+from specjax.training.corpus import Corpus
+from specjax.weights.tokenizer import atomic_write_bytes
+
+FILE = "samples.npz"
+BATCH = 64  # prompts per generate call
+
+
+def settings(config: Config, stop_ids: tuple[int, ...]) -> dict:
+    tc, sp = config.train, config.sampling
+    return {"samples": tc.self_distill, "prompt": tc.self_distill_prompt, "length": tc.seq_len + 1,
+            "seed": tc.seed, "temperature": sp.temperature, "top_k": sp.top_k, "top_p": sp.top_p,
+            "stop_ids": list(stop_ids), "teacher": tc.teacher or tc.teacher_hf or tc.teacher_gguf}
+
+
+def prompts(corpus: Corpus, config: Config) -> np.ndarray:
+    """[samples, prompt] corpus token windows at offsets drawn from train.seed."""
+    tc = config.train
+    rng = np.random.default_rng([tc.seed, 0x5E1F])
+    starts = rng.integers(0, len(corpus.train) - tc.self_distill_prompt + 1, size=tc.self_distill)
+    return np.stack([corpus.train[s:s + tc.self_distill_prompt] for s in starts]).astype(np.int32)
+
+
+def self_distilled(corpus: Corpus, teacher, config: Config, workdir, stop_ids=(), progress: bool = True) -> Corpus:
+    """`corpus` with its streams replaced by the teacher's samples (the module docstring)."""
+    tc = config.train
+    want = settings(config, tuple(stop_ids))
+    path = workdir / FILE
+    if path.exists():
+        with np.load(io.BytesIO(path.read_bytes())) as saved:
+            if json.loads(bytes(saved["settings"]).decode()) == want:
+                return _as_corpus(corpus, saved["tokens"], config, "read back")
+        if jax.process_index() == 0:
+            tqdm.write(f"{path} was made with other settings: sampling the teacher again")
+    from specjax.decode.api import generate
+    starts = prompts(corpus, config)
+    sampling = dataclasses.replace(config.sampling, drafter="model", num_drafts=1,
+                                   max_new_tokens=tc.seq_len + 1 - tc.self_distill_prompt,
+                                   eos_id=tuple(stop_ids) if stop_ids else -1).validate()
+    pieces = []
+    bar = tqdm(total=len(starts), disable=not (progress and jax.process_index() == 0), unit="sample",
+               desc="sampling the teacher")
+    for first in range(0, len(starts), BATCH):
+        batch = starts[first:first + BATCH]
+        result = generate(teacher, None, batch.tolist(), sampling, seed=tc.seed + first)
+        pieces += [np.concatenate([p, np.asarray(t, np.int32)]) for p, t in zip(batch, result.tokens)]
+        bar.update(len(batch))
+    bar.close()
+    tokens = np.concatenate(pieces)
+    if jax.process_index() == 0:
+        out = io.BytesIO()
+        np.savez(out, tokens=tokens, settings=np.frombuffer(json.dumps(want).encode(), np.uint8))
+        if is_remote(path):
+            path.write_bytes(out.getvalue())
+        else:
+            atomic_write_bytes(pathlib.Path(os.fspath(path)), out.getvalue())
+    return _as_corpus(corpus, tokens, config, "sampled")
+
+
+def _as_corpus(corpus: Corpus, tokens: np.ndarray, config: Config, how: str) -> Corpus:
+    train, val = data.split_train_val(tokens, config.train.val_fraction)
+    return dataclasses.replace(corpus, train=train, val=val, description=(
+        f"{config.train.self_distill:,} samples of the teacher ({len(tokens):,} tokens, {how}) continuing "
+        f"prompts from {corpus.description}"))
