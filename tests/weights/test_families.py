@@ -27,6 +27,10 @@ from models import assert_tokenizer_cases, logits_of
 
 FIXTURES = pathlib.Path(__file__).resolve().parents[1] / "fixtures" / "hf"
 ATOL = 2e-5  # as test_hf.py
+# Gemma's logits reach 15.5 (its embedding scale): float32 rounding of a different sum
+# order is 2e-5 through XLA's dots and 3e-5 through the CPU attention kernel (which serves
+# a 12-token prompt since it takes 16 query rows): 2e-6 of the largest logit.
+GEMMA_ATOL = 4e-5
 
 
 def reference(name):
@@ -61,13 +65,13 @@ def test_gemma_rotary_tables_equal_transformers_per_layer_kind():
 
 def test_the_sliding_window_decides_gemmas_logits():
     """Negative control of the window: the same weights attending to every earlier key
-    (no sliding layer) miss transformers' logits by far more than ATOL."""
+    (no sliding layer) miss transformers' logits by far more than GEMMA_ATOL."""
     ref = reference("gemma3")
     lm, _ = hf.load(FIXTURES / "gemma3", mesh_for("1x1"))
-    np.testing.assert_allclose(logits_of(lm, ref["input_ids"]), ref["logits"], rtol=0, atol=ATOL)
+    np.testing.assert_allclose(logits_of(lm, ref["input_ids"]), ref["logits"], rtol=0, atol=GEMMA_ATOL)
     cfg = dataclasses.replace(lm.cfg, attention_pattern="", sliding_window=0)
     wide = model.LM(cfg, model.abstract_lm(cfg).graphdef, lm.params)
-    assert np.abs(logits_of(wide, ref["input_ids"]) - ref["logits"]).max() > 100 * ATOL
+    assert np.abs(logits_of(wide, ref["input_ids"]) - ref["logits"]).max() > 100 * GEMMA_ATOL
 
 
 @pytest.mark.parametrize("name", ["qwen2", "qwen3", "gemma3"])
