@@ -9,6 +9,9 @@ The public API; everything else is importable from its own module:
   specjax.evaluation Table-1 tasks, metrics, the paired test
   specjax.app        what the command-line entry points share
 """
+from specjax.platform import leave_out_absent_tpu
+
+leave_out_absent_tpu()  # before any module below makes JAX pick its platforms
 
 from specjax.config import Config, ModelConfig, SamplingConfig, UsageError, load_config
 from specjax.decode.api import LoopTrace, NonFiniteLogitsError, explain_loop, generate, next_token_probs

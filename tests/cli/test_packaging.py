@@ -2,6 +2,7 @@
 non-editable install that runs from anywhere with the configs inside it."""
 import concurrent.futures
 import importlib
+import importlib.util
 import json
 import os
 import pathlib
@@ -93,3 +94,20 @@ def test_a_non_editable_install_samples_from_another_directory(tmp_path):
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert str(venv) in proc.stderr.splitlines()[0]  # the installed copy, not this checkout
     assert "SpS speedup over ArS" in proc.stdout
+
+
+def test_the_tpu_extra_on_a_machine_without_a_tpu_writes_nothing_to_stderr():
+    """With libtpu installed (the `tpu` extra, for plan --compiler=tpu) and no TPU chip,
+    JAX's TPU runtime wrote a screen of errors to stderr on every run before falling back
+    to the CPU; `specjax.platform` leaves the TPU out. A JAX_PLATFORMS the user set is
+    theirs: with 'tpu,cpu' JAX still tries (and here fails on) the TPU."""
+    from specjax import platform
+    if importlib.util.find_spec("libtpu") is None or platform.has_tpu_chip():
+        pytest.skip("needs libtpu installed (pip install '.[tpu]') on a machine without a TPU chip")
+    env = {k: v for k, v in os.environ.items() if k != "JAX_PLATFORMS"}
+    code = "import specjax, jax; print(jax.devices()[0].platform)"
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300, env=env)
+    assert proc.returncode == 0 and proc.stdout.strip() == "cpu" and proc.stderr == "", proc.stderr[-2000:]
+    chosen = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300,
+                            env={**env, "JAX_PLATFORMS": "tpu,cpu"})
+    assert chosen.returncode != 0 and "tpu" in chosen.stderr.lower()
