@@ -167,6 +167,17 @@ def run(models, case: Case, n: int = N, seed: int = 0, datastores=None):
     return min(pvalues) * len(groups), result
 
 
+def assert_case_follows_the_target(models, case: Case, label: str):
+    """One drafter's Theorem-1 case: the chi-square p-value above ALPHA, every token
+    proposed by `case.drafter`, and some but not all proposals accepted (a case that
+    accepts nothing, or everything, would not test the rejection step)."""
+    pvalue, result = run(models, case, N)
+    print(f"{case.drafter} {label}: p = {pvalue:.4f}, acceptance rate {result.acceptance_rate:.3f}")
+    assert pvalue > ALPHA
+    assert set(result.summary()["proposed_by"]) == {case.drafter}
+    assert 0 < result.accepted.sum() < result.proposed
+
+
 def swapper(monkeypatch):
     """swap([(module, name, value), ...]): replace functions the loop calls while it is
     traced; compiled programs are dropped before a swap (so it is traced in) and after the
