@@ -136,7 +136,7 @@ def _score(target, tokens, positions, cache, warp_values, path, *, settings, fea
     """The target's scoring pass as `speculative.speculate` runs it: one forward over the
     pending token and every chain's nodes (tree visibility), q, and the kept path written
     into the cache."""
-    logits, fresh = target(tokens, positions, cache, tree.ancestors(settings.num_drafts, settings.lookahead),
+    logits, fresh = target(tokens, positions, cache, tree.ancestors(tree.chain_parents(settings.num_drafts, settings.lookahead)[0]),
                            features=features)
     q, bad = warp(logits, settings.bind(warp_values).warping)
     return q, bad, kv_cache.commit(cache, fresh, positions[:, 0], path)

@@ -601,10 +601,10 @@ def test_plan_of_quantized_models_counts_their_bytes(tmp_path):
 
 
 @pytest.mark.parametrize("heads, program, extra", [
-    pytest.param("medusa --config.heads.num_heads=3", "sps_medusa", 1, marks=pytest.mark.slow),
+    pytest.param("medusa --config.heads.num_heads=3 --lookahead=3", "sps_medusa", 1, marks=pytest.mark.slow),
     ("eagle", "sps_eagle", 4 * 2), ("eagle3", "sps_eagle3", 4 * 2)])
 def test_plan_compiles_the_loop_with_draft_heads_and_counts_their_all_reduces(tmp_path, heads, program, extra):
-    """tiny on 1x8, K=4: Medusa's heads add one all-reduce to the target's pass (2 per layer
+    """tiny on 1x8, K=4 (Medusa: its 3 heads, K=3): Medusa's heads add one all-reduce to the target's pass (2 per layer
     + the embedding); the EAGLE layer's K passes add its block's 2 each (the token it
     reads is embedded from a whole copy of the table on every device); the EAGLE-3 layer's
     too (the target's layers it fuses are whole rows, as the final hidden state is)."""

@@ -30,7 +30,7 @@ def test_smollm2_humaneval_sps_agrees_with_ars(tmp_path):
                            "--quantize=w4a8", "--task=humaneval", "--chat", f"--limit={LIMIT}",
                            f"--num_samples={SAMPLES}", "--pass_k=1", "--execute", "--drafter=ngram", "--lookahead=3",
                            "--progress=false", f"--output={out}"],
-                          capture_output=True, text=True, timeout=3000, env=cli_env())
+                          capture_output=True, text=True, timeout=3000, env=cli_env(tmp_path))
     assert proc.returncode == 0, proc.stderr[-3000:]
     result = json.loads(out.read_text())
     [setting] = result["settings"]

@@ -65,7 +65,8 @@ def test_grown_tree_samples_follow_the_exact_target_distribution(models, name, p
     print(f"{name}: p = {pvalue:.4f}, tokens/loop {result.tokens_per_loop:.3f}, drafted depths "
           f"{summary['drafted_histogram']}")
     assert pvalue > ALPHA
-    assert result.proposed == case.tree_nodes * result.loops.sum() or case.top_k  # every slot drafted (V = 32)
+    # Every slot drafted (V = 32), unless top-k or top-p leave a node fewer children to draw.
+    assert result.proposed == case.tree_nodes * result.loops.sum() or case.top_k or case.top_p < 1
     if case.kind == "disjoint":
         assert result.accepted.sum() == 0
     else:
