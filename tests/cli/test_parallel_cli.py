@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import json
 import pathlib
-import sys
 
 import pytest
 from clitools import assert_one_line, cli_env, run_many

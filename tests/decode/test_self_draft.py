@@ -30,7 +30,7 @@ from specjax.decode.warping import sample
 from specjax.weights import self_draft as self_draft_lib
 from conftest import mesh_for
 from models import numpy_params, random_lm
-from theorem1 import ALPHA, N, N_NEGATIVE, Case, run, sharpened
+from theorem1 import ALPHA, N_NEGATIVE, Case, run, sharpened
 
 LAYERS = 3  # target layers: a draft of 1 or 2 leaves layers out on both sides of it
 

@@ -12,7 +12,7 @@ import pytest
 
 from specjax.decode import tree
 from test_tree import WRONG_RULES
-from theorem1 import ALPHA, N, N_NEGATIVE, Case, make_models, run
+from theorem1 import ALPHA, N_NEGATIVE, Case, make_models, run
 
 
 @pytest.fixture(scope="module")

@@ -242,7 +242,7 @@ def attention_float64(q, k, v, k_all, v_all, layer, limit, visible, positions=No
     none averages every cache slot and own key). visible: [T, U] or, per row, [B, T, U]."""
     q, k, v, k_all, v_all = (np.asarray(a, np.float64) for a in (q, k, v, k_all, v_all))
     B, T, N, H = q.shape
-    G, S, U = k_all.shape[2], k_all.shape[3], k.shape[1]
+    G, U = k_all.shape[2], k.shape[1]
     out = np.zeros(q.shape)
     visible = np.broadcast_to(visible, (B,) + np.shape(visible)[-2:])
     for b, t, n in np.ndindex(B, T, N):

@@ -16,7 +16,7 @@ import pytest
 from gguf import GGUFValueType as V
 
 import specjax
-from specjax import model, sharding
+from specjax import sharding
 from specjax.config import SamplingConfig
 from specjax.weights import gguf, hf
 import gguf_edit
