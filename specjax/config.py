@@ -293,7 +293,7 @@ DRAFTERS = ("model", "ngram", "retrieval", "hybrid", "medusa", "eagle", "eagle3"
 # grow dynamic draft trees (`Drafter.grows_trees`: they implement `expand`).
 SEVERAL_CHAINS = ("model", "hybrid", "medusa", "parallel")
 ADAPTIVE = ("model", "hybrid")
-GROWN_TREES = ("model", "eagle", "eagle3")
+GROWN_TREES = ("model", "eagle", "eagle3", "parallel")
 DRAFT_TREES = ("chains", "dynamic")
 
 

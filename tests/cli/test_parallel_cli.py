@@ -1,6 +1,6 @@
 """`--drafter=parallel` from the command line: greedy SpS emits greedy ArS's tokens with a
 random parallel draft (`--config.draft.parallel_draft=K` gives tiny's draft its mask
-embedding), and every bad value of the new settings is one line and exit 2 before any
+embedding), as chains and as a dynamic tree of 8 nodes, and every bad value of the new settings is one line and exit 2 before any
 weights are looked for (sample, bench, train)."""
 from __future__ import annotations
 
@@ -19,10 +19,12 @@ def env(tmp_path_factory):
     return cli_env(tmp_path_factory.mktemp("parallel_cli"))
 
 
-def test_greedy_sps_equals_greedy_ars(env, tmp_path):
+@pytest.mark.parametrize("tree", [["--num_drafts=2"], ["--draft_tree=dynamic", "--tree_nodes=8"]],
+                         ids=["two_chains", "dynamic_tree_of_8"])
+def test_greedy_sps_equals_greedy_ars(env, tmp_path, tree):
     out = tmp_path / "out.jsonl"
-    proc, = run_many("specjax.sample", [(PARALLEL + [
-        "--mode=both", "--temperature=0", "--lookahead=4", "--num_drafts=2", "--prompt_tokens=1,2,3",
+    proc, = run_many("specjax.sample", [(PARALLEL + tree + [
+        "--mode=both", "--temperature=0", "--lookahead=4", "--prompt_tokens=1,2,3",
         "--prompt_tokens=4,5,6,7,8", "--max_new_tokens=24", "--noprint_samples", f"--output={out}"], {})],
         env=env, cwd=ROOT)
     assert proc.returncode == 0, proc.stderr[-3000:]
@@ -31,6 +33,7 @@ def test_greedy_sps_equals_greedy_ars(env, tmp_path):
     assert len(tokens["sps"]) == 2 and tokens["sps"] == tokens["ars"]
     assert all(len(t) == 24 for t in tokens["sps"])
     assert "parallel drafter" in proc.stdout + proc.stderr
+    assert tree[0] != "--draft_tree=dynamic" or "a dynamic tree of 8 nodes verified as a tree" in proc.stdout
 
 
 BAD = [

@@ -181,10 +181,11 @@ def test_several_drafts_from_the_command_line(env, greedy, tmp_path):
     assert "3 drafts verified as a tree" in proc.stdout and "loops won by chain" in proc.stdout
 
 
-@pytest.mark.parametrize("drafter", ["model", "eagle"])
+@pytest.mark.parametrize("drafter", ["model", "eagle", "eagle3"])
 def test_dynamic_draft_tree_from_the_command_line(env, greedy, tmp_path, drafter):
     """--draft_tree=dynamic --tree_nodes=8: a tree grown by the draft model, or by a random
-    EAGLE layer, gives greedy ArS's tokens."""
+    EAGLE or EAGLE-3 layer, gives greedy ArS's tokens (the parallel drafter's:
+    test_parallel_cli.py)."""
     out = tmp_path / "dynamic.jsonl"
     proc = sample(env, *TINY, "--mode=sps", *GREEDY, f"--drafter={drafter}", "--draft_tree=dynamic",
                   "--tree_nodes=8", f"--output={out}")
@@ -409,7 +410,7 @@ BAD_INPUTS = [
     ("tree_nodes without a dynamic tree", ["--tree_nodes=4"], {}, ["--tree_nodes=4 applies to a dynamic draft tree",
                                                                    "--draft_tree=dynamic"]),
     ("dynamic tree with a lookup", ["--drafter=ngram", "--draft_tree=dynamic"], {},
-     ["draft_tree='dynamic' with drafter='ngram'", "'model', 'eagle' or 'eagle3'"]),
+     ["draft_tree='dynamic' with drafter='ngram'", "'model', 'eagle', 'eagle3' or 'parallel'"]),
     ("dynamic tree with chains", ["--draft_tree=dynamic", "--num_drafts=2"], {},
      ["draft_tree='dynamic' with num_drafts=2", "replaces the chains"]),
     ("dynamic tree with draft_confidence", ["--draft_tree=dynamic", "--draft_confidence=0.3"], {},

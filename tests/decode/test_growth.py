@@ -7,8 +7,9 @@
    to the right ancestors through `kv_cache.Prior`; its token has p > 0, siblings are
    distinct, parents precede children, depths are the parent's + 1 and at most K, and at
    temperature 0 a node's children are the draft's most likely tokens in order, as point
-   masses. Rotary and Transformer-XL positions; the model drafter and a narrow EAGLE (and
-   EAGLE-3) layer with a draft vocabulary (folded); ragged rows.
+   masses. Rotary and Transformer-XL positions; the model drafter, a narrow EAGLE (and
+   EAGLE-3) layer with a draft vocabulary (folded), and the parallel drafter (whose
+   reference is the draft's full forward over the context and d mask tokens); ragged rows.
 2. Greedy SpS with a grown tree gives greedy ArS's tokens (model: a random draft; with -m
    slow the target drafting for itself, which keeps deep paths, eagle, eagle3, and 8 devices), in
    one fused loop with no host round trip and no copy of either cache; `explain_loop`
@@ -30,7 +31,7 @@ from specjax.decode import drafters, growth, program, speculative
 from specjax.decode.warping import Warp, warp
 from specjax.heads import init_heads
 from conftest import mesh_for
-from models import RAGGED, cache_copies, fused_loop_collectives, random_lm, tiny_pairs
+from models import RAGGED, cache_copies, fused_loop_collectives, random_lm, tiny_pairs, with_masks
 from test_eagle import NARROW, NARROW_VOCAB, teacher_forced
 from theorem1 import make_models, sharpened
 
@@ -158,6 +159,26 @@ def test_eagle_drafter_nodes_carry_the_layers_distribution_along_their_paths(tin
 
     check_tree(nodes, reference, program.warping_of(sampling))
     assert set(np.unique(nodes.x[nodes.drafted])) <= set(NARROW_VOCAB.tolist())
+
+
+@pytest.mark.parametrize("temperature", [0.9, pytest.param(0.0, marks=pytest.mark.slow)])
+def test_parallel_drafter_nodes_carry_the_masked_pass_distribution_at_their_depth(tiny, temperature):
+    """A node at depth d draws its children from the one masked pass's (d+1)-th
+    distribution, whatever its path: the reference is a full forward of the draft over the
+    context followed by d mask tokens (no cache), at its last position."""
+    mesh = mesh_for("1x1")
+    target = random_lm(tiny.target, mesh)
+    draft = with_masks(sharpened(random_lm(tiny.draft, mesh, seed=3), 4.0), k=K)  # sure enough to grow deep
+    sampling = SamplingConfig(temperature=temperature, lookahead=K, drafter="parallel", draft_tree="dynamic",
+                              tree_nodes=NODES)
+    _, _, nodes, _ = grown(target, draft, sampling)
+    fn = jax.jit(lambda lm, t: model.full_forward(lm, t))
+
+    def reference(b, path):
+        seq = PROMPTS[b, :LENS[b]].tolist() + [model.mask_id(draft.cfg)] * len(path)
+        return np.asarray(fn(draft, jnp.asarray([seq + [0] * (12 - len(seq))])))[0, len(seq) - 1]
+
+    check_tree(nodes, reference, program.warping_of(sampling))
 
 
 # --------------------------------------------------------------------------- 2. the loop

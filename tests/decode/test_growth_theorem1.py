@@ -3,7 +3,8 @@ fused loop with a grown tree samples the target's exact distribution (enumeratio
 chi-square test of `theorem1`: N = 100,000 samples per case, one compiled program and one
 batch each, ALPHA = 0.001): the model drafter at temperature 1 with ragged rows, 0.7 with
 top-p 0.8, top-k 5, trees of 4 to 8 nodes and depth 2 to 4, the target as its own draft
-(p == q), a draft with disjoint support, and the EAGLE and EAGLE-3 drafters (random layers).
+(p == q), a draft with disjoint support, the EAGLE and EAGLE-3 drafters (random layers) and the parallel drafter (the draft with a
+random mask embedding; temperature 0.9, and 1 with top-k 5).
 
 Negative control, REJECTED by the same test with N_NEGATIVE samples: growth by a node's
 own probability (EAGLE-2's reranking: a child drawn for every open node, the one whose
@@ -19,6 +20,7 @@ from specjax.decode import growth
 from specjax.decode.warping import sample
 from specjax.heads import init_heads
 from conftest import mesh_for
+from models import with_masks
 from theorem1 import ALPHA, N_NEGATIVE, Case, make_models, run
 
 
@@ -40,6 +42,8 @@ CASES = {
     "disjoint_support_N4_K2": grown_case(1.0, 0, 1.0, 2, "disjoint", 4),
     "eagle_ragged_N4_K3": grown_case(0.9, 0, 1.0, 3, "ragged", 4, "eagle"),
     "eagle3_ragged_N4_K3": grown_case(0.9, 0, 1.0, 3, "ragged", 4, "eagle3"),
+    "parallel_ragged_N5_K3": grown_case(0.9, 0, 1.0, 3, "ragged", 5, "parallel"),
+    "parallel_top_k_5_N6_K3": grown_case(1.0, 5, 1.0, 3, "ragged", 6, "parallel"),
 }
 DEFAULT = {"ragged_N4_K3", "ragged_N4_K3-keep_by_own_probability"}
 
@@ -53,6 +57,9 @@ def models_for(models, case):
     if case.drafter in ("eagle", "eagle3"):
         target, _ = models
         return target, init_heads(HeadsConfig(kind=case.drafter, init_seed=2), target.cfg, mesh_for("1x1"))
+    if case.drafter == "parallel":
+        target, draft = models
+        return target, with_masks(draft)
     return models
 
 
@@ -85,9 +92,10 @@ def keep_by_own_probability(key, left, reach, score, greedy):
 
 
 @pytest.mark.parametrize("name,wrong", [maybe_slow("ragged_N4_K3", "keep_by_own_probability"),
-                                        maybe_slow("temperature_0.7_top_p_0.8_N6_K3", "keep_by_own_probability")])
+                                        maybe_slow("temperature_0.7_top_p_0.8_N6_K3", "keep_by_own_probability"),
+                                        maybe_slow("parallel_ragged_N5_K3", "keep_by_own_probability")])
 def test_negative_control_growth_by_a_nodes_own_probability_is_rejected(models, name, wrong, patch):
     patch([(growth, "next_child", keep_by_own_probability)])
-    pvalue, _ = run(models, CASES[name], n=N_NEGATIVE)
+    pvalue, _ = run(models_for(models, CASES[name]), CASES[name], n=N_NEGATIVE)
     print(f"{name} with {wrong}: p = {pvalue:.2e}")
     assert pvalue < ALPHA

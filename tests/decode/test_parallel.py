@@ -30,21 +30,8 @@ from specjax.decode.drafters import parallel
 from specjax.decode.state import write_rows
 from specjax.decode.warping import warp
 from conftest import mesh_for
-from models import RAGGED, tiny_pairs
+from models import RAGGED, tiny_pairs, with_masks
 from theorem1 import ALPHA, N_NEGATIVE, Case, assert_case_follows_the_target, make_models, run
-
-K_MAX = 4  # the random drafts' parallel_draft
-
-
-def with_masks(lm: model.LM, k: int = K_MAX, seed: int = 5) -> model.LM:
-    """`lm` with a mask-token embedding of its own (random), as a parallel draft model."""
-    cfg = dataclasses.replace(lm.cfg, parallel_draft=k)
-    fresh = model.init_lm(cfg, jax.tree.leaves(lm.params)[0].sharding.mesh, seed=seed)
-    params = jax.tree.map(lambda x: x, fresh.params)
-    for name in lm.params:
-        params[name] = lm.params[name]
-    return dataclasses.replace(fresh, params=params)
-
 
 @pytest.fixture(scope="module")
 def models(tiny):

@@ -2,6 +2,7 @@
 program to compile), and their values back as numpy."""
 from __future__ import annotations
 
+import dataclasses
 import re
 
 import jax
@@ -21,6 +22,17 @@ def tiny_pairs(tiny) -> dict:
     on a 1x8 mesh (the same weights on both)."""
     return {name: (model.init_lm(tiny.target, mesh_for(name)), model.init_lm(tiny.draft, mesh_for(name)))
             for name in ("1x1", "1x8")}
+
+
+def with_masks(lm: model.LM, k: int = 4, seed: int = 5) -> model.LM:
+    """`lm` with a mask-token embedding of its own (random) for up to k tokens a pass: a
+    parallel draft model (`--drafter=parallel`)."""
+    cfg = dataclasses.replace(lm.cfg, parallel_draft=k)
+    fresh = model.init_lm(cfg, jax.tree.leaves(lm.params)[0].sharding.mesh, seed=seed)
+    params = jax.tree.map(lambda x: x, fresh.params)
+    for name in lm.params:
+        params[name] = lm.params[name]
+    return dataclasses.replace(fresh, params=params)
 
 
 def random_lm(cfg, mesh, seed: int = 0, noise: float = 0.0, noise_seed: int = 1) -> model.LM:

@@ -16,6 +16,12 @@ With M chains every chain is an independent draw of all K tokens from the same
 distributions (greedy: chain i starts with p_1's i-th most likely token, a point mass, as
 the other drafters' chains do): M chains cost the same one forward.
 
+A dynamic tree (`--draft_tree=dynamic`, `decode/growth.py`) reads the same pass: a node at
+depth d gets p_{d+1} as its children's distribution whatever its path (the masks saw no
+drafted token), so the root call runs the pass and each later round only reads it; growth
+still ranks by the path's probabilities, and each child's p is the distribution it was
+drawn from, as the proof in growth.py needs.
+
 The state is the draft's KV cache over the context. The K+1 re-fed tokens cover what the
 last pass did not see as tokens (its drafts were masks): up to K kept drafts and the new
 pending token. `update` rolls the cache back to before them, which also drops the masks'
@@ -30,7 +36,7 @@ import jax.numpy as jnp
 
 from specjax import kv_cache
 from specjax.config import ModelConfig, SamplingConfig, UsageError
-from specjax.decode.drafters.base import SOURCES, Drafter, Proposal, Verdict, point_mass
+from specjax.decode.drafters.base import SOURCES, Drafter, Expansion, Proposal, Verdict, point_mass
 from specjax.decode.state import prefill
 from specjax.decode.warping import sample, warp
 from specjax.kv_cache import KVCache
@@ -63,6 +69,7 @@ class ParallelDrafter(Drafter):
     name = "parallel"
     needs_draft_model = True
     several_chains = True
+    grows_trees = True
 
     trained_by = "mini_parallel"
 
@@ -88,14 +95,19 @@ class ParallelDrafter(Drafter):
     def init_state(self, prompts, prompt_lens, size, num_drafts, prefilled) -> KVCache:
         return prefill(self.lm, prompts, prompt_lens, size)
 
-    def propose(self, state: KVCache, tokens, length, key, lookahead, num_drafts, warping):
-        batch, M, K = tokens.shape[0], num_drafts, lookahead
-        ids, positions, at = masked_pass(tokens, length, self.window, K, mask_id(self.lm.cfg))
+    def one_pass(self, state: KVCache, tokens, length, lookahead):
+        """(logits [B, K, V] of the K distributions, the cache with the pass's entries)."""
+        ids, positions, at = masked_pass(tokens, length, self.window, lookahead, mask_id(self.lm.cfg))
         # The unembedding only at the K positions drafted from (`features`; the pass's own
         # logits are unused, so XLA drops them).
         _, fresh = self.lm(ids, positions, state, features=True)
         hidden = jnp.take_along_axis(fresh.hidden, at[:, :, None], axis=1)
-        logits = self.lm.logits(hidden)  # [B, K, V]
+        # Every entry of the pass is written; `update` keeps those before the next window.
+        return self.lm.logits(hidden), kv_cache.commit(state, fresh, positions[:, 0])
+
+    def propose(self, state: KVCache, tokens, length, key, lookahead, num_drafts, warping):
+        batch, M, K = tokens.shape[0], num_drafts, lookahead
+        logits, cache = self.one_pass(state, tokens, length, K)
         probs, bad = warp(logits, warping)
         probs = jnp.broadcast_to(probs[:, None], (batch, M) + probs.shape[1:])  # [B, M, K, V]
         x, empty = sample(key, probs)  # every chain and position an independent draw
@@ -103,11 +115,18 @@ class ParallelDrafter(Drafter):
             _, ranked = jax.lax.top_k(logits[:, 0], M)  # [B, M], p_1's most likely first
             x = x.at[:, :, 0].set(ranked)
             probs = probs.at[:, :, 0].set(point_mass(ranked, probs.shape[-1]))
-        # Every entry of the pass is written; `update` keeps those before the next window.
-        cache = kv_cache.commit(state, fresh, positions[:, 0])
         prop = Proposal(x, probs, jnp.full((batch, M), K, jnp.int32),
                         jnp.full((batch, M), SOURCES.index(self.name), jnp.int32))
         return prop, cache, jnp.any(bad, axis=1) | jnp.any(empty, axis=(1, 2))
+
+    def expand(self, state: KVCache, carry, tokens, length, nodes: Expansion):
+        """A grown tree's rounds (the module docstring): the root call runs the one pass
+        (the window K + 1 = `window`, so K = window - 1) and carries its K distributions;
+        a round's node at depth d reads the (d+1)-th of them."""
+        if carry is None:
+            logits, state = self.one_pass(state, tokens, length, self.window - 1)
+            return logits[:, :1], state, logits
+        return jnp.take_along_axis(carry, nodes.depth[:, :, None], axis=1), state, carry
 
     def update(self, state: KVCache, verdict: Verdict) -> KVCache:
         """Roll back to [0, length - window): the next pass re-feeds the rest (at most K
