@@ -14,8 +14,9 @@
 #             is not a multiple of 256)
 #   specjax   python -m specjax.bench --gguf_target=the $TARGET file per prompt (float32, or
 #             --quantize=$QUANTIZE: int4 the file as stored, w4a8 that with int8 activations as
-#             llama.cpp multiplies): ArS and n-gram SpS at each K of $KS, greedy, $NEW new
-#             tokens (EOS ignored), prompt by prompt interleaved
+#             llama.cpp multiplies): ArS and SpS with each drafter of $DRAFTERS (n-gram by default)
+#             at each K of $KS, greedy, $NEW new tokens (EOS ignored), prompt by prompt
+#             interleaved; a trained drafter with CONFIG and DRAFT_CHECKPOINT (below)
 #   bench     llama-bench -t $THREADS -p 0 -n $NEW (tg128) on the f32, Q8_0, Q4_1 and Q4_K_M files
 #   lookup    llama-lookup (prompt lookup, --spec-draft-n-max $LOOKUP_DRAFT) on the $LOOKUP_TYPE
 #             file (F32, Q8_0 or Q4_1), greedy, $NEW tokens, EOS ignored, each prompt
@@ -23,7 +24,12 @@
 # token (what llama-bench's tg and llama-lookup's "decoded" time measure: no prompt).
 # Variables: PYTHON (specjax's, default python), OUT (default /tmp/specjax_real_model),
 # THREADS (2), KS (2,3,4,5,6,7,8), NEW (128), LOOKUP_DRAFT (4), QUANTIZE (none), TARGET (Q4_1:
-# the file specjax reads, or Q4_K_M), LOOKUP_TYPE (F32), SPECJAX_CACHE (the caches' root).
+# the file specjax reads, or Q4_K_M), LOOKUP_TYPE (F32), SPECJAX_CACHE (the caches' root),
+# DRAFTERS (ngram; a comma list, e.g. ngram,eagle3), CONFIG (the specjax config the drafter's
+# weights were trained with) and DRAFT_CHECKPOINT (their directory).
+# The EAGLE-3 layer trained on SmolLM2's own generations (launch/smollm2_eagle3.py):
+#   DRAFTERS=ngram,eagle3 CONFIG=launch/smollm2_eagle3.py DRAFT_CHECKPOINT=DIR QUANTIZE=w4a8 \
+#     KS=2,3,4 launch/real_model.sh
 # The issue-46 comparison, specjax's W4A8 ArS after the first token against tg128 on llama.cpp's
 # own Q4_K_M file:
 #   STEPS="build convert quantize specjax bench" TARGET=Q4_K_M QUANTIZE=w4a8 KS=3 launch/real_model.sh
@@ -41,6 +47,9 @@ QUANTIZE=${QUANTIZE:-}
 TARGET=${TARGET:-Q4_1}
 LOOKUP_TYPE=${LOOKUP_TYPE:-F32}
 STEPS=${STEPS:-build convert quantize specjax bench lookup}
+DRAFTERS=${DRAFTERS:-ngram}
+CONFIG=${CONFIG:-}
+DRAFT_CHECKPOINT=${DRAFT_CHECKPOINT:-}
 CACHE=${SPECJAX_CACHE:-$HOME/.cache/specjax}
 MODEL=$CACHE/smollm2
 Q4_1=$MODEL/SmolLM2-135M-Instruct.Q4_1.gguf
@@ -71,7 +80,8 @@ if has specjax; then
   for name in $NAMES; do
     grep "\"name\": \"$name\"" "$MODEL/chat_prompts.jsonl" >"$OUT/prompt_$name.jsonl"
     PYTHONPATH=$ROOT${PYTHONPATH:+:$PYTHONPATH} "$PYTHON" -m specjax.bench \
-      --gguf_target="$MODEL/SmolLM2-135M-Instruct.$TARGET.gguf" --drafter=ngram \
+      ${CONFIG:+--config=$CONFIG} ${DRAFT_CHECKPOINT:+--draft_checkpoint=$DRAFT_CHECKPOINT} \
+      --gguf_target="$MODEL/SmolLM2-135M-Instruct.$TARGET.gguf" --drafter="$DRAFTERS" \
       --lookahead="$KS" --prompts_file="$OUT/prompt_$name.jsonl" --max_new_tokens="$NEW" \
       --config.sampling.temperature=0 ${QUANTIZE:+--quantize=$QUANTIZE} --json="$OUT/specjax_$name.json" \
       | tee "$OUT/specjax_$name.log"
@@ -96,15 +106,17 @@ for name in names:
     path = out / f"specjax_{name}.json"
     if path.exists():
         r = json.loads(path.read_text())
-        best = min(r["sps"], key=lambda row: row["ms_per_token"])
         after = lambda row: row.get("ms_per_token_after_first") or float("nan")  # noqa: E731
-        print(f"  specjax {name:16s} ArS {r['ars']['ms_per_token']:6.2f}   n-gram SpS "
-              + " ".join(f"K={row['lookahead']} {row['ms_per_token']:.2f}" for row in r["sps"])
-              + f"   best K={best['lookahead']} {best['speedup']:.2f}x ArS, {best['tokens_per_loop']:.2f} tokens/loop")
-        if "first_token_ms" in r:  # llama-bench's tg and llama-lookup's decode leave the prompt out
-            print(f"  {'':8s}{'after the 1st token':17s}ArS {after(r['ars']):6.2f}   n-gram SpS "
-                  + " ".join(f"K={row['lookahead']} {after(row):.2f}" for row in r["sps"])
-                  + f"   (first token after {r['first_token_ms']:.0f} ms)")
+        print(f"  specjax {name:16s} ArS {r['ars']['ms_per_token']:6.2f}" + (
+            f"   after the 1st token {after(r['ars']):.2f} (first token after {r['first_token_ms']:.0f} ms)"
+            if "first_token_ms" in r else ""))  # llama-bench's tg and llama-lookup's decode leave the prompt out
+        for drafter in dict.fromkeys(row["drafter"] for row in r["sps"]):
+            rows = [row for row in r["sps"] if row["drafter"] == drafter]
+            best = min(rows, key=lambda row: row["ms_per_token"])
+            print(f"  {'':25s}{drafter} SpS " + " ".join(f"K={row['lookahead']} {row['ms_per_token']:.2f}" for row in rows)
+                  + f"   best K={best['lookahead']} {best['speedup']:.2f}x ArS, {best['tokens_per_loop']:.2f} tokens/loop"
+                  + (f"; after the 1st token " + " ".join(f"K={row['lookahead']} {after(row):.2f}" for row in rows)
+                     if "first_token_ms" in r else ""))
     log = out / f"lookup_{name}.log"
     if log.exists():
         m = re.search(r"decoded\s+(\d+) tokens in\s+([\d.]+) seconds", log.read_text())
