@@ -7,7 +7,8 @@ runtime writes a screen of errors ("could not determine TPU accelerator type",
 "unexpected worker hostname") to stderr before JAX falls back to the CPU: every command
 would print it. Where there is no TPU chip (no PCI device of Google's vendor id, as
 JAX's own check reads it) and the user has chosen no platforms (JAX_PLATFORMS), the TPU
-is left out of the platforms JAX tries. `plan --compiler=tpu` reaches libtpu through its
+is left out of the platforms JAX tries (its `jax_platforms` setting too where a script
+imported jax before specjax: jax reads the variable once, on import). `plan --compiler=tpu` reaches libtpu through its
 compile-only client, which this does not touch."""
 from __future__ import annotations
 
@@ -15,6 +16,7 @@ import glob
 import importlib.metadata
 import importlib.util
 import os
+import sys
 
 GOOGLE_PCI_VENDOR = "0x1ae0"  # TPU chips' PCI vendor id
 
@@ -42,3 +44,5 @@ def leave_out_absent_tpu() -> None:
     if "JAX_PLATFORMS" in os.environ or importlib.util.find_spec("libtpu") is None or has_tpu_chip():
         return
     os.environ["JAX_PLATFORMS"] = ",".join(gpu_platforms() + ["cpu"])
+    if "jax" in sys.modules:  # imported already: its setting was read from the environment then
+        sys.modules["jax"].config.update("jax_platforms", os.environ["JAX_PLATFORMS"])
