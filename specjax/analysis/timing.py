@@ -295,8 +295,13 @@ def bench(target, draft, prompts, base, ks, batch_sizes, repeats: int, seed: int
             if sampling.draft_tree == "dynamic":  # (its tree pass's visibility is per row: timed as a chain of N + 1)
                 scoring = time_forward(target, sampling.tree_nodes + 1, context, repeats)
                 report["target_scoring_ms"][f"dynamic {sampling.tree_nodes}"] = 1000 * scoring
-            steps = k * step if drafters.kind(sampling.drafter).needs_draft_model else 0.0
-            parts = f"{k} draft steps" if steps else "the proposal, not timed"
+            cls = drafters.kind(sampling.drafter)
+            passes, rows = cls.draft_passes(k)
+            if cls.needs_draft_model and rows > 1:  # one pass of several tokens (the parallel drafter's)
+                step = time_forward(drafts[name], rows, context, repeats, batch=m)
+            steps = passes * step if cls.needs_draft_model else 0.0
+            parts = ("the proposal, not timed" if not steps else f"{k} draft steps" if rows == 1
+                     else f"{passes} draft pass of {rows} tokens")
             row.update(lookahead=k, verify=sampling.verify, drafter=sampling.drafter, num_drafts=m,
                        draft_tree=sampling.draft_tree, tree_nodes=sampling.tree_nodes,
                        draft_confidence=sampling.draft_confidence, speedup=ars_near / row["ms_per_token"],

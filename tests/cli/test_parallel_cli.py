@@ -85,3 +85,17 @@ def test_bad_input_is_one_line_and_exit_2(bad_runs, case):
     proc = runs[(module, name)]
     assert_one_line(proc, 2, fragments, module)
     assert not (tmp / "w").exists()  # nothing written before the input was checked
+
+
+def test_bench_prices_the_proposal_as_one_pass_of_2k_tokens(env, tmp_path):
+    """bench's loop parts: the parallel drafter's proposal is one draft pass of 2K tokens
+    (the K+1 re-fed ones and K-1 masks), not K one-token steps as the model drafter's."""
+    out = tmp_path / "bench.json"
+    proc, = run_many("specjax.bench", [(PARALLEL + [
+        "--lookahead=3", "--num_prompts=1", "--prompt_len=5", "--max_new_tokens=8", "--repeats=1", f"--json={out}"], {})],
+        env=env, cwd=ROOT)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    text = proc.stdout + proc.stderr
+    assert "1 draft pass of 6 tokens" in text and "3 draft steps" not in text, text[-2000:]
+    row, = json.loads(out.read_text())["sps"]
+    assert row["model_ms_per_loop"] > row["scoring_ms"]  # the draft pass is priced

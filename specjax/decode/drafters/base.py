@@ -83,6 +83,12 @@ class Drafter:
     trained_by: ClassVar[str] = ""
 
     @classmethod
+    def draft_passes(cls, lookahead: int) -> tuple[int, int]:
+        """(draft forwards, tokens each) a chain of K costs a draft-model drafter: K steps of
+        one token (bench prices a loop's parts by it)."""
+        return lookahead, 1
+
+    @classmethod
     def max_lookahead(cls, draft_cfg) -> int | None:
         """The most tokens one loop can propose with these weights (`draft_cfg`: the heads'
         `HeadsConfig` for a heads drafter, else the draft's `ModelConfig` or None); None:

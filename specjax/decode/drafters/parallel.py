@@ -74,6 +74,10 @@ class ParallelDrafter(Drafter):
     trained_by = "mini_parallel"
 
     @classmethod
+    def draft_passes(cls, lookahead: int) -> tuple[int, int]:
+        return 1, 2 * lookahead  # one pass: the K+1 re-fed tokens and K-1 masks
+
+    @classmethod
     def max_lookahead(cls, draft_cfg: ModelConfig | None) -> int:
         if draft_cfg is None or not draft_cfg.parallel_draft:
             got = "no draft model" if draft_cfg is None else "a draft model without mask tokens (parallel_draft=0)"
