@@ -14,23 +14,18 @@ and high), scored against the 8,192 tokens most frequent in those generations (a
 unembedding a sixth of the tied 49,152-row one) and decoding in int8; the training-time
 test unrolls it 3 steps. Its time and what it reaches: benchmarks/real_model.md.
 
-$SMOLLM2_GGUF names the file (default: where launch/smollm2.py puts it)."""
-import os
+The file, SmolLM2's shape and the rest of the settings are smollm2_eagle.py's
+($SMOLLM2_GGUF names the file; default: where launch/smollm2.py puts it)."""
+import dataclasses
 import pathlib
 
-from specjax.config import Config, HeadsConfig, SamplingConfig, TrainConfig
-
-GGUF = os.environ.get("SMOLLM2_GGUF", str(pathlib.Path(os.environ.get(
-    "SPECJAX_CACHE", pathlib.Path.home() / ".cache" / "specjax")) / "smollm2" / "SmolLM2-135M-Instruct.Q4_1.gguf"))
+from specjax.config import HeadsConfig, load_config
 
 
-def get_config() -> Config:
-    from specjax.weights import gguf
-    target = gguf.read_config(GGUF).model
-    return Config(name="smollm2_eagle3", target=target, tokenizer_vocab=target.vocab_size, hf_weights=True,
-                  heads=HeadsConfig(kind="eagle3", draft_vocab=8192, quantize="int8", ttt_steps=3),
-                  sampling=SamplingConfig(temperature=0, lookahead=3, max_new_tokens=128, drafter="eagle3"),
-                  train=TrainConfig(batch_size=8, seq_len=128, steps=600, learning_rate=3e-3, warmup_steps=30,
-                                    save_every=50, eval_every=150, eval_batches=2, weight_decay=0.0,
-                                    teacher_gguf=GGUF, distill_weight=1.0, self_distill=1024,
-                                    self_distill_prompt=16))
+def get_config():
+    base = load_config(str(pathlib.Path(__file__).with_name("smollm2_eagle.py")))  # SmolLM2's file and shape
+    return dataclasses.replace(
+        base, name="smollm2_eagle3", heads=HeadsConfig(kind="eagle3", draft_vocab=8192, quantize="int8", ttt_steps=3),
+        sampling=dataclasses.replace(base.sampling, drafter="eagle3"),
+        train=dataclasses.replace(base.train, batch_size=8, steps=600, warmup_steps=30, save_every=50,
+                                  eval_every=150, self_distill=1024, self_distill_prompt=16))
