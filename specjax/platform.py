@@ -8,8 +8,8 @@ runtime writes a screen of errors ("could not determine TPU accelerator type",
 would print it. Where there is no TPU chip (no PCI device of Google's vendor id, as
 JAX's own check reads it) and the user has chosen no platforms (JAX_PLATFORMS), the TPU
 is left out of the platforms JAX tries (its `jax_platforms` setting too where a script
-imported jax before specjax: jax reads the variable once, on import). `plan --compiler=tpu` reaches libtpu through its
-compile-only client, which this does not touch."""
+imported jax before specjax: jax reads the variable once, on import). `plan
+--compiler=tpu` reaches libtpu through its compile-only client, which this does not touch."""
 from __future__ import annotations
 
 import glob

@@ -297,8 +297,8 @@ def bench(target, draft, prompts, base, ks, batch_sizes, repeats: int, seed: int
                 report["target_scoring_ms"][f"dynamic {sampling.tree_nodes}"] = 1000 * scoring
             cls = drafters.kind(sampling.drafter)
             passes, rows = cls.draft_passes(k)
-            if cls.needs_draft_model and rows > 1:  # one pass of several tokens (the parallel drafter's)
-                step = time_forward(drafts[name], rows, context, repeats, batch=m)
+            if cls.needs_draft_model and rows > 1:  # one pass of several tokens (the parallel drafter's:
+                step = time_forward(drafts[name], rows, context, repeats)  # its M chains draw from that one pass)
             steps = passes * step if cls.needs_draft_model else 0.0
             parts = ("the proposal, not timed" if not steps else f"{k} draft steps" if rows == 1
                      else f"{passes} draft pass of {rows} tokens")
