@@ -1,7 +1,8 @@
 """`--drafter=parallel` from the command line: greedy SpS emits greedy ArS's tokens with a
 random parallel draft (`--config.draft.parallel_draft=K` gives tiny's draft its mask
-embedding), as chains and as a dynamic tree of 8 nodes, and every bad value of the new settings is one line and exit 2 before any
-weights are looked for (sample, bench, train)."""
+embedding), as chains and as a dynamic tree of 8 nodes; bench prices its proposal as one
+pass; and every bad value of the new settings is one line and exit 2 before any weights
+are looked for (sample, bench, train)."""
 from __future__ import annotations
 
 import json
@@ -91,9 +92,8 @@ def test_bench_prices_the_proposal_as_one_pass_of_2k_tokens(env, tmp_path):
     """bench's loop parts: the parallel drafter's proposal is one draft pass of 2K tokens
     (the K+1 re-fed ones and K-1 masks), not K one-token steps as the model drafter's."""
     out = tmp_path / "bench.json"
-    proc, = run_many("specjax.bench", [(PARALLEL + [
-        "--lookahead=3", "--num_prompts=1", "--prompt_len=5", "--max_new_tokens=8", "--repeats=1", f"--json={out}"], {})],
-        env=env, cwd=ROOT)
+    args = ["--lookahead=3", "--num_prompts=1", "--prompt_len=5", "--max_new_tokens=8", "--repeats=1", f"--json={out}"]
+    proc, = run_many("specjax.bench", [(PARALLEL + args, {})], env=env, cwd=ROOT)
     assert proc.returncode == 0, proc.stderr[-3000:]
     text = proc.stdout + proc.stderr
     assert "1 draft pass of 6 tokens" in text and "3 draft steps" not in text, text[-2000:]

@@ -3,13 +3,14 @@ fused loop with a grown tree samples the target's exact distribution (enumeratio
 chi-square test of `theorem1`: N = 100,000 samples per case, one compiled program and one
 batch each, ALPHA = 0.001): the model drafter at temperature 1 with ragged rows, 0.7 with
 top-p 0.8, top-k 5, trees of 4 to 8 nodes and depth 2 to 4, the target as its own draft
-(p == q), a draft with disjoint support, the EAGLE and EAGLE-3 drafters (random layers) and the parallel drafter (the draft with a
-random mask embedding; temperature 0.9, and 1 with top-k 5).
+(p == q), a draft with disjoint support, the EAGLE and EAGLE-3 drafters (random layers),
+and the parallel drafter (the draft with a random mask embedding; temperature 0.9, and 1
+with top-k 5).
 
 Negative control, REJECTED by the same test with N_NEGATIVE samples: growth by a node's
 own probability (EAGLE-2's reranking: a child drawn for every open node, the one whose
-path probability with its own token is highest kept), swapped in for `growth.next_child`.
-It reads each child's own token to decide whether the child exists, which biases the
+path probability with its own token is highest kept), swapped in for `growth.next_child`
+(with the model drafter, and with the parallel drafter). It reads each child's own token to decide whether the child exists, which biases the
 output at any temperature > 0 (growth.py's docstring).
 """
 import jax.numpy as jnp
