@@ -10,8 +10,9 @@ with top-k 5).
 Negative control, REJECTED by the same test with N_NEGATIVE samples: growth by a node's
 own probability (EAGLE-2's reranking: a child drawn for every open node, the one whose
 path probability with its own token is highest kept), swapped in for `growth.next_child`
-(with the model drafter, and with the parallel drafter). It reads each child's own token to decide whether the child exists, which biases the
-output at any temperature > 0 (growth.py's docstring).
+(with the model drafter, and with the parallel drafter). It reads each child's own token
+to decide whether the child exists, which biases the output at any temperature > 0
+(growth.py's docstring).
 """
 import jax.numpy as jnp
 import pytest
