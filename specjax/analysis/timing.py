@@ -286,19 +286,19 @@ def bench(target, draft, prompts, base, ks, batch_sizes, repeats: int, seed: int
             if name:
                 row["draft"] = name
             m = sampling.num_drafts
+            cls = drafters.kind(sampling.drafter)
+            passes, rows = cls.draft_passes(k)
             step, scoring = draft_steps[name], score
+            if cls.needs_draft_model and rows > 1:  # one pass of several tokens (the parallel drafter's:
+                step = time_forward(drafts[name], rows, context, repeats)  # its M chains draw from that one pass)
+            elif cls.needs_draft_model and m > 1:  # M chains: M rows of each step
+                step = time_forward(drafts[name], 1, context, repeats, batch=m)
             if m > 1:
-                if drafters.kind(sampling.drafter).needs_draft_model:
-                    step = time_forward(drafts[name], 1, context, repeats, batch=m)
                 scoring = time_forward(target, 0, context, repeats, tree=(m, k))
                 report["target_scoring_ms"][f"tree {m}x{k}"] = 1000 * scoring
             if sampling.draft_tree == "dynamic":  # (its tree pass's visibility is per row: timed as a chain of N + 1)
                 scoring = time_forward(target, sampling.tree_nodes + 1, context, repeats)
                 report["target_scoring_ms"][f"dynamic {sampling.tree_nodes}"] = 1000 * scoring
-            cls = drafters.kind(sampling.drafter)
-            passes, rows = cls.draft_passes(k)
-            if cls.needs_draft_model and rows > 1:  # one pass of several tokens (the parallel drafter's:
-                step = time_forward(drafts[name], rows, context, repeats)  # its M chains draw from that one pass)
             steps = passes * step if cls.needs_draft_model else 0.0
             parts = ("the proposal, not timed" if not steps else f"{k} draft steps" if rows == 1
                      else f"{passes} draft pass of {rows} tokens")
