@@ -135,3 +135,23 @@ def constrain(x: jax.Array, names: Sequence[str | None]) -> jax.Array:
     if mesh.empty:
         return x
     return jax.lax.with_sharding_constraint(x, logical_to_spec(names, x.shape, mesh))
+
+
+def gather_rows(x: jax.Array, names: Sequence[str | None]) -> jax.Array:
+    """x [..., V], split over its last axis as `names` say (e.g. vocab-parallel logits),
+    with that axis whole on every device and the others as `names` say: one all-gather.
+    It gathers the shards along a new major axis ([..., m, V/m], then reshaped back): a
+    gather along the minor axis whose shards are not whole 128-lane tiles (32000 / 16 =
+    2000) XLA:TPU writes as an all-reduce of a zero-padded copy (docs/pods.md)."""
+    mesh = jax.sharding.get_abstract_mesh()
+    if mesh.empty:
+        return x
+    spec = logical_to_spec(names, x.shape, mesh)
+    whole = P(*spec[:-1], None)
+    split = spec[-1]
+    m = math.prod(mesh.shape[a] for a in (split if isinstance(split, tuple) else (split,))) if split else 1
+    if m == 1:
+        return jax.lax.with_sharding_constraint(x, whole)
+    shards = jax.lax.with_sharding_constraint(x, spec).reshape(*x.shape[:-1], m, x.shape[-1] // m)
+    shards = jax.lax.with_sharding_constraint(shards, P(*spec[:-1], split, None))
+    return jax.lax.with_sharding_constraint(shards, P(*spec[:-1], None, None)).reshape(x.shape)

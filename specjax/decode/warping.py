@@ -20,7 +20,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from specjax.kernels import DEFAULT as DEFAULT_KERNELS, Kernels, dispatch
-from specjax.sharding import constrain
+from specjax.sharding import gather_rows
 
 
 class Warp(NamedTuple):
@@ -68,7 +68,7 @@ def warp(logits: jax.Array, w: Warp) -> tuple[jax.Array, jax.Array]:
     # Gather vocab-parallel logits once (one small all-gather) so every reduction below is
     # local: on a pod, a dozen latency-bound all-reduces per distribution would cost more.
     # The NaN/inf checks run on the gathered copy for the same reason.
-    logits = constrain(logits.astype(jnp.float32), ("batch",) + (None,) * (logits.ndim - 1))
+    logits = gather_rows(logits.astype(jnp.float32), ("batch",) + (None,) * (logits.ndim - 2) + ("vocab",))
     bad = ~jnp.all(jnp.isfinite(logits), axis=-1)
     vocab = logits.shape[-1]
     if w.greedy:
