@@ -96,25 +96,47 @@ def nucleus(probs: jax.Array, top_p: float, kernels: Kernels = DEFAULT_KERNELS) 
     threshold whose kept mass is still >= top_p. t* is found by bisection over the bit
     patterns of the float32 probabilities (ordered like the values, as p >= 0), so it is
     one of the probabilities exactly, without sorting the vocabulary: on CPU a sort of the
-    vocabulary costs far more than 32 masked sums, and top-p runs on every distribution
+    vocabulary costs far more than 31 masked sums, and top-p runs on every distribution
     of every loop (benchmarks/micro.md). On one CPU device `nucleus.cc` runs the same
-    bisection where `kernels` allows it: XLA:CPU's loop of 32 small reductions costs
+    bisection where `kernels` allows it: XLA:CPU's loops of 31 small reductions cost
     more than the rest of a draft step's sampling."""
     if dispatch.use_nucleus(probs, kernels):
         return dispatch.nucleus(probs, top_p)
-    bits = jax.lax.bitcast_convert_type(probs, jnp.int32)
-    lo = jnp.zeros(probs.shape[:-1] + (1,), jnp.int32)  # keeps everything: mass 1 >= top_p
-    hi = jnp.max(bits, axis=-1, keepdims=True) + 1  # keeps nothing
-
-    def halve(_, bounds):
-        lo, hi = bounds
-        mid = lo + (hi - lo) // 2
-        enough = jnp.sum(jnp.where(bits >= mid, probs, 0.0), axis=-1, keepdims=True) >= top_p
-        return jnp.where(enough, mid, lo), jnp.where(enough, hi, mid)
-
-    threshold, _ = jax.lax.fori_loop(0, 32, halve, (lo, hi))
-    kept = jnp.where(bits >= threshold, probs, 0.0)
+    bits = jax.lax.bitcast_convert_type(probs, jnp.uint32)
+    kept = jnp.where(bits >= _nucleus_threshold(bits, jnp.asarray(top_p, probs.dtype)), probs, 0.0)
     return kept / jnp.sum(kept, axis=-1, keepdims=True)
+
+
+def _nucleus_threshold(bits: jax.Array, top_p: jax.Array) -> jax.Array:
+    """t* [..., 1] (uint32) for probabilities given by their bits [..., V]: the largest t
+    whose mass sum(p where bits >= t) is still >= top_p (0, keeping everything, where none
+    is), one bit a pass from the top (bit 31, the sign, is 0). The mass falls as the
+    threshold rises, so a pass keeps its bit where the mass at the bits fixed so far plus
+    that bit still reaches top_p.
+
+    One distribution at a time (`lax.map`), its bits as rows of 128 (a TPU's lanes; zeros
+    pad them and are never kept), the probabilities their bitcast: XLA:TPU keeps one in
+    on-chip memory across the 31 passes and reads it from HBM once. All rows at once, a
+    pass read them from HBM every time (a 128k vocabulary on a TPU v5p: 16 MiB a draft step
+    of Llama-3.2-1B, its costed step 1.19x its weights and cache; docs/pods.md); on
+    XLA:CPU a row at a time is also faster (cache-sized)."""
+    lanes = 128
+    lead, V = bits.shape[:-1], bits.shape[-1]
+    rows = jnp.pad(bits.reshape(-1, V), [(0, 0), (0, -V % lanes)]).reshape(-1, (V + -V % lanes) // lanes, lanes)
+    top_p = jnp.broadcast_to(top_p, lead + (1,)).reshape(-1)
+
+    def one(args):
+        tiles, top_p = args
+        probs = jax.lax.bitcast_convert_type(tiles, jnp.float32)
+
+        def fix(i, threshold):
+            candidate = threshold | (jnp.uint32(1) << (30 - i).astype(jnp.uint32))
+            kept = jnp.sum(jnp.where(tiles >= candidate, probs, 0.0))
+            return jnp.where(kept >= top_p, candidate, threshold)
+
+        return jax.lax.fori_loop(0, 31, fix, jnp.uint32(0))
+
+    return jax.lax.map(one, (rows, top_p)).reshape(lead + (1,))
 
 
 def cumulative(probs: jax.Array, block: int = 64) -> jax.Array:

@@ -283,6 +283,23 @@ def test_sampler_gathers_vocab_parallel_logits_with_one_all_gather_on_xla_tpu():
     assert tally["all-gather"]["count"] == 1
 
 
+@pytest.mark.skipif(not tpu.available(), reason="libtpu is not installed (pip install -e '.[tpu]')")
+def test_nucleus_reads_its_distributions_from_hbm_once_on_xla_tpu():
+    """top-p over Llama 3's 128,256-token distributions, compiled by XLA:TPU for one v5p
+    chip, reads them from HBM about twice (the bisection's 31 passes once, the cut and its
+    sum once), for one draft step's row and for a scoring pass's 5. As 31 passes over
+    all rows at once, XLA:TPU read them from HBM every pass (34x for one row; 16 MiB a
+    draft step of Llama-3.2-1B, its costed step 1.19x its weights and cache)."""
+    import math
+    from specjax.decode import warping
+    from specjax.kernels import NONE
+    device = tpu.devices("v5p", 1, 1)[0]
+    for shape in ((1, 1, 128256), (1, 5, 128256)):
+        probs = jax.ShapeDtypeStruct(shape, jnp.float32, sharding=jax.sharding.SingleDeviceSharding(device))
+        text = jax.jit(lambda p: warping.nucleus(p, 0.95, NONE)).lower(probs).compile().as_text()
+        assert hlo.HloProgram(text).traffic().hbm_read <= 5 * math.prod(shape) * 4, shape
+
+
 # A run of plan in which libtpu cannot be imported, whether or not it is installed.
 HIDE_LIBTPU = ("import importlib.abc, runpy, sys\n"
                "class Hide(importlib.abc.MetaPathFinder):\n"

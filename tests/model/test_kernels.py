@@ -547,6 +547,35 @@ def test_nucleus_kernel_matches_the_sorted_rule_and_the_jnp_bisection():
     assert checked > 250  # of 310 rows: nearly all are far from a boundary
 
 
+def test_nucleus_bisection_keeps_what_the_sorted_rule_keeps_row_by_row():
+    """The jnp bisection (XLA's, wherever the CPU kernel does not run), one distribution at
+    a time over rows of 128 lanes: it keeps exactly what the sorted rule keeps, ties and
+    zeros included, each of a batch of rows at its own top_p (rows of every length, so the
+    padding to 128 lanes is crossed)."""
+    rng = np.random.default_rng(2)
+    rows = []
+    for V in (1, 7, 127, 129, 4096):
+        for scale in (0.1, 3.0, 10.0):
+            r = rng.normal(size=V) * scale
+            rows.append(np.exp(r - r.max()) / np.exp(r - r.max()).sum())
+    ties = np.zeros(40)
+    ties[:10] = 0.1
+    zeros = np.zeros(40)
+    zeros[[3, 30]] = [0.75, 0.25]
+    checked = 0
+    for p in rows + [ties, zeros]:
+        batch = jnp.asarray(np.stack([p] * 6).reshape(2, 3, -1), jnp.float32)
+        top = jnp.asarray([[0.05, 0.5, 0.9], [0.95, 0.999, 0.3]], jnp.float32)
+        got = np.asarray(jax.jit(lambda p, t: warping.nucleus(p, t, NONE))(batch, top[..., None]))
+        for b, r in np.ndindex(2, 3):
+            want, margin = nucleus_reference(np.asarray(batch)[b, r], float(top[b, r]))
+            if margin >= 1e-5:
+                checked += 1
+                np.testing.assert_array_equal(got[b, r] > 0, want > 0)
+                np.testing.assert_allclose(got[b, r], want, rtol=2e-6, atol=1e-7)
+    assert checked > 80
+
+
 @needs_kernel
 def test_nucleus_takes_top_p_traced_and_one_per_row():
     """top_p is an operand (a loop compiled once serves every top_p): a traced array of one
