@@ -110,33 +110,41 @@ def nucleus(probs: jax.Array, top_p: float, kernels: Kernels = DEFAULT_KERNELS) 
 def _nucleus_threshold(bits: jax.Array, top_p: jax.Array) -> jax.Array:
     """t* [..., 1] (uint32) for probabilities given by their bits [..., V]: the largest t
     whose mass sum(p where bits >= t) is still >= top_p (0, keeping everything, where none
-    is), one bit a pass from the top (bit 31, the sign, is 0). The mass falls as the
-    threshold rises, so a pass keeps its bit where the mass at the bits fixed so far plus
-    that bit still reaches top_p.
-
-    One distribution at a time (`lax.map`), its bits as rows of 128 (a TPU's lanes; zeros
-    pad them and are never kept), the probabilities their bitcast: XLA:TPU keeps one in
-    on-chip memory across the 31 passes and reads it from HBM once. All rows at once, a
-    pass read them from HBM every time (a 128k vocabulary on a TPU v5p: 16 MiB a draft step
-    of Llama-3.2-1B, its costed step 1.19x its weights and cache; docs/pods.md); on
-    XLA:CPU a row at a time is also faster (cache-sized)."""
+    is). One distribution at a time (`lax.map`; on XLA:CPU a row at a time is also the
+    faster, cache-sized), its bits made once into rows of 128 (a TPU's lanes; zeros pad
+    them and are never kept) that every pass reads, the probabilities their bitcast.
+    XLA:CPU computes, so there the search fixes one bit a pass (a bisection: least work);
+    a TPU or GPU reads the row from memory at each pass, so there it fixes 4 (15
+    candidates from one read, 8 passes). Over all rows at once, with the probabilities
+    read beside their bits, the 32 passes of a bisection each read them from HBM: a 128k
+    vocabulary on a TPU v5p, 32 MiB a draft step of Llama-3.2-1B, its costed step 1.19x its
+    weights and cache (docs/pods.md)."""
     lanes = 128
     lead, V = bits.shape[:-1], bits.shape[-1]
     rows = jnp.pad(bits.reshape(-1, V), [(0, 0), (0, -V % lanes)]).reshape(-1, (V + -V % lanes) // lanes, lanes)
+    rows = jax.lax.optimization_barrier(rows)  # made once: fused into each pass, each pass re-read its source
     top_p = jnp.broadcast_to(top_p, lead + (1,)).reshape(-1)
+    search = lambda width: lambda rows, top_p: jax.lax.map(lambda a: _bits_search(*a, width), (rows, top_p))  # noqa: E731
+    threshold = jax.lax.platform_dependent(rows, top_p, cpu=search(1), default=search(4))
+    return threshold.reshape(lead + (1,))
 
-    def one(args):
-        tiles, top_p = args
-        probs = jax.lax.bitcast_convert_type(tiles, jnp.float32)
 
-        def fix(i, threshold):
-            candidate = threshold | (jnp.uint32(1) << (30 - i).astype(jnp.uint32))
-            kept = jnp.sum(jnp.where(tiles >= candidate, probs, 0.0))
-            return jnp.where(kept >= top_p, candidate, threshold)
+def _bits_search(tiles: jax.Array, top_p: jax.Array, width: int) -> jax.Array:
+    """One distribution's t* from its bits `tiles` [rows, 128], `width` bits a pass from
+    the top. A pass tries the bits fixed so far plus d << shift for d = 1 .. 2^width - 1;
+    the mass falls as the threshold rises, so the candidates that keep enough are d = 1 ..
+    count, and count is t*'s next digit. uint32 holds every candidate (a probability's
+    bits are at most inf's, 0x7f800000; above them the mass is 0)."""
+    probs = jax.lax.bitcast_convert_type(tiles, jnp.float32)
+    digits = jnp.arange(1, 2 ** width, dtype=jnp.uint32)[:, None, None]
 
-        return jax.lax.fori_loop(0, 31, fix, jnp.uint32(0))
+    def fix(i, threshold):
+        shift = (32 - width * (i + 1)).astype(jnp.uint32)
+        candidates = threshold + (digits << shift)  # [2^width - 1, 1, 1]
+        kept = jnp.sum(jnp.where(tiles >= candidates, probs, 0.0), axis=(1, 2))
+        return threshold + (jnp.sum(kept >= top_p, dtype=jnp.uint32) << shift)
 
-    return jax.lax.map(one, (rows, top_p)).reshape(lead + (1,))
+    return jax.lax.fori_loop(0, 32 // width, fix, jnp.uint32(0))
 
 
 def cumulative(probs: jax.Array, block: int = 64) -> jax.Array:

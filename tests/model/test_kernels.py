@@ -547,11 +547,12 @@ def test_nucleus_kernel_matches_the_sorted_rule_and_the_jnp_bisection():
     assert checked > 250  # of 310 rows: nearly all are far from a boundary
 
 
-def test_nucleus_bisection_keeps_what_the_sorted_rule_keeps_row_by_row():
-    """The jnp bisection (XLA's, wherever the CPU kernel does not run), one distribution at
-    a time over rows of 128 lanes: it keeps exactly what the sorted rule keeps, ties and
+def test_nucleus_search_keeps_what_the_sorted_rule_keeps_row_by_row():
+    """The jnp search (XLA's, wherever the CPU kernel does not run), one distribution at a
+    time over rows of 128 lanes: it keeps exactly what the sorted rule keeps, ties and
     zeros included, each of a batch of rows at its own top_p (rows of every length, so the
-    padding to 128 lanes is crossed)."""
+    padding to 128 lanes is crossed); and the search XLA:TPU runs, 4 bits a pass, finds
+    the same threshold as XLA:CPU's bisection, one bit a pass."""
     rng = np.random.default_rng(2)
     rows = []
     for V in (1, 7, 127, 129, 4096):
@@ -562,11 +563,16 @@ def test_nucleus_bisection_keeps_what_the_sorted_rule_keeps_row_by_row():
     ties[:10] = 0.1
     zeros = np.zeros(40)
     zeros[[3, 30]] = [0.75, 0.25]
+    top = jnp.asarray([[0.05, 0.5, 0.9], [0.95, 0.999, 0.3]], jnp.float32)
+    nucleus = jax.jit(lambda p, t: warping.nucleus(p, t, NONE))
+    search = jax.jit(warping._bits_search, static_argnums=2)
     checked = 0
     for p in rows + [ties, zeros]:
         batch = jnp.asarray(np.stack([p] * 6).reshape(2, 3, -1), jnp.float32)
-        top = jnp.asarray([[0.05, 0.5, 0.9], [0.95, 0.999, 0.3]], jnp.float32)
-        got = np.asarray(jax.jit(lambda p, t: warping.nucleus(p, t, NONE))(batch, top[..., None]))
+        got = np.asarray(nucleus(batch, top[..., None]))
+        tiles = jnp.pad(jax.lax.bitcast_convert_type(batch[0, 0], jnp.uint32), (0, -len(p) % 128)).reshape(-1, 128)
+        for top_p in np.asarray(top).ravel():
+            assert search(tiles, top_p, 1) == search(tiles, top_p, 4)
         for b, r in np.ndindex(2, 3):
             want, margin = nucleus_reference(np.asarray(batch)[b, r], float(top[b, r]))
             if margin >= 1e-5:
