@@ -14,6 +14,7 @@ import math
 from typing import Sequence
 
 import jax
+import jax.numpy as jnp
 from flax import nnx
 from jax.sharding import AxisType, NamedSharding, PartitionSpec as P
 
@@ -137,12 +138,16 @@ def constrain(x: jax.Array, names: Sequence[str | None]) -> jax.Array:
     return jax.lax.with_sharding_constraint(x, logical_to_spec(names, x.shape, mesh))
 
 
+LANES = 128  # a TPU vector register's minor dimension
+
+
 def gather_rows(x: jax.Array, names: Sequence[str | None]) -> jax.Array:
     """x [..., V], split over its last axis as `names` say (e.g. vocab-parallel logits),
     with that axis whole on every device and the others as `names` say: one all-gather.
-    It gathers the shards along a new major axis ([..., m, V/m], then reshaped back): a
-    gather along the minor axis whose shards are not whole 128-lane tiles (32000 / 16 =
-    2000) XLA:TPU writes as an all-reduce of a zero-padded copy (docs/pods.md)."""
+    Each shard is padded to whole 128-lane tiles and gathered along a new major axis
+    ([..., m, V/m + pad], then the padding dropped): a gather whose shards are not whole
+    tiles (chinchilla's 32000 / 16 = 2000) XLA:TPU writes as an all-reduce of a zero-filled
+    copy of the whole row, one more all-reduce per distribution than XLA:CPU (docs/pods.md)."""
     mesh = jax.sharding.get_abstract_mesh()
     if mesh.empty:
         return x
@@ -152,6 +157,10 @@ def gather_rows(x: jax.Array, names: Sequence[str | None]) -> jax.Array:
     m = math.prod(mesh.shape[a] for a in (split if isinstance(split, tuple) else (split,))) if split else 1
     if m == 1:
         return jax.lax.with_sharding_constraint(x, whole)
-    shards = jax.lax.with_sharding_constraint(x, spec).reshape(*x.shape[:-1], m, x.shape[-1] // m)
+    width = x.shape[-1] // m
+    shards = jax.lax.with_sharding_constraint(x, spec).reshape(*x.shape[:-1], m, width)
     shards = jax.lax.with_sharding_constraint(shards, P(*spec[:-1], split, None))
-    return jax.lax.with_sharding_constraint(shards, P(*spec[:-1], None, None)).reshape(x.shape)
+    shards = jnp.pad(shards, [(0, 0)] * (shards.ndim - 1) + [(0, -width % LANES)])
+    shards = jax.lax.with_sharding_constraint(shards, P(*spec[:-1], split, None))
+    whole = jax.lax.with_sharding_constraint(shards, P(*spec[:-1], None, None))
+    return whole[..., :width].reshape(x.shape)

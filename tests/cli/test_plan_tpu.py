@@ -266,21 +266,24 @@ def test_vocab_parallel_embedding_reads_its_rows_not_the_table():
 @pytest.mark.skipif(not tpu.available(), reason="libtpu is not installed (pip install -e '.[tpu]')")
 def test_sampler_gathers_vocab_parallel_logits_with_one_all_gather_on_xla_tpu():
     """`warp` gathers chinchilla's vocab-parallel logits (32000 over 16 chips: 2000 a shard,
-    not whole 128-lane tiles) in one all-gather on XLA:TPU. Gathered along the vocabulary
-    axis itself, XLA:TPU wrote it as an all-reduce of a zero-padded copy: 4 more all-reduces
-    per chinchilla_70b loop than XLA:CPU's count, one per draft step."""
+    not whole 128-lane tiles) in one all-gather on XLA:TPU, for rows of every rank. Gathered
+    as they are, XLA:TPU wrote it as an all-reduce of a zero-filled copy of the row: 4 more
+    all-reduces per chinchilla_70b loop than XLA:CPU's count, one per draft step."""
     from jax.sharding import NamedSharding, PartitionSpec as P
     from specjax import sharding
     from specjax.config import MeshConfig
     from specjax.decode import warping
     mesh = sharding.make_mesh(MeshConfig(1, 16), tpu.devices("v4", 1, 16))
     w = warping.Warp(0.8, 0, 0.95)
-    logits = jax.ShapeDtypeStruct((1, 1, 32000), jnp.float32, sharding=NamedSharding(mesh, P(None, None, "model")))
-    with jax.set_mesh(mesh):
-        text = jax.jit(lambda x: warping.sample(jax.random.key(0), warping.warp(x, w)[0])).lower(logits).compile().as_text()
-    tally = hlo.summarize(hlo.HloProgram(text).tally(hlo.HloProgram(text).entry))
-    assert "all-reduce" not in tally
-    assert tally["all-gather"]["count"] == 1
+    for shape in ((1, 1, 32000), (1, 32000)):  # a draft model's step; EAGLE's and ArS's rows
+        spec = P(*(None,) * (len(shape) - 1), "model")
+        logits = jax.ShapeDtypeStruct(shape, jnp.float32, sharding=NamedSharding(mesh, spec))
+        with jax.set_mesh(mesh):
+            text = jax.jit(lambda x: warping.sample(jax.random.key(0), warping.warp(x, w)[0])).lower(logits).compile()
+        program = hlo.HloProgram(text.as_text())
+        tally = hlo.summarize(program.tally(program.entry))
+        assert "all-reduce" not in tally, shape
+        assert tally["all-gather"]["count"] == 1, shape
 
 
 @pytest.mark.skipif(not tpu.available(), reason="libtpu is not installed (pip install -e '.[tpu]')")
@@ -345,8 +348,12 @@ def test_plan_compiles_tiny_with_xla_tpu_and_costs_its_steps(tmp_path):
         assert 0 < p["memory"]["total"] == p["memory"]["arguments"] + p["memory"]["temporaries"] \
             + p["memory"]["outputs"] - p["memory"]["aliased"]
     assert _by_shape(programs["sps"]["collectives_per_loop"], "all-reduce")["f32[5,32]"] == 2 * 2 + 1
-    # One step: 2 per layer + the embedding lookup + the logits' gather (an all-reduce on XLA:TPU).
-    assert programs["ars_target"]["collectives_per_step"]["all-reduce"]["count"] == 2 * 2 + 1 + 1
+    # Per loop and per step, XLA:CPU's collectives: 2 all-reduces per layer and forward + the
+    # embedding lookup, and an all-gather of each distribution's logits (K draft steps, the target's).
+    sps = programs["sps"]["collectives_per_loop"]
+    assert sps["all-reduce"]["count"] == 2 * 2 + 1 + K * (2 * 1 + 1) and sps["all-gather"]["count"] == K + 1
+    step = programs["ars_target"]["collectives_per_step"]
+    assert step["all-reduce"]["count"] == 2 * 2 + 1 and step["all-gather"]["count"] == 1
     for program, step in (("ars_target", "step"), ("sps", "score")):
         cost = programs[program]["steps"][step]
         assert 0.9 <= cost["bytes_ratio"] <= 1.15, (program, step, cost)
