@@ -93,13 +93,13 @@ def warp(logits: jax.Array, w: Warp) -> tuple[jax.Array, jax.Array]:
 def nucleus(probs: jax.Array, top_p: float, kernels: Kernels = DEFAULT_KERNELS) -> jax.Array:
     """Keep the smallest set of most likely tokens whose mass reaches top_p (ties at the
     boundary kept together), renormalised. Equivalently: keep p >= t*, the largest
-    threshold whose kept mass is still >= top_p. t* is found by bisection over the bit
-    patterns of the float32 probabilities (ordered like the values, as p >= 0), so it is
-    one of the probabilities exactly, without sorting the vocabulary: on CPU a sort of the
-    vocabulary costs far more than 31 masked sums, and top-p runs on every distribution
-    of every loop (benchmarks/micro.md). On one CPU device `nucleus.cc` runs the same
-    bisection where `kernels` allows it: XLA:CPU's loops of 31 small reductions cost
-    more than the rest of a draft step's sampling."""
+    threshold whose kept mass is still >= top_p. t* is searched for over the bit patterns
+    of the float32 probabilities (ordered like the values, as p >= 0), so it is one of the
+    probabilities exactly, without sorting the vocabulary: on CPU a sort of the vocabulary
+    costs far more than 32 masked sums, and top-p runs on every distribution of every
+    loop (benchmarks/micro.md). On one CPU device `nucleus.cc` runs the same bisection
+    where `kernels` allows it: XLA:CPU's loops of 32 small reductions cost more than the
+    rest of a draft step's sampling."""
     if dispatch.use_nucleus(probs, kernels):
         return dispatch.nucleus(probs, top_p)
     bits = jax.lax.bitcast_convert_type(probs, jnp.uint32)
