@@ -303,6 +303,28 @@ def test_nucleus_reads_its_distributions_from_hbm_once_on_xla_tpu():
         assert hlo.HloProgram(text).traffic().hbm_read <= 5 * math.prod(shape) * 4, shape
 
 
+@pytest.mark.skipif(not tpu.available(), reason="libtpu is not installed (pip install -e '.[tpu]')")
+def test_xla_tpu_gives_chinchillas_programs_xla_cpus_collectives():
+    """chinchilla_70b cut to 2 target layers and 1 draft layer, compiled by XLA:TPU for
+    its v4 slice (16 chips): per SpS loop (K=4) 2 all-reduces per layer and forward + one
+    per embedding lookup, and one all-gather of each distribution's logits, as XLA:CPU
+    has; per ArS step of the target 2 x 2 + 1 all-reduces and one all-gather. XLA:TPU
+    wrote each 2000-wide-shard gather as an all-reduce: 4 more per loop and one more per
+    step (and, gathered along a major axis but unpadded, still one more per ArS step)."""
+    from specjax import sharding
+    from specjax.config import MeshConfig
+    from specjax.kernels import NONE
+    cfg = load_config("chinchilla_70b")
+    target, draft = (dataclasses.replace(c, num_layers=n) for c, n in ((cfg.target, 2), (cfg.draft, 1)))
+    mesh = sharding.make_mesh(MeshConfig(1, 16), tpu.devices("v4", 1, 16))
+    t, d = (abstract_lm(kv_heads.for_mesh(c, mesh), mesh).with_kernels(NONE) for c in (target, draft))
+    ars = dataclasses.replace(cfg.sampling, drafter="model")
+    sps = compile_lib.compile_program(t, d, cfg.sampling, 1, 16, 256)["per_loop"]
+    step = compile_lib.compile_program(t, None, ars, 1, 16, 256)["per_loop"]
+    assert sps["all-reduce"]["count"] == (2 * 2 + 1) + K * (2 * 1 + 1) and sps["all-gather"]["count"] == K + 1
+    assert step["all-reduce"]["count"] == 2 * 2 + 1 and step["all-gather"]["count"] == 1
+
+
 # A run of plan in which libtpu cannot be imported, whether or not it is installed.
 HIDE_LIBTPU = ("import importlib.abc, runpy, sys\n"
                "class Hide(importlib.abc.MetaPathFinder):\n"
