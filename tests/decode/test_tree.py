@@ -397,9 +397,12 @@ def test_tree_loop_is_one_fused_loop_with_the_chain_loops_all_reduces(pairs):
     # All-gathers: the vocab-parallel logits only, as many as the chain loop's (never a cache:
     # tiny's 4 kv heads on 8 devices once made XLA reshard the target's cache and gather it
     # back whole in the commit).
-    V = target.cfg.vocab_size
+    # A row of logits is gathered as its 8 shards, each padded to whole 128-lane tiles
+    # (`sharding.gather_rows`): [..., 8, 128] for tiny's 32 tokens.
+    shards = 8
+    width = -(-target.cfg.vocab_size // shards // 128) * 128
     assert sum(gathers[3].values()) == sum(gathers[1].values())
-    assert all(shape.endswith(f",{V}]") for shape in gathers[3]), gathers[3]
+    assert all(shape.endswith(f",{shards},{width}]") for shape in gathers[3]), gathers[3]
 
 
 def test_statistics_of_a_tree_run(pairs):
