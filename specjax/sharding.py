@@ -152,15 +152,14 @@ def gather_rows(x: jax.Array, names: Sequence[str | None]) -> jax.Array:
     if mesh.empty:
         return x
     spec = logical_to_spec(names, x.shape, mesh)
-    whole = P(*spec[:-1], None)
-    split = spec[-1]
-    m = math.prod(mesh.shape[a] for a in (split if isinstance(split, tuple) else (split,))) if split else 1
+    *lead, split = spec  # a mesh axis name (RULES maps each logical name to one) or None
+    m = mesh.shape[split] if split else 1
     if m == 1:
-        return jax.lax.with_sharding_constraint(x, whole)
+        return jax.lax.with_sharding_constraint(x, P(*lead, None))
     width = x.shape[-1] // m
     shards = jax.lax.with_sharding_constraint(x, spec).reshape(*x.shape[:-1], m, width)
-    shards = jax.lax.with_sharding_constraint(shards, P(*spec[:-1], split, None))
+    shards = jax.lax.with_sharding_constraint(shards, P(*lead, split, None))
     shards = jnp.pad(shards, [(0, 0)] * (shards.ndim - 1) + [(0, -width % LANES)])
-    shards = jax.lax.with_sharding_constraint(shards, P(*spec[:-1], split, None))
-    whole = jax.lax.with_sharding_constraint(shards, P(*spec[:-1], None, None))
-    return whole[..., :width].reshape(x.shape)
+    shards = jax.lax.with_sharding_constraint(shards, P(*lead, split, None))
+    gathered = jax.lax.with_sharding_constraint(shards, P(*lead, None, None))
+    return gathered[..., :width].reshape(x.shape)

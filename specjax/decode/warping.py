@@ -20,7 +20,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from specjax.kernels import DEFAULT as DEFAULT_KERNELS, Kernels, dispatch
-from specjax.sharding import gather_rows
+from specjax.sharding import LANES, gather_rows
 
 
 class Warp(NamedTuple):
@@ -119,9 +119,8 @@ def _nucleus_threshold(bits: jax.Array, top_p: jax.Array) -> jax.Array:
     read beside their bits, the 32 passes of a bisection each read them from HBM: a 128k
     vocabulary on a TPU v5p, 32 MiB a draft step of Llama-3.2-1B, its costed step 1.19x its
     weights and cache (docs/pods.md)."""
-    lanes = 128
     lead, V = bits.shape[:-1], bits.shape[-1]
-    rows = jnp.pad(bits.reshape(-1, V), [(0, 0), (0, -V % lanes)]).reshape(-1, (V + -V % lanes) // lanes, lanes)
+    rows = jnp.pad(bits.reshape(-1, V), [(0, 0), (0, -V % LANES)]).reshape(-1, (V + -V % LANES) // LANES, LANES)
     rows = jax.lax.optimization_barrier(rows)  # made once: fused into each pass, each pass re-read its source
     top_p = jnp.broadcast_to(top_p, lead + (1,)).reshape(-1)
     search = lambda width: lambda rows, top_p: jax.lax.map(lambda a: _bits_search(*a, width), (rows, top_p))  # noqa: E731
