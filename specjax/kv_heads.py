@@ -28,9 +28,9 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
 from specjax.config import ModelConfig
 
-# Params with a 'kv_heads' axis: [D, G, H] projections and [G, H] biases (stacked: a leading L).
-KV_PARAMS = ("attn/wk", "attn/wv", "attn/bk", "attn/bv")
-HEAD_AXIS = -2
+# Params with a 'kv_heads' axis, and where it is: heads-major [G, D, H] projections and
+# [G, H] biases (stacked: a leading L).
+KV_PARAMS = {"attn/wk": -3, "attn/wv": -3, "attn/bk": -2, "attn/bv": -2}
 
 
 def original(cfg: ModelConfig) -> ModelConfig:
@@ -59,14 +59,17 @@ def is_kv(key: str) -> bool:
     return key in KV_PARAMS
 
 
-def repeat(x, c: int):
-    """x [..., G, H] -> [..., cG, H], head g's copies at g*c .. g*c+c-1 (jnp or numpy)."""
-    return x if c == 1 else x.repeat(c, axis=HEAD_AXIS)
+def repeat(x, c: int, axis: int = -2):
+    """x with G heads on `axis` ([..., G, H]; a projection's [..., G, D, H]: -3) -> cG
+    heads, head g's copies at g*c .. g*c+c-1 (jnp or numpy)."""
+    return x if c == 1 else x.repeat(c, axis=axis)
 
 
-def first_copies(x, c: int):
-    """[..., cG, H] -> [..., G, H]: the original heads back (jnp or numpy)."""
-    return x if c == 1 else x[..., ::c, :]
+def first_copies(x, c: int, axis: int = -2):
+    """cG heads on `axis` -> G: the original heads back (jnp or numpy)."""
+    if c == 1:
+        return x
+    return x[(Ellipsis, slice(None, None, c)) + (slice(None),) * (-axis - 1)]
 
 
 def source_sharding(target: NamedSharding, c: int) -> NamedSharding:
@@ -112,15 +115,16 @@ def _keys(path) -> list[str]:
 
 
 def map_kv(tree, fn):
-    """`tree` (params: an nnx.State or a pytree of arrays) with fn applied to the kv
-    projections and biases (`KV_PARAMS`) and everything else as it is."""
+    """`tree` (params: an nnx.State or a pytree of arrays) with fn(array, head axis) applied
+    to the kv projections and biases (`KV_PARAMS`) and everything else as it is."""
     from flax import nnx
 
     def one(path, leaf):
         keys = _keys(path)
         if not _is_kv_path(keys):
             return leaf
-        return leaf.replace(fn(leaf.value)) if isinstance(leaf, nnx.Variable) else fn(leaf)
+        axis = _head_axis(keys)
+        return leaf.replace(fn(leaf.value, axis)) if isinstance(leaf, nnx.Variable) else fn(leaf, axis)
     return jax.tree_util.tree_map_with_path(one, tree, is_leaf=lambda x: isinstance(x, nnx.Variable))
 
 
@@ -128,8 +132,12 @@ def _is_kv_path(keys: list[str]) -> bool:
     return len(keys) >= 2 and "/".join(keys[-2:]) in KV_PARAMS
 
 
+def _head_axis(keys: list[str]) -> int:
+    return KV_PARAMS["/".join(keys[-2:])]
+
+
 def _zip_kv(fn, tree, abstract):
-    """`tree` with fn(leaf, abstract leaf) applied to the kv projections and biases."""
+    """`tree` with fn(leaf, abstract leaf, head axis) applied to the kv projections and biases."""
     from flax import nnx
 
     def one(path, leaf, ab):
@@ -137,7 +145,7 @@ def _zip_kv(fn, tree, abstract):
         if not _is_kv_path(keys):
             return leaf
         value = leaf.value if isinstance(leaf, nnx.Variable) else leaf
-        out = fn(value, ab.value if isinstance(ab, nnx.Variable) else ab)
+        out = fn(value, ab.value if isinstance(ab, nnx.Variable) else ab, _head_axis(keys))
         return leaf.replace(out) if isinstance(leaf, nnx.Variable) else out
     return jax.tree_util.tree_map_with_path(one, tree, abstract, is_leaf=lambda x: isinstance(x, nnx.Variable))
 
@@ -149,8 +157,8 @@ def source_params(abstract, c: int):
     if c == 1:
         return abstract
 
-    def one(value, ab):
-        shape = ab.shape[:HEAD_AXIS] + (ab.shape[HEAD_AXIS] // c,) + ab.shape[HEAD_AXIS + 1:]
+    def one(value, ab, axis):
+        shape = ab.shape[:axis] + (ab.shape[axis] // c,) + ab.shape[axis + 1:]
         return jax.ShapeDtypeStruct(shape, ab.dtype, sharding=source_sharding(ab.sharding, c))
     return _zip_kv(one, abstract, abstract)
 
@@ -158,7 +166,7 @@ def source_params(abstract, c: int):
 def adopt_params(params, abstract):
     """Restored original params (laid out by `source_params`) as the duplicated `abstract`
     params: the kv projections relabelled in place, everything else as it is."""
-    return _zip_kv(lambda x, ab: x if x.shape == ab.shape else adopt(x, ab.sharding, ab.shape), params, abstract)
+    return _zip_kv(lambda x, ab, _: x if x.shape == ab.shape else adopt(x, ab.sharding, ab.shape), params, abstract)
 
 
 def undo(lm):
@@ -172,5 +180,5 @@ def undo(lm):
     target = abstract_lm(base, mesh)
     shardings = jax.tree.map(lambda v: v.sharding, target.params)
     c = lm.cfg.kv_copies
-    params = jax.jit(lambda p: map_kv(p, lambda x: first_copies(x, c)), out_shardings=shardings)(lm.params)
+    params = jax.jit(lambda p: map_kv(p, lambda x, axis: first_copies(x, c, axis)), out_shardings=shardings)(lm.params)
     return LM(base, target.graphdef, params)

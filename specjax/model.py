@@ -60,6 +60,15 @@ def _param(keys: Keys, shape, logical, std, dtype) -> nnx.Param:
     return nnx.Param(value.astype(dtype), logical=logical)
 
 
+def _heads_major(keys: Keys, D: int, heads: int, H: int, logical: str, dtype) -> nnx.Param:
+    """A q/k/v projection [heads, D, H] (the values a [D, heads, H] draw gives, so a seed
+    makes the same model in either layout). Heads-major is the shape both a one-token step
+    and a pass over several tokens read as they are: XLA:TPU copied a [D, heads, H] weight
+    into [heads, D, H] order before every multi-token pass (SpS's scoring and draft loops)."""
+    value = D ** -0.5 * jax.random.normal(keys(), (D, heads, H), jnp.float32)
+    return nnx.Param(value.transpose(1, 0, 2).astype(dtype), logical=(logical, "embed", "head_dim"))
+
+
 def _ones(shape, logical, dtype) -> nnx.Param:
     return nnx.Param(jnp.ones(shape, dtype), logical=logical)
 
@@ -207,9 +216,9 @@ class Attention(nnx.Module):
     def __init__(self, cfg: ModelConfig, keys: Keys, out_std: float):
         D, N, G, H, dt = cfg.d_model, cfg.num_heads, cfg.num_kv_heads, cfg.head_dim, cfg.param_dtype
         self.cfg = cfg
-        self.wq = _param(keys, (D, N, H), ("embed", "heads", "head_dim"), D ** -0.5, dt)
-        self.wk = _param(keys, (D, G, H), ("embed", "kv_heads", "head_dim"), D ** -0.5, dt)
-        self.wv = _param(keys, (D, G, H), ("embed", "kv_heads", "head_dim"), D ** -0.5, dt)
+        self.wq = _heads_major(keys, D, N, H, "heads", dt)
+        self.wk = _heads_major(keys, D, G, H, "kv_heads", dt)
+        self.wv = _heads_major(keys, D, G, H, "kv_heads", dt)
         self.wo = _param(keys, (N, H, D), ("heads", "head_dim", "embed"), out_std, dt)
         if cfg.qkv_bias:
             self.bq = nnx.Param(jnp.zeros((N, H), dt), logical=("heads", "head_dim"))
@@ -233,9 +242,9 @@ class Attention(nnx.Module):
         k, v [B,T,G,H] are the pass's own keys/values (the caller commits them)."""
         cfg = self.cfg
         ct = jnp.dtype(cfg.compute_dtype)
-        q = project("BTD,DNH->BTNH", x, self.wq.value, kernels, ct)
-        k = project("BTD,DGH->BTGH", x, self.wk.value, kernels, ct)
-        v = project("BTD,DGH->BTGH", x, self.wv.value, kernels, ct)
+        q = project("BTD,NDH->BTNH", x, self.wq.value, kernels, ct)
+        k = project("BTD,GDH->BTGH", x, self.wk.value, kernels, ct)
+        v = project("BTD,GDH->BTGH", x, self.wv.value, kernels, ct)
         if cfg.qkv_bias:
             q, k, v = (a + b.value.astype(ct) for a, b in ((q, self.bq), (k, self.bk), (v, self.bv)))
         if cfg.qk_norm:
@@ -565,9 +574,10 @@ def causal(size: int) -> jax.Array:
 
 # --------------------------------------------------------------------------- LM handle
 
-# The weights the few-row kernel multiplies by: name -> (contracted leading axes, axes of
-# one layer's weight).
-PROJECTIONS = {"wq": (1, 3), "wk": (1, 3), "wv": (1, 3), "wo": (2, 3), "w_in": (1, 2), "w_gate": (1, 2),
+# The weights the few-row kernel multiplies by: name -> (contracted axes, axes of one
+# layer's weight[, heads: its leading axes that are output axes]): q, k and v are
+# heads-major [N, D, H] (`_heads_major`), the contracted axis after the heads.
+PROJECTIONS = {"wq": (1, 3, 1), "wk": (1, 3, 1), "wv": (1, 3, 1), "wo": (2, 3), "w_in": (1, 2), "w_gate": (1, 2),
                "w_out": (1, 2), "unembed": (1, 2)}
 
 
@@ -725,7 +735,7 @@ def init_program(cfg: ModelConfig, mesh: jax.sharding.Mesh, seed: int | None = N
 
     def init():
         state = nnx.split(Transformer(kv_heads.original(cfg), Keys(seed)))[1]
-        return kv_heads.map_kv(state, lambda x: kv_heads.repeat(x, cfg.kv_copies))
+        return kv_heads.map_kv(state, lambda x, axis: kv_heads.repeat(x, cfg.kv_copies, axis))
     return graphdef, jax.jit(init, out_shardings=shardings)
 
 

@@ -42,7 +42,7 @@ import jax.numpy as jnp
 
 from specjax.config import QUANTIZATIONS
 from specjax.kernels import dispatch
-from specjax.kernels.grouped import PANEL, Grouped, pack_grouped, quantize_int4
+from specjax.kernels.grouped import PANEL, Grouped, heads_last, merged, pack_grouped, quantize_int4
 from specjax.kernels.setting import Kernels
 
 log = logging.getLogger(__name__)
@@ -125,9 +125,11 @@ class Packed:
 class Int8:
     """A weight q * scale: q int8 in the float weight's layout [*lead, *contracted, *out]
     (`transposed`: [*lead, N, K], a table multiplied by as its transpose and looked up by
-    rows), scale float32 [*lead, N], one per output column (N = prod(out)). `panels`
-    [*lead, P, K, PANEL] int8: q as the few-row kernel reads it (`pack`'s layout), made by
-    `pack_params` where the kernel runs, else None. A pytree of those arrays, so it rides
+    rows), scale float32 [*lead, N], one per output column (N = prod(out)); `heads`: how
+    many of the last lead axes are output axes (a heads-major projection [*layers, N, D, H]:
+    out (H,), scale [*layers, N, H]). `panels` [*layers, P, K, PANEL] int8: q as the few-row
+    kernel reads it (`pack`'s layout, the heads among the columns), made by `pack_params`
+    where the kernel runs, else None. A pytree of those arrays, so it rides
     in a model's params and a scan over stacked layers slices them all."""
 
     q: jax.Array
@@ -135,20 +137,27 @@ class Int8:
     out: tuple[int, ...]
     transposed: bool = False
     panels: jax.Array | None = None
+    heads: int = 0
 
     def tree_flatten(self):
-        return (self.q, self.scale, self.panels), (self.out, self.transposed)
+        return (self.q, self.scale, self.panels), (self.out, self.transposed, self.heads)
 
     @classmethod
     def tree_unflatten(cls, aux, children):
         q, scale, panels = children
-        return cls(q, scale, *aux, panels)
+        out, transposed, heads = aux
+        return cls(q, scale, out, transposed, panels, heads)
 
     dtype = jnp.dtype(jnp.float32)  # what x @ W computes in: the scale's dtype
 
     @property
     def n(self) -> int:
         return math.prod(self.out)
+
+    @property
+    def columns(self) -> tuple[int, ...]:
+        """One layer's output axes: its `heads` leading ones (a heads-major projection's), then `out`."""
+        return (*self.scale.shape[self.scale.ndim - 1 - self.heads:-1], *self.out)
 
     @property
     def shape(self):
@@ -162,7 +171,7 @@ class Int8:
 
     def reshape(self, k: int, n: int = -1) -> "Int8":
         """The weight with its contracted axes merged into one of size k (one layer's)."""
-        if self.transposed or self.scale.ndim != 1 or self.q.size != k * self.n or n not in (-1, self.n):
+        if self.transposed or self.heads or self.scale.ndim != 1 or self.q.size != k * self.n or n not in (-1, self.n):
             raise ValueError(f"int8 weight {self.q.shape} contracts into {self.n}: not [{k}, {n}]")
         return Int8(self.q.reshape(k, self.n), self.scale, (self.n,), False, self.panels)
 
@@ -186,19 +195,19 @@ class Int8:
         times the column's scale. `spec`'s output ends with w's `out` axes."""
         if (self.panels is not None and dispatch.use_matmul(x, self.dtype, setting)
                 and kwargs.get("preferred_element_type", jnp.float32) == jnp.float32):
-            P = self.panels.shape[-3]
-            scale = jnp.pad(self.scale, (0, P * PANEL - self.n)).reshape(P, PANEL)
-            y = dispatch.fewrow_matmul_int8(x.reshape(-1, x.shape[-1]), self.panels, scale, self.n)
-            return y.reshape(*x.shape[:-1], *self.out)
+            P, n = self.panels.shape[-3], math.prod(self.columns)
+            scale = jnp.pad(self.scale.reshape(-1), (0, P * PANEL - n)).reshape(P, PANEL)
+            y = dispatch.fewrow_matmul_int8(x.reshape(-1, x.shape[-1]), self.panels, scale, n)
+            return y.reshape(*x.shape[:-1], *self.columns)
         q = self.q.astype(x.dtype)
         y = jnp.einsum(spec, x, jnp.swapaxes(q, -1, -2) if self.transposed else q, **kwargs)
-        return (y * self.scale.reshape(self.out)).astype(y.dtype)
+        return (y * self.scale.reshape(self.columns)).astype(y.dtype)
 
 
-def quantize_int8(w: jax.Array, contracted: int, lead: int = 0, *, transposed: bool = False) -> Int8:
+def quantize_int8(w: jax.Array, contracted: int, lead: int = 0, *, transposed: bool = False, heads: int = 0) -> Int8:
     """w [*lead, *contracted, *out] (`transposed`: [*lead, N, K]) -> Int8, symmetric per
     output column: scale = max |w| over the column / 127, q = round(w / scale) (a zero
-    column gets scale 1 and q 0)."""
+    column gets scale 1 and q 0). `heads`: the last of the lead axes that are output axes."""
     w = jnp.asarray(w, jnp.float32)
     if transposed:
         if contracted != 1 or w.ndim != lead + 2:
@@ -212,10 +221,10 @@ def quantize_int8(w: jax.Array, contracted: int, lead: int = 0, *, transposed: b
     amax = jnp.max(jnp.abs(w), axis=axes, keepdims=True)
     scale = jnp.where(amax > 0, amax / 127, 1.0)
     q = jnp.clip(jnp.round(w / scale), -127, 127).astype(jnp.int8)
-    return Int8(q, scale.reshape(*w.shape[:lead], math.prod(out)), out)
+    return Int8(q, scale.reshape(*w.shape[:lead], math.prod(out)), out, heads=heads)
 
 
-def quantize_params(params, contracted: dict[str, tuple[int, int]], transposed: tuple[str, ...] = (),
+def quantize_params(params, contracted: dict[str, tuple[int, ...]], transposed: tuple[str, ...] = (),
                     kind: str = "int8"):
     """params with every float weight named in `contracted` (as `pack_params`'s) replaced by
     its `kind` quantization (`QUANTIZERS`: `Int8`, 4-bit `Grouped`), one jitted program per weight
@@ -235,15 +244,16 @@ def quantize_params(params, contracted: dict[str, tuple[int, int]], transposed: 
             return dataclasses.replace(w, activations="int8", panels=None, aux=None, aux_factor=None)
         if is_format(w) or not names or names[-1] not in contracted:
             return w
-        axes, ndim = contracted[names[-1]]
-        fn = functools.partial(quantizer, contracted=axes, lead=len(w.shape) - ndim,
-                               transposed=names[-1] in transposed)
+        axes, ndim, heads = layout(contracted[names[-1]])
+        lead = len(w.shape) - ndim + heads  # a heads-major weight's heads: lead axes of its format
+        fn = functools.partial(quantizer, contracted=axes, lead=lead, transposed=names[-1] in transposed,
+                               heads=heads)
         where = getattr(w, "sharding", None)
         if not isinstance(where, jax.sharding.NamedSharding):
             return jax.jit(fn)(w) if isinstance(w, jax.Array) else jax.eval_shape(fn, w)
         everywhere = jax.sharding.NamedSharding(where.mesh, jax.sharding.PartitionSpec())
         shape = jax.eval_shape(fn, w)
-        groups = group_sharding(where, len(w.shape) - ndim, axes, len(w.shape), names[-1] in transposed,
+        groups = group_sharding(where, lead, axes, len(w.shape), names[-1] in transposed,
                                 shape.scale.shape if isinstance(shape, Grouped) else ())
 
         def place(a):
@@ -294,7 +304,7 @@ def is_quantized(params) -> bool:
 
 def project(spec: str, x: jax.Array, w, setting: Kernels, dtype=None, **kwargs) -> jax.Array:
     """x @ W as `jnp.einsum(spec, x, w, **kwargs)`, `spec` contracting x's last axis with
-    w's leading ones, w first cast to `dtype` (the compute dtype) when given. A plain
+    w's contracted ones (its leading ones, or those after a heads-major weight's heads), w first cast to `dtype` (the compute dtype) when given. A plain
     array is multiplied by XLA; a format (`Packed`, ...) picks its kernel under `setting`."""
     if dtype is not None:
         w = w.astype(dtype)
@@ -303,20 +313,23 @@ def project(spec: str, x: jax.Array, w, setting: Kernels, dtype=None, **kwargs) 
     return w.project(spec, x, setting, **kwargs)
 
 
-def pack(w: jax.Array, contracted: int, lead: int = 0, *, transposed: bool = False) -> Packed:
+def pack(w: jax.Array, contracted: int, lead: int = 0, *, transposed: bool = False, heads: int = 0) -> Packed:
     """w [*lead, *contracted, *out] -> Packed (w itself, and a copy of it in panels). With
     `transposed`, w is [*lead, N, K] and what is packed is its transpose [*lead, K, N]
-    (`contracted` must then be 1)."""
+    (`contracted` must then be 1). With `heads`, w is [*lead, *heads, *contracted, *out]
+    (heads-major) and the panels hold the matrix with the heads among its columns."""
     if transposed:
         if contracted != 1 or w.ndim != lead + 2:
             raise ValueError(f"a transposed weight is [*lead, N, K]: got {w.shape} with lead={lead}")
         packed = pack(jnp.swapaxes(w, -1, -2), 1, lead)
         return Packed(w, packed.panels, packed.out, True)
-    shape = w.shape
-    K, out = math.prod(shape[lead:lead + contracted]), tuple(shape[lead + contracted:])
+    shape = heads_last(w, lead, heads, contracted).shape
+    K = math.prod(shape[lead:lead + contracted])
+    out = (*w.shape[lead:lead + heads], *w.shape[lead + heads + contracted:])
     N = math.prod(out)
     P = -(-N // PANEL)
-    m = jnp.pad(w.reshape(*shape[:lead], K, N), [(0, 0)] * (lead + 1) + [(0, P * PANEL - N)])
+    m = jnp.pad(heads_last(w, lead, heads, contracted).reshape(*shape[:lead], K, N),
+                [(0, 0)] * (lead + 1) + [(0, P * PANEL - N)])
     return Packed(w, jnp.moveaxis(m.reshape(*shape[:lead], K, P, PANEL), -2, -3), out)
 
 
@@ -368,9 +381,16 @@ def should_pack(params, dtypes: tuple[str, str], setting: Kernels, *, new_copy: 
     return True
 
 
-def pack_params(params, contracted: dict[str, tuple[int, int]], transposed: tuple[str, ...] = ()):
+def layout(entry: tuple[int, ...]) -> tuple[int, int, int]:
+    """A `contracted` entry (contracted axes, axes of one layer's weight[, heads]) with its
+    heads (0: none) spelled out: a heads-major projection [N, D, H] is (1, 3, 1)."""
+    return (*entry, 0)[:3]
+
+
+def pack_params(params, contracted: dict[str, tuple[int, ...]], transposed: tuple[str, ...] = ()):
     """params with every weight named in `contracted` (name -> (contracted axes, axes of
-    one layer's weight); more axes are stacked layers) replaced by its Packed copy (an
+    one layer's weight[, heads: leading axes of it that are output axes]); more axes are
+    stacked layers) replaced by its Packed copy (an
     `Int8` given its int8 panels), the
     panels made by one jitted program on the params' device (or, for abstract params,
     their shapes). Names in `transposed` are [N, K] weights multiplied by as their
@@ -386,12 +406,12 @@ def pack_params(params, contracted: dict[str, tuple[int, int]], transposed: tupl
             return None
         if isinstance(w, Grouped) and (w.bits, w.group) not in dispatch.GROUPED_FORMATS:
             return None  # a format the kernel does not read: XLA's path
-        axes, ndim = contracted[names[-1]]
+        axes, ndim, heads = layout(contracted[names[-1]])
         shape = w.code.shape if isinstance(w, Grouped) else source(w).shape
-        return dict(contracted=axes, lead=len(shape) - ndim, transposed=names[-1] in transposed)
+        return dict(contracted=axes, lead=len(shape) - ndim, transposed=names[-1] in transposed, heads=heads)
 
     def made_for(w, r):
-        return pack_grouped(w) if isinstance(w, Grouped) else pack(source(w), **r).panels
+        return pack_grouped(merged(w, r["lead"])) if isinstance(w, Grouped) else pack(source(w), **r).panels
 
     def panels(p):
         return {jax.tree_util.keystr(path): made_for(w, r)
@@ -417,7 +437,7 @@ def pack_params(params, contracted: dict[str, tuple[int, int]], transposed: tupl
         if isinstance(w, Grouped):
             panels, aux, aux_factor = made[jax.tree_util.keystr(path)]
             return dataclasses.replace(w, panels=panels, aux=aux, aux_factor=aux_factor)
-        layout = jax.eval_shape(lambda w: pack(w, **r), jax.ShapeDtypeStruct(w.shape, w.dtype))
-        return Packed(w, made[jax.tree_util.keystr(path)], layout.out, layout.transposed)
+        shape = jax.eval_shape(lambda w: pack(w, **r), jax.ShapeDtypeStruct(w.shape, w.dtype))
+        return Packed(w, made[jax.tree_util.keystr(path)], shape.out, shape.transposed)
 
     return jax.tree_util.tree_map_with_path(one, params, is_leaf=is_packed)

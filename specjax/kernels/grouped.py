@@ -55,9 +55,12 @@ class Grouped:
     ceil(K / group) groups, or S super-blocks of a power of two of groups each when
     `scale_factor` (and `low_factor`) int8 [*lead, S * per, N] (at least G rows: the last
     super-block padded) are given; `low` None: the scale alone, with
-    `offset`. `panels`, `aux` [*lead, P, S, 1 or 2, PANEL] float16 and `aux_factor`
-    [*lead, P, G, 1 or 2, PANEL] int8 are the kernel's (`pack_grouped`), made by
-    `pack_params` where it runs, else None."""
+    `offset`. `heads`: how many of the last lead axes are output axes (a heads-major
+    projection [*layers, N, D, H]: heads 1, out (H,), scales [*layers, N, S, H]).
+    `panels`, `aux` [*lead, P, S, 1 or 2, PANEL] float16 and `aux_factor`
+    [*lead, P, G, 1 or 2, PANEL] int8 are the kernel's (`pack_grouped`, of the matrix with
+    the heads among its columns: lead without them), made by `pack_params` where it runs,
+    else None."""
 
     code: jax.Array
     scale: jax.Array
@@ -70,6 +73,7 @@ class Grouped:
     activations: str = "float32"
     group: int = GROUP
     offset: int = 0
+    heads: int = 0
     scale_factor: jax.Array | None = None
     low_factor: jax.Array | None = None
     aux_factor: jax.Array | None = None
@@ -87,7 +91,7 @@ class Grouped:
                                  "power of two of groups")
 
     _CHILDREN = ("code", "scale", "low", "scale_factor", "low_factor", "panels", "aux", "aux_factor")
-    _STATIC = ("out", "transposed", "bits", "activations", "group", "offset")
+    _STATIC = ("out", "transposed", "bits", "activations", "group", "offset", "heads")
 
     def tree_flatten(self):
         return tuple(getattr(self, f) for f in self._CHILDREN), tuple(getattr(self, f) for f in self._STATIC)
@@ -101,6 +105,11 @@ class Grouped:
     @property
     def n(self) -> int:
         return math.prod(self.out)
+
+    @property
+    def columns(self) -> tuple[int, ...]:
+        """One layer's output axes: its `heads` leading ones (a heads-major projection's), then `out`."""
+        return (*self.scale.shape[self.scale.ndim - 2 - self.heads:-2], *self.out)
 
     @property
     def shape(self):
@@ -151,7 +160,7 @@ class Grouped:
         if (self.panels is not None and dispatch.use_matmul(x, self.dtype, setting)
                 and kwargs.get("preferred_element_type", jnp.float32) == jnp.float32):
             y = _by_kernel(x.reshape(-1, x.shape[-1]), self)
-            return y.reshape(*x.shape[:-1], *self.out)
+            return y.reshape(*x.shape[:-1], *self.columns)
         if self.activations == "int8":
             x = dispatch.round_activations(x)
         w = self.dequantized(x.dtype)
@@ -168,16 +177,45 @@ class Grouped:
 
 
 def matrix(w: Grouped) -> jax.Array:
-    """The [K, N] matrix a grouped weight multiplies by, float32."""
+    """The [K, N] matrix a grouped weight (one layer's) multiplies by, float32 (a heads-major
+    weight's columns head by head)."""
     m = w.dequantized()
-    return jnp.swapaxes(m, -1, -2) if w.transposed else m.reshape(-1, w.n)
+    if w.transposed:
+        return jnp.swapaxes(m, -1, -2)
+    m = heads_last(m, 0, w.heads, m.ndim - w.heads - len(w.out))
+    return m.reshape(-1, math.prod(w.columns))
+
+
+def heads_last(a, lead: int, heads: int, contracted: int):
+    """a [*lead, *heads, *contracted, ...] -> [*lead, *contracted, *heads, ...]: a heads-major
+    projection's heads moved among its output axes (the matrix the kernel's panels hold)."""
+    if not heads:
+        return a
+    axes = list(range(a.ndim))
+    return a.transpose(axes[:lead] + axes[lead + heads:lead + heads + contracted] + axes[lead:lead + heads]
+                       + axes[lead + heads + contracted:])
+
+
+def merged(w: Grouped, lead: int) -> Grouped:
+    """A heads-major Grouped [*lead, *heads, K, *out] as the [*lead, K, heads x out] matrix
+    (its scales likewise): what its panels are made from."""
+    if not w.heads:
+        return w
+    def one(a):
+        if a is None:
+            return None
+        a = heads_last(a, lead, w.heads, a.ndim - lead - w.heads - 1)
+        return a.reshape(*a.shape[:-1 - w.heads], -1)
+    return dataclasses.replace(w, code=one(w.code), scale=one(w.scale), low=one(w.low),
+                               scale_factor=one(w.scale_factor), low_factor=one(w.low_factor),
+                               out=(math.prod(w.scale.shape[lead:lead + w.heads]) * w.n,), heads=0)
 
 
 @jax.custom_jvp
 def _by_kernel(x: jax.Array, w: Grouped) -> jax.Array:
     """x [T, K] @ w by the few-row kernel (x rounded there for int8 activations)."""
     kernel_offset = w.offset - 128 if w.bits == 8 and w.activations == "float32" else w.offset  # signed bytes
-    return dispatch.fewrow_matmul_grouped(x, w.panels, w.aux, w.aux_factor, w.n, bits=w.bits, group=w.group,
+    return dispatch.fewrow_matmul_grouped(x, w.panels, w.aux, w.aux_factor, math.prod(w.columns), bits=w.bits, group=w.group,
                                           offset=kernel_offset, int8_activations=w.activations == "int8")
 
 
@@ -240,12 +278,13 @@ def _groups_of(w: jax.Array, axis: int, bits: int = 4):
 
 
 def quantize_int4(w: jax.Array, contracted: int, lead: int = 0, *, transposed: bool = False, bits: int = 4,
-                  activations: str = "float32") -> Grouped:
+                  activations: str = "float32", heads: int = 0) -> Grouped:
     """w [*lead, *contracted, *out] (`transposed`: [*lead, N, K]) -> Grouped, 4 bits: per output
     column and group of GROUP inputs (of the contracted axes merged), min = the group's
     minimum, scale = (max - min) / 15 (1 for a constant group), code = round((w - min) /
     scale) in 0..15. `bits=8`: symmetric codes per group (scale = max |w| / 127, as GGUF's
-    Q8_0). `activations`: the Grouped's (int8: the W4A8 / W8A8 formats)."""
+    Q8_0). `activations`: the Grouped's (int8: the W4A8 / W8A8 formats); `heads`: the last of
+    the lead axes that are output axes (a heads-major projection's)."""
     w = jnp.asarray(w, jnp.float32)
     offset = 128 if bits == 8 else 0
     if transposed:
@@ -257,7 +296,8 @@ def quantize_int4(w: jax.Array, contracted: int, lead: int = 0, *, transposed: b
     out = tuple(shape[lead + contracted:])
     K = math.prod(shape[lead:lead + contracted])
     code, scale, low = _groups_of(w.reshape(*shape[:lead], K, math.prod(out)), -2, bits)
-    return Grouped(code.reshape(shape), scale, low, out, bits=bits, activations=activations, offset=offset)
+    return Grouped(code.reshape(shape), scale, low, out, bits=bits, activations=activations, offset=offset,
+                   heads=heads)
 
 
 # --------------------------------------------------------------------------- the kernel's layout

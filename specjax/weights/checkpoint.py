@@ -19,7 +19,9 @@ Restores go straight onto the caller's mesh: the target is an abstract tree whos
 leaves carry `sharding.param_shardings` of that mesh, so a checkpoint written on a 1x8
 mesh loads on 2x4 or on one device. Every failure a user can cause (no directory, no
 step, another config, wrong shapes, a damaged step) is a `UsageError` with a one-line
-message; nothing here deletes or rewrites an existing step.
+message; nothing here deletes or rewrites an existing step. A step of an older format (`FORMAT`)
+is read in its own layout and rearranged on the devices (`_in_format`), params and
+optimiser state alike.
 """
 from __future__ import annotations
 
@@ -42,7 +44,9 @@ from specjax.config import HeadsConfig, ModelConfig, UsageError, cache_dir, user
 from specjax.heads import Heads, abstract_heads, draft_vocabulary
 from specjax.model import LM, abstract_lm
 
-FORMAT = 1
+# 2: q, k and v heads-major, [..., N, D, H]. 1 (read, never written): [..., D, N, H].
+FORMAT = 2
+HEADS_MAJOR = ("wq", "wk", "wv")  # the params whose layout format 2 changed
 TOKENIZER_FILE = "tokenizer.model"
 # Fields that do not change what the saved arrays mean: a checkpoint loads whatever
 # they are set to (sampling may keep or compute in bfloat16, or use a longer cache;
@@ -135,6 +139,40 @@ def _keyed(tree) -> dict[str, Any]:
     return out
 
 
+def _in_format(tree, fmt: int, back: bool = False):
+    """`tree` (abstract params or optimiser state) as a step of format `fmt` stores it:
+    format 1's q/k/v [..., D, N, H] in place of [..., N, D, H], each sharded as its own axes
+    are. `back`: restored arrays of that format rearranged into `tree`'s (given as the
+    abstract target, which `back` reads the shardings of)."""
+    if fmt >= 2:
+        return tree
+
+    def one(path, leaf):
+        keys = [str(getattr(k, "key", getattr(k, "idx", getattr(k, "name", k)))) for k in path]
+        keys = [k for k in keys if k != "value"]
+        if not keys or keys[-1] not in HEADS_MAJOR or len(leaf.shape) < 3:
+            return leaf
+        where = leaf.sharding
+        spec = tuple(where.spec) + (None,) * (len(leaf.shape) - len(where.spec))
+        spec = (*spec[:-3], spec[-2], spec[-3], spec[-1])
+        where = jax.sharding.NamedSharding(where.mesh, jax.sharding.PartitionSpec(*spec))
+        shape = (*leaf.shape[:-3], leaf.shape[-2], leaf.shape[-3], leaf.shape[-1])
+        return jax.ShapeDtypeStruct(shape, leaf.dtype, sharding=where)
+    return jax.tree_util.tree_map_with_path(one, tree)
+
+
+def _from_format(restored, target, fmt: int):
+    """Restored arrays of format `fmt` (`_in_format(target, fmt)`'s layout) in `target`'s."""
+    if fmt >= 2 or restored is None:
+        return restored
+
+    def one(r, t):
+        if tuple(r.shape) == tuple(t.shape):
+            return r
+        return jax.jit(lambda a: a.swapaxes(-3, -2), out_shardings=t.sharding)(r)
+    return jax.tree.map(one, restored, target)
+
+
 class Checkpoints:
     """The orbax CheckpointManager of one directory, with our items and checks.
 
@@ -210,12 +248,16 @@ class Checkpoints:
             self._check_shapes(step, abstract_params)
         return meta
 
+    def format(self, step: int) -> int:
+        """The layout step `step` was written in (`FORMAT`; 1 before the format was recorded)."""
+        return int(self.meta(step).get("format", 1))
+
     def _check_shapes(self, step: int, abstract_params) -> None:
         with self._reading(step):
             saved = self.manager.item_metadata(step)["params"]
         if saved is None:
             raise self._damaged(step, ValueError("no params item"))
-        saved, wanted = _keyed(saved), _keyed(abstract_params)
+        saved, wanted = _keyed(saved), _keyed(_in_format(abstract_params, self.format(step)))
         missing, extra = sorted(set(wanted) - set(saved)), sorted(set(saved) - set(wanted))
         if missing or extra:
             raise UsageError(f"checkpoint step {step} in {self.directory} has other params than the model: "
@@ -227,16 +269,20 @@ class Checkpoints:
                              + (f" and {len(bad) - 5} more" if len(bad) > 5 else ""))
 
     def restore(self, step: int, abstract_params, abstract_opt_state=None):
-        """(params, opt_state or None), placed as the abstract leaves' shardings say."""
-        items = {"params": ocp.args.StandardRestore(abstract_params)}
+        """(params, opt_state or None), placed as the abstract leaves' shardings say (a step of
+        an older format rearranged into today's layout)."""
+        fmt = self.format(step)
+        items = {"params": ocp.args.StandardRestore(_in_format(abstract_params, fmt))}
         if abstract_opt_state is not None:
             if not self.has_item(step, "opt_state"):
                 raise UsageError(f"checkpoint step {step} in {self.directory} holds params only (no "
                                  f"optimizer state), so training cannot resume from it")
-            items["opt_state"] = ocp.args.StandardRestore(abstract_opt_state)
+            items["opt_state"] = ocp.args.StandardRestore(_in_format(abstract_opt_state, fmt))
         with self._reading(step):
             restored = self.manager.restore(step, args=ocp.args.Composite(**items))
-        return restored["params"], restored.get("opt_state") if abstract_opt_state is not None else None
+        opt_state = restored.get("opt_state") if abstract_opt_state is not None else None
+        return (_from_format(restored["params"], abstract_params, fmt),
+                _from_format(opt_state, abstract_opt_state, fmt))
 
     # ----------------------------------------------------------------- writing
 

@@ -638,7 +638,7 @@ def stored_maker(cfg: ModelConfig, path, kind: str):
 
     from specjax import kv_heads
     from specjax.kernels import Grouped
-    from specjax.kernels.formats import group_sharding
+    from specjax.kernels.formats import group_sharding, layout as projection_layout
     from specjax.model import PROJECTIONS
     weights = GGUFWeights(open_file(path), kv_heads.original(cfg))
     activations = "int8" if kind in ("w4a8", "w8a8") else "float32"
@@ -659,7 +659,7 @@ def stored_maker(cfg: ModelConfig, path, kind: str):
         spec = tuple(where.spec) + (None,) * (len(shape) - len(where.spec))
         rows, cols = hf_shapes[names[0]]
         transposed = layout == "same"
-        axes = 1 if transposed else contracted[key.rsplit("/", 1)[-1]][0]
+        axes, _, heads = (1, 2, 0) if transposed else projection_layout(contracted[key.rsplit("/", 1)[-1]])
         # What is read, as Blocks fields, each [*lead, rows, width] in the file's layout, with the
         # values each entry of a row covers.
         units = {"codes": 1, "scale": codec.group * codec.per}
@@ -707,16 +707,25 @@ def stored_maker(cfg: ModelConfig, path, kind: str):
                 a = hf.read_once(hf_shape, hf_at, functools.partial(read, part), source)
                 arrays[part] = hf._on_device(layout, shape, a.dtype, where)(a)
                 continue
-            at = group_sharding(where, lead, axes, len(shape), transposed,
-                                hf_shape if transposed else (len(names),) * lead + (width, rows))
-            g = tuple(at.spec) + (None,) * (lead + 2 - len(at.spec))
-            hf_at = at if transposed else NamedSharding(where.mesh, P(*g[:lead], g[lead + 1], g[lead]))
+            # A heads-major projection's scales [*lead, N, width, H]; any other's [*lead, width, rows].
+            at_shape = (*shape[:lead + heads], width, *shape[lead + heads + axes:]) if heads else (
+                hf_shape if transposed else (len(names),) * lead + (width, rows))
+            at = group_sharding(where, lead + heads, axes, len(shape), transposed, at_shape)
+            g = tuple(at.spec) + (None,) * (len(at_shape) - len(at.spec))
+            if transposed:
+                hf_at = at
+            elif heads:
+                hf_at = NamedSharding(where.mesh, P(*g[:lead], *hf.hf_spec(layout, g[lead:])))
+            else:
+                hf_at = NamedSharding(where.mesh, P(*g[:lead], g[lead + 1], g[lead]))
             a = hf.read_once(hf_shape, hf_at, functools.partial(read, part), source)
-            if not transposed:  # [*lead, rows, width] -> [*lead, width, N]
+            if heads:  # [*lead, N*H, width] -> [*lead, N, width, H], as the codes
+                a = hf._on_device(layout, at_shape, a.dtype, at)(a)
+            elif not transposed:  # [*lead, rows, width] -> [*lead, width, N]
                 a = _swap_last(at)(a)
             arrays[part] = a
-        out = (shape[lead],) if transposed else tuple(shape[lead + axes:])
-        return Grouped(arrays["codes"], arrays["scale"], arrays.get("low"), out, transposed, bits=codec.bits,
+        out = (shape[lead],) if transposed else tuple(shape[lead + heads + axes:])
+        return Grouped(arrays["codes"], arrays["scale"], arrays.get("low"), out, transposed, heads=heads, bits=codec.bits,
                        activations=activations, group=codec.group, offset=codec.offset,
                        scale_factor=arrays.get("scale_factor"), low_factor=arrays.get("low_factor"))
 

@@ -10,7 +10,7 @@ and writes the files for all of them.
 
 The layouts. transformers' nn.Linear stores W as [out, in] (y = x W^T); specjax keeps
 [in, out] with heads as their own axes: a family's `Tensor.layout` says which of 'same',
-'transpose', 'heads_out' ([N*H, D] -> [D, N, H]), 'heads_in' ([D, N*H] -> [N, H, D]) or
+'transpose', 'heads_out' ([N*H, D] -> [N, D, H]), 'heads_in' ([D, N*H] -> [N, H, D]) or
 'heads' (a bias [N*H] -> [N, H]) turns the HF tensor into the param (`from_hf`, `to_hf`).
 
 Loading: every parameter is created directly as a sharded `jax.Array`, in the HF
@@ -163,8 +163,8 @@ def to_hf(layout: str, x: np.ndarray) -> np.ndarray:
         return x
     if layout == "transpose":
         return x.T
-    if layout == "heads_out":
-        return x.reshape(x.shape[0], -1).T
+    if layout == "heads_out":  # [N, D, H] -> [N*H, D]
+        return x.swapaxes(-1, -2).reshape(-1, x.shape[-2])
     if layout == "heads":
         return x.reshape(-1)
     return x.reshape(-1, x.shape[-1]).T
@@ -183,8 +183,8 @@ def hf_spec(layout: str, spec: tuple) -> tuple:
         return spec
     if layout == "transpose":
         return spec[::-1]
-    if layout == "heads_out":  # [D, N, H] <- [N*H, D]
-        return (spec[1], spec[0])
+    if layout == "heads_out":  # [N, D, H] <- [N*H, D]
+        return (spec[0], spec[1])
     if layout == "heads":  # [N, H] <- [N*H]
         return (spec[0],)
     return (spec[2], spec[0])  # heads_in: [N, H, D] <- [D, N*H]
@@ -192,10 +192,13 @@ def hf_spec(layout: str, spec: tuple) -> tuple:
 
 def from_hf(layout: str, x, shape: tuple[int, ...]):
     """The specjax param of `shape` from the HF tensor `x` (numpy or jax, one layer or a
-    leading layer axis): every layout but 'same' is the transpose of the last two axes,
-    then a reshape that splits N*H into (N, H); a bias ('heads') is the reshape alone."""
+    leading layer axis): 'heads_out' splits the rows N*H into (N, H) and swaps H with the
+    inputs; every other layout but 'same' is the transpose of the last two axes, then a
+    reshape that splits N*H into (N, H); a bias ('heads') is the reshape alone."""
     if layout == "heads":
         return x.reshape(shape)
+    if layout == "heads_out":  # [..., N*H, D] -> [..., N, D, H]
+        return x.reshape(*shape[:-3], shape[-3], shape[-1], shape[-2]).swapaxes(-1, -2)
     return x if layout == "same" else x.swapaxes(-1, -2).reshape(shape)
 
 

@@ -377,9 +377,9 @@ def _transformer_xl_reference(p, cfg, tokens):
     layer = "['layers'][0]"
     x = p["['embed']"][tokens]
     h = norm(x, p[layer + "['attn_norm']['scale']"])
-    q = np.einsum("td,dnh->tnh", h, p[layer + "['attn']['wq']"])
-    k = np.repeat(np.einsum("td,dkh->tkh", h, p[layer + "['attn']['wk']"]), N // K_, axis=1)
-    v = np.repeat(np.einsum("td,dkh->tkh", h, p[layer + "['attn']['wv']"]), N // K_, axis=1)
+    q = np.einsum("td,ndh->tnh", h, p[layer + "['attn']['wq']"])
+    k = np.repeat(np.einsum("td,kdh->tkh", h, p[layer + "['attn']['wk']"]), N // K_, axis=1)
+    v = np.repeat(np.einsum("td,kdh->tkh", h, p[layer + "['attn']['wv']"]), N // K_, axis=1)
     inv = 1.0 / 10000 ** (np.arange(D // 2) / (D // 2))
     out = np.zeros((T, N, H))
     for i in range(T):

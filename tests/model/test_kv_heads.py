@@ -53,11 +53,11 @@ def test_each_device_holds_one_eighth_of_the_duplicated_kv_weights_and_cache(sha
     assert (sharded.cfg.num_kv_heads, sharded.cfg.kv_copies) == (8, 4)
     original = reference[0]
     for dup, orig in zip(kv_params(sharded), kv_params(original)):
-        assert dup.shape[-2] == 8 and orig.shape[-2] == 2
+        assert dup.shape[-3] == 8 and orig.shape[-3] == 2  # heads-major [G, D, H]
         assert sharding.shard_fraction(dup) == 1 / 8, dup.sharding
         # Copies are consecutive: stored head j is original head j // 4 (query head n, reading
         # stored head n // 1, still reads original head n // 4).
-        np.testing.assert_array_equal(np.asarray(dup), np.repeat(np.asarray(orig), 4, axis=-2))
+        np.testing.assert_array_equal(np.asarray(dup), np.repeat(np.asarray(orig), 4, axis=-3))
     cache = kv_cache.init_cache(sharded.cfg, 2, 32, mesh_for("1x8"))
     for buffer in (cache.k, cache.v):
         assert buffer.shape[2] == 8

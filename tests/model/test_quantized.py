@@ -390,7 +390,8 @@ def test_a_quantized_model_sharded_over_2x4_gives_the_one_device_logits(tiny, ki
         lm = model.init_lm(tiny.target, mesh).quantized(kind)
         if name == "2x4" and kind == "int4":
             wq = lm.params["layers"][0]["attn"]["wq"].value
-            assert wq.scale.sharding.spec == jax.sharding.PartitionSpec(None, "model")  # [G, N]: N split like q's heads
+            # [N, G, H] (heads-major): split on the heads, like q's codes
+            assert wq.scale.sharding.spec == jax.sharding.PartitionSpec("model", None, None)
         with jax.set_mesh(mesh):
             logits[name] = np.asarray(jax.jit(model.full_forward)(lm.with_kernels(NONE), tokens))
     np.testing.assert_allclose(logits["2x4"], logits["1x1"], rtol=1e-5, atol=1e-5)
@@ -494,3 +495,48 @@ def test_every_instruction_sets_matmul_kernels_match_float64(isa, tmp_path):
         for T, end in zip(ISA_ROWS, ends):
             np.testing.assert_allclose(got[kind][end - T:end], want[:T], rtol=1e-5, atol=1e-5 * np.abs(want).max(),
                                        err_msg=kind)
+
+
+@pytest.mark.parametrize("kind", ["float32", "int8", "int4", "w4a8", "w8a8"])
+def test_a_heads_major_projection_is_quantized_per_head_column_and_packed_with_heads_among_columns(kind):
+    """q, k, v are [*layers, N, D, H] (heads-major: the contracted axis after the heads).
+    Quantized (`quantize_params` with `model.PROJECTIONS`' entry), each output column (n, h)
+    gets its own scale ([*layers, N, H]; grouped: [*layers, N, G, H]); packed (`pack_params`),
+    the panels hold the [D, N*H] matrix, so H = 24 heads share panels of 64 columns. Each
+    layer's "BTD,NDH->BTNH", by the kernel and by XLA, is float64 numpy's over the weight
+    dequantized from its own arrays (int8 activations: x rounded as the A8 formats do)."""
+    rng = np.random.default_rng(7)
+    L, N, D, H = 2, 3, 64, 24
+    w = rng.standard_normal((L, N, D, H)).astype(np.float32) * D ** -0.5
+    params = {"layers": {"wq": jnp.asarray(w)}}
+    entry = {"wq": model.PROJECTIONS["wq"]}
+    assert entry["wq"] == (1, 3, 1)
+    quantized = params if kind == "float32" else formats.quantize_params(params, entry, (), kind)
+    qw = quantized["layers"]["wq"]
+    if kind == "int8":
+        q_ref, s_ref = quantize_reference(w, (2,))
+        assert qw.scale.shape == (L, N, H)
+        np.testing.assert_array_equal(np.asarray(qw.q), q_ref)
+        np.testing.assert_allclose(np.asarray(qw.scale), s_ref[:, :, 0], rtol=1e-6)
+    elif kind != "float32":
+        assert qw.scale.shape == (L, N, D // 32, H) and qw.heads == 1
+    stored = w.astype(np.float64) if kind == "float32" else dequantized(qw)
+    assert np.abs(stored - w).max() < 0.1  # the weight itself, per head
+    packed = formats.pack_params(quantized, entry)["layers"]["wq"]
+    x = jnp.asarray(rng.standard_normal((2, 3, D)).astype(np.float32))
+    xr = np.asarray(dispatch_round(x) if kind in ("w4a8", "w8a8") else x, np.float64)
+    call = FLOAT_CALL if kind == "float32" else CALLS[kind]
+    with jax.set_mesh(mesh_for("1x1")):
+        for layer in range(L):
+            want = np.einsum("btd,ndh->btnh", xr, stored[layer])
+            one = jax.tree.map(lambda a: a[layer], packed)
+            for setting in (ON, NONE):
+                fn = jax.jit(lambda x, w: kernels.project("BTD,NDH->BTNH", x, w, setting))
+                if setting is ON and kernels.available():
+                    assert call in fn.lower(x, one).as_text()
+                np.testing.assert_allclose(np.asarray(fn(x, one)), want, rtol=2e-5, atol=2e-5)
+
+
+def dispatch_round(x):
+    from specjax.kernels import dispatch
+    return dispatch.round_activations(x)

@@ -216,3 +216,37 @@ def test_a_file_is_not_a_checkpoint_directory(tiny, tmp_path):
         checkpoint.load_lm(tiny.target, mesh_for("1x1"), tmp_path / "weights.bin")
     with pytest.raises(UsageError, match=r"--checkpoint='.*weights.bin' is a file, not a checkpoint directory"):
         Weights.locate(tiny, "checkpoint", str(tmp_path / "weights.bin"), None, need_draft=False, train_missing=False)
+
+
+@pytest.mark.parametrize("restore_on", ["1x8", "1x1"])
+def test_a_format_1_step_restores_heads_major(tiny, tmp_path, monkeypatch, restore_on):
+    """A step written before q, k and v were heads-major (format 1: [..., D, N, H]; every
+    drafter trained before) restores into today's [..., N, D, H], its optimiser state too,
+    on one device and with duplicated kv heads (1x8: tiny's 4 kv heads twice)."""
+    lm = random_lm(tiny.target, mesh_for("1x1"), seed=5)
+    expected = numpy_params(lm.params)
+    old_layout = lambda path, x: (x.swapaxes(-3, -2) if any(f"['{n}']" in jax.tree_util.keystr(path)  # noqa: E731
+                                                            for n in ("wq", "wk", "wv")) else x)
+    old = jax.tree_util.tree_map_with_path(old_layout, lm.params)
+    assert old["layers"][0]["attn"]["wq"].value.shape[-3:] == (tiny.target.d_model, tiny.target.num_heads,
+                                                              tiny.target.head_dim)
+    monkeypatch.setattr(checkpoint, "FORMAT", 1)
+    with checkpoint.Checkpoints(tmp_path / "old", async_save=False) as ckpt:
+        ckpt.save(0, old, checkpoint.model_meta(tiny.target, "tiny"), opt_state={"mu": old})
+        ckpt.wait()
+    monkeypatch.undo()
+    assert checkpoint.Checkpoints(tmp_path / "old", read_only=True).format(0) == 1
+
+    mesh = mesh_for(restore_on)
+    restored = checkpoint.load_lm(tiny.target, mesh, tmp_path / "old")
+    assert restored.cfg.kv_copies == (2 if restore_on == "1x8" else 1)
+    got = numpy_params(checkpoint.kv_heads.undo(restored).params)
+    for k in expected:
+        np.testing.assert_array_equal(got[k], expected[k], err_msg=k)
+    abstract = checkpoint.abstract_params(tiny.target, mesh_for("1x1"))[1]
+    with checkpoint.Checkpoints(tmp_path / "old", read_only=True) as ckpt:
+        params, opt_state = ckpt.restore(0, abstract, {"mu": abstract})
+    for tree in (params, opt_state["mu"]):
+        got = numpy_params(tree)
+        for k in expected:
+            np.testing.assert_array_equal(got[k], expected[k], err_msg=k)

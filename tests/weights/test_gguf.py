@@ -170,7 +170,7 @@ def test_quantize_takes_a_files_quantized_blocks_as_stored(name, kind, mesh_name
     requantized = lm.quantized("int4")  # where LM.quantized places a grouped weight's arrays
     pairs = [(a, b, r) for a, b, r in zip(jax.tree.leaves(taken.params, is_leaf=is_q), jax.tree.leaves(lm.params),
                                           jax.tree.leaves(requantized.params, is_leaf=is_q)) if is_q(a)]
-    assert sum(math.prod(g.scale.shape[:-2]) for g, _, _ in pairs) == len(matrices) > 0  # a layer per matrix
+    assert sum(math.prod(g.scale.shape[:g.scale.ndim - 2 - g.heads]) for g, _, _ in pairs) == len(matrices) > 0  # a layer per matrix
     bits = {gguf.CODECS[f.type_name(n)].bits for n in matrices}
     for grouped, float_w, r in pairs:
         assert grouped.bits in bits

@@ -72,9 +72,9 @@ def test_logits_equal_transformers(name, mesh_name, scan):
 
 
 @pytest.mark.parametrize("layout,shape,spec", [
-    ("heads_out", (32, 8, 4), (None, "model", None)), ("heads_in", (8, 4, 32), ("model", None, None)),
+    ("heads_out", (8, 32, 4), ("model", None, None)), ("heads_in", (8, 4, 32), ("model", None, None)),
     ("transpose", (32, 64), (None, "model")), ("transpose", (64, 32), ("model", None)),
-    ("heads_out", (3, 32, 8, 4), (None, None, "model", None))])
+    ("heads_out", (3, 8, 32, 4), (None, "model", None, None))])
 def test_params_are_rearranged_on_the_devices_without_collectives(layout, shape, spec):
     """Each device's slice of the HF tensor (partitioned by `hf_spec`) holds exactly its
     own shard of the specjax param: the on-device transpose moves nothing between devices."""
@@ -82,7 +82,7 @@ def test_params_are_rearranged_on_the_devices_without_collectives(layout, shape,
     mesh = mesh_for("2x4")
     stacked = len(shape) == 4
     inner = shape[1:] if stacked else shape
-    hf_shape = {"heads_out": lambda: (inner[1] * inner[2], inner[0]), "transpose": lambda: inner[::-1],
+    hf_shape = {"heads_out": lambda: (inner[0] * inner[2], inner[1]), "transpose": lambda: inner[::-1],
                 "heads_in": lambda: (inner[2], inner[0] * inner[1])}[layout]()
     spec_hf = ((None,) + hf.hf_spec(layout, spec[1:])) if stacked else hf.hf_spec(layout, spec)
     x = jax.ShapeDtypeStruct(((3,) if stacked else ()) + hf_shape, jnp.float32,

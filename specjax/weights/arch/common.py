@@ -12,7 +12,7 @@ from specjax.weights.hf_files import BOOL, INT, NUMBER, OBJECT, TEXT, TEXTS, Fie
 class Tensor(NamedTuple):
     """Where one specjax param lives in a Hugging Face directory and in a GGUF file ('{i}':
     the layer), and how the HF tensor's layout relates to the param's (see `hf.to_hf`):
-    'same', 'transpose' (nn.Linear's [out, in]), 'heads_out' ([N*H, D] -> [D, N, H]),
+    'same', 'transpose' (nn.Linear's [out, in]), 'heads_out' ([N*H, D] -> [N, D, H]),
     'heads_in' ([D, N*H] -> [N, H, D]), 'heads' (a bias [N*H] -> [N, H])."""
 
     hf: str
