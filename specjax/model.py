@@ -212,6 +212,20 @@ def relative_shift(by_reversed, positions):
     return jax.vmap(row)(padded, positions)
 
 
+def project_heads(x: jax.Array, w, kernels: Kernels, dtype) -> jax.Array:
+    """x [B, T, D] @ a heads-major w [N, D, H] -> [B, T, N, H]. A format (packed, quantized)
+    picks its kernel (`project`); a plain array is one dot batched over the heads, which
+    reads each head's [D, H] as stored: as an einsum "BTD,NDH->BTNH", XLA:CPU copied the
+    whole weight into [D, N, H] order at every call."""
+    if hasattr(w, "project"):
+        return project("BTD,NDH->BTNH", x, w, kernels, dtype)
+    w = w.astype(dtype)
+    B, T, D = x.shape
+    rows = jnp.broadcast_to(x.reshape(1, B * T, D), (w.shape[0], B * T, D))  # [N, B*T, D]: activations only
+    y = jax.lax.dot_general(rows, w, (((2,), (1,)), ((0,), (0,))))
+    return y.reshape(w.shape[0], B, T, -1).transpose(1, 2, 0, 3)
+
+
 class Attention(nnx.Module):
     def __init__(self, cfg: ModelConfig, keys: Keys, out_std: float):
         D, N, G, H, dt = cfg.d_model, cfg.num_heads, cfg.num_kv_heads, cfg.head_dim, cfg.param_dtype
@@ -242,9 +256,7 @@ class Attention(nnx.Module):
         k, v [B,T,G,H] are the pass's own keys/values (the caller commits them)."""
         cfg = self.cfg
         ct = jnp.dtype(cfg.compute_dtype)
-        q = project("BTD,NDH->BTNH", x, self.wq.value, kernels, ct)
-        k = project("BTD,GDH->BTGH", x, self.wk.value, kernels, ct)
-        v = project("BTD,GDH->BTGH", x, self.wv.value, kernels, ct)
+        q, k, v = (project_heads(x, w.value, kernels, ct) for w in (self.wq, self.wk, self.wv))
         if cfg.qkv_bias:
             q, k, v = (a + b.value.astype(ct) for a, b in ((q, self.bq), (k, self.bk), (v, self.bv)))
         if cfg.qk_norm:

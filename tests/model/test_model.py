@@ -12,6 +12,7 @@ import pytest
 import specjax
 from specjax import kv_cache, model, sharding
 from specjax.config import ConfigError, MeshConfig, SamplingConfig, load_config
+from specjax.kernels import NONE
 from conftest import mesh_for
 
 ATOL = 2e-5  # float32: observed max |diff| ~1e-6 on these logits (magnitude ~1-10)
@@ -128,6 +129,27 @@ def test_decode_step_has_two_all_reduces_per_layer_and_params_are_sharded(tiny):
     # logits stay vocab-sharded (no all-gather in a bare forward).
     assert count_collectives(text, "all-reduce") == 2 * cfg.num_layers + 1
     assert count_collectives(text, "all-gather") == 0
+
+
+@pytest.mark.parametrize("mesh_name,T", [("2x4", 1), ("2x4", 5), ("1x1", 5)])
+def test_a_forward_multiplies_by_q_k_v_as_stored(tiny, mesh_name, T):
+    """q, k, v are heads-major [N, D, H]; XLA (no CPU kernel here) multiplies by each head's
+    [D, H] as stored. An einsum over them made XLA:CPU copy each weight into [D, N, H] order
+    in every forward (a transpose of a weight-sized array)."""
+    cfg = dataclasses.replace(tiny.target, d_model=48, head_dim=16, num_kv_heads=8)
+    mesh = mesh_for(mesh_name)
+    lm = model.init_lm(cfg, mesh).with_kernels(NONE)
+    cache = kv_cache.init_cache(lm.cfg, 1, 32, mesh)
+    with jax.set_mesh(mesh):
+        text = jax.jit(lambda lm, t, p, c: lm(t, p, c)).lower(
+            lm, jnp.zeros((1, T), jnp.int32), jnp.zeros((1, T), jnp.int32), cache).compile().as_text()
+    heads = cfg.num_heads // mesh.shape["model"]
+    weight = sorted((heads, cfg.d_model, cfg.head_dim))
+    moved = [line.strip()[:120] for line in text.splitlines()
+             if re.search(r"= f32\[([\d,]+)\]\S* (transpose|copy)\(", line)
+             and sorted(int(d) for d in re.search(r"f32\[([\d,]+)\]", line).group(1).split(",") if d != "1")
+             == [d for d in weight if d != 1]]
+    assert not moved, moved
 
 
 INTENDED = {  # config -> (target range, draft range), in params
