@@ -67,7 +67,9 @@ def compile_program(target, draft, sampling, batch: int, prompt_len: int, cache_
               "statics": {k: as_json(v) for k, v in prog.statics},
               "lower_seconds": lower_s, "compile_seconds": compile_s,
               "memory": {"arguments": mem.argument_size_in_bytes, "outputs": mem.output_size_in_bytes,
-                         "temporaries": mem.temp_size_in_bytes, "aliased": mem.alias_size_in_bytes, "total": total},
+                         "temporaries": mem.temp_size_in_bytes, "aliased": mem.alias_size_in_bytes, "total": total,
+                         # XLA:TPU's peak of live bytes (arguments included); XLA:CPU reports none
+                         "peak": getattr(mem, "peak_memory_in_bytes", 0) or None},
               "per_loop": summarize(per_loop), "outside_loop": summarize(outside)}
     if steps_on is not None:
         result["steps"] = steps_lib.cost(prog, steps_on)
@@ -197,6 +199,14 @@ def plan(cfg, data: int, model: int, batch: int = 1, prompt_len: int = 128, cach
         result = compile_program(target, draft, sampling, batch, prompt_len, cache_len, chip if on_tpu else None)
         per = "collectives_per_loop" if name.startswith("sps") else "collectives_per_step"
         result[per] = result.pop("per_loop")
+        held = ("draft",) if name == "ars_draft" else ("target", "draft") if isinstance(draft, LM) else ("target",)
+        copies = lambda w: sampling.num_drafts if w == "draft" else 1  # noqa: E731 (a tree's chains: a cache each)
+        # The state the program carries, what its temporaries must hold: the caches and position tables.
+        result["memory"]["state"] = sum(copies(w) * report["models"][w]["cache_bytes_per_device"]
+                                        + report["models"][w].get("position_table_bytes_per_device", 0) for w in held)
+        if result["memory"]["peak"]:  # the temporaries live at the peak, beside the arguments and outputs
+            result["memory"]["peak_temporaries"] = (result["memory"]["peak"] - result["memory"]["arguments"]
+                                                    - result["memory"]["outputs"])
         if on_tpu:  # XLA:TPU's own layout: padding included
             result["memory"]["tpu_padding"] = 0
             result["memory"]["total_padded"] = result["memory"]["total"]
@@ -205,14 +215,10 @@ def plan(cfg, data: int, model: int, batch: int = 1, prompt_len: int = 128, cach
             continue
         # XLA:CPU lays arrays out unpadded; a TPU pads their minor dims (`padded_bytes`): add
         # what that costs the program's weights (arguments) and caches (made inside it).
-        held = ("draft",) if name == "ars_draft" else ("target", "draft") if isinstance(draft, LM) else ("target",)
-
         def padding(which, kind):
             m = report["models"][which]
             return m[f"{kind}_bytes_per_device_padded"] - m[f"{kind}_bytes_per_device"]
-        result["memory"]["tpu_padding"] = sum(
-            padding(w, "weight") + (sampling.num_drafts if w == "draft" else 1)
-            * padding(w, "cache") for w in held)
+        result["memory"]["tpu_padding"] = sum(padding(w, "weight") + copies(w) * padding(w, "cache") for w in held)
         result["memory"]["total_padded"] = result["memory"]["total"] + result["memory"]["tpu_padding"]
         result["fits"] = result["memory"]["total_padded"] <= chip.hbm_bytes
         report["programs"][name] = result

@@ -72,6 +72,13 @@ def format_report(r: dict) -> str:
                    f"{_size(mem['outputs']):>9} {_gib(mem['temporaries']):>12} {_gib(mem['total']):>11} "
                    f"{_gib(mem.get('tpu_padding', 0)):>10}  "
                    f"{'yes' if p['fits'] else 'NO'} ({_gib(chip['hbm_bytes'] - total)} free)")
+    peaks = [(name, p["memory"]) for name, p in r["programs"].items() if p["memory"].get("peak_temporaries")]
+    if peaks:
+        out.append("  at its peak each program holds, beside its arguments (XLA:TPU's peak_memory), against the "
+                   "caches and position tables it carries:")
+        for name, mem in peaks:
+            ratio = f"{mem['peak_temporaries'] / mem['state']:.2f}x" if mem["state"] else "-"
+            out.append(f"    {name:<11} {_gib(mem['peak_temporaries']):>10} live vs {_gib(mem['state'])} of state ({ratio})")
     cap = r.get("capacity")
     if cap:
         chips = s["data"] * s["model"]
