@@ -201,9 +201,11 @@ def plan(cfg, data: int, model: int, batch: int = 1, prompt_len: int = 128, cach
         result[per] = result.pop("per_loop")
         held = ("draft",) if name == "ars_draft" else ("target", "draft") if isinstance(draft, LM) else ("target",)
         copies = lambda w: sampling.num_drafts if w == "draft" else 1  # noqa: E731 (a tree's chains: a cache each)
-        # The state the program carries, what its temporaries must hold: the caches and position tables.
-        result["memory"]["state"] = sum(copies(w) * report["models"][w]["cache_bytes_per_device"]
-                                        + report["models"][w].get("position_table_bytes_per_device", 0) for w in held)
+        # What the program's temporaries must hold: the caches and position tables it carries,
+        # and the keys and values of the prompt's prefill before they are written (a pass's own).
+        result["memory"]["need"] = sum(
+            report["models"][w]["cache_bytes_per_device"] * (copies(w) + prompt_len / cache_len)
+            + report["models"][w].get("position_table_bytes_per_device", 0) for w in held)
         if result["memory"]["peak"]:  # the temporaries live at the peak, beside the arguments and outputs
             result["memory"]["peak_temporaries"] = (result["memory"]["peak"] - result["memory"]["arguments"]
                                                     - result["memory"]["outputs"])

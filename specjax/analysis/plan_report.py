@@ -74,11 +74,11 @@ def format_report(r: dict) -> str:
                    f"{'yes' if p['fits'] else 'NO'} ({_gib(chip['hbm_bytes'] - total)} free)")
     peaks = [(name, p["memory"]) for name, p in r["programs"].items() if p["memory"].get("peak_temporaries")]
     if peaks:
-        out.append("  at its peak each program holds, beside its arguments (XLA:TPU's peak_memory), against the "
-                   "caches and position tables it carries:")
+        out.append("  at its peak each program holds, beside its arguments (XLA:TPU's peak_memory), against what it "
+                   "needs (its caches and position tables, and the prefill's keys and values):")
         for name, mem in peaks:
-            ratio = f"{mem['peak_temporaries'] / mem['state']:.2f}x" if mem["state"] else "-"
-            out.append(f"    {name:<11} {_gib(mem['peak_temporaries']):>10} live vs {_gib(mem['state'])} of state ({ratio})")
+            ratio = f"{mem['peak_temporaries'] / mem['need']:.2f}x" if mem["need"] else "-"
+            out.append(f"    {name:<11} {_gib(mem['peak_temporaries']):>10} live vs {_gib(mem['need'])} needed ({ratio})")
     cap = r.get("capacity")
     if cap:
         chips = s["data"] * s["model"]

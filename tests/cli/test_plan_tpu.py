@@ -384,6 +384,15 @@ def test_plan_compiles_tiny_with_xla_tpu_and_costs_its_steps(tmp_path):
         assert p["compiler"] == "tpu" and p["fits"]
         assert 0 < p["memory"]["total"] == p["memory"]["arguments"] + p["memory"]["temporaries"] \
             + p["memory"]["outputs"] - p["memory"]["aliased"]
+        # XLA:TPU's peak of live bytes, and what the program needs: tiny's caches (rotary: no
+        # table) and the 128-token prompt's keys and values, 1.5 x a cache of 256 slots
+        assert p["memory"]["peak"] >= p["memory"]["arguments"] + p["memory"]["outputs"]
+        assert p["memory"]["peak_temporaries"] == p["memory"]["peak"] - p["memory"]["arguments"] - p["memory"]["outputs"]
+    models = report["models"]
+    caches = {"sps": ("target", "draft"), "ars_target": ("target",), "ars_draft": ("draft",)}
+    for name, held in caches.items():
+        assert programs[name]["memory"]["need"] == pytest.approx(1.5 * sum(models[m]["cache_bytes_per_device"]
+                                                                           for m in held))
     assert _by_shape(programs["sps"]["collectives_per_loop"], "all-reduce")["f32[5,32]"] == 2 * 2 + 1
     # Per loop and per step, XLA:CPU's collectives: 2 all-reduces per layer and forward + the
     # embedding lookup, and an all-gather of each distribution's logits (K draft steps, the target's).
