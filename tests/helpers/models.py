@@ -48,7 +48,12 @@ def random_lm(cfg, mesh, seed: int = 0, noise: float = 0.0, noise_seed: int = 1)
         shape, dtype = variable.get_value().shape, variable.get_value().dtype
         offset, std = {"scale": (1.0, 0.2), "u": (0.0, 0.5), "v": (0.0, 0.5), "embed": (0.0, 1.0)}.get(
             name, (0.0, cfg.d_model ** -0.5))
-        value = offset + std * (rng.standard_normal(shape) + noise * noise_rng.standard_normal(shape))
+        # q, k, v [..., N, D, H] drawn as [..., D, N, H] and transposed (as `model` draws them):
+        # a seed gives the models it gave before they were heads-major.
+        heads_major = name in ("wq", "wk", "wv")
+        drawn = (*shape[:-3], shape[-2], shape[-3], shape[-1]) if heads_major else shape
+        value = offset + std * (rng.standard_normal(drawn) + noise * noise_rng.standard_normal(drawn))
+        value = value.swapaxes(-3, -2) if heads_major else value
         return variable.replace(jax.device_put(value.astype(dtype), named_sharding))
 
     params = jax.tree_util.tree_map_with_path(one, sharding.param_shardings(abstract.params, mesh), abstract.params)
