@@ -250,7 +250,11 @@ class Checkpoints:
 
     def format(self, step: int) -> int:
         """The layout step `step` was written in (`FORMAT`; 1 before the format was recorded)."""
-        return int(self.meta(step).get("format", 1))
+        fmt = self.meta(step).get("format", 1)
+        if not isinstance(fmt, int) or isinstance(fmt, bool) or not 1 <= fmt <= FORMAT:
+            raise UsageError(f"checkpoint step {step} in {self.directory} has format {fmt!r}; this specjax "
+                             f"reads formats 1 to {FORMAT} (a newer specjax wrote it?)")
+        return fmt
 
     def _check_shapes(self, step: int, abstract_params) -> None:
         with self._reading(step):

@@ -250,3 +250,13 @@ def test_a_format_1_step_restores_heads_major(tiny, tmp_path, monkeypatch, resto
         got = numpy_params(tree)
         for k in expected:
             np.testing.assert_array_equal(got[k], expected[k], err_msg=k)
+
+
+@pytest.mark.parametrize("fmt", [3, "2", None])
+def test_a_step_of_an_unknown_format_is_refused_in_one_line(tiny, tmp_path, monkeypatch, fmt):
+    lm = random_lm(tiny.target, mesh_for("1x1"))
+    monkeypatch.setattr(checkpoint, "FORMAT", fmt)
+    checkpoint.save_lm(lm, tmp_path / "new", config_name="tiny")
+    monkeypatch.undo()
+    with pytest.raises(UsageError, match=rf"has format {fmt!r}; this specjax reads formats 1 to 2"):
+        checkpoint.load_lm(tiny.target, mesh_for("1x1"), tmp_path / "new")
