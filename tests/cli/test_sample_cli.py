@@ -220,8 +220,12 @@ def test_quantized_int8_run_samples_the_quantized_model(env, tmp_path):
     records = read_jsonl(out)
     mesh = sharding.make_mesh(MeshConfig(1, 1), jax.devices()[:1])
     q_lm = model.init_lm(load_config("tiny").target, mesh).quantized("int8")
-    deq = lambda w: np.asarray(w.q, np.float64) * (np.asarray(w.scale, np.float64)[:, None] if w.transposed  # noqa: E731
-                                                  else np.asarray(w.scale, np.float64).reshape(w.out))
+    def deq(w):  # q times its column's scale: [*lead, n] -> [*lead, 1 per contracted axis, *out]
+        q, scale = np.asarray(w.q, np.float64), np.asarray(w.scale, np.float64)
+        if w.transposed:
+            return q * scale[:, None]
+        contracted = q.ndim - (scale.ndim - 1) - len(w.out)
+        return q * scale.reshape(*scale.shape[:-1], *[1] * contracted, *w.out)
     reference = dataclasses.replace(q_lm, params=jax.tree.map(
         lambda w: jax.device_put(deq(w).astype(np.float32), w.q.sharding) if isinstance(w, Int8) else w, q_lm.params,
         is_leaf=lambda x: isinstance(x, Int8)))
