@@ -304,7 +304,8 @@ def is_quantized(params) -> bool:
 
 def project(spec: str, x: jax.Array, w, setting: Kernels, dtype=None, **kwargs) -> jax.Array:
     """x @ W as `jnp.einsum(spec, x, w, **kwargs)`, `spec` contracting x's last axis with
-    w's contracted ones (its leading ones, or those after a heads-major weight's heads), w first cast to `dtype` (the compute dtype) when given. A plain
+    w's contracted ones (its leading ones, or those after a heads-major weight's heads), w
+    first cast to `dtype` (the compute dtype) when given. A plain
     array is multiplied by XLA; a format (`Packed`, ...) picks its kernel under `setting`."""
     if dtype is not None:
         w = w.astype(dtype)
@@ -323,13 +324,13 @@ def pack(w: jax.Array, contracted: int, lead: int = 0, *, transposed: bool = Fal
             raise ValueError(f"a transposed weight is [*lead, N, K]: got {w.shape} with lead={lead}")
         packed = pack(jnp.swapaxes(w, -1, -2), 1, lead)
         return Packed(w, packed.panels, packed.out, True)
-    shape = heads_last(w, lead, heads, contracted).shape
+    matrix = heads_last(w, lead, heads, contracted)  # [*lead, *contracted, *heads, *out]
+    shape = matrix.shape
     K = math.prod(shape[lead:lead + contracted])
     out = (*w.shape[lead:lead + heads], *w.shape[lead + heads + contracted:])
     N = math.prod(out)
     P = -(-N // PANEL)
-    m = jnp.pad(heads_last(w, lead, heads, contracted).reshape(*shape[:lead], K, N),
-                [(0, 0)] * (lead + 1) + [(0, P * PANEL - N)])
+    m = jnp.pad(matrix.reshape(*shape[:lead], K, N), [(0, 0)] * (lead + 1) + [(0, P * PANEL - N)])
     return Packed(w, jnp.moveaxis(m.reshape(*shape[:lead], K, P, PANEL), -2, -3), out)
 
 
