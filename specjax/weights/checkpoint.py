@@ -148,8 +148,7 @@ def _in_format(tree, fmt: int, back: bool = False):
         return tree
 
     def one(path, leaf):
-        keys = [str(getattr(k, "key", getattr(k, "idx", getattr(k, "name", k)))) for k in path]
-        keys = [k for k in keys if k != "value"]
+        keys = kv_heads._keys(path)
         if not keys or keys[-1] not in HEADS_MAJOR or len(leaf.shape) < 3:
             return leaf
         where = leaf.sharding
@@ -245,23 +244,26 @@ class Checkpoints:
                 f"checkpoint step {step} in {self.directory} was trained with config {saved_name!r}, whose "
                 f"model differs from {config_name or 'the requested config'}'s: {'; '.join(diffs)}")
         if abstract_params is not None:
-            self._check_shapes(step, abstract_params)
+            self._check_shapes(step, abstract_params, self._format_of(meta, step))
         return meta
 
     def format(self, step: int) -> int:
         """The layout step `step` was written in (`FORMAT`; 1 before the format was recorded)."""
-        fmt = self.meta(step).get("format", 1)
+        return self._format_of(self.meta(step), step)
+
+    def _format_of(self, meta: dict, step: int) -> int:
+        fmt = meta.get("format", 1)
         if not isinstance(fmt, int) or isinstance(fmt, bool) or not 1 <= fmt <= FORMAT:
             raise UsageError(f"checkpoint step {step} in {self.directory} has format {fmt!r}; this specjax "
                              f"reads formats 1 to {FORMAT} (a newer specjax wrote it?)")
         return fmt
 
-    def _check_shapes(self, step: int, abstract_params) -> None:
+    def _check_shapes(self, step: int, abstract_params, fmt: int) -> None:
         with self._reading(step):
             saved = self.manager.item_metadata(step)["params"]
         if saved is None:
             raise self._damaged(step, ValueError("no params item"))
-        saved, wanted = _keyed(saved), _keyed(_in_format(abstract_params, self.format(step)))
+        saved, wanted = _keyed(saved), _keyed(_in_format(abstract_params, fmt))
         missing, extra = sorted(set(wanted) - set(saved)), sorted(set(saved) - set(wanted))
         if missing or extra:
             raise UsageError(f"checkpoint step {step} in {self.directory} has other params than the model: "
