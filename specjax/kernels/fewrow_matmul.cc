@@ -652,6 +652,67 @@ struct PickA8 {
   PickedA8 Get() const { return {PanelsA8<B, G>, kQuadRow<B>}; }
 };
 
+// The largest lane of v (AVX-512: a tree of shuffles; a lane-by-lane loop is a chain of
+// dependent maximums, as long as the rounding of the group it serves).
+inline float MaxLanes(Vec v) {
+#if defined(__AVX512F__)
+  return _mm512_reduce_max_ps((__m512)v);
+#else
+  float m = v[0];
+  for (int i = 1; i < kWidth; ++i) m = std::max(m, v[i]);
+  return m;
+#endif
+}
+inline int32_t SumLanes(IVec v) {
+#if defined(__AVX512F__)
+  return _mm512_reduce_add_epi32((__m512i)v);
+#else
+  int32_t s = 0;
+  for (int i = 0; i < kWidth; ++i) s += v[i];
+  return s;
+#endif
+}
+
+// One whole group of kGroup inputs x rounded to int8 as the scalar loop below rounds a
+// partial one (d = max |x| / 127, q = x / d rounded half to even and clamped to +-127, the
+// codes' sums per weight group of `group` inputs added to s), in vectors: the division is
+// IEEE's in both, and adding and taking away 1.5 * 2^23 rounds |v| < 2^22 to the nearest
+// integer, ties to even, as nearbyint does in the default rounding mode. Returns d. The
+// scalar loop spent, per input, a 64-bit integer division (k / group, the group known only
+// at run time) and a call for its thread_local buffer's address (GCC's code for a shared
+// library): 3 of the 8.6 ms of SmolLM2-135M's 3-token W4A8 pass (benchmarks/real_model.md).
+inline float RoundGroup(const float* x, int32_t group, int8_t* q, int32_t* s) {
+  constexpr int kV = kGroup / kWidth;
+  Vec v[kV], m = {};
+  for (int i = 0; i < kV; ++i) {
+    v[i] = Load(x + i * kWidth);
+    const Vec a = v[i] < 0 ? -v[i] : v[i];
+    m = a > m ? a : m;
+  }
+  const float d = MaxLanes(m) / 127.f;
+  if (!(d > 0.f)) return d;  // codes and sums stay zero
+  const Vec dv = Splat(d), magic = Splat(12582912.f), hi = Splat(127.f), lo = Splat(-127.f);
+  IVec n[kV];
+  for (int i = 0; i < kV; ++i) {
+    Vec r = (v[i] / dv + magic) - magic;
+    r = lo < r ? r : lo;  // as std::max(-127, r) then std::min(127, .): NaN becomes -127 in both
+    r = r < hi ? r : hi;
+    n[i] = __builtin_convertvector(r, IVec);
+#if defined(__AVX512F__)
+    _mm_storeu_si128(reinterpret_cast<__m128i*>(q + i * kWidth), _mm512_cvtepi32_epi8((__m512i)n[i]));
+#else
+    for (int j = 0; j < kWidth; ++j) q[i * kWidth + j] = static_cast<int8_t>(n[i][j]);
+#endif
+  }
+  const int per = group / kWidth;  // vectors per weight group (groups of 16 or 32 inputs)
+  for (int w = 0; w < kV / per; ++w) {
+    IVec t = n[w * per];
+    for (int i = 1; i < per; ++i) t += n[w * per + i];
+    s[w] += SumLanes(t);
+  }
+  return d;
+}
+
 // x [T, K] float32 times A8 panels wp [P, ceil(K/32) * 8, kQuadRow<bits>] with their scales
 // and factors (GroupedSide; columns past N: any value).
 ffi::Error FewRowMatmulA8(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::Buffer<ffi::U8> wp,
@@ -688,24 +749,28 @@ ffi::Error FewRowMatmulA8(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::Bu
   xdv.assign(T * G, 0.f);
   xsv.assign(T * G * kSub, 0);
   const float* xs = x.typed_data();
+  int8_t* q = xq.data();  // the buffers' addresses once (each thread_local access may be a call)
+  float* d = xdv.data();
+  int32_t* s = xsv.data();
   for (int64_t t = 0; t < T; ++t)
     for (int64_t g = 0; g < G; ++g) {
       const int64_t k0 = g * kGroup, k1 = std::min(K, k0 + kGroup);
-      float amax = 0.f;
+      if (k1 - k0 == kGroup) {
+        d[t * G + g] = RoundGroup(xs + t * K + k0, group, q + t * Kp + k0, s + t * G * kSub + k0 / group);
+        continue;
+      }
+      float amax = 0.f;  // a short last group
       for (int64_t k = k0; k < k1; ++k) amax = std::max(amax, std::fabs(xs[t * K + k]));
-      const float d = amax / 127.f;
-      if (d > 0.f)
+      const float dg = amax / 127.f;
+      if (dg > 0.f)
         for (int64_t k = k0; k < k1; ++k) {
-          const float v = std::min(127.f, std::max(-127.f, std::nearbyint(xs[t * K + k] / d)));
-          xq[t * Kp + k] = static_cast<int8_t>(v);
-          xsv[t * G * kSub + k / group] += static_cast<int32_t>(v);
+          const float v = std::min(127.f, std::max(-127.f, std::nearbyint(xs[t * K + k] / dg)));
+          q[t * Kp + k] = static_cast<int8_t>(v);
+          s[t * G * kSub + k / group] += static_cast<int32_t>(v);
         }
-      xdv[t * G + g] = d;
+      d[t * G + g] = dg;
     }
   const PanelA8Fn fn = picked.fn;
-  const int8_t* q = xq.data();
-  const float* d = xdv.data();
-  const int32_t* s = xsv.data();
   const uint8_t* w = wp.typed_data();
   const SideData* sd = &side;
   InPasses(pool, T, Kp, K * N, P, [=](int64_t r, int64_t n, int64_t p0, int64_t p1) {

@@ -246,6 +246,38 @@ def test_kernel_and_xla_path_match_float64_of_the_dequantized_weight(kind, K, N)
             assert np.abs(x_all[:T].astype(np.float64) @ deq - want).max() > 1e-3 * np.abs(want).max()
 
 
+@needs_kernel
+@pytest.mark.parametrize("bits,group,offset", [(8, 32, 128), (4, 16, 8)])
+def test_a8_kernel_rounds_activations_half_to_even_per_group(bits, group, offset):
+    """The A8 kernel's rounding of x, seen through an identity weight of 8-bit codes (each
+    output column is one input times its group's d, exactly): ties go to even (0.5 -> 0,
+    2.5 -> 2, -2.5 -> -2, 126.5 -> 126 where the group's max is 127, i.e. d = 1), a group
+    of zeros stays zero, values are clamped to +-127, and a short last group (K = 100) is
+    rounded like a whole one; each row and group on its own. Against numpy's round (ties to
+    even) in float32. 4-bit codes in weight groups of 16 inputs (two per activation group)
+    check the codes' sums per weight group, which the offset is taken away with."""
+    K = 100
+    x = np.random.default_rng(1).standard_normal((5, K)).astype(np.float32) * 3
+    x[0, :32] = np.r_[127.0, 0.5, 1.5, 2.5, -0.5, -1.5, -2.5, 126.5, 3.5, -126.5, np.arange(22) + 0.5]
+    x[1, 32:64] = 0.0
+    x[2, 64:96] = np.linspace(-7.5, 7.5, 32) * np.float32(1 / 3)
+    x[3, 96:] = [5.5, -2.5, 0.5, 2.0]  # the short group: max 5.5, d = 5.5 / 127
+    code = (offset + np.eye(K, dtype=np.int32)).astype(np.uint8)  # w = (code - offset) * 1
+    w = formats.Grouped(jnp.asarray(code), jnp.ones((-(-K // group), K), jnp.float32), None, (K,), bits=bits,
+                        group=group, offset=offset, activations="int8")
+    packed = formats.pack_params({"w": w}, {"w": (1, 2)})["w"]
+    call = jax.jit(lambda x, w: kernels.project("TK,KN->TN", x, w, ON))
+    with jax.set_mesh(mesh_for("1x1")):
+        assert CALLS["w8a8"] in call.lower(x, packed).as_text()
+        got = {T: np.asarray(call(x[:T], packed)) for T in (1, 3, 5)}
+    want = rounded(x).astype(np.float32)
+    np.testing.assert_array_equal(got[5], want)
+    for T in (1, 3):
+        np.testing.assert_array_equal(got[T], want[:T])
+    np.testing.assert_array_equal(got[5][0, :10], [127, 0, 2, 2, 0, -2, -2, 126, 4, -126])
+    assert not got[5][1, 32:64].any()
+
+
 def kernel_outputs(text: str, kind: str) -> list[tuple[int, int]]:
     """(rows, columns) of every few-row matmul of `kind` in a lowered program's text."""
     return [(int(m[1]), int(m[2]))
