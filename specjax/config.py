@@ -519,6 +519,10 @@ class TrainConfig:
     # seq_len + 1 tokens or a stop token; made once per workdir (`training.samples`).
     self_distill: int = 0
     self_distill_prompt: int = 16
+    # True: each sample's prompt is a user message in the teacher tokenizer's chat template
+    # (an instruction of a few fixed kinds around the corpus window's text), so that a chat
+    # model's drafter learns the replies it will draft (`training.samples.CHAT_KINDS`).
+    self_distill_chat: bool = False
     # Start from another trained model's params instead of a random init (PARD's low-cost
     # adaptation of an autoregressive draft into a parallel one): a config name (its default
     # checkpoint) or a checkpoint directory, of the same model but for parallel_draft; the
@@ -551,6 +555,10 @@ class TrainConfig:
                  "corpus itself)", label="train.self_distill")
         _integer(self, "self_distill_prompt", 1, self.seq_len, hint=f" (corpus tokens each sample continues, at most "
                  f"train.seq_len={self.seq_len})", label="train.self_distill_prompt")
+        _flag(self, "self_distill_chat")
+        if self.self_distill_chat and not self.self_distill:
+            raise ConfigError("train.self_distill_chat=True renders the prompts of the teacher's samples: set "
+                              "train.self_distill > 0 (how many), or drop train.self_distill_chat")
         if self.self_distill and self.self_distill * self.val_fraction < 1:
             raise ConfigError(f"train.self_distill={self.self_distill} samples x train.val_fraction="
                               f"{self.val_fraction} "

@@ -10,6 +10,13 @@ random offset, continued by the frozen teacher with plain autoregressive samplin
 seq_len + 1 tokens or the teacher emits a stop token. The samples, laid end to end, are
 the new training stream; the last `val_fraction` of them the validation stream.
 
+With `train.self_distill_chat`, a prompt is the window's text inside a user message of
+the teacher tokenizer's chat template (one of `CHAT_KINDS` in turn: complete, explain or
+tidy it as code, summarize it, or the text alone), and the teacher's reply is
+seq_len + 1 - self_distill_prompt tokens at most: a chat model drafted for in its chat
+template writes other text than it does continuing raw source, and its drafter has to
+learn those replies.
+
 Made once per workdir and written there (`samples.npz`, with the settings that made
 it): a resumed run reads the same tokens, so it stays bit for bit an uninterrupted
 run's. A run whose settings differ makes them again.
@@ -26,20 +33,29 @@ import jax
 import numpy as np
 from tqdm import tqdm
 
-from specjax.config import Config, is_remote
+from specjax.config import Config, ConfigError, is_remote
 from specjax.training import data
 from specjax.training.corpus import Corpus
 from specjax.weights.tokenizer import atomic_write_bytes
 
 FILE = "samples.npz"
 BATCH = 64  # prompts per generate call
+# The user messages of `train.self_distill_chat`, taken in turn; {text} is a corpus window.
+CHAT_KINDS = (
+    "Complete this Python code. Reply with code only.\n\n```python\n{text}\n```",
+    "What does this code do? Explain it briefly.\n\n```python\n{text}\n```",
+    "Rewrite this code so that it is easier to read. Reply with the code only.\n\n```python\n{text}\n```",
+    "Summarize this text in two sentences.\n\n{text}",
+    "{text}",
+)
 
 
 def settings(config: Config, stop_ids: tuple[int, ...]) -> dict:
     tc, sp = config.train, config.sampling
     return {"samples": tc.self_distill, "prompt": tc.self_distill_prompt, "length": tc.seq_len + 1,
             "seed": tc.seed, "temperature": sp.temperature, "top_k": sp.top_k, "top_p": sp.top_p,
-            "stop_ids": list(stop_ids), "teacher": tc.teacher or tc.teacher_hf or tc.teacher_gguf}
+            "stop_ids": list(stop_ids), "teacher": tc.teacher or tc.teacher_hf or tc.teacher_gguf,
+            **({"chat": list(CHAT_KINDS)} if tc.self_distill_chat else {})}
 
 
 def prompts(corpus: Corpus, config: Config) -> np.ndarray:
@@ -50,8 +66,23 @@ def prompts(corpus: Corpus, config: Config) -> np.ndarray:
     return np.stack([corpus.train[s:s + tc.self_distill_prompt] for s in starts]).astype(np.int32)
 
 
-def self_distilled(corpus: Corpus, teacher, config: Config, workdir, stop_ids=(), progress: bool = True) -> Corpus:
-    """`corpus` with its streams replaced by the teacher's samples (the module docstring)."""
+def chat_prompts(windows: np.ndarray, tokenizer) -> list[list[int]]:
+    """Window i's text as the user message CHAT_KINDS[i % len(CHAT_KINDS)] in `tokenizer`'s
+    chat template, ready for the assistant's reply, tokenised."""
+    if not getattr(tokenizer, "chat_template", None):
+        raise ConfigError(f"train.self_distill_chat=True: the teacher's tokenizer ({getattr(tokenizer, 'path', '?')}) "
+                          "has no chat template; drop train.self_distill_chat")
+    out = []
+    for i, window in enumerate(windows):
+        text = CHAT_KINDS[i % len(CHAT_KINDS)].format(text=tokenizer.decode(window.tolist()).strip())
+        out.append(tokenizer.encode(tokenizer.render_chat([{"role": "user", "content": text}])))
+    return out
+
+
+def self_distilled(corpus: Corpus, teacher, config: Config, workdir, stop_ids=(), progress: bool = True,
+                   tokenizer=None) -> Corpus:
+    """`corpus` with its streams replaced by the teacher's samples (the module docstring);
+    `tokenizer`, the teacher's, renders the chat prompts of `train.self_distill_chat`."""
     tc = config.train
     want = settings(config, tuple(stop_ids))
     path = workdir / FILE
@@ -63,6 +94,10 @@ def self_distilled(corpus: Corpus, teacher, config: Config, workdir, stop_ids=()
             tqdm.write(f"{path} was made with other settings: sampling the teacher again")
     from specjax.decode.api import generate
     starts = prompts(corpus, config)
+    if tc.self_distill_chat:
+        starts = chat_prompts(starts, tokenizer)
+    else:
+        starts = [list(map(int, p)) for p in starts]
     sampling = dataclasses.replace(config.sampling, drafter="model", num_drafts=1,
                                    max_new_tokens=tc.seq_len + 1 - tc.self_distill_prompt,
                                    eos_id=tuple(stop_ids) if stop_ids else -1).validate()
@@ -71,8 +106,8 @@ def self_distilled(corpus: Corpus, teacher, config: Config, workdir, stop_ids=()
                desc="sampling the teacher")
     for first in range(0, len(starts), BATCH):
         batch = starts[first:first + BATCH]
-        result = generate(teacher, None, batch.tolist(), sampling, seed=tc.seed + first)
-        pieces += [np.concatenate([p, np.asarray(t, np.int32)]) for p, t in zip(batch, result.tokens)]
+        result = generate(teacher, None, batch, sampling, seed=tc.seed + first)
+        pieces += [np.asarray(p + list(t), np.int32) for p, t in zip(batch, result.tokens)]
         bar.update(len(batch))
     bar.close()
     tokens = np.concatenate(pieces)

@@ -262,7 +262,8 @@ def train(config: Config, workdir=None, progress: bool = True, devices=None) -> 
         corpus = load_corpus(config, teacher_tokenizer, progress and is_main)
         if tc.self_distill:
             stop_ids = config.sampling.stop_ids or tuple(getattr(teacher_tokenizer, "stop_ids", ()))
-            corpus = samples.self_distilled(corpus, teacher, config, workdir, stop_ids, progress and is_main)
+            corpus = samples.self_distilled(corpus, teacher, config, workdir, stop_ids, progress and is_main,
+                                            teacher_tokenizer)
         batches = Batches(corpus, tc, mesh)
         log = MetricsLog(workdir / METRICS_FILE, enabled=is_main)
 

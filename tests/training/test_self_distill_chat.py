@@ -1,0 +1,76 @@
+"""train.self_distill_chat: the teacher's samples are its replies inside its chat template
+(the tiny Qwen2 fixture of tests/fixtures/hf, whose tokenizer carries Qwen2's template)."""
+from __future__ import annotations
+
+import json
+import pathlib
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from specjax.config import Config, ConfigError, SamplingConfig, TrainConfig
+from specjax.model import full_forward
+from specjax.training import samples
+from specjax.training.corpus import Corpus
+from specjax.weights import hf
+from conftest import mesh_for
+
+QWEN2 = pathlib.Path(__file__).parents[1] / "fixtures" / "hf" / "qwen2"
+TEXT = "def merge(a, b):\n    return sorted(a + b)\n\nclass Stack:\n    def push(self, x):\n        self.items.append(x)\n"
+SAMPLES, WINDOW, SEQ_LEN = 10, 4, 8  # each reply SEQ_LEN + 1 - WINDOW = 5 tokens (no stop ids)
+# Qwen2's template with no system message of the chat's own, written out here.
+HEAD = "<|im_start|>system\nYou are a helpful assistant.<|im_end|>\n<|im_start|>user\n"
+TAIL = "<|im_end|>\n<|im_start|>assistant\n"
+
+
+def distilled(tmp_path, chat: bool):
+    with jax.set_mesh(mesh_for("1x1")):
+        teacher, tok = hf.load(QWEN2, mesh_for("1x1"))
+        stream = np.asarray(tok.encode(TEXT) * 4, np.int32)
+        corpus = Corpus(train=stream, val=stream[:20], tokenizer_file=None, description="two snippets")
+        config = Config(name="chat", target=teacher.cfg, sampling=SamplingConfig(temperature=0),
+                        train=TrainConfig(seq_len=SEQ_LEN, self_distill=SAMPLES, self_distill_prompt=WINDOW,
+                                          self_distill_chat=chat, val_fraction=0.1, teacher_hf=str(QWEN2))).validate()
+        samples.self_distilled(corpus, teacher, config, tmp_path, stop_ids=(), progress=False, tokenizer=tok)
+        windows = samples.prompts(corpus, config)
+    with np.load(tmp_path / samples.FILE) as saved:
+        return teacher, tok, windows, saved["tokens"], json.loads(bytes(saved["settings"]).decode())
+
+
+def test_chat_samples_are_the_teachers_greedy_replies_to_chat_prompts(tmp_path):
+    """Sample i is window i's text in the user message CHAT_KINDS[i % 5] of Qwen2's template
+    (the rendering written out by hand above), then the teacher's greedy reply (checked by
+    its own forward over the sample: each reply token the argmax after the tokens before
+    it). The control: without the flag, the samples start with the raw windows."""
+    teacher, tok, windows, tokens, settings = distilled(tmp_path, chat=True)
+    assert settings["chat"] == list(samples.CHAT_KINDS)
+    at = 0
+    for i, window in enumerate(windows):
+        message = samples.CHAT_KINDS[i % len(samples.CHAT_KINDS)].format(text=tok.decode(window.tolist()).strip())
+        prompt = tok.encode(HEAD + message + TAIL)
+        sample = tokens[at:at + len(prompt) + SEQ_LEN + 1 - WINDOW]
+        at += len(sample)
+        np.testing.assert_array_equal(sample[:len(prompt)], prompt)
+        with jax.set_mesh(mesh_for("1x1")):
+            greedy = np.asarray(jnp.argmax(full_forward(teacher, jnp.asarray(sample[None, :-1])), axis=-1))[0]
+        np.testing.assert_array_equal(sample[len(prompt):], greedy[len(prompt) - 1:])
+    assert at == len(tokens) and SAMPLES > len(samples.CHAT_KINDS)  # every kind, in turn
+
+    _, _, windows, raw, settings = distilled(tmp_path / "raw", chat=False)
+    assert "chat" not in settings
+    np.testing.assert_array_equal(raw[:WINDOW], windows[0])
+    assert not np.array_equal(tokens[:WINDOW], windows[0])
+
+
+def test_chat_without_samples_or_template_is_refused_in_one_line():
+    with pytest.raises(ConfigError, match=r"train.self_distill_chat=True .* set train.self_distill > 0"):
+        TrainConfig(self_distill_chat=True).validate()
+    with pytest.raises(ConfigError, match="must be True or False"):
+        TrainConfig(self_distill=200, self_distill_chat="yes").validate()
+
+    class NoTemplate:
+        path, chat_template = "tok.model", None
+    with pytest.raises(ConfigError, match="tok.model.*has no chat template; drop train.self_distill_chat"):
+        samples.chat_prompts(np.zeros((1, 4), np.int32), NoTemplate())
