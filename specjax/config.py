@@ -559,6 +559,10 @@ class TrainConfig:
         if self.self_distill_chat and not self.self_distill:
             raise ConfigError("train.self_distill_chat=True renders the prompts of the teacher's samples: set "
                               "train.self_distill > 0 (how many), or drop train.self_distill_chat")
+        if self.self_distill_chat and not (self.teacher_hf or self.teacher_gguf):
+            raise ConfigError("train.self_distill_chat=True needs the teacher's chat template, which a Hugging Face "
+                              "directory (train.teacher_hf) or a GGUF file (train.teacher_gguf) carries; "
+                              f"train.teacher={self.teacher!r} has none")
         if self.self_distill and self.self_distill * self.val_fraction < 1:
             raise ConfigError(f"train.self_distill={self.self_distill} samples x train.val_fraction="
                               f"{self.val_fraction} "

@@ -66,12 +66,18 @@ def prompts(corpus: Corpus, config: Config) -> np.ndarray:
     return np.stack([corpus.train[s:s + tc.self_distill_prompt] for s in starts]).astype(np.int32)
 
 
-def chat_prompts(windows: np.ndarray, tokenizer) -> list[list[int]]:
-    """Window i's text as the user message CHAT_KINDS[i % len(CHAT_KINDS)] in `tokenizer`'s
-    chat template, ready for the assistant's reply, tokenised."""
+def check_chat(tokenizer) -> None:
+    """The teacher's tokenizer can render `train.self_distill_chat`'s prompts, or a one-line
+    ConfigError (checked as soon as the teacher is loaded, before the corpus)."""
     if not getattr(tokenizer, "chat_template", None):
         raise ConfigError(f"train.self_distill_chat=True: the teacher's tokenizer ({getattr(tokenizer, 'path', '?')}) "
                           "has no chat template; drop train.self_distill_chat")
+
+
+def chat_prompts(windows: np.ndarray, tokenizer) -> list[list[int]]:
+    """Window i's text as the user message CHAT_KINDS[i % len(CHAT_KINDS)] in `tokenizer`'s
+    chat template, ready for the assistant's reply, tokenised."""
+    check_chat(tokenizer)
     out = []
     for i, window in enumerate(windows):
         text = CHAT_KINDS[i % len(CHAT_KINDS)].format(text=tokenizer.decode(window.tolist()).strip())

@@ -66,9 +66,11 @@ def test_chat_samples_are_the_teachers_greedy_replies_to_chat_prompts(tmp_path):
 
 def test_chat_without_samples_or_template_is_refused_in_one_line():
     with pytest.raises(ConfigError, match=r"train.self_distill_chat=True .* set train.self_distill > 0"):
-        TrainConfig(self_distill_chat=True).validate()
+        TrainConfig(self_distill_chat=True, teacher_gguf="m.gguf").validate()
     with pytest.raises(ConfigError, match="must be True or False"):
-        TrainConfig(self_distill=200, self_distill_chat="yes").validate()
+        TrainConfig(self_distill=200, self_distill_chat="yes", teacher_gguf="m.gguf").validate()
+    with pytest.raises(ConfigError, match=r"needs the teacher's chat template.*train.teacher='tiny' has none"):
+        TrainConfig(self_distill=200, self_distill_chat=True, teacher="tiny").validate()
 
     class NoTemplate:
         path, chat_template = "tok.model", None

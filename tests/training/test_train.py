@@ -288,6 +288,10 @@ BAD_TRAIN = [
      ["train.self_distill_prompt=33", "at most train.seq_len=32"]),
     ("eagle3 self_distill negative", ["--config=tiny_eagle3", "--config.train.self_distill=-1",
                                       "--workdir={files}/eagle_run"], ["train.self_distill=-1", "integer in [0, "]),
+    ("eagle3 self_distill_chat without a template", ["--config=tiny_eagle3", "--config.train.self_distill=200",
+                                                     "--config.train.self_distill_chat=True",
+                                                     "--workdir={files}/eagle_run"],
+     ["train.self_distill_chat=True", "needs the teacher's chat template", "train.teacher='tiny'"]),
 ]
 
 
