@@ -226,8 +226,7 @@ void Attend(const Shapes& d, const float* q, const float* kc, const float* vc, c
       const Vec x = Load(pr + s);
       top = top < x ? x : top;
     }
-    float m = top[0];
-    for (int i = 1; i < kWidth; ++i) m = std::max(m, top[i]);
+    const float m = Max(top);
     Vec sum{};
     for (int64_t s = 0; s < stride; s += kWidth) {
       const Vec e = Exp(Load(pr + s) - m);

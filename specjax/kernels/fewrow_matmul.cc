@@ -652,17 +652,6 @@ struct PickA8 {
   PickedA8 Get() const { return {PanelsA8<B, G>, kQuadRow<B>}; }
 };
 
-// The largest lane of v (AVX-512: a tree of shuffles; a lane-by-lane loop is a chain of
-// dependent maximums, as long as the rounding of the group it serves).
-inline float MaxLanes(Vec v) {
-#if defined(__AVX512F__)
-  return _mm512_reduce_max_ps((__m512)v);
-#else
-  float m = v[0];
-  for (int i = 1; i < kWidth; ++i) m = std::max(m, v[i]);
-  return m;
-#endif
-}
 inline int32_t SumLanes(IVec v) {
 #if defined(__AVX512F__)
   return _mm512_reduce_add_epi32((__m512i)v);
@@ -689,7 +678,7 @@ inline float RoundGroup(const float* x, int32_t group, int8_t* q, int32_t* s) {
     const Vec a = v[i] < 0 ? -v[i] : v[i];
     m = a > m ? a : m;
   }
-  const float d = MaxLanes(m) / 127.f;
+  const float d = Max(m) / 127.f;
   if (!(d > 0.f)) return d;  // codes and sums stay zero
   const Vec dv = Splat(d), magic = Splat(12582912.f), hi = Splat(127.f), lo = Splat(-127.f);
   IVec n[kV];

@@ -41,6 +41,18 @@ inline Vec Splat(float s) {
   return v;
 #endif
 }
+// The largest of a vector's lanes (no NaN among them): AVX-512's tree of shuffles; a
+// lane-by-lane loop is a chain of dependent maximums, as long as the A8 kernel's rounding
+// of the group it serves.
+inline float Max(Vec v) {
+#if defined(__AVX512F__)
+  return _mm512_reduce_max_ps((__m512)v);
+#else
+  float m = v[0];
+  for (int i = 1; i < kWidth; ++i) m = v[i] > m ? v[i] : m;
+  return m;
+#endif
+}
 // The sum of a vector's lanes as a tree of halves (a lane-by-lane loop is a chain of
 // dependent scalar adds, which dominated the attention kernel's dot products).
 inline float Sum(Vec v) {
