@@ -77,7 +77,6 @@ def check_chat(tokenizer) -> None:
 def chat_prompts(windows: np.ndarray, tokenizer) -> list[list[int]]:
     """Window i's text as the user message CHAT_KINDS[i % len(CHAT_KINDS)] in `tokenizer`'s
     chat template, ready for the assistant's reply, tokenised."""
-    check_chat(tokenizer)
     out = []
     for i, window in enumerate(windows):
         text = CHAT_KINDS[i % len(CHAT_KINDS)].format(text=tokenizer.decode(window.tolist()).strip())
@@ -100,10 +99,7 @@ def self_distilled(corpus: Corpus, teacher, config: Config, workdir, stop_ids=()
             tqdm.write(f"{path} was made with other settings: sampling the teacher again")
     from specjax.decode.api import generate
     starts = prompts(corpus, config)
-    if tc.self_distill_chat:
-        starts = chat_prompts(starts, tokenizer)
-    else:
-        starts = [list(map(int, p)) for p in starts]
+    starts = chat_prompts(starts, tokenizer) if tc.self_distill_chat else starts.tolist()
     sampling = dataclasses.replace(config.sampling, drafter="model", num_drafts=1,
                                    max_new_tokens=tc.seq_len + 1 - tc.self_distill_prompt,
                                    eos_id=tuple(stop_ids) if stop_ids else -1).validate()

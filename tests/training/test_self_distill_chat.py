@@ -75,4 +75,4 @@ def test_chat_without_samples_or_template_is_refused_in_one_line():
     class NoTemplate:
         path, chat_template = "tok.model", None
     with pytest.raises(ConfigError, match="tok.model.*has no chat template; drop train.self_distill_chat"):
-        samples.chat_prompts(np.zeros((1, 4), np.int32), NoTemplate())
+        samples.check_chat(NoTemplate())
