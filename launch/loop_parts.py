@@ -137,7 +137,8 @@ def parts(K: int, w: Warp, rule: str, drafter: str):
             batch = q.shape[0]
             chain = drafters.Proposal(s.tokens[:, None, 1:K + 1], q[:, None, :K], jnp.full((batch, 1), K),
                                       jnp.zeros((batch, 1), jnp.int32))
-            n, _, token, empty = verify.select(rule, 1)(s.key, tree.of_chains(chain, K), q)  # as speculate lays it
+            # as speculate lays it and chooses its rule
+            n, _, token, empty = verify.select(rule, 1, False, w.greedy)(s.key, tree.of_chains(chain, K), q)
             out = never(n) + never(token) + jnp.any(bad, axis=1) + empty
         return dataclasses.replace(s, target_cache=cache.with_lengths(s.length + 2), length=s.length + 3 + out)
 
@@ -148,7 +149,8 @@ def parts(K: int, w: Warp, rule: str, drafter: str):
         out[f"{drafter} lookup"] = lookup
         out["target pass (1 token)"] = lambda t, d, s: target(t, d, s, 1, False)
     out[f"target pass ({K + 1} tokens)"] = lambda t, d, s: target(t, d, s, K + 1, False)
-    out[f"target + warp + {rule} verify"] = lambda t, d, s: target(t, d, s, K + 1, True)
+    checked = verify.chosen(rule, 1, False, w.greedy)
+    out[f"target + warp + {checked} verify"] = lambda t, d, s: target(t, d, s, K + 1, True)
     return out
 
 

@@ -70,7 +70,7 @@ class LoopTrace:
     q: np.ndarray  # [L+1, V] the target's q_1..q_{L+1}, from its one scoring pass
     num_accepted: int  # n: x_1..x_n were kept
     next_token: int  # drawn from the residual at n+1, or the bonus from q_{L+1} (n == L)
-    verify: str = "tokenwise"  # the rule that decided n: 'tokenwise' (accept_prob's tests), 'block' or 'tree'
+    verify: str = "tokenwise"  # the rule that decided n: 'tokenwise' (accept_prob's tests), 'block', 'greedy' or 'tree'
     # (several drafts: draft_tokens, p and q are the winning chain's, the one whose path was kept; a grown
     # tree's: its kept path, then the first child of each node below it)
 
@@ -135,7 +135,8 @@ def explain_loop(target: LM, draft: LM | None, prompt: Sequence[int], sampling: 
         out = explain_program(*prog.args, **prog.settings)
     x, p, length, q, n, token = distributed.fetch(out)
     m = int(length[0])
-    rule = verify.chosen(prog.sampling.verify, prog.sampling.num_drafts, prog.sampling.draft_tree == "dynamic")
+    rule = verify.chosen(prog.sampling.verify, prog.sampling.num_drafts, prog.sampling.draft_tree == "dynamic",
+                         prog.sampling.temperature == 0)
     return LoopTrace(x[0, :m].tolist(), p[0, :m], q[0, :m + 1], int(n[0]), int(token[0]), rule)
 
 

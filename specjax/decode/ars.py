@@ -7,7 +7,7 @@ import dataclasses
 import jax
 import jax.numpy as jnp
 
-from specjax.decode.warping import Warp, sample, warp
+from specjax.decode.warping import Warp, draw, warp
 from specjax.decode.metrics import Stats
 from specjax.decode.state import gather_rows, prefill, stop_after, token_buffer, write_rows
 from specjax.kv_cache import KVCache
@@ -32,7 +32,7 @@ def step(target: LM, s: ArsState, warping: Warp, max_new: jax.Array, eos_id: int
     logits, cache = target.extend(gather_rows(s.tokens, pending)[:, None], pending[:, None], s.cache)
     key, sub = jax.random.split(s.key)
     probs, bad_probs = warp(logits[:, 0], warping)
-    token, empty = sample(sub, probs)
+    token, empty = draw(sub, probs, warping)
     bad = (bad_probs | empty) & ~s.done
     active = ~s.done & ~bad
     count, finished = stop_after(token[:, None], active.astype(jnp.int32), s.stats.num_new, max_new, eos_id)

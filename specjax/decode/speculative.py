@@ -122,8 +122,8 @@ def speculate(target: LM, drafter: Drafter, s: SpsState, settings: Settings):
     logits, fresh = target(scored, positions, s.target_cache, visible, features=drafter.features)
     q, target_bad = warp(logits, warping)
     target_bad = jnp.any(target_bad, axis=1)
-    num_accepted, path, next_token, empty = verify.select(settings.verify, M, bool(settings.tree_nodes))(
-        accept_key, nodes, q)
+    rule = verify.select(settings.verify, M, bool(settings.tree_nodes), warping.greedy)
+    num_accepted, path, next_token, empty = rule(accept_key, nodes, q)
     # One chain: its nodes in order are the kept path (no gather, and the commit writes them as a block).
     kept = None if nodes.single_chain else path
     along = lambda a: a if kept is None else jnp.take_along_axis(a, kept.reshape(kept.shape + (1,) * (a.ndim - 2)),

@@ -12,11 +12,13 @@ only by a published lossless rule):
   tokenwise  the paper's modified rejection sampling (Algorithm 2), token by token;
   block      block verification (Sun et al. 2025): the same outputs decided jointly,
              never fewer accepted tokens in expectation (one chain);
+  greedy     what both chain rules do at temperature 0, from the target's argmaxes;
   tree       SpecInfer's multi-round rule over a tree: M chains or a grown tree whose
              siblings are drawn without replacement (`tree.accept`).
 
-`select(name, num_drafts, grown)` is the one place a rule is chosen: SamplingConfig.verify
-for one chain, the tree rule for several or for a grown tree.
+`select(name, num_drafts, grown, greedy)` is the one place a rule is chosen:
+SamplingConfig.verify for one chain (greedy at temperature 0), the tree rule for several
+or for a grown tree.
 """
 from __future__ import annotations
 
@@ -24,7 +26,7 @@ import jax
 import jax.numpy as jnp
 
 from specjax.decode import tree
-from specjax.decode.warping import sample
+from specjax.decode.warping import first_max, sample
 
 
 def acceptance_draws(key: jax.Array, shape) -> jax.Array:
@@ -130,19 +132,40 @@ def block(key, nodes, q):
     return on_chain_zero(accept_block, key, nodes, q)
 
 
+def greedy(key, nodes, q):
+    """Temperature 0, one chain: each q_j is one-hot at the target's argmax t_j, and for
+    any p both chain rules then keep the leading drafts equal to t and emit t at the first
+    other one (the bonus t_{L+1} after all L). Tokenwise accepts x_j iff u p_j(x_j) <
+    q_j(x_j), i.e. iff x_j = t_j, and its residual max(0, q_j - p_j) has all its mass,
+    1 - p_j(t_j) > 0, at t_j. Block: w_i stays 1 along the matches and is 0 from the first
+    other draft m on, so h_{m-1} = 1 (S_{m-1} = 1 - p_m(t_m) > 0) and h_i = 0 for i >= m
+    (S_i = 0), and tau = m - 1 (L, where h_L = w_L = 1, when all match); the residual at
+    tau is one-hot at t again. The same outcome read from the argmaxes alone: no
+    vocabulary-wide residuals, cumulative sums or draws in the loop."""
+    del key
+    t = first_max(q)  # [B, K+1]: one-hot rows, so their hot tokens
+    x = nodes.x
+    drafted = drafted_mask(x, jnp.sum(nodes.drafted, axis=1))
+    match = (x == t[:, :x.shape[1]]) & drafted
+    n = jnp.sum(jnp.cumprod(match, axis=1), axis=1).astype(jnp.int32)
+    token = jnp.take_along_axis(t, n[:, None], axis=1)[:, 0]
+    return n, tree.single_chain_path(n, nodes.lookahead), token, jnp.zeros(n.shape, bool)
+
+
 def several(key, nodes, q):
     """SpecInfer's multi-round rule over the tree (M chains, or a grown tree)."""
     return tree.accept(key, nodes, q)
 
 
-RULES = {"tokenwise": tokenwise, "block": block, "tree": several}
+RULES = {"tokenwise": tokenwise, "block": block, "greedy": greedy, "tree": several}
 
 
-def chosen(name: str, num_drafts: int, grown: bool = False) -> str:
-    """The rule a loop verifies with: `name` (SamplingConfig.verify: 'tokenwise' or
-    'block') for one chain, 'tree' for several chains or a grown tree."""
-    return "tree" if num_drafts > 1 or grown else name
+def chosen(name: str, num_drafts: int, grown: bool = False, greedy: bool = False) -> str:
+    """The rule a loop verifies with: 'tree' for several chains or a grown tree; for one
+    chain 'greedy' at temperature 0 (what both chain rules do there), else `name`
+    (SamplingConfig.verify: 'tokenwise' or 'block')."""
+    return "tree" if num_drafts > 1 or grown else "greedy" if greedy else name
 
 
-def select(name: str, num_drafts: int, grown: bool = False):
-    return RULES[chosen(name, num_drafts, grown)]
+def select(name: str, num_drafts: int, grown: bool = False, greedy: bool = False):
+    return RULES[chosen(name, num_drafts, grown, greedy)]

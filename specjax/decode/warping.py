@@ -72,7 +72,7 @@ def warp(logits: jax.Array, w: Warp) -> tuple[jax.Array, jax.Array]:
     bad = ~jnp.all(jnp.isfinite(logits), axis=-1)
     vocab = logits.shape[-1]
     if w.greedy:
-        return jax.nn.one_hot(jnp.argmax(logits, axis=-1), vocab, dtype=jnp.float32), bad
+        return jax.nn.one_hot(first_max(logits), vocab, dtype=jnp.float32), bad
     gap = logits - jnp.max(logits, axis=-1, keepdims=True)  # <= 0, exactly 0 at the top
     # gap / T as 0 at the top whatever T is: with T a constant XLA turns the division into a
     # multiply by 1/T, which is inf for T below ~3e-39, and 0 * inf is NaN; with T traced (the
@@ -88,6 +88,18 @@ def warp(logits: jax.Array, w: Warp) -> tuple[jax.Array, jax.Array]:
     if w.cuts:
         probs = nucleus(probs, w.top_p, w.kernels)
     return probs, bad | ~jnp.all(jnp.isfinite(probs), axis=-1)
+
+
+def first_max(values: jax.Array) -> jax.Array:
+    """`jnp.argmax` over the last axis (the first of tied maxima), as a maximum and then
+    the least index holding it: two plain reductions, where XLA:CPU's argmax (one
+    reduction over (value, index) pairs) runs element by element, ~3x the time over a
+    49k vocabulary (benchmarks/micro.md). A row holding NaN, which `warp` marks bad, gets
+    its last index (jnp.argmax: its first NaN's)."""
+    top = jnp.max(values, axis=-1, keepdims=True)
+    size = values.shape[-1]
+    index = jnp.min(jnp.where(values == top, jnp.arange(size, dtype=jnp.int32), size), axis=-1)
+    return jnp.minimum(index, size - 1)
 
 
 def nucleus(probs: jax.Array, top_p: float, kernels: Kernels = DEFAULT_KERNELS) -> jax.Array:
@@ -176,6 +188,17 @@ def sample(key: jax.Array, probs: jax.Array) -> tuple[jax.Array, jax.Array]:
     total = cdf[..., -1:]
     u = jax.random.uniform(key, probs.shape[:-1] + (1,), jnp.float32) * total
     first_above = jnp.sum(cdf <= u, axis=-1)
-    last_with_mass = probs.shape[-1] - 1 - jnp.argmax(jnp.flip(probs, axis=-1) > 0, axis=-1)
+    size = probs.shape[-1]
+    last_with_mass = jnp.max(jnp.where(probs > 0, jnp.arange(size, dtype=jnp.int32), -1), axis=-1)
+    last_with_mass = jnp.where(last_with_mass < 0, size - 1, last_with_mass)  # none: the last token
     empty = ~((total > 0) & (total < jnp.inf))[..., 0]  # NaN fails both comparisons
     return jnp.minimum(first_above, last_with_mass).astype(jnp.int32), empty
+
+
+def draw(key: jax.Array, probs: jax.Array, w: Warp) -> tuple[jax.Array, jax.Array]:
+    """`sample` from `warp(..., w)`'s probabilities; at temperature 0 they are a one-hot,
+    whose token is read off (`first_max`) without the cumulative sum a draw over the
+    vocabulary costs: the same token, and never empty."""
+    if w.greedy:
+        return first_max(probs), jnp.zeros(probs.shape[:-1], bool)
+    return sample(key, probs)

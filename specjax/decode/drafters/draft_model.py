@@ -20,7 +20,7 @@ import jax.numpy as jnp
 
 from specjax.config import SamplingConfig, UsageError
 from specjax.decode.drafters.base import SOURCES, Drafter, Expansion, Proposal, Verdict, point_mass
-from specjax.decode.warping import Warp, sample, warp
+from specjax.decode.warping import Warp, draw, warp
 from specjax.decode.state import prefill
 from specjax import kv_cache, sharding
 from specjax.kv_cache import KVCache
@@ -83,7 +83,7 @@ def model_proposal(draft: LM, cache: KVCache, tokens: jax.Array, length: jax.Arr
 
     def propose(logits, going, j):
         probs, bad_probs = warp(logits, warping)
-        x, empty = sample(keys[j], probs)
+        x, empty = draw(keys[j], probs, warping)
         if first is not None:
             x = jnp.where(j == 0, first, x)
             probs = jnp.where(j == 0, point_mass(x, probs.shape[-1]), probs)

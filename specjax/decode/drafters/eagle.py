@@ -42,7 +42,8 @@ import jax.numpy as jnp
 
 from specjax.config import SamplingConfig
 from specjax.decode.drafters.base import SOURCES, Drafter, Expansion, Proposal, Verdict
-from specjax.decode.warping import sample, warp
+from specjax.decode import warping as warping_lib
+from specjax.decode.warping import warp
 from specjax import heads as heads_lib
 from specjax.heads import Heads
 from specjax import kv_cache
@@ -140,7 +141,7 @@ class EagleDrafter(Drafter):
             # Over the draft vocabulary where the layer has one: x is drawn from the warped
             # softmax over its N tokens, and p is that distribution, zero elsewhere.
             probs, bad = warp(unembed.logits(feature)[:, 0], warping)
-            x, empty = sample(keys[j], probs)
+            x, empty = warping_lib.draw(keys[j], probs, warping)
             return unembed.tokens(x), unembed.spread(probs), bad | empty
 
         def step(carry, j):

@@ -38,7 +38,7 @@ from specjax import kv_cache
 from specjax.config import ModelConfig, SamplingConfig, UsageError
 from specjax.decode.drafters.base import SOURCES, Drafter, Expansion, Proposal, Verdict, point_mass
 from specjax.decode.state import prefill
-from specjax.decode.warping import sample, warp
+from specjax.decode.warping import draw, warp
 from specjax.kv_cache import KVCache
 from specjax.model import LM, mask_id
 
@@ -114,7 +114,7 @@ class ParallelDrafter(Drafter):
         logits, cache = self.one_pass(state, tokens, length, K)
         probs, bad = warp(logits, warping)
         probs = jnp.broadcast_to(probs[:, None], (batch, M) + probs.shape[1:])  # [B, M, K, V]
-        x, empty = sample(key, probs)  # every chain and position an independent draw
+        x, empty = draw(key, probs, warping)  # every chain and position an independent draw
         if M > 1 and warping.greedy:
             _, ranked = jax.lax.top_k(logits[:, 0], M)  # [B, M], p_1's most likely first
             x = x.at[:, :, 0].set(ranked)
