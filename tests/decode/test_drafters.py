@@ -146,14 +146,14 @@ def unwarped_draft_p(case):
     unwarped = lambda logits, _: (jax.nn.softmax(logits.astype(jnp.float32), axis=-1),  # noqa: E731
                                   jnp.zeros(logits.shape[:-1], bool))
     return [(draft_model, "warp", unwarped),
-            (draft_model, "sample", lambda key, probs: sample(key, warp(jnp.log(probs), w)[0]))]
+            (draft_model, "draw", lambda key, probs, _: sample(key, warp(jnp.log(probs), w)[0]))]
 
 
 def greedy_draft_soft_p(case):
     """transformers #32867: a greedy draft (argmax tokens) whose soft probabilities are
     used as p, where p must be the point mass it really was."""
-    return [(draft_model, "sample", lambda key, probs: (jnp.argmax(probs, axis=-1).astype(jnp.int32),
-                                                     jnp.zeros(probs.shape[:-1], bool)))]
+    return [(draft_model, "draw", lambda key, probs, _: (jnp.argmax(probs, axis=-1).astype(jnp.int32),
+                                                      jnp.zeros(probs.shape[:-1], bool)))]
 
 
 WRONG = {

@@ -99,13 +99,13 @@ def test_int8_layer_with_a_draft_vocabulary_follows_the_target(models, patch):
 def test_negative_control_token_not_drawn_from_p_is_rejected(models, patch):
     """Each draft token drawn from sqrt(p) (renormalised: flatter), while p is what
     verification reads."""
-    real = eagle.sample
+    real = eagle.draw
 
-    def flattened(key, probs):
+    def flattened(key, probs, warping):
         root = jnp.sqrt(probs)
-        return real(key, root / jnp.sum(root, axis=-1, keepdims=True))
+        return real(key, root / jnp.sum(root, axis=-1, keepdims=True), warping)
 
-    patch([(eagle, "sample", flattened)])
+    patch([(eagle, "draw", flattened)])
     pvalue, _ = run(models, CASES["ragged_temperature_0.7_top_k_12_top_p_0.9_K3"], N_NEGATIVE)
     assert pvalue < ALPHA
 

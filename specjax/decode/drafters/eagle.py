@@ -42,8 +42,7 @@ import jax.numpy as jnp
 
 from specjax.config import SamplingConfig
 from specjax.decode.drafters.base import SOURCES, Drafter, Expansion, Proposal, Verdict
-from specjax.decode import warping as warping_lib
-from specjax.decode.warping import warp
+from specjax.decode.warping import draw, warp
 from specjax import heads as heads_lib
 from specjax.heads import Heads
 from specjax import kv_cache
@@ -137,22 +136,22 @@ class EagleDrafter(Drafter):
         keys = jax.random.split(key, K)
         unembed = self.unembed if self.unembed is not None else heads_lib.Unembedding(self.target)
 
-        def draw(feature, j):
+        def drafted(feature, j):
             # Over the draft vocabulary where the layer has one: x is drawn from the warped
             # softmax over its N tokens, and p is that distribution, zero elsewhere.
             probs, bad = warp(unembed.logits(feature)[:, 0], warping)
-            x, empty = warping_lib.draw(keys[j], probs, warping)
+            x, empty = draw(keys[j], probs, warping)
             return unembed.tokens(x), unembed.spread(probs), bad | empty
 
         def step(carry, j):
             feature, cache = carry
-            x, probs, bad = draw(feature, j)
+            x, probs, bad = drafted(feature, j)
             feature, cache = self.heads.eagle_step(self.target, feature, x[:, None], (pending + j)[:, None], cache,
                                                    self.table, self.feature_weight, up=not folded)
             return (feature, cache), (x, probs, bad)
 
         (feature, cache), (xs, ps, bads) = jax.lax.scan(step, (feature, cache), jnp.arange(K - 1))
-        x_last, p_last, bad_last = draw(feature, K - 1)
+        x_last, p_last, bad_last = drafted(feature, K - 1)
         x = jnp.concatenate([xs, x_last[None]], axis=0).T  # [B, K]
         p = jnp.concatenate([ps, p_last[None]], axis=0).transpose(1, 0, 2)  # [B, K, V]
         bad = jnp.any(bads, axis=0) | bad_last
