@@ -523,6 +523,10 @@ class TrainConfig:
     # (an instruction of a few fixed kinds around the corpus window's text), so that a chat
     # model's drafter learns the replies it will draft (`training.samples.CHAT_KINDS`).
     self_distill_chat: bool = False
+    # True: the loss counts only the positions whose next token the teacher generated (its
+    # replies), not the prompts it was given (EAGLE trains on the assistant's turns alone):
+    # a drafter drafts replies, and a prompt's corpus text is not the teacher's own.
+    self_distill_replies: bool = False
     # Start from another trained model's params instead of a random init (PARD's low-cost
     # adaptation of an autoregressive draft into a parallel one): a config name (its default
     # checkpoint) or a checkpoint directory, of the same model but for parallel_draft; the
@@ -559,6 +563,10 @@ class TrainConfig:
         if self.self_distill_chat and not self.self_distill:
             raise ConfigError("train.self_distill_chat=True renders the prompts of the teacher's samples: set "
                               "train.self_distill > 0 (how many), or drop train.self_distill_chat")
+        _flag(self, "self_distill_replies")
+        if self.self_distill_replies and not self.self_distill:
+            raise ConfigError("train.self_distill_replies=True counts the teacher's replies in its samples: set "
+                              "train.self_distill > 0 (how many), or drop train.self_distill_replies")
         if self.self_distill_chat and not (self.teacher_hf or self.teacher_gguf):
             raise ConfigError("train.self_distill_chat=True needs the teacher's chat template, which a Hugging Face "
                               "directory (train.teacher_hf) or a GGUF file (train.teacher_gguf) carries; "

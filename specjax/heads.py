@@ -478,8 +478,9 @@ def training_time_test(heads: Heads, target: LM, inputs: jax.Array, hidden: jax.
 
 
 def heads_loss(tc: TrainConfig):
-    """loss(heads, target LM, batch [B, T+1], distill weight w) -> (loss, metrics), the
-    target frozen (no gradient reaches it). Medusa: the mean over heads of
+    """loss(heads, target LM, batch [B, T+1], distill weight w, counted [B, T+1] or None)
+    -> (loss, metrics), the target frozen (no gradient reaches it); each mean is over the
+    rows whose predicted token `counted` marks (every row where None). Medusa: the mean over heads of
     w * T^2 * KL(target_T at t+m || head m at t) + (1 - w) * CE on token t+1+m. EAGLE: the
     same mix for the token its predicted feature gives, plus, where it reads the final
     hidden state, the smooth-L1 error of that feature against the target's (EAGLE's
@@ -488,10 +489,10 @@ def heads_loss(tc: TrainConfig):
     terms, for the token j places further on from the layer's own fed-back feature
     (`training_time_test`), weigh 0.8^j (EAGLE-3's weights), summed; the logged 'ce' and
     'kl' are step 0's (teacher-forced, as an n = 1 layer's), 'kl_last' the last step's."""
-    from specjax.training.losses import cross_entropy, distill_kl
+    from specjax.training.losses import cross_entropy, distill_kl, mean_over
     temp = tc.distill_temperature
 
-    def eagle_loss(heads: Heads, target: LM, batch: jax.Array, w):
+    def eagle_loss(heads: Heads, target: LM, batch: jax.Array, w, counted=None):
         inputs = batch[:, :-1]
         T = inputs.shape[1]
         reads = heads.features
@@ -500,25 +501,27 @@ def heads_loss(tc: TrainConfig):
         predictions = training_time_test(heads, target, inputs, hidden, min(heads.cfg.test_steps, T - 1))
         for j, mine in enumerate(predictions):  # features at t+1+j
             logits = target.logits(mine)  # token t+2+j
-            ce = cross_entropy(logits, batch[:, 2 + j:])
-            kl = distill_kl(target_logits[:, 1 + j:], logits, temp)
+            mine_counted = None if counted is None else counted[:, 2 + j:]  # the token each row predicts
+            ce = cross_entropy(logits, batch[:, 2 + j:], mine_counted)
+            kl = distill_kl(target_logits[:, 1 + j:], logits, temp, mine_counted)
             term = w * temp ** 2 * kl + (1 - w) * ce
             if reads is True:
                 error = jnp.abs(mine.astype(jnp.float32) - hidden[:, 1 + j:].astype(jnp.float32))
-                regression = jnp.mean(jnp.where(error < 1.0, 0.5 * error ** 2, error - 0.5))  # smooth L1, as EAGLE's
+                regression = mean_over(jnp.mean(jnp.where(error < 1.0, 0.5 * error ** 2, error - 0.5), axis=-1),
+                                       mine_counted)  # smooth L1, as EAGLE's
                 term = term + regression
                 metrics.setdefault("regression", regression)
             loss = loss + 0.8 ** j * term
-            plain_kl = kl if temp == 1.0 else distill_kl(target_logits[:, 1 + j:], logits)
+            plain_kl = kl if temp == 1.0 else distill_kl(target_logits[:, 1 + j:], logits, 1.0, mine_counted)
             if j == 0:
                 metrics.update(ce=ce, kl=plain_kl)
             elif j == len(predictions) - 1:
                 metrics["kl_last"] = plain_kl
         return loss, {**metrics, "loss": loss}
 
-    def loss_fn(heads: Heads, target: LM, batch: jax.Array, w):
+    def loss_fn(heads: Heads, target: LM, batch: jax.Array, w, counted=None):
         if heads.cfg.kind in EAGLE_KINDS:
-            return eagle_loss(heads, target, batch, w)
+            return eagle_loss(heads, target, batch, w, counted)
         inputs = batch[:, :-1]
         target_logits, hidden = jax.lax.stop_gradient(full_forward(target, inputs, features=True))
         logits = heads.logits(target, hidden)  # [B, T, H, V]
@@ -526,9 +529,10 @@ def heads_loss(tc: TrainConfig):
         ce, kl, kl1 = [], [], []
         for m in range(min(heads.cfg.num_heads, T - 1)):  # head m+1 at t: token t+2+m, target's q at t+1+m
             mine = logits[:, :T - 1 - m, m]
-            ce.append(cross_entropy(mine, batch[:, 2 + m:]))
-            kl.append(distill_kl(target_logits[:, 1 + m:], mine, temp))
-            kl1.append(kl[-1] if temp == 1.0 else distill_kl(target_logits[:, 1 + m:], mine))
+            mine_counted = None if counted is None else counted[:, 2 + m:]
+            ce.append(cross_entropy(mine, batch[:, 2 + m:], mine_counted))
+            kl.append(distill_kl(target_logits[:, 1 + m:], mine, temp, mine_counted))
+            kl1.append(kl[-1] if temp == 1.0 else distill_kl(target_logits[:, 1 + m:], mine, 1.0, mine_counted))
         ce, kl = jnp.mean(jnp.stack(ce)), jnp.mean(jnp.stack(kl))
         loss = w * temp ** 2 * kl + (1 - w) * ce
         return loss, {"ce": ce, "kl": jnp.mean(jnp.stack(kl1)), "loss": loss}

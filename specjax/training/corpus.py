@@ -53,6 +53,10 @@ class Corpus:
     val: np.ndarray
     tokenizer_file: Optional[pathlib.Path]  # None: synthetic data
     description: str
+    # 1 where the loss counts the token as a target, 0 where it does not (a prompt's, with
+    # `train.self_distill_replies`), aligned with train / val; None: every token counts.
+    train_counted: Optional[np.ndarray] = None
+    val_counted: Optional[np.ndarray] = None
 
 
 def load_corpus(config: Config, teacher_tokenizer=None, progress: bool = True) -> Corpus:
@@ -132,16 +136,24 @@ class Batches:
     def _device(self, local: np.ndarray) -> jax.Array:
         return jax.make_array_from_process_local_data(self.sharding, local, self.shape)
 
-    def train(self, step: int) -> jax.Array:
+    def train(self, step: int) -> tuple[jax.Array, jax.Array]:
+        """(tokens, counted): batch `step`'s windows and, window for window, which of their
+        tokens the loss counts as targets (all, unless the corpus says otherwise)."""
         tc = self.tc
-        return self._device(data.get_batch(self.corpus.train, step, tc.batch_size, tc.seq_len, tc.seed,
-                                           process_index=self.block, process_count=self.blocks))
+        windows = lambda stream: data.get_batch(stream, step, tc.batch_size, tc.seq_len, tc.seed,  # noqa: E731
+                                                process_index=self.block, process_count=self.blocks)
+        return self._pair(windows(self.corpus.train),
+                          None if self.corpus.train_counted is None else windows(self.corpus.train_counted))
 
-    def validation(self) -> list[jax.Array]:
+    def validation(self) -> list[tuple[jax.Array, jax.Array]]:
         tc = self.tc
-        return [self._device(b) for b in data.eval_batches(
-            self.corpus.val, tc.batch_size, tc.seq_len, tc.eval_batches,
-            process_index=self.block, process_count=self.blocks)]
+        windows = lambda stream: data.eval_batches(stream, tc.batch_size, tc.seq_len, tc.eval_batches,  # noqa: E731
+                                                   process_index=self.block, process_count=self.blocks)
+        counted = (None,) * tc.eval_batches if self.corpus.val_counted is None else windows(self.corpus.val_counted)
+        return [self._pair(b, c) for b, c in zip(windows(self.corpus.val), counted)]
+
+    def _pair(self, tokens: np.ndarray, counted: np.ndarray | None) -> tuple[jax.Array, jax.Array]:
+        return self._device(tokens), self._device(np.ones_like(tokens) if counted is None else counted)
 
     def _hyper_host(self, step: int) -> dict[str, np.ndarray]:
         return {"step": np.int32(step), "distill_weight": np.float32(self.tc.distill_weight)}
@@ -151,8 +163,9 @@ class Batches:
         return {k: jax.make_array_from_process_local_data(self.replicated, v, ())
                 for k, v in self._hyper_host(step).items()}
 
-    def abstract(self) -> tuple[jax.ShapeDtypeStruct, dict]:
-        """(batch, hyper) as the compiled train step sees them."""
-        return (jax.ShapeDtypeStruct(self.shape, jnp.int32, sharding=self.sharding),
+    def abstract(self) -> tuple[jax.ShapeDtypeStruct, jax.ShapeDtypeStruct, dict]:
+        """(batch, counted, hyper) as the compiled train step sees them."""
+        window = jax.ShapeDtypeStruct(self.shape, jnp.int32, sharding=self.sharding)
+        return (window, window,
                 {k: jax.ShapeDtypeStruct((), v.dtype, sharding=self.replicated)
                  for k, v in self._hyper_host(0).items()})

@@ -26,17 +26,29 @@ from specjax.config import TrainConfig
 from specjax.model import LM, full_forward, mask_id
 
 
-def cross_entropy(logits: jax.Array, targets: jax.Array) -> jax.Array:
-    """Mean next-token negative log-likelihood (nats), float32."""
+def mean_over(values: jax.Array, counted: jax.Array | None) -> jax.Array:
+    """The mean of `values` over the positions `counted` marks (all where None; 0 where
+    none is marked)."""
+    if counted is None:
+        return jnp.mean(values)
+    counted = counted.astype(jnp.float32)
+    return jnp.sum(values * counted) / jnp.maximum(jnp.sum(counted), 1.0)
+
+
+def cross_entropy(logits: jax.Array, targets: jax.Array, counted: jax.Array | None = None) -> jax.Array:
+    """Mean next-token negative log-likelihood (nats), float32, over the positions
+    `counted` marks (all where None)."""
     logp = jax.nn.log_softmax(logits.astype(jnp.float32), axis=-1)
-    return -jnp.mean(jnp.take_along_axis(logp, targets[..., None], axis=-1))
+    return -mean_over(jnp.take_along_axis(logp, targets[..., None], axis=-1)[..., 0], counted)
 
 
-def distill_kl(teacher_logits: jax.Array, student_logits: jax.Array, temperature: float = 1.0) -> jax.Array:
-    """Mean over positions of KL(teacher_T || student_T), softmax(logits / T), float32."""
+def distill_kl(teacher_logits: jax.Array, student_logits: jax.Array, temperature: float = 1.0,
+               counted: jax.Array | None = None) -> jax.Array:
+    """Mean over positions (those `counted` marks; all where None) of KL(teacher_T ||
+    student_T), softmax(logits / T), float32."""
     t = jax.nn.log_softmax(teacher_logits.astype(jnp.float32) / temperature, axis=-1)
     s = jax.nn.log_softmax(student_logits.astype(jnp.float32) / temperature, axis=-1)
-    return jnp.mean(jnp.sum(jnp.exp(t) * (t - s), axis=-1))
+    return mean_over(jnp.sum(jnp.exp(t) * (t - s), axis=-1), counted)
 
 
 def parallel_layout(length: int, lookahead: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
@@ -72,26 +84,30 @@ def parallel_forward(student: LM, inputs: jax.Array) -> tuple[jax.Array, np.ndar
 
 
 def make_loss(tc: TrainConfig, distill: bool) -> Callable:
-    """loss(student LM, teacher LM or None, batch [B, T+1], distill weight) -> (loss,
-    metrics). The weight is a traced scalar: one compiled step serves every mix."""
+    """loss(student LM, teacher LM or None, batch [B, T+1], distill weight, counted [B,
+    T+1] or None) -> (loss, metrics): means over the positions whose target token
+    `counted` marks (every position where None). The weight is a traced scalar: one
+    compiled step serves every mix."""
     temp = tc.distill_temperature
 
-    def loss_fn(student: LM, teacher: Optional[LM], batch: jax.Array, w):
+    def loss_fn(student: LM, teacher: Optional[LM], batch: jax.Array, w, counted: jax.Array | None = None):
         inputs, targets = batch[:, :-1], batch[:, 1:]
+        counted = None if counted is None else counted[:, 1:]
         if student.cfg.parallel_draft > 1:
             logits, positions = parallel_forward(student, inputs)
             targets = targets[:, positions]
+            counted = None if counted is None else counted[:, positions]
         else:
             logits, positions = full_forward(student, inputs), None
-        ce = cross_entropy(logits, targets)
+        ce = cross_entropy(logits, targets, counted)
         metrics = {"ce": ce}
         loss = ce
         if distill:
             teacher_logits = jax.lax.stop_gradient(full_forward(teacher, inputs))
             if positions is not None:
                 teacher_logits = teacher_logits[:, positions]
-            kl = distill_kl(teacher_logits, logits, temp)
-            metrics["kl"] = kl if temp == 1.0 else distill_kl(teacher_logits, logits)
+            kl = distill_kl(teacher_logits, logits, temp, counted)
+            metrics["kl"] = kl if temp == 1.0 else distill_kl(teacher_logits, logits, 1.0, counted)
             loss = w * temp ** 2 * kl + (1 - w) * ce
         metrics["loss"] = loss
         return loss, metrics

@@ -93,38 +93,49 @@ def self_distilled(corpus: Corpus, teacher, config: Config, workdir, stop_ids=()
     path = workdir / FILE
     if path.exists():
         with np.load(io.BytesIO(path.read_bytes())) as saved:
-            if json.loads(bytes(saved["settings"]).decode()) == want:
-                return _as_corpus(corpus, saved["tokens"], config, "read back")
+            same = json.loads(bytes(saved["settings"]).decode()) == want
+            marked = "generated" in saved  # files made before the marks hold none
+            if same and (marked or not tc.self_distill_replies):
+                return _as_corpus(corpus, saved["tokens"], saved["generated"] if marked else None, config,
+                                  "read back")
         if jax.process_index() == 0:
-            tqdm.write(f"{path} was made with other settings: sampling the teacher again")
+            why = "before its samples marked the teacher's own tokens" if same else "with other settings"
+            tqdm.write(f"{path} was made {why}: sampling the teacher again")
     from specjax.decode.api import generate
     starts = prompts(corpus, config)
     starts = chat_prompts(starts, tokenizer) if tc.self_distill_chat else starts.tolist()
     sampling = dataclasses.replace(config.sampling, drafter="model", num_drafts=1,
                                    max_new_tokens=tc.seq_len + 1 - tc.self_distill_prompt,
                                    eos_id=tuple(stop_ids) if stop_ids else -1).validate()
-    pieces = []
+    pieces, generated = [], []
     bar = tqdm(total=len(starts), disable=not (progress and jax.process_index() == 0), unit="sample",
                desc="sampling the teacher")
     for first in range(0, len(starts), BATCH):
         batch = starts[first:first + BATCH]
         result = generate(teacher, None, batch, sampling, seed=tc.seed + first)
         pieces += [np.asarray(p + list(t), np.int32) for p, t in zip(batch, result.tokens)]
+        generated += [np.repeat(np.uint8([0, 1]), [len(p), len(t)]) for p, t in zip(batch, result.tokens)]
         bar.update(len(batch))
     bar.close()
-    tokens = np.concatenate(pieces)
+    tokens, generated = np.concatenate(pieces), np.concatenate(generated)
     if jax.process_index() == 0:
         out = io.BytesIO()
-        np.savez(out, tokens=tokens, settings=np.frombuffer(json.dumps(want).encode(), np.uint8))
+        np.savez(out, tokens=tokens, generated=generated, settings=np.frombuffer(json.dumps(want).encode(), np.uint8))
         if is_remote(path):
             path.write_bytes(out.getvalue())
         else:
             atomic_write_bytes(pathlib.Path(os.fspath(path)), out.getvalue())
-    return _as_corpus(corpus, tokens, config, "sampled")
+    return _as_corpus(corpus, tokens, generated, config, "sampled")
 
 
-def _as_corpus(corpus: Corpus, tokens: np.ndarray, config: Config, how: str) -> Corpus:
-    train, val = data.split_train_val(tokens, config.train.val_fraction)
-    return dataclasses.replace(corpus, train=train, val=val, description=(
-        f"{config.train.self_distill:,} samples of the teacher ({len(tokens):,} tokens, {how}) continuing "
-        f"prompts from {corpus.description}"))
+def _as_corpus(corpus: Corpus, tokens: np.ndarray, generated: np.ndarray | None, config: Config,
+               how: str) -> Corpus:
+    """The samples as the corpus's streams; with `train.self_distill_replies`, also which
+    of their tokens count as targets (`generated`: 1 for the teacher's own, 0 for a prompt's)."""
+    tc = config.train
+    train, val = data.split_train_val(tokens, tc.val_fraction)
+    counted = data.split_train_val(generated, tc.val_fraction) if tc.self_distill_replies else (None, None)
+    share = f", the loss on its {int(generated.sum()):,} own" if tc.self_distill_replies else ""
+    return dataclasses.replace(corpus, train=train, val=val, train_counted=counted[0], val_counted=counted[1],
+                               description=f"{tc.self_distill:,} samples of the teacher ({len(tokens):,} tokens"
+                               f"{share}, {how}) continuing prompts from {corpus.description}")

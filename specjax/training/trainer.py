@@ -93,10 +93,11 @@ def opt_state_shardings(optimizer, params, mesh):
 
 def make_steps(student: LM | Heads, teacher: Optional[LM], optimizer, tc: TrainConfig, mesh, opt_sh):
     """(train_step, eval_step), jitted. train_step(params, opt_state, teacher_params,
-    batch, hyper) -> (params, opt_state, metrics) with params and optimiser state donated
-    and kept on their shardings; `hyper` holds scalars ('step' feeds the logged learning
-    rate, 'distill_weight' the loss). eval_step(params, teacher_params, batch) -> {'ce',
-    'kl' (with a teacher)}. A `Heads` student trains on its frozen target, the teacher."""
+    batch, counted, hyper) -> (params, opt_state, metrics) with params and optimiser state
+    donated and kept on their shardings; `counted` marks the batch's tokens the loss counts
+    as targets (`Batches.train`); `hyper` holds scalars ('step' feeds the logged learning
+    rate, 'distill_weight' the loss). eval_step(params, teacher_params, batch, counted) ->
+    {'ce', 'kl' (with a teacher)}. A `Heads` student trains on its frozen target, the teacher."""
     param_sh = sharding.param_shardings(student.params, mesh)
     loss_fn = heads_loss(tc) if isinstance(student, Heads) else make_loss(tc, teacher is not None)
     schedule = learning_rate_schedule(tc)
@@ -105,19 +106,19 @@ def make_steps(student: LM | Heads, teacher: Optional[LM], optimizer, tc: TrainC
         t = None if teacher is None else LM(teacher.cfg, teacher.graphdef, teacher_params)
         return dataclasses.replace(student, params=params), t
 
-    def train_step(params, opt_state, teacher_params, batch, hyper):
+    def train_step(params, opt_state, teacher_params, batch, counted, hyper):
         def objective(p):
             s, t = rebuild(p, teacher_params)
-            return loss_fn(s, t, batch, hyper["distill_weight"])
+            return loss_fn(s, t, batch, hyper["distill_weight"], counted)
 
         (_, metrics), grads = jax.value_and_grad(objective, has_aux=True)(params)
         updates, opt_state = optimizer.update(grads, opt_state, params)
         params = optax.apply_updates(params, updates)
         return params, opt_state, dict(metrics, grad_norm=optax.global_norm(grads), lr=schedule(hyper["step"]))
 
-    def eval_step(params, teacher_params, batch):
+    def eval_step(params, teacher_params, batch, counted):
         s, t = rebuild(params, teacher_params)
-        metrics = loss_fn(s, t, batch, 0.0)[1]
+        metrics = loss_fn(s, t, batch, 0.0, counted)[1]
         return {k: v for k, v in metrics.items() if k in ("ce", "kl")}
 
     train_jit = jax.jit(train_step, donate_argnums=(0, 1), out_shardings=(param_sh, opt_sh, None))
@@ -326,8 +327,8 @@ def train(config: Config, workdir=None, progress: bool = True, devices=None) -> 
 
             def validate(step):
                 totals: dict[str, float] = {}
-                for b in val_batches:
-                    for k, v in jax.device_get(eval_step(params, teacher_params, b)).items():
+                for b, c in val_batches:
+                    for k, v in jax.device_get(eval_step(params, teacher_params, b, c)).items():
                         totals[k] = totals.get(k, 0.0) + float(v) / len(val_batches)
                 values = {"val_loss": totals["ce"], **({"val_kl": totals["kl"]} if "kl" in totals else {})}
                 log.write("val", step, **values)
@@ -363,9 +364,10 @@ def train(config: Config, workdir=None, progress: bool = True, devices=None) -> 
                        dynamic_ncols=True, unit="step")
             with StopRequest() as stop:
                 while step < tc.steps and not stop(step):
-                    batch, hyper = batches.train(step), batches.hyper(step)
+                    (batch, counted), hyper = batches.train(step), batches.hyper(step)
                     with jax.transfer_guard("disallow"):
-                        params, opt_state, metrics = train_step(params, opt_state, teacher_params, batch, hyper)
+                        params, opt_state, metrics = train_step(params, opt_state, teacher_params, batch, counted,
+                                                                hyper)
                     step += 1
                     if pending:
                         # At most two steps in flight: the host prepares batch s+1 while

@@ -297,3 +297,23 @@ def test_corpora_sentencepiece_cannot_use_say_what_to_change(corpora, tmp_path, 
     if "of at least" in message:  # and the vocabulary size it names is enough
         enough = int(re.search(r"of at least (\d+)", message).group(1))
         train_tokenizer([corpora / name], tmp_path / "tok", enough)
+
+
+def test_counted_windows_are_the_tokens_windows():
+    """Batches hand the train step, window for window, which tokens count as targets: the
+    same windows of the corpus's counted stream as of its tokens (here counted = token
+    parity, so a misaligned window shows), for training steps and for validation; a
+    corpus without one counts every token."""
+    rng = np.random.default_rng(0)
+    tokens = rng.integers(0, 1000, 4000).astype(np.int32)
+    train, val = data.split_train_val(tokens, 0.1)
+    tc = TrainConfig(seq_len=16, batch_size=4, eval_batches=3)
+    marked = Batches(Corpus(train, val, None, "parity", train_counted=train % 2, val_counted=val % 2), tc,
+                     mesh_for("1x1"))
+    for step in (0, 1, 7):
+        batch, counted = marked.train(step)
+        assert np.array_equal(np.asarray(counted), np.asarray(batch) % 2)
+    pairs = marked.validation()
+    assert len(pairs) == 3 and all(np.array_equal(np.asarray(c), np.asarray(b) % 2) for b, c in pairs)
+    batch, counted = Batches(Corpus(train, val, None, "plain"), tc, mesh_for("1x1")).train(0)
+    assert np.asarray(counted).min() == 1 and np.array_equal(np.asarray(batch), np.asarray(marked.train(0)[0]))

@@ -76,3 +76,63 @@ def test_chat_without_samples_or_template_is_refused_in_one_line():
         path, chat_template = "tok.model", None
     with pytest.raises(ConfigError, match="tok.model.*has no chat template; drop train.self_distill_chat"):
         samples.check_chat(NoTemplate())
+
+
+def test_replies_only_counts_the_teachers_own_tokens(tmp_path):
+    """train.self_distill_replies: the samples file marks each token the teacher generated
+    (1) or was given (0: the rendered chat prompt, its length from the template written
+    out above), and the corpus counts exactly the marked ones, train and validation split
+    like the tokens. Without the flag the corpus counts every token (None), and a file
+    made before the marks is still read back; with it, such a file is sampled again."""
+    _, tok, windows, tokens, _ = distilled(tmp_path, chat=True)
+    with np.load(tmp_path / samples.FILE) as saved:
+        generated = saved["generated"]
+    at = 0
+    for i, window in enumerate(windows):
+        message = samples.CHAT_KINDS[i % len(samples.CHAT_KINDS)].format(text=tok.decode(window.tolist()).strip())
+        given = len(tok.encode(HEAD + message + TAIL))
+        np.testing.assert_array_equal(generated[at:at + given], 0)
+        np.testing.assert_array_equal(generated[at + given:at + given + SEQ_LEN + 1 - WINDOW], 1)
+        at += given + SEQ_LEN + 1 - WINDOW
+    assert at == len(tokens) == len(generated)
+
+    marked = replies_corpus(tmp_path, replies=True)
+    val = max(1, round(len(tokens) * 0.1))
+    np.testing.assert_array_equal(marked.train_counted, generated[:-val])
+    np.testing.assert_array_equal(marked.val_counted, generated[-val:])
+    np.testing.assert_array_equal(marked.train, tokens[:-val])
+    plain = replies_corpus(tmp_path, replies=False)
+    assert plain.train_counted is None and plain.val_counted is None
+
+    # A file from before the marks: read back as it is without the flag, sampled again with it.
+    np.savez(tmp_path / samples.FILE, tokens=np.full_like(tokens, 7),
+             settings=np.frombuffer(json.dumps(samples.settings(config_of(replies=False), ())).encode(), np.uint8))
+    assert (replies_corpus(tmp_path, replies=False).train == 7).all()
+    again = replies_corpus(tmp_path, replies=True)
+    np.testing.assert_array_equal(again.train, tokens[:-val])
+    np.testing.assert_array_equal(again.train_counted, generated[:-val])
+
+
+def config_of(replies: bool, teacher_cfg=None) -> Config:
+    if teacher_cfg is None:
+        teacher_cfg = hf.read_config(QWEN2).model
+    return Config(name="chat", target=teacher_cfg, sampling=SamplingConfig(temperature=0),
+                  train=TrainConfig(seq_len=SEQ_LEN, self_distill=SAMPLES, self_distill_prompt=WINDOW,
+                                    self_distill_chat=True, self_distill_replies=replies, val_fraction=0.1,
+                                    teacher_hf=str(QWEN2))).validate()
+
+
+def replies_corpus(workdir, replies: bool) -> Corpus:
+    with jax.set_mesh(mesh_for("1x1")):
+        teacher, tok = hf.load(QWEN2, mesh_for("1x1"))
+        stream = np.asarray(tok.encode(TEXT) * 4, np.int32)
+        corpus = Corpus(train=stream, val=stream[:20], tokenizer_file=None, description="two snippets")
+        return samples.self_distilled(corpus, teacher, config_of(replies, teacher.cfg), workdir, stop_ids=(),
+                                      progress=False, tokenizer=tok)
+
+
+def test_replies_only_without_samples_is_refused_in_one_line():
+    with pytest.raises(ConfigError, match=r"train.self_distill_replies=True .* set train.self_distill > 0"):
+        TrainConfig(self_distill_replies=True, teacher_gguf="m.gguf").validate()
+    with pytest.raises(ConfigError, match="must be True or False"):
+        TrainConfig(self_distill=200, self_distill_replies="yes", teacher_gguf="m.gguf").validate()

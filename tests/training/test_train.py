@@ -292,6 +292,9 @@ BAD_TRAIN = [
                                                      "--config.train.self_distill_chat=True",
                                                      "--workdir={files}/eagle_run"],
      ["train.self_distill_chat=True", "needs the teacher's chat template", "train.teacher='tiny'"]),
+    ("eagle3 self_distill_replies without samples", ["--config=tiny_eagle3", "--config.train.self_distill_replies=True",
+                                                     "--workdir={files}/eagle_run"],
+     ["train.self_distill_replies=True", "set train.self_distill > 0"]),
 ]
 
 
