@@ -12,7 +12,8 @@ only by a published lossless rule):
   tokenwise  the paper's modified rejection sampling (Algorithm 2), token by token;
   block      block verification (Sun et al. 2025): the same outputs decided jointly,
              never fewer accepted tokens in expectation (one chain);
-  greedy     what both chain rules do at temperature 0, from the target's argmaxes;
+  greedy     what both chain rules do at temperature 0, from the target's argmaxes
+             (`accept_greedy`);
   tree       SpecInfer's multi-round rule over a tree: M chains or a grown tree whose
              siblings are drawn without replacement (`tree.accept`).
 
@@ -111,6 +112,24 @@ def accept_block(key: jax.Array, x: jax.Array, p: jax.Array, q: jax.Array, lengt
     return (tau, *resample(resample_key, q, p, weight, tau))
 
 
+def accept_greedy(key: jax.Array, x: jax.Array, p: jax.Array, q: jax.Array, length: jax.Array | None = None):
+    """Temperature 0, where each q_j is one-hot at the target's argmax t_j: what `accept`
+    and `accept_block` decide there, for any p, read from the argmaxes alone (no
+    vocabulary-wide residuals, cumulative sums or draws). Same signature and meaning.
+
+    Tokenwise accepts x_j iff u p_j(x_j) < q_j(x_j), i.e. iff x_j = t_j, and its residual
+    max(0, q_j - p_j) has all its mass, 1 - p_j(t_j) > 0, at t_j. Block: w_i stays 1 along
+    the matches and is 0 from the first other draft m on, so h_{m-1} = 1 (S_{m-1} = 1 -
+    p_m(t_m) > 0) and h_i = 0 for i >= m (S_i = 0), and tau = m - 1 (L, where h_L = w_L = 1,
+    when all L match); the residual at tau is one-hot at t again. So both keep the leading
+    drafts equal to t and emit t after them (the bonus t_{L+1} after all L)."""
+    del key, p
+    t = first_max(q)  # [B, K+1]: the one-hot rows' tokens
+    match = (x == t[:, :x.shape[1]]) & drafted_mask(x, length)
+    n = jnp.sum(jnp.cumprod(match, axis=1), axis=1).astype(jnp.int32)
+    return n, jnp.take_along_axis(t, n[:, None], axis=1)[:, 0], jnp.zeros(n.shape, bool)
+
+
 # --------------------------------------------------------------------------- the rules
 
 
@@ -122,8 +141,8 @@ def on_chain_zero(rule, key, nodes, q):
     return n, tree.single_chain_path(n, nodes.lookahead), token, empty
 
 
-# `accept`, `accept_block` and `tree.accept` are looked up when a loop is traced, so a
-# test can swap a deliberately wrong rule in (the negative controls).
+# `accept`, `accept_block`, `accept_greedy` and `tree.accept` are looked up when a loop is
+# traced, so a test can swap a deliberately wrong rule in (the negative controls).
 def tokenwise(key, nodes, q):
     return on_chain_zero(accept, key, nodes, q)
 
@@ -133,23 +152,7 @@ def block(key, nodes, q):
 
 
 def greedy(key, nodes, q):
-    """Temperature 0, one chain: each q_j is one-hot at the target's argmax t_j, and for
-    any p both chain rules then keep the leading drafts equal to t and emit t at the first
-    other one (the bonus t_{L+1} after all L). Tokenwise accepts x_j iff u p_j(x_j) <
-    q_j(x_j), i.e. iff x_j = t_j, and its residual max(0, q_j - p_j) has all its mass,
-    1 - p_j(t_j) > 0, at t_j. Block: w_i stays 1 along the matches and is 0 from the first
-    other draft m on, so h_{m-1} = 1 (S_{m-1} = 1 - p_m(t_m) > 0) and h_i = 0 for i >= m
-    (S_i = 0), and tau = m - 1 (L, where h_L = w_L = 1, when all match); the residual at
-    tau is one-hot at t again. The same outcome read from the argmaxes alone: no
-    vocabulary-wide residuals, cumulative sums or draws in the loop."""
-    del key
-    t = first_max(q)  # [B, K+1]: one-hot rows, so their hot tokens
-    x = nodes.x
-    drafted = drafted_mask(x, jnp.sum(nodes.drafted, axis=1))
-    match = (x == t[:, :x.shape[1]]) & drafted
-    n = jnp.sum(jnp.cumprod(match, axis=1), axis=1).astype(jnp.int32)
-    token = jnp.take_along_axis(t, n[:, None], axis=1)[:, 0]
-    return n, tree.single_chain_path(n, nodes.lookahead), token, jnp.zeros(n.shape, bool)
+    return on_chain_zero(accept_greedy, key, nodes, q)
 
 
 def several(key, nodes, q):

@@ -1,10 +1,10 @@
-"""Temperature 0 without vocabulary-wide work: `verify.greedy` (the rule a one-chain loop
-verifies with at temperature 0), `warping.first_max` (the argmax `warp` reads greedy
+"""Temperature 0 without vocabulary-wide work: `verify.accept_greedy` (what the rule a
+one-chain loop verifies with at temperature 0, `verify.greedy`, runs), `warping.first_max` (the argmax `warp` reads greedy
 tokens with) and `warping.draw` (a greedy draw read off the one-hot).
 
 The references are the general rules themselves: at temperature 0 the target's q is
 one-hot, and `verify.accept` (tokenwise) and `verify.accept_block` must then decide
-exactly what `verify.greedy` decides, for any draft distribution p (point masses as a
+exactly what `verify.accept_greedy` decides, for any draft distribution p (point masses as a
 lookup's, dense ones as a draft model's at T > 0, zeros at tokens it never proposes)
 and any drafted length. Both general rules draw random numbers; with a one-hot q their
 outcome does not depend on them, which the test checks too (several keys). The negative
@@ -42,19 +42,11 @@ def cases(seed: int, dense: bool):
             jnp.asarray(length, jnp.int32))
 
 
-def as_nodes(x, p, length):
-    """One chain as `speculate` lays it for the rules."""
-    prop = Proposal(x[:, None], p[:, None], length[:, None], jnp.zeros((x.shape[0], 1), jnp.int32))
-    return tree.of_chains(prop, K)
-
-
-def every_matching_draft(key, nodes, q):
+def every_matching_draft(key, x, p, q, length=None):
     """Negative control: counts every draft equal to the target's argmax, not the leading run."""
-    del key
     t = first_max(q)
-    drafted = verify.drafted_mask(nodes.x, jnp.sum(nodes.drafted, axis=1))
-    n = jnp.sum((nodes.x == t[:, :K]) & drafted, axis=1).astype(jnp.int32)
-    return n, None, jnp.take_along_axis(t, n[:, None], axis=1)[:, 0], jnp.zeros(n.shape, bool)
+    n = jnp.sum((x == t[:, :x.shape[1]]) & verify.drafted_mask(x, length), axis=1).astype(jnp.int32)
+    return n, jnp.take_along_axis(t, n[:, None], axis=1)[:, 0], jnp.zeros(n.shape, bool)
 
 
 @pytest.mark.parametrize("dense", [False, True], ids=["point_mass_p", "dense_p"])
@@ -62,9 +54,8 @@ def every_matching_draft(key, nodes, q):
 def test_greedy_rule_decides_what_the_general_rules_decide_at_temperature_0(dense, general):
     x, p, q, length = cases(1 if dense else 0, dense)
     rule = {"tokenwise": verify.accept, "block": verify.accept_block}[general]
-    n, path, token, empty = jax.jit(verify.greedy)(jax.random.key(0), as_nodes(x, p, length), q)
+    n, token, empty = jax.jit(verify.accept_greedy)(jax.random.key(0), x, p, q, length)
     assert not np.asarray(empty).any()
-    assert np.array_equal(path, tree.single_chain_path(n, K))
     counts = np.bincount(np.asarray(n), minlength=K + 1)
     assert (counts > 0).all(), counts  # every outcome 0..K is exercised
     for seed in range(3):  # the general rules' draws do not matter when q is one-hot
@@ -72,8 +63,18 @@ def test_greedy_rule_decides_what_the_general_rules_decide_at_temperature_0(dens
         assert np.array_equal(n, want_n), (general, seed)
         assert np.array_equal(token, want_token), (general, seed)
         assert not np.asarray(want_empty).any()
-    wrong_n, _, wrong_token, _ = every_matching_draft(None, as_nodes(x, p, length), q)
+    wrong_n, _, _ = every_matching_draft(None, x, p, q, length)
     assert not np.array_equal(wrong_n, want_n)  # the negative control is told apart
+
+
+def test_greedy_rule_over_one_chain_keeps_its_leading_path():
+    """`verify.greedy`, as `speculate` calls it: the chain's kept path is its first n nodes."""
+    x, p, q, length = cases(2, False)
+    prop = Proposal(x[:, None], p[:, None], length[:, None], jnp.zeros((x.shape[0], 1), jnp.int32))
+    n, path, token, empty = jax.jit(verify.greedy)(jax.random.key(0), tree.of_chains(prop, K), q)
+    want_n, want_token, _ = verify.accept_greedy(None, x, p, q, length)
+    assert np.array_equal(n, want_n) and np.array_equal(token, want_token) and not np.asarray(empty).any()
+    assert np.array_equal(path, tree.single_chain_path(want_n, K))
 
 
 def test_chosen_rule():

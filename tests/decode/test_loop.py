@@ -33,6 +33,25 @@ def test_greedy_sps_equals_greedy_ars(pairs, mesh_name):
     assert sps.accepted.sum() > 0  # some loops really emitted accepted draft tokens
 
 
+def test_greedy_rule_is_what_the_loop_verifies_with(pairs, patch):
+    """The control of the test above: with `verify.accept_greedy` swapped for a rule that
+    keeps every draft equal to the target's argmax (not only the leading run), greedy SpS
+    no longer equals greedy ArS, so the equality checks the rule the loop runs at T = 0."""
+    from specjax.decode import verify
+    from specjax.decode.warping import first_max
+
+    def every_matching_draft(key, x, p, q, length=None):
+        t = first_max(q)
+        n = jnp.sum((x == t[:, :x.shape[1]]) & verify.drafted_mask(x, length), axis=1).astype(jnp.int32)
+        return n, jnp.take_along_axis(t, n[:, None], axis=1)[:, 0], jnp.zeros(n.shape, bool)
+
+    target, draft = pairs["1x1"]
+    greedy = SamplingConfig(temperature=0, lookahead=4, max_new_tokens=64)
+    ars = specjax.generate(target, None, RAGGED, greedy)
+    patch([(verify, "accept_greedy", every_matching_draft)])
+    assert specjax.generate(target, draft, RAGGED, greedy).tokens != ars.tokens
+
+
 # Every mode beyond the paper: block verification, adaptive K (the greedy rule reads the
 # draft's plain softmax), prompt lookup, the datastore, and hybrid (with and without one).
 MODES = {"block": dict(verify="block"), "adaptive": dict(draft_confidence=0.2),
