@@ -1,6 +1,7 @@
 """Temperature 0 without vocabulary-wide work: `verify.accept_greedy` (what the rule a
-one-chain loop verifies with at temperature 0, `verify.greedy`, runs), `warping.first_max` (the argmax `warp` reads greedy
-tokens with) and `warping.draw` (a greedy draw read off the one-hot).
+one-chain loop verifies with at temperature 0, `verify.greedy`, runs), `warping.first_max`
+(the argmax `warp` reads greedy tokens with) and `warping.draw` (a greedy draw read off the
+one-hot).
 
 The references are the general rules themselves: at temperature 0 the target's q is
 one-hot, and `verify.accept` (tokenwise) and `verify.accept_block` must then decide
