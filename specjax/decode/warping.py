@@ -94,8 +94,8 @@ def first_max(values: jax.Array) -> jax.Array:
     """`jnp.argmax` over the last axis (the first of tied maxima), as a maximum and then
     the least index holding it: two plain reductions, where XLA:CPU's argmax (one
     reduction over (value, index) pairs) runs element by element, ~3x the time over a
-    49k vocabulary (benchmarks/micro.md). A row holding NaN, which `warp` marks bad, gets
-    its last index (jnp.argmax: its first NaN's)."""
+    49k vocabulary (benchmarks/real_model.md, the greedy rule's section). A row holding
+    NaN, which `warp` marks bad, gets its last index (jnp.argmax: its first NaN's)."""
     top = jnp.max(values, axis=-1, keepdims=True)
     size = values.shape[-1]
     index = jnp.min(jnp.where(values == top, jnp.arange(size, dtype=jnp.int32), size), axis=-1)
