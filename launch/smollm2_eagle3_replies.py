@@ -8,7 +8,9 @@ assistant's turns alone the same way.
     python -m specjax.bench --config=launch/smollm2_eagle3_replies.py --gguf_target=FILE --drafter=eagle3 \\
         --draft_checkpoint=DIR --lookahead=1,2 --prompts_file=PROMPTS.jsonl --quantize=w4a8
 
-What it reaches: benchmarks/real_model.md."""
+What it reaches (benchmarks/real_model.md): fewer drafts kept than the chat layer on every
+held-out prompt (K=1 acceptance 0.14-0.28 against 0.17-0.40): the prompts' code is what the
+replies work on, and the layer learns from it too."""
 import dataclasses
 import pathlib
 
