@@ -38,12 +38,7 @@ def test_greedy_rule_is_what_the_loop_verifies_with(pairs, patch):
     keeps every draft equal to the target's argmax (not only the leading run), greedy SpS
     no longer equals greedy ArS, so the equality checks the rule the loop runs at T = 0."""
     from specjax.decode import verify
-    from specjax.decode.warping import first_max
-
-    def every_matching_draft(key, x, p, q, length=None):
-        t = first_max(q)
-        n = jnp.sum((x == t[:, :x.shape[1]]) & verify.drafted_mask(x, length), axis=1).astype(jnp.int32)
-        return n, jnp.take_along_axis(t, n[:, None], axis=1)[:, 0], jnp.zeros(n.shape, bool)
+    from test_greedy_verify import every_matching_draft
 
     target, draft = pairs["1x1"]
     greedy = SamplingConfig(temperature=0, lookahead=4, max_new_tokens=64)
