@@ -4,6 +4,13 @@ from __future__ import annotations
 from specjax.analysis.roofline import GiB, PAPER
 
 
+def _draft_passes(sp: dict) -> str:
+    """A loop's draft forwards as the roofline priced them."""
+    if sp.get("draft_pass_tokens", 1) > 1:
+        return f"{sp['draft_passes']} draft pass{'es' if sp['draft_passes'] > 1 else ''} of {sp['draft_pass_tokens']} tokens"
+    return "K draft steps"
+
+
 def _gib(n: float) -> str:
     if n < 0.01 * GiB:
         return _size(n)
@@ -124,7 +131,7 @@ def format_report(r: dict) -> str:
         out.append(f"  {'SpS loop (K=' + str(s['lookahead']) + ')':<22} {_gib(sp['hbm_bytes']):>10} "
                    f"{sp['flops'] / 1e9:>10.1f} {sp['score_ms'] + sp['draft_ms']:>6.2f}ms {sp['collectives']:>5} "
                    f"{sp['collective_ms']:>8.2f} {sp['loop_ms']:>8.2f} {fitted}  (per loop: score K+1 "
-                   f"{sp['score_ms']:.2f} ms + K draft steps {sp['draft_ms']:.2f} ms + collectives)")
+                   f"{sp['score_ms']:.2f} ms + {_draft_passes(sp)} {sp['draft_ms']:.2f} ms + collectives)")
         out += ["", "  SpS ms/token = loop / E[tokens per loop], E = (1 - alpha^(K+1)) / (1 - alpha)",
                 f"    {'alpha':>6} {'tokens/loop':>12} {'ms/token':>9} {'speedup':>8}"
                 + (f" {'fit ms':>7} {'speedup':>8}" if fit else "")]

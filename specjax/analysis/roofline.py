@@ -12,6 +12,8 @@ import math
 
 import numpy as np
 
+from specjax.decode import drafters
+
 GiB = 1024 ** 3
 ALPHAS = (0.5, 0.6, 0.7, 0.8, 0.9, 1.0)
 
@@ -198,42 +200,55 @@ def roofline(report: dict, cfg, chip: Chip) -> dict:
         return out
     K = setup["lookahead"]
     out["draft"] = step("draft", cfg.draft, "ars_draft")
+    drafter = drafters.kind(cfg.sampling.drafter)
+    num_passes, rows = drafter.draft_passes(K) if drafter.needs_draft_model else (K, 1)
+
+    def proposal(chains: int) -> tuple[list, float]:
+        """A loop's draft forwards as the drafter declares them ([(cost, times)], seconds):
+        one pass of several tokens whose distributions every chain draws from (the
+        parallel drafter), or K steps, the first re-feeding the last two tokens (K+1 for
+        each of M chains)."""
+        if rows > 1:
+            cost, s = forward_s("draft", cfg.draft, rows)
+            return [(cost, num_passes)], num_passes * s
+        first_cost, first = forward_s("draft", cfg.draft, 2 if chains == 1 else K + 1, chains)
+        rest_cost, rest = forward_s("draft", cfg.draft, 1, chains)
+        return [(first_cost, 1), (rest_cost, num_passes - 1)], first + (num_passes - 1) * rest
+
     score_cost, score = forward_s("target", cfg.target, K + 1)
-    first_cost, first = forward_s("draft", cfg.draft, 2)  # the first draft step re-feeds the last two tokens
-    rest_cost, rest = forward_s("draft", cfg.draft, 1)
+    draft_passes, draft = proposal(1)
     count, wire = collective_load(programs["sps"]["collectives_per_loop"], chip)
     coll = count * chip.collective_latency_s + wire
-    loop = score + first + (K - 1) * rest + coll
+    loop = score + draft + coll
     ars_ms = out["ars"]["ms_per_token"]
-    passes = ((score_cost, 1), (first_cost, 1), (rest_cost, K - 1))
+    passes = [(score_cost, 1)] + draft_passes
     out["sps"] = {"hbm_bytes": sum(c["hbm_bytes"] * n for c, n in passes),
                   "flops": sum(c["flops"] * n for c, n in passes),
                   "score_hbm_bytes": score_cost["hbm_bytes"], "score_flops": score_cost["flops"],
-                  "score_relative": score_cost["relative"],
-                  "score_ms": 1e3 * score, "draft_ms": 1e3 * (first + (K - 1) * rest), "collectives": count,
+                  "score_relative": score_cost["relative"], "draft_passes": num_passes, "draft_pass_tokens": rows,
+                  "score_ms": 1e3 * score, "draft_ms": 1e3 * draft, "collectives": count,
                   "collective_ms": 1e3 * coll, "loop_ms": 1e3 * loop,
                   "by_alpha": [{"alpha": a, "tokens_per_loop": tokens_per_loop(a, K),
                                 "ms_per_token": 1e3 * loop / tokens_per_loop(a, K),
                                 "speedup": ars_ms / (1e3 * loop / tokens_per_loop(a, K))} for a in ALPHAS]}
     if "sps_tree" in programs:
         # The tree pass scores 1 + M*K tokens against the same weights and cache: more
-        # FLOPs and activation bytes, the same weight and cache bytes; the draft runs its
-        # K steps over M rows (M x its cache read). Tokens per loop are measured, not
+        # FLOPs and activation bytes, the same weight and cache bytes; a draft model runs
+        # its K steps over M rows (M x its cache read), a parallel draft its one pass. Tokens per loop are measured, not
         # modelled: `break_even_ratio` (tree loop / chain loop time) is how many times the
         # chain loop's tokens per loop the tree must reach to match its ms/token.
         M = setup["num_drafts"]
         tree_cost, tree_score = forward_s("target", cfg.target, 1 + M * K)
-        tree_first_cost, tree_first = forward_s("draft", cfg.draft, K + 1, M)  # re-feeds K+1 tokens per chain
-        tree_rest_cost, tree_rest = forward_s("draft", cfg.draft, 1, M)
+        _, tree_draft = proposal(M)
         count, wire = collective_load(programs["sps_tree"]["collectives_per_loop"], chip)
         tree_coll = count * chip.collective_latency_s + wire
-        tree_loop = tree_score + tree_first + (K - 1) * tree_rest + tree_coll
+        tree_loop = tree_score + tree_draft + tree_coll
         out["sps_tree"] = {"num_drafts": M, "score_tokens": 1 + M * K, "chain_score_tokens": K + 1,
                            "score_hbm_bytes": tree_cost["hbm_bytes"], "score_flops": tree_cost["flops"],
                            "extra_score_hbm_bytes": tree_cost["hbm_bytes"] - score_cost["hbm_bytes"],
                            "extra_score_flops": tree_cost["flops"] - score_cost["flops"],
                            "score_ms": 1e3 * tree_score, "chain_score_ms": 1e3 * score,
-                           "draft_ms": 1e3 * (tree_first + (K - 1) * tree_rest), "collectives": count,
+                           "draft_ms": 1e3 * tree_draft, "collectives": count,
                            "collective_ms": 1e3 * tree_coll, "loop_ms": 1e3 * tree_loop,
                            "chain_loop_ms": 1e3 * loop, "break_even_ratio": tree_loop / loop}
     if K == PAPER["lookahead"] and is_paper_scale(cfg):

@@ -77,10 +77,12 @@ def unembedding_bytes(lm) -> int:
 
 
 def drafting_bytes(drafter, state, lookahead: int) -> int:
-    """Ideal bytes of one `propose`: K forwards of the draft model over its cache rows, or
+    """Ideal bytes of one `propose`: the draft model's forwards over its cache rows as the
+    drafter declares them (`draft_passes`: K steps, or the parallel drafter's one pass), or
     K passes of draft heads that score against the target's unembedding."""
     if type(drafter).needs_draft_model:
-        return lookahead * (weight_bytes(drafter.lm) + _cache_bytes(state))
+        passes, _ = type(drafter).draft_passes(lookahead)
+        return passes * (weight_bytes(drafter.lm) + _cache_bytes(state))
     return lookahead * (shard_bytes(drafter.heads.params) + unembedding_bytes(drafter.target) + _cache_bytes(state))
 
 

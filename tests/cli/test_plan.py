@@ -277,6 +277,33 @@ def test_plan_on_one_cpu_device_compiles_the_packed_program(tmp_path):
     assert "Traceback" not in proc.stderr and json.loads(out.read_text())
 
 
+def test_plan_prices_the_parallel_drafters_one_pass_not_k_steps(tmp_path):
+    """--drafter=parallel at K=8 proposes from ONE pass of 2K tokens: the roofline's loop
+    reads the draft's weights and cache once (K draft steps would read them 8 times), and
+    the costed proposal's ideal bytes (`steps.drafting_bytes`, what its bytes_ratio divides
+    by) count one forward where the model drafter's count K."""
+    out = tmp_path / "plan.json"
+    proc = subprocess.run([sys.executable, "-m", "specjax.plan", "--config=tiny", "--mesh=1x1", "--drafter=parallel",
+                           "--config.draft.parallel_draft=8", "--lookahead=8", f"--json={out}"],
+                          cwd=REPO, capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    report = json.loads(out.read_text())
+    sps, draft = report["roofline"]["sps"], report["models"]["draft"]
+    once = draft["weight_bytes_per_device"] + draft["cache_bytes_per_device"]
+    assert once <= sps["hbm_bytes"] - sps["score_hbm_bytes"] < 1.5 * once
+    assert (sps["draft_passes"], sps["draft_pass_tokens"]) == (1, 16)
+    assert "1 draft pass of 16 tokens" in proc.stdout
+
+    from specjax.analysis import steps
+    from specjax.decode.drafters import ModelDrafter, ParallelDrafter
+    from specjax.model import abstract_lm
+    mesh = mesh_for("1x1")
+    lm = abstract_lm(load_config("tiny").draft, mesh)
+    cache = kv_cache.cache_shapes(lm.cfg, 1, 64)
+    parallel, chain = (steps.drafting_bytes(d, cache, 8) for d in (ParallelDrafter(lm, 9), ModelDrafter(lm)))
+    assert parallel == steps.weight_bytes(lm) + roofline.shard_bytes([cache.k, cache.v]) and chain == 8 * parallel
+
+
 def test_plan_duplicates_kv_heads_on_a_wider_model_axis_and_sizes_another_chip(tmp_path):
     """tiny's target has 4 kv heads; on a 1x8 mesh the loaders store each twice so that
     every device holds the one kv head its query heads use. plan must compile that: per
