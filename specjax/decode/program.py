@@ -21,6 +21,7 @@ from typing import Any, Callable, Sequence
 import jax
 import jax.numpy as jnp
 import numpy as np
+from jax.experimental.layout import Format, Layout
 
 from specjax import distributed, sharding
 from specjax.config import SEED_LIMIT, SamplingConfig, UsageError
@@ -215,9 +216,27 @@ class Program:
         """The devices' platform ('cpu', 'tpu', ...): what the program is compiled for."""
         return self.mesh.devices.flat[0].platform
 
+    def formats(self) -> tuple:
+        """How the program takes each argument: as placed, but the drafter's arrays of two
+        or more axes (a draft model's weights) in the layout XLA chooses (`Layout.AUTO`).
+        Only the SpS program reads a draft's weights, so no other program can want them
+        laid out otherwise; the target's serve ArS and SpS programs alike and keep the
+        layout they are placed in. Held to the runtime's default layout, XLA:TPU copied
+        v5p's head_dim-64 q, k and v weights ([.., 2048, 64]) inside the program, 32 MiB
+        of temporaries for Llama-3.2-1B, where left to choose it reads them as they are
+        stored (docs/pods.md). On XLA:CPU the choice is the default layout."""
+        where = [jax.tree.map(lambda x: x.sharding, a) for a in self.args]
+        if self.mode == "sps":
+            where[1] = jax.tree.map(lambda x: Format(Layout.AUTO, x.sharding) if len(x.shape) >= 2 else x.sharding,
+                                    self.args[1])
+        return tuple(where)
+
     def lower(self):
         with jax.set_mesh(self.mesh):
-            return self.fn.lower(*self.args, **self.settings)
+            fn = functools.wraps(self.fn)(functools.partial(self.fn.__wrapped__, **self.settings))
+            # Lowered from shapes: an argument given in a layout XLA is to choose cannot be a placed array.
+            shapes = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=x.sharding), self.args)
+            return jax.jit(fn, in_shardings=self.formats()).lower(*shapes)
 
     def _key(self):
         leaves, treedef = jax.tree.flatten(self.args)
@@ -253,19 +272,31 @@ class Program:
         # so worker 0's figure shows a host that recompiles while worker 0 loads its cache.
         compile_seconds = time.perf_counter() - start
         key = self._key()
+        args = laid_out(self.args, compiled.input_formats[0])
         # The warm-up's budget is placed before the guard: its transfer is the only one.
         warm_up = WARM_UP and key not in _WARMED
         one = distributed.put(np.ones(1, np.int32), sharding.replicated(self.mesh)) if warm_up else None
         with jax.set_mesh(self.mesh):
             with jax.transfer_guard("disallow"):
                 if warm_up:
-                    jax.block_until_ready(compiled(*self.args[:-1], one))
+                    jax.block_until_ready(compiled(*args[:-1], one))
                     _WARMED.add(key)
                 start = time.perf_counter()
-                out = compiled(*self.args)
+                out = compiled(*args)
                 jax.block_until_ready(out)
             seconds = time.perf_counter() - start
         return distributed.fetch(out), seconds, compile_seconds
+
+
+def laid_out(args, formats):
+    """`args` in the layouts of `formats` (a compiled program's `input_formats[0]`): an array
+    placed in another layout (a draft weight where XLA chose one for it, `Program.formats`)
+    is copied into the chosen one, on its devices; every other array is passed as it is."""
+    def one(x, want):
+        if want is None or want.layout is None or x.format.layout == want.layout:
+            return x
+        return jax.device_put(x, want)
+    return jax.tree.map(one, args, formats)
 
 
 def fingerprint(compiled) -> str:

@@ -340,6 +340,33 @@ def test_xla_tpu_gives_chinchillas_programs_xla_cpus_collectives():
     assert not moved, moved
 
 
+@pytest.mark.skipif(not tpu.available(), reason="libtpu is not installed (pip install -e '.[tpu]')")
+def test_xla_tpu_reads_a_head_dim_64_drafts_weights_as_stored_on_v5p():
+    """llama3_70b_1b cut to 2 target layers and 2 draft layers, its SpS program compiled by
+    XLA:TPU for a v5p slice (16 chips): the draft's q, k and v ([layers, heads, 2048, 64]
+    per chip, head_dim 64 under one 128-lane tile) are read as stored, with no copy or
+    transpose in the program. Held to the runtime's default layout (the program took the
+    draft's weights as placed), XLA:TPU copied all three into a layout with head_dim
+    minor: 32 MiB of the full model's SpS temporaries per chip, q's copy once per loop."""
+    from specjax import sharding
+    from specjax.config import MeshConfig
+    from specjax.decode import program as program_lib
+    from specjax.kernels import NONE
+    cfg = load_config("llama3_70b_1b")
+    target, draft = (dataclasses.replace(c, num_layers=2) for c in (cfg.target, cfg.draft))
+    mesh = sharding.make_mesh(MeshConfig(1, 16), tpu.devices("v5p", 1, 16))
+    t, d = (abstract_lm(kv_heads.for_mesh(c, mesh), mesh).with_kernels(NONE) for c in (target, draft))
+    prog = compile_lib.planned(t, d, cfg.sampling, 1, 16, 256)
+    text = program_lib.compile_lowered(prog.lower(), prog.platform).as_text()
+    # q's and (one head per chip) k's and v's stacked shapes; a wo [2, 2, 64, 2048] is
+    # sliced a layer at a time into on-chip memory, as every weight in a layer scan is
+    weights = [[2, n, d.cfg.d_model, d.cfg.head_dim] for n in (d.cfg.num_heads // 16, d.cfg.num_kv_heads // 16)]
+    made = [(m.group(2), list(map(int, m.group(1).split(",")))) for m in
+            re.finditer(r"= bf16\[([\d,]+)\]\{[^}]*\} ([\w-]+)\(", text)]
+    moved = [(op, dims) for op, dims in made if dims in weights and op in ("copy", "transpose", "fusion")]
+    assert not moved, moved
+
+
 # A run of plan in which libtpu cannot be imported, whether or not it is installed.
 HIDE_LIBTPU = ("import importlib.abc, runpy, sys\n"
                "class Hide(importlib.abc.MetaPathFinder):\n"

@@ -33,6 +33,26 @@ def test_greedy_sps_equals_greedy_ars(pairs, mesh_name):
     assert sps.accepted.sum() > 0  # some loops really emitted accepted draft tokens
 
 
+def test_draft_weights_take_the_layout_the_compiler_chooses(pairs):
+    """The SpS program takes the draft's weights in the layout XLA chooses (`Layout.AUTO`:
+    on XLA:TPU it spared v5p a copy of Llama-3.2-1B's q, k and v inside the program), and
+    a run hands it weights placed in any other layout relaid once: a draft whose every
+    matrix is stored transposed samples the same tokens as the draft as placed, in either
+    order (before, the program compiled for the first draft's layouts refused the other's)."""
+    from jax.experimental.layout import Format, Layout
+    target, draft = pairs["1x8"]
+    transposed = jax.tree.map(lambda x: jax.device_put(x, Format(Layout(tuple(range(x.ndim))[::-1]), x.sharding))
+                              if x.ndim >= 2 else x, draft)
+    assert any(x.format.layout != y.format.layout for x, y in zip(jax.tree.leaves(draft), jax.tree.leaves(transposed)))
+    greedy = SamplingConfig(temperature=0, lookahead=4, max_new_tokens=32)
+    prog = program.build(target, transposed, RAGGED, greedy)
+    taken = [f for f in jax.tree.leaves(prog.formats()[1], is_leaf=lambda x: isinstance(x, Format))
+             if isinstance(f, Format)]
+    assert taken and all(f.layout == Layout.AUTO for f in taken)
+    assert specjax.generate(target, transposed, RAGGED, greedy).tokens == specjax.generate(target, draft, RAGGED,
+                                                                                           greedy).tokens
+
+
 def test_greedy_rule_is_what_the_loop_verifies_with(pairs, patch):
     """The control of the test above: with `verify.accept_greedy` swapped for a rule that
     keeps every draft equal to the target's argmax (not only the leading run), greedy SpS
