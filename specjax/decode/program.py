@@ -217,18 +217,20 @@ class Program:
         return self.mesh.devices.flat[0].platform
 
     def formats(self) -> tuple:
-        """How the program takes each argument: as placed, but the drafter's arrays of two
-        or more axes (a draft model's weights) in the layout XLA chooses (`Layout.AUTO`).
-        Only the SpS program reads a draft's weights, so no other program can want them
-        laid out otherwise; the target's serve ArS and SpS programs alike and keep the
-        layout they are placed in. Held to the runtime's default layout, XLA:TPU copied
+        """How the program takes each argument: as placed, but the drafter's own arrays of
+        two or more axes (a draft model's weights, draft heads) in the layout XLA chooses
+        (`Layout.AUTO`). Only the SpS program reads them, so no other program can want them
+        laid out otherwise; the target's weights serve ArS and SpS programs alike and keep
+        the layout they are placed in, also where a drafter holds them (EAGLE's
+        embedding and unembedding: the same arrays as the target's). Held to the runtime's default layout, XLA:TPU copied
         v5p's head_dim-64 q, k and v weights ([.., 2048, 64]) inside the program, 32 MiB
         of temporaries for Llama-3.2-1B, where left to choose it reads them as they are
         stored (docs/pods.md). On XLA:CPU the choice is the default layout."""
         where = [jax.tree.map(lambda x: x.sharding, a) for a in self.args]
         if self.mode == "sps":
-            where[1] = jax.tree.map(lambda x: Format(Layout.AUTO, x.sharding) if len(x.shape) >= 2 else x.sharding,
-                                    self.args[1])
+            shared = {id(x) for x in jax.tree.leaves(self.args[0])}
+            where[1] = jax.tree.map(lambda x: Format(Layout.AUTO, x.sharding)
+                                    if len(x.shape) >= 2 and id(x) not in shared else x.sharding, self.args[1])
         return tuple(where)
 
     def lower(self):

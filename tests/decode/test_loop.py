@@ -51,6 +51,17 @@ def test_draft_weights_take_the_layout_the_compiler_chooses(pairs):
     assert taken and all(f.layout == Layout.AUTO for f in taken)
     assert specjax.generate(target, transposed, RAGGED, greedy).tokens == specjax.generate(target, draft, RAGGED,
                                                                                            greedy).tokens
+    # An EAGLE drafter holds the target's own arrays (its embedding and unembedding): those
+    # keep the target's placement (a layout of their own would copy the target's weights).
+    from specjax.config import HeadsConfig
+    from specjax.heads import init_heads
+    heads = init_heads(HeadsConfig(kind="eagle3", init_seed=3), target.cfg, mesh_for("1x8"), random=True)
+    prog = program.build(target, heads, RAGGED, dataclasses.replace(greedy, drafter="eagle3"))
+    ours = {id(x) for x in jax.tree.leaves(prog.args[0])}
+    held = [(id(x) in ours, f) for x, f in zip(jax.tree.leaves(prog.args[1]), jax.tree.leaves(
+        prog.formats()[1], is_leaf=lambda f: isinstance(f, (Format, jax.sharding.Sharding))))]
+    assert any(mine for mine, _ in held) and any(isinstance(f, Format) for _, f in held)
+    assert not any(mine and isinstance(f, Format) for mine, f in held)
 
 
 def test_greedy_rule_is_what_the_loop_verifies_with(pairs, patch):
