@@ -179,6 +179,7 @@ def compile_lowered(lowered, platform: str | None = None):
 
 
 _COMPILED: dict = {}
+_JITTED: dict = {}
 _WARMED: set = set()  # compiled programs that have run once in this process
 # The untimed warm-up of `Program.run` costs a prefill and one loop per compiled program,
 # for a steady-state ms/token. SPECJAX_WARMUP=0 (read once, here) skips it where the first
@@ -234,11 +235,16 @@ class Program:
         return tuple(where)
 
     def lower(self):
-        with jax.set_mesh(self.mesh):
+        formats = self.formats()
+        leaves, treedef = jax.tree.flatten(formats)
+        key = (self.fn, self.statics, treedef, tuple(leaves))
+        if key not in _JITTED:  # one jit per program and placement: its trace is shared (plan's, generate's)
             fn = functools.wraps(self.fn)(functools.partial(self.fn.__wrapped__, **self.settings))
+            _JITTED[key] = jax.jit(fn, in_shardings=formats)
+        with jax.set_mesh(self.mesh):
             # Lowered from shapes: an argument given in a layout XLA is to choose cannot be a placed array.
             shapes = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=x.sharding), self.args)
-            return jax.jit(fn, in_shardings=self.formats()).lower(*shapes)
+            return _JITTED[key].lower(*shapes)
 
     def _key(self):
         leaves, treedef = jax.tree.flatten(self.args)
