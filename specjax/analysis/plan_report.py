@@ -7,7 +7,8 @@ from specjax.analysis.roofline import GiB, PAPER
 def _draft_passes(sp: dict) -> str:
     """A loop's draft forwards as the roofline priced them."""
     if sp.get("draft_pass_tokens", 1) > 1:
-        return f"{sp['draft_passes']} draft pass{'es' if sp['draft_passes'] > 1 else ''} of {sp['draft_pass_tokens']} tokens"
+        passes = sp["draft_passes"]
+        return f"{passes} draft pass{'es' if passes > 1 else ''} of {sp['draft_pass_tokens']} tokens"
     return "K draft steps"
 
 

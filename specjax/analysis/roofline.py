@@ -234,9 +234,10 @@ def roofline(report: dict, cfg, chip: Chip) -> dict:
     if "sps_tree" in programs:
         # The tree pass scores 1 + M*K tokens against the same weights and cache: more
         # FLOPs and activation bytes, the same weight and cache bytes; a draft model runs
-        # its K steps over M rows (M x its cache read), a parallel draft its one pass. Tokens per loop are measured, not
-        # modelled: `break_even_ratio` (tree loop / chain loop time) is how many times the
-        # chain loop's tokens per loop the tree must reach to match its ms/token.
+        # its K steps over M rows (M x its cache read), a parallel draft its one pass.
+        # Tokens per loop are measured, not modelled: `break_even_ratio` (tree loop / chain
+        # loop time) is how many times the chain loop's tokens per loop the tree must
+        # reach to match its ms/token.
         M = setup["num_drafts"]
         tree_cost, tree_score = forward_s("target", cfg.target, 1 + M * K)
         _, tree_draft = proposal(M)

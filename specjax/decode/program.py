@@ -222,11 +222,12 @@ class Program:
         two or more axes (a draft model's weights, draft heads) in the layout XLA chooses
         (`Layout.AUTO`). Only the SpS program reads them, so no other program can want them
         laid out otherwise; the target's weights serve ArS and SpS programs alike and keep
-        the layout they are placed in, also where a drafter holds them (EAGLE's
-        embedding and unembedding: the same arrays as the target's). Held to the runtime's default layout, XLA:TPU copied
-        v5p's head_dim-64 q, k and v weights ([.., 2048, 64]) inside the program, 32 MiB
-        of temporaries for Llama-3.2-1B, where left to choose it reads them as they are
-        stored (docs/pods.md). On XLA:CPU the choice is the default layout."""
+        the layout they are placed in, also where a drafter holds them (EAGLE's embedding
+        and unembedding: the same arrays as the target's). Held to the runtime's default
+        layout, XLA:TPU copied v5p's head_dim-64 q, k and v weights ([.., 2048, 64]) inside
+        the program, 32 MiB of temporaries for Llama-3.2-1B, where left to choose it picks
+        that same layout and reads them as stored (docs/pods.md). On XLA:CPU the choice is
+        the default layout."""
         where = [jax.tree.map(lambda x: x.sharding, a) for a in self.args]
         if self.mode == "sps":
             shared = {id(x) for x in jax.tree.leaves(self.args[0])}
