@@ -79,11 +79,15 @@ def unembedding_bytes(lm) -> int:
 def drafting_bytes(drafter, state, lookahead: int) -> int:
     """Ideal bytes of one `propose`: the draft model's forwards over its cache rows as the
     drafter declares them (`draft_passes`: K steps, or the parallel drafter's one pass), or
-    K passes of draft heads that score against the target's unembedding."""
+    K passes of draft heads that score against the target's unembedding; an EAGLE-3 layer's
+    w_fuse once, read by its window pass alone (later passes feed back its own features)."""
     if type(drafter).needs_draft_model:
         passes, _ = type(drafter).draft_passes(lookahead)
         return passes * (weight_bytes(drafter.lm) + _cache_bytes(state))
-    return lookahead * (shard_bytes(drafter.heads.params) + unembedding_bytes(drafter.target) + _cache_bytes(state))
+    params = drafter.heads.params
+    window = sum(shard_bytes([leaf]) for path, leaf in jax.tree_util.tree_leaves_with_path(params)
+                 if "['w_fuse']" in jax.tree_util.keystr(path))
+    return window + lookahead * (shard_bytes(params) - window + unembedding_bytes(drafter.target) + _cache_bytes(state))
 
 
 def step_functions(prog: Program) -> dict:

@@ -304,6 +304,27 @@ def test_plan_prices_the_parallel_drafters_one_pass_not_k_steps(tmp_path):
     assert parallel == steps.weight_bytes(lm) + roofline.shard_bytes([cache.k, cache.v]) and chain == 8 * parallel
 
 
+def test_the_costed_eagle3_proposal_counts_its_fusion_weight_once():
+    """An EAGLE-3 layer reads its w_fuse [len * D, D] in the window pass alone (later passes
+    feed back its own features, unfused): the costed proposal's ideal bytes exceed an EAGLE
+    layer's by w_fuse once, not K times (which put chinchilla_70b's eagle3 proposal at a
+    bytes_ratio of 0.548 on v4, 0.875 with w_fuse once)."""
+    from specjax.analysis import compile as compile_lib, steps
+    from specjax.heads import abstract_heads
+    from specjax.model import abstract_lm
+    cfg, mesh = load_config("tiny"), mesh_for("1x8")
+    target = abstract_lm(cfg.target, mesh)
+    ideal, fuse = {}, 0
+    for kind in ("eagle", "eagle3"):
+        heads = abstract_heads(HeadsConfig(kind=kind), cfg.target, mesh)
+        prog = compile_lib.planned(target, heads, dataclasses.replace(cfg.sampling, drafter=kind), 1, 16, 256)
+        ideal[kind] = steps.step_functions(prog)["propose"][2]
+        fuse += sum(math.prod(x.shape) * x.dtype.itemsize for path, x in jax.tree_util.tree_leaves_with_path(heads.params)
+                    if "w_fuse" in jax.tree_util.keystr(path))
+    assert cfg.sampling.lookahead > 1 and fuse > 0
+    assert ideal["eagle3"] - ideal["eagle"] == fuse
+
+
 def test_plan_duplicates_kv_heads_on_a_wider_model_axis_and_sizes_another_chip(tmp_path):
     """tiny's target has 4 kv heads; on a 1x8 mesh the loaders store each twice so that
     every device holds the one kv head its query heads use. plan must compile that: per
