@@ -69,11 +69,15 @@ def weight_bytes(lm) -> int:
                if not any(s in jax.tree_util.keystr(path) for s in skip))
 
 
+def named_bytes(params, name: str) -> int:
+    """Per-chip bytes of the params whose path holds `name` (e.g. "['embed']")."""
+    return sum(shard_bytes([leaf]) for path, leaf in jax.tree_util.tree_leaves_with_path(params)
+               if name in jax.tree_util.keystr(path))
+
+
 def unembedding_bytes(lm) -> int:
     """Per-chip bytes of the table that turns `lm`'s features into logits."""
-    name = "['embed']" if lm.cfg.tie_embeddings else "['unembed']"
-    return sum(shard_bytes([leaf]) for path, leaf in jax.tree_util.tree_leaves_with_path(lm.params)
-               if name in jax.tree_util.keystr(path))
+    return named_bytes(lm.params, "['embed']" if lm.cfg.tie_embeddings else "['unembed']")
 
 
 def drafting_bytes(drafter, state, lookahead: int) -> int:
@@ -85,8 +89,7 @@ def drafting_bytes(drafter, state, lookahead: int) -> int:
         passes, _ = type(drafter).draft_passes(lookahead)
         return passes * (weight_bytes(drafter.lm) + _cache_bytes(state))
     params = drafter.heads.params
-    window = sum(shard_bytes([leaf]) for path, leaf in jax.tree_util.tree_leaves_with_path(params)
-                 if "['w_fuse']" in jax.tree_util.keystr(path))
+    window = named_bytes(params, "['w_fuse']")
     return window + lookahead * (shard_bytes(params) - window + unembedding_bytes(drafter.target) + _cache_bytes(state))
 
 
