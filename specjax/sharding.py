@@ -138,6 +138,21 @@ def constrain(x: jax.Array, names: Sequence[str | None]) -> jax.Array:
     return jax.lax.with_sharding_constraint(x, logical_to_spec(names, x.shape, mesh))
 
 
+def local(fn, names: Sequence[Sequence[str | None]], out: Sequence[str | None]):
+    """`fn` applied to each device's shards of its arguments (sharded by the logical
+    `names`, one per argument, on the mesh set with `jax.set_mesh`); its result, shaped as
+    its first argument, sharded by `out`. For work that never needs another device's
+    part, written per shard (a loop over the rows a device holds). Without a mesh, `fn`."""
+    mesh = jax.sharding.get_abstract_mesh()
+    if mesh.empty:
+        return fn
+
+    def run(*args):
+        specs = tuple(logical_to_spec(n, a.shape, mesh) for n, a in zip(names, args))
+        return jax.shard_map(fn, in_specs=specs, out_specs=logical_to_spec(out, args[0].shape, mesh))(*args)
+    return run
+
+
 LANES = 128  # a TPU vector register's minor dimension
 
 

@@ -341,13 +341,17 @@ def test_xla_tpu_gives_chinchillas_programs_xla_cpus_collectives():
 
 
 @pytest.mark.skipif(not tpu.available(), reason="libtpu is not installed (pip install -e '.[tpu]')")
-def test_xla_tpu_reads_a_head_dim_64_drafts_weights_as_stored_on_v5p():
+def test_xla_tpu_reads_a_head_dim_64_drafts_weights_and_cache_as_stored_on_v5p():
     """llama3_70b_1b cut to 2 target layers and 2 draft layers, its SpS program compiled by
     XLA:TPU for a v5p slice (16 chips): the draft's q, k and v ([layers, heads, 2048, 64]
     per chip, head_dim 64 under one 128-lane tile) are read as stored, with no copy or
     transpose in the program. Held to the runtime's default layout (the program took the
     draft's weights as placed), XLA:TPU copied all three into a layout with head_dim
-    minor: 32 MiB of the full model's SpS temporaries per chip, q's copy once per loop."""
+    minor: 32 MiB of the full model's SpS temporaries per chip, q's copy once per loop.
+    The draft's cache ([2, 1, 1, S, 64] per chip) is held positions-minor, unpadded, and
+    never copied: with head_dim minor it filled half of each lane tile and every draft
+    forward copied it positions-minor for its attention (the full model: 8 MiB of padding
+    and 2 x 4 MiB of copies per chip, SpS temporaries 1.16x what the program needs)."""
     from specjax import sharding
     from specjax.config import MeshConfig
     from specjax.decode import program as program_lib
@@ -361,10 +365,14 @@ def test_xla_tpu_reads_a_head_dim_64_drafts_weights_as_stored_on_v5p():
     # q's and (one head per chip) k's and v's stacked shapes; a wo [2, 2, 64, 2048] is
     # sliced a layer at a time into on-chip memory, as every weight in a layer scan is
     weights = [[2, n, d.cfg.d_model, d.cfg.head_dim] for n in (d.cfg.num_heads // 16, d.cfg.num_kv_heads // 16)]
-    made = [(m.group(2), list(map(int, m.group(1).split(",")))) for m in
-            re.finditer(r"= bf16\[([\d,]+)\]\{[^}]*\} ([\w-]+)\(", text)]
-    moved = [(op, dims) for op, dims in made if dims in weights and op in ("copy", "transpose", "fusion")]
+    made = [(m.group(3), list(map(int, m.group(1).split(","))), m.group(2)) for m in
+            re.finditer(r"= bf16\[([\d,]+)\]\{([^}]*)\} ([\w-]+)\(", text)]
+    moved = [(op, dims) for op, dims, _ in made if dims in weights and op in ("copy", "transpose", "fusion")]
     assert not moved, moved
+    cache = [(op, layout) for op, dims, layout in made if dims == [2, 1, 1, 256, d.cfg.head_dim]]  # 256 slots
+    assert cache, "no draft cache [2, 1, 1, 256, 64] in the program"
+    assert all(layout.startswith("3,4,") for _, layout in cache), sorted(set(cache))
+    assert not [op for op, _ in cache if op in ("copy", "transpose")], sorted(set(cache))
 
 
 # A run of plan in which libtpu cannot be imported, whether or not it is installed.

@@ -241,3 +241,40 @@ def test_rope_table_lookup_equals_evaluating_sin_and_cos(tiny, monkeypatch):
     for a, b in zip(looked_up[0], evaluated[0]):
         np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=0, atol=3e-6)
     np.testing.assert_allclose(np.asarray(looked_up[1]), np.asarray(evaluated[1]), rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("mesh_name", ["1x1", "2x4"])
+@pytest.mark.parametrize("path", [False, True])
+def test_commit_writes_each_rows_slots_and_drops_what_passes_the_end(mesh_name, path):
+    """`kv_cache.commit` at ragged starts: a row well inside the cache, one at its end, one
+    whose block passes the end (those entries are dropped, the slots before keep what they
+    held) and one wholly past it; against a slot-by-slot loop in numpy. With `nodes` (a
+    tree's kept path) the pass's chosen entries land in order. On a 2x4 mesh (rows over
+    'data', kv heads over 'model') every device writes its own rows: no collective."""
+    L, B, G, S, H, U = 2, 4, 4, 9, 8, 5
+    rng = np.random.default_rng(7)
+    k, v = (rng.normal(size=(L, B, G, S, H)).astype(np.float32) for _ in range(2))
+    new_k, new_v = (rng.normal(size=(L, B, U, G, H)).astype(np.float32) for _ in range(2))
+    start = np.array([1, 5, 7, 12], np.int32)
+    nodes = np.array([[0, 2, 3], [0, 1, 4], [0, 3, 4], [0, 1, 2]], np.int32) if path else None
+    mesh = mesh_for(mesh_name)
+    with jax.set_mesh(mesh):
+        def write(k, v, fresh_k, fresh_v, start, nodes):
+            cache = kv_cache.KVCache(k, v, jnp.zeros((B,), jnp.int32))
+            return kv_cache.commit(cache, kv_cache.Fresh(fresh_k, fresh_v), start, nodes)
+        placed = [jax.device_put(a, sharding.named(mesh, kv_cache.CACHE_AXES, a.shape)) for a in (k, v)]
+        fn = jax.jit(write)
+        args = (*placed, jnp.asarray(new_k), jnp.asarray(new_v), jnp.asarray(start),
+                None if nodes is None else jnp.asarray(nodes))
+        out = fn(*args)
+        text = fn.lower(*args).compile().as_text()
+    picked = [np.arange(U)] * B if nodes is None else list(nodes)
+    for got, old, new in ((out.k, k, new_k), (out.v, v, new_v)):
+        want = old.copy()
+        for b in range(B):
+            for j, node in enumerate(picked[b]):
+                if start[b] + j < S:
+                    want[:, b, :, start[b] + j] = new[:, b, node]
+        np.testing.assert_array_equal(np.asarray(got), want)
+    np.testing.assert_array_equal(np.asarray(out.lengths), start + len(picked[0]))
+    assert not re.findall(r"\b(all-gather|all-reduce|all-to-all|collective-permute)(-start)?\(", text)
