@@ -168,12 +168,14 @@ def commit(cache: KVCache, fresh: Fresh, start: jax.Array | int, nodes: jax.Arra
             new = jnp.swapaxes(new, 2, 3).astype(buf.dtype)  # [L, b, G, T, H]
             new = jnp.concatenate([jnp.zeros_like(new), new], axis=3)  # T unused slots, then the entries
             size = (buf.shape[0], 1, buf.shape[2], width, buf.shape[4])
-            for b in range(buf.shape[1]):
+
+            def one(b, buf):
                 at = (0, b, 0, corner[b], 0)
                 moved = jax.lax.dynamic_slice(new, (0, b, 0, width + shift[b], 0), size)
                 kept = (jnp.arange(width) + shift[b] < 0)[:, None]
-                buf = jax.lax.dynamic_update_slice(buf, jnp.where(kept, jax.lax.dynamic_slice(buf, at, size), moved), at)
-            return buf
+                return jax.lax.dynamic_update_slice(buf, jnp.where(kept, jax.lax.dynamic_slice(buf, at, size), moved), at)
+            # unrolled for a few rows, a loop for many (a statistical test's thousands of rows)
+            return jax.lax.fori_loop(0, buf.shape[1], one, buf, unroll=min(buf.shape[1], 8))
 
         def put(buf, new):  # buf[l, b, :, start[b] + j] = new[l, b, j]
             return sharding.local(rows, (CACHE_AXES, FRESH_AXES, ("batch",), ("batch",)), CACHE_AXES)(
