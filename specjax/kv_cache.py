@@ -174,8 +174,11 @@ def commit(cache: KVCache, fresh: Fresh, start: jax.Array | int, nodes: jax.Arra
                 moved = jax.lax.dynamic_slice(new, (0, b, 0, width + shift[b], 0), size)
                 kept = (jnp.arange(width) + shift[b] < 0)[:, None]
                 return jax.lax.dynamic_update_slice(buf, jnp.where(kept, jax.lax.dynamic_slice(buf, at, size), moved), at)
-            # unrolled for a few rows, a loop for many (a statistical test's thousands of rows)
-            return jax.lax.fori_loop(0, buf.shape[1], one, buf, unroll=min(buf.shape[1], 8))
+            if buf.shape[1] > 8:  # a loop for many rows (a statistical test's thousands)
+                return jax.lax.fori_loop(0, buf.shape[1], one, buf)
+            for b in range(buf.shape[1]):
+                buf = one(b, buf)
+            return buf
 
         def put(buf, new):  # buf[l, b, :, start[b] + j] = new[l, b, j]
             return sharding.local(rows, (CACHE_AXES, FRESH_AXES, ("batch",), ("batch",)), CACHE_AXES)(
