@@ -99,8 +99,6 @@ def stored(buf: jax.Array) -> jax.Array:
     if mesh.empty or mesh.abstract_device.platform != "tpu":
         return buf
     layout = Layout(major_to_minor=(0, 1, 2, 4, 3) if buf.shape[-1] < sharding.LANES else (0, 1, 2, 3, 4))
-    # on each device's shard: XLA's partitioner gathers the operand of a layout constraint
-    # placed on the sharded array (EAGLE's one-layer cache: twice a step)
     return sharding.local(lambda shard: with_layout_constraint(shard, layout), (CACHE_AXES,), CACHE_AXES)(buf)
 
 
