@@ -247,16 +247,16 @@ def test_rope_table_lookup_equals_evaluating_sin_and_cos(tiny, monkeypatch):
 @pytest.mark.parametrize("path", [False, True])
 @pytest.mark.parametrize("repeat", [1, 3])  # 4 rows (written one by one) or 12 (a loop over the rows)
 def test_commit_writes_each_rows_slots_and_drops_what_passes_the_end(mesh_name, path, repeat):
-    """`kv_cache.commit` at ragged starts: a row well inside the cache, one at its end, one
-    whose block passes the end (those entries are dropped, the slots before keep what they
-    held) and one wholly past it; against a slot-by-slot loop in numpy. With `nodes` (a
+    """`kv_cache.commit` at ragged starts: a row wholly past the cache's end, one well
+    inside, one whose block passes the end (those entries are dropped, the slots before
+    keep what they held) and one at the end; against a slot-by-slot loop in numpy. With `nodes` (a
     tree's kept path) the pass's chosen entries land in order. On a 2x4 mesh (rows over
     'data', kv heads over 'model') every device writes its own rows: no collective."""
     L, B, G, S, H, U = 2, 4 * repeat, 4, 9, 8, 5
     rng = np.random.default_rng(7)
     k, v = (rng.normal(size=(L, B, G, S, H)).astype(np.float32) for _ in range(2))
     new_k, new_v = (rng.normal(size=(L, B, U, G, H)).astype(np.float32) for _ in range(2))
-    start = np.tile(np.array([1, 5, 7, 12], np.int32), repeat)
+    start = np.tile(np.array([12, 1, 5, 7], np.int32), repeat)
     nodes = np.tile(np.array([[0, 2, 3], [0, 1, 4], [0, 3, 4], [0, 1, 2]], np.int32), (repeat, 1)) if path else None
     mesh = mesh_for(mesh_name)
     with jax.set_mesh(mesh):
