@@ -172,11 +172,13 @@ def commit(cache: KVCache, fresh: Fresh, start: jax.Array | int, nodes: jax.Arra
                 moved = jax.lax.dynamic_slice(new, (0, b, 0, width + shift[b], 0), size)
                 kept = (jnp.arange(width) + shift[b] < 0)[:, None]
                 return jax.lax.dynamic_update_slice(buf, jnp.where(kept, jax.lax.dynamic_slice(buf, at, size), moved), at)
-            if buf.shape[1] > 8:  # a loop for many rows (a statistical test's thousands)
-                return jax.lax.fori_loop(0, buf.shape[1], one, buf)
-            for b in range(buf.shape[1]):
-                buf = one(b, buf)
-            return buf
+            if buf.shape[1] == 1:
+                return one(0, buf)
+            # Rows in a loop, written in place in its carry. Unrolled, a row's read of its
+            # old slots fused with the write of the row before it, and XLA:CPU copied the
+            # cache to keep both alive (a grown tree's draft cache, 1x8); thousands of rows
+            # (a statistical test's) also compiled for minutes.
+            return jax.lax.fori_loop(0, buf.shape[1], one, buf)
 
         def put(buf, new):  # buf[l, b, :, start[b] + j] = new[l, b, j]
             return sharding.local(rows, (CACHE_AXES, FRESH_AXES, ("batch",), ("batch",)), CACHE_AXES)(
