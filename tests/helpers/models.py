@@ -73,7 +73,13 @@ def cache_copies(program) -> list[str]:
     """The copies of a whole KV cache (a rank-5 array with the cache's `size` slots on axis
     3: the target's or the draft's, per device) that run inside the generation loop of a
     built `program.Program`: a cache must be carried and written in place."""
-    hlo = HloProgram(program.compile().as_text())
+    return loop_cache_copies(program.compile().as_text(), program.size)
+
+
+def loop_cache_copies(text: str, size: int) -> list[str]:
+    """`cache_copies` in compiled HLO `text` whose one data-dependent while loop carries
+    caches of `size` slots."""
+    hlo = HloProgram(text)
     _, line = hlo.generation_loop()
     found, seen, todo = [], set(), hlo._callees(line)
     while todo:
@@ -84,7 +90,7 @@ def cache_copies(program) -> list[str]:
         for instr, shape, op, text in hlo.instructions(comp):
             dims = re.match(r"\w+\[([\d,]*)\]", shape)
             if op in ("copy", "copy-start") and dims and len(dims.group(1).split(",")) == 5 \
-                    and int(dims.group(1).split(",")[3]) == program.size:
+                    and int(dims.group(1).split(",")[3]) == size:
                 found.append(f"{instr} {shape}")
             todo += hlo._callees(text)
     assert len(seen) > 1, "the generation loop calls no computation: nothing was searched"

@@ -14,6 +14,7 @@ from specjax import kv_cache, model, sharding
 from specjax.config import ConfigError, MeshConfig, SamplingConfig, load_config
 from specjax.kernels import NONE
 from conftest import mesh_for
+from models import loop_cache_copies
 
 ATOL = 2e-5  # float32: observed max |diff| ~1e-6 on these logits (magnitude ~1-10)
 
@@ -245,19 +246,21 @@ def test_rope_table_lookup_equals_evaluating_sin_and_cos(tiny, monkeypatch):
 
 @pytest.mark.parametrize("mesh_name", ["1x1", "2x4"])
 @pytest.mark.parametrize("path", [False, True])
-@pytest.mark.parametrize("repeat", [1, 3])  # 4 rows (written one by one) or 12 (a loop over the rows)
-def test_commit_writes_each_rows_slots_and_drops_what_passes_the_end(mesh_name, path, repeat):
+@pytest.mark.parametrize("B", [2, 4, 12])  # on 2x4: one row a device (written alone), 2 or 6 (a loop)
+def test_commit_writes_each_rows_slots_and_drops_what_passes_the_end(mesh_name, path, B):
     """`kv_cache.commit` at ragged starts: a row wholly past the cache's end, one well
     inside, one whose block passes the end (those entries are dropped, the slots before
     keep what they held) and one at the end; against a slot-by-slot loop in numpy. With `nodes` (a
     tree's kept path) the pass's chosen entries land in order. On a 2x4 mesh (rows over
     'data', kv heads over 'model') every device writes its own rows: no collective."""
-    L, B, G, S, H, U = 2, 4 * repeat, 4, 9, 8, 5
+    L, G, S, H, U = 2, 4, 9, 8, 5
     rng = np.random.default_rng(7)
     k, v = (rng.normal(size=(L, B, G, S, H)).astype(np.float32) for _ in range(2))
     new_k, new_v = (rng.normal(size=(L, B, U, G, H)).astype(np.float32) for _ in range(2))
-    start = np.tile(np.array([12, 1, 5, 7], np.int32), repeat)
-    nodes = np.tile(np.array([[0, 2, 3], [0, 1, 4], [0, 3, 4], [0, 1, 2]], np.int32), (repeat, 1)) if path else None
+    rows = slice(2, 4) if B == 2 else slice(0, 4)  # 2 rows: the last two of the four
+    start = np.tile(np.array([12, 1, 5, 7], np.int32)[rows], B // 4 or 1)
+    nodes = np.tile(np.array([[0, 2, 3], [0, 1, 4], [0, 3, 4], [0, 1, 2]], np.int32)[rows], (B // 4 or 1, 1)) \
+        if path else None
     mesh = mesh_for(mesh_name)
     with jax.set_mesh(mesh):
         def write(k, v, fresh_k, fresh_v, start, nodes):
@@ -279,3 +282,25 @@ def test_commit_writes_each_rows_slots_and_drops_what_passes_the_end(mesh_name, 
         np.testing.assert_array_equal(np.asarray(got), want)
     np.testing.assert_array_equal(np.asarray(out.lengths), start + len(picked[0]))
     assert not re.findall(r"\b(all-gather|all-reduce|all-to-all|collective-permute)(-start)?\(", text)
+
+
+def test_a_loop_that_commits_rows_and_reads_the_cache_writes_it_in_place():
+    """Four rows committed in a generation loop whose next step attends to the cache (as a
+    draft's refeed and first forward do): the loop holds no copy of the cache. Written one
+    row after another, XLA:CPU fused a row's read of its old slots with the write before it
+    and copied the cache to keep both alive (seven copies a loop here)."""
+    L, B, G, S, H, T = 1, 4, 1, 53, 4, 5
+
+    def step(carry):
+        i, cache, acc = carry
+        fresh = kv_cache.Fresh(jnp.full((L, B, T, G, H), i, jnp.float32), jnp.full((L, B, T, G, H), -i, jnp.float32))
+        cache = kv_cache.commit(cache, fresh, (i + jnp.arange(B) * 7) % (S - 2))
+        scores = jax.nn.softmax(jnp.einsum("bh,lbgsh->bgs", acc, cache.k))
+        return i + 1, cache, acc + jnp.einsum("bgs,lbgsh->bh", scores, cache.v)
+
+    def run(cache, acc, n):
+        return jax.lax.while_loop(lambda c: c[0] < n, step, (jnp.int32(0), cache, acc))
+
+    cache = kv_cache.KVCache(jnp.zeros((L, B, G, S, H)), jnp.zeros((L, B, G, S, H)), jnp.zeros((B,), jnp.int32))
+    text = jax.jit(run).lower(cache, jnp.ones((B, H)), jnp.int32(7)).compile().as_text()
+    assert not loop_cache_copies(text, S)
