@@ -172,7 +172,7 @@ def commit(cache: KVCache, fresh: Fresh, start: jax.Array | int, nodes: jax.Arra
                 moved = jax.lax.dynamic_slice(new, (0, b, 0, width + shift[b], 0), size)
                 kept = (jnp.arange(width) + shift[b] < 0)[:, None]
                 return jax.lax.dynamic_update_slice(buf, jnp.where(kept, jax.lax.dynamic_slice(buf, at, size), moved), at)
-            if buf.shape[1] == 1:
+            if buf.shape[1] == 1:  # one row a device (every batch-1 program): no loop at all
                 return one(0, buf)
             # Rows in a loop, written in place in its carry. Unrolled, a row's read of its
             # old slots fused with the write of the row before it, and XLA:CPU copied the
