@@ -466,12 +466,14 @@ class HeadsConfig:
                               "stream after that many target layers), or empty for the kind's own")
         _integer(self, "ttt_steps", 0, MAX_TTT_STEPS, hint=" (the training-time test's depth; 0: the kind's own)",
                  label="heads.ttt_steps")
-        if self.kind not in EAGLE_KINDS and (self.width or self.draft_vocab or self.quantize or layers
-                                             or self.ttt_steps):
-            raise ConfigError(f"heads.width={self.width}, heads.draft_vocab={self.draft_vocab}, heads.quantize="
-                              f"{self.quantize!r}, heads.feature_layers={layers!r}, heads.ttt_steps={self.ttt_steps}: "
-                              f"only EAGLE heads (heads.kind='eagle' or 'eagle3') have them, these are "
-                              f"{self.kind!r}; leave them unset")
+        if self.kind not in EAGLE_KINDS:
+            given = [f"heads.{name}={getattr(self, name)!r}" for name in ("width", "draft_vocab", "quantize",
+                                                                        "feature_layers", "ttt_steps")
+                     if getattr(self, name)]
+            if given:  # only the ones set: the defaults beside them would read as if they were at fault
+                them = "it" if len(given) == 1 else "them"
+                raise ConfigError(f"{', '.join(given)}: only EAGLE heads have {them}, these are {self.kind!r}; "
+                                  f"set heads.kind='eagle' or 'eagle3' with {them}, or leave {them} unset")
         return self
 
     def layers_for(self, num_layers: int) -> tuple[int, ...]:

@@ -337,5 +337,9 @@ def test_bad_input_names_the_problem(pairs):
         init_heads(HeadsConfig(kind="eagle", draft_vocab=40), target.cfg, mesh_for("1x1"))
     with pytest.raises(UsageError, match="draft vocabulary of heads.draft_vocab=4 distinct token ids below 32"):
         init_heads(HeadsConfig(kind="eagle", draft_vocab=4), target.cfg, mesh_for("1x1"), vocab=[1, 2, 2, 3])
-    with pytest.raises(ConfigError, match="heads.width=0, heads.draft_vocab=8, heads.quantize=.*: only EAGLE heads"):
+    # Only the options given are named (not the defaults beside them), with what fixes it.
+    with pytest.raises(ConfigError, match=r"^heads.draft_vocab=8: only EAGLE heads have it, these are 'medusa'; "
+                                          r"set heads.kind='eagle' or 'eagle3' with it, or leave it unset$"):
         HeadsConfig(kind="medusa", draft_vocab=8).validate()
+    with pytest.raises(ConfigError, match=r"^heads.width=64, heads.ttt_steps=2: only EAGLE heads have them"):
+        HeadsConfig(kind="medusa", width=64, ttt_steps=2).validate()
