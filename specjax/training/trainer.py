@@ -26,7 +26,8 @@ that produced step N); the checkpoint named N resumes with batch N and carries t
 metrics of the steps since the last record, so interrupted-and-resumed runs write the
 records of an uninterrupted one. metrics.jsonl records: {'kind': 'train', 'step', 'loss', 'ce', 'kl'
 (distilling), 'grad_norm', 'lr', 'tokens_per_s'}, {'kind': 'val', 'step', 'val_loss',
-'val_kl'}, {'kind': 'event', 'step', 'event': start | resume | stopped | done}.
+'val_kl', 'val_kl_last' (a training-time test of 2 or more steps)}, {'kind': 'event', 'step',
+'event': start | resume | stopped | done}.
 
 Several processes: each builds only its own rows of every batch
 (`jax.make_array_from_process_local_data`), only process 0 locks the workdir and writes
@@ -97,7 +98,8 @@ def make_steps(student: LM | Heads, teacher: Optional[LM], optimizer, tc: TrainC
     donated and kept on their shardings; `counted` marks the batch's tokens the loss counts
     as targets (`Batches.train`); `hyper` holds scalars ('step' feeds the logged learning
     rate, 'distill_weight' the loss). eval_step(params, teacher_params, batch, counted) ->
-    {'ce', 'kl' (with a teacher)}. A `Heads` student trains on its frozen target, the teacher."""
+    {'ce', 'kl' (with a teacher), 'kl_last' (a training-time test's last step)}. A `Heads`
+    student trains on its frozen target, the teacher."""
     param_sh = sharding.param_shardings(student.params, mesh)
     loss_fn = heads_loss(tc) if isinstance(student, Heads) else make_loss(tc, teacher is not None)
     schedule = learning_rate_schedule(tc)
@@ -119,7 +121,7 @@ def make_steps(student: LM | Heads, teacher: Optional[LM], optimizer, tc: TrainC
     def eval_step(params, teacher_params, batch, counted):
         s, t = rebuild(params, teacher_params)
         metrics = loss_fn(s, t, batch, 0.0, counted)[1]
-        return {k: v for k, v in metrics.items() if k in ("ce", "kl")}
+        return {k: v for k, v in metrics.items() if k in ("ce", "kl", "kl_last")}
 
     train_jit = jax.jit(train_step, donate_argnums=(0, 1), out_shardings=(param_sh, opt_sh, None))
     return train_jit, jax.jit(eval_step)
@@ -330,7 +332,8 @@ def train(config: Config, workdir=None, progress: bool = True, devices=None) -> 
                 for b, c in val_batches:
                     for k, v in jax.device_get(eval_step(params, teacher_params, b, c)).items():
                         totals[k] = totals.get(k, 0.0) + float(v) / len(val_batches)
-                values = {"val_loss": totals["ce"], **({"val_kl": totals["kl"]} if "kl" in totals else {})}
+                # kl_last: a training-time test's last step on held-out data, what its deepest drafts keep
+                values = {"val_loss": totals["ce"], **{f"val_{k}": totals[k] for k in ("kl", "kl_last") if k in totals}}
                 log.write("val", step, **values)
                 return values
 
