@@ -194,3 +194,41 @@ def test_forward_cost_reports_the_temporaries_and_weight_bytes_of_each_format():
     assert [r[1] for r in rows] == ["off", "off/int8", "off/int4"], proc.stdout
     assert all(len(r) == 4 and all(float(v) >= 0 for v in r[2:]) for r in rows), proc.stdout
 
+
+
+def test_parallel_ceiling_bound_is_the_best_blind_proposal_not_the_marginal():
+    """launch/parallel_ceiling.py's bound on what a drafter blind to x_1 can get accepted at
+    position 2, on cases solved by hand: rows (the target's q_2 after each x_1) weighted 0.7
+    and 0.3. Disjoint point masses: the best proposal is the heavier row's token, 0.7. Rows
+    (1, 0) and (0.5, 0.5): the marginal (0.85, 0.15) is accepted with 0.7 * 0.85 + 0.3 * 0.65
+    = 0.79, the point mass on the first token with 0.7 + 0.3 * 0.5 = 0.85, the maximum (each
+    unit of m on token 0 gains 1 up to 0.5, then 0.7; on token 1, 0.3)."""
+    sys.path.insert(0, str(REPO / "launch"))
+    try:
+        from parallel_ceiling import dual_bound
+    finally:
+        sys.path.remove(str(REPO / "launch"))
+    import numpy as np
+    w = np.array([0.7, 0.3])
+    assert dual_bound(w, np.array([[1.0, 0.0], [0.0, 1.0]])) == pytest.approx(0.7, abs=1e-9)
+    assert dual_bound(w, np.array([[1.0, 0.0], [0.5, 0.5]])) == pytest.approx(0.85, abs=1e-9)
+    assert dual_bound(w, np.array([[0.2, 0.8], [0.2, 0.8]])) == pytest.approx(1.0, abs=1e-9)  # one row: m = q
+
+
+def test_parallel_ceiling_reports_positions_two_and_three():
+    """The script end to end on tiny (random weights, no tokenizer: random prompts), depth 3:
+    each position's bound and the marginal's acceptance in [0, 1], the bound at least the
+    marginal's, and the estimate per K; bad flags get one line and exit 2."""
+    proc = subprocess.run([sys.executable, "launch/parallel_ceiling.py", "--config=tiny", "--init=random",
+                           "--num_prompts=2", "--max_new_tokens=8", "--contexts=3", "--candidates=4", "--depth=3"],
+                          cwd=REPO, capture_output=True, text=True, timeout=600,
+                          env={**os.environ, "XLA_FLAGS": xla_flags(1)})
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    found = re.findall(r"position (\d), blind to x_<\d: at most ([0-9.]+) .*the marginal's ([0-9.]+)", proc.stdout)
+    assert [f[0] for f in found] == ["2", "3"], proc.stdout
+    for _, best, marginal in found:
+        assert 0 <= float(marginal) <= float(best) + 1e-6 <= 1 + 1e-6, proc.stdout
+    assert re.search(r"K=2 [0-9.]+, .*K=8 [0-9.]+", proc.stdout), proc.stdout
+    bad = subprocess.run([sys.executable, "launch/parallel_ceiling.py", "--config=tiny", "--init=random", "--depth=4"],
+                         cwd=REPO, capture_output=True, text=True, timeout=600)
+    assert bad.returncode == 2 and "--depth=4: must be 2 or 3" in bad.stderr, bad.stderr[-2000:]
