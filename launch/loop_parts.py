@@ -9,6 +9,9 @@
 Each part runs N times inside one jitted `fori_loop` from the same prefilled state, as
 `generate` compiles it (api.compile_lowered), at batch 1:
   speculate       draft K tokens, score K+1 with the target, warp, verify (one SpS loop)
+  the loop's whole body
+                  `speculative.loop`, the generation loop's body: speculate, then emit the
+                  tokens, the stopping rule, the rollbacks and the stats (what the loop adds)
   proposal        the drafter's own K tokens alone (--drafter=model: K draft-model steps;
                   eagle, eagle3: the layer's window pass and K-1 steps; medusa: the heads), then
                   its rollback as after a loop that kept nothing
@@ -142,7 +145,15 @@ def parts(K: int, w: Warp, rule: str, drafter: str):
             out = never(n) + never(token) + jnp.any(bad, axis=1) + empty
         return dataclasses.replace(s, target_cache=cache.with_lengths(s.length + 2), length=s.length + 3 + out)
 
-    out = {"speculate (one SpS loop)": speculate}
+    def whole(t, d, s):
+        # The generation loop's own body (speculative.loop: speculate, then emit, stop, roll back,
+        # update the drafter and count the stats), its length and the target's held to
+        # `speculate`'s +3 a loop.
+        state = sps.loop(t, d, s, settings, jnp.int32(2 ** 30), -1)
+        return dataclasses.replace(state, target_cache=state.target_cache.with_lengths(s.length + 2),
+                                   length=s.length + 3 + never(state.length))
+
+    out = {"speculate (one SpS loop)": speculate, "the loop's whole body (speculative.loop)": whole}
     if drafters.draft_kind(drafter) is not None:
         out[f"{drafter} proposal (K tokens)"] = draft_tokens
     else:
