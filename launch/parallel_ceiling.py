@@ -106,11 +106,17 @@ def main(argv):
     chosen = [pool[k] for k in rng.choice(len(pool), min(contexts, len(pool)), replace=False)]
     width = program.bucket(max(len(p) + len(n) for p, n in zip(prompts, out.tokens)) + FLAGS.depth)
 
-    def last_probs(rows: list[list[int]]) -> np.ndarray:
-        """The warped distribution after each row ([len(rows), V]), rows padded to `width`."""
-        padded = [r + [0] * (width - len(r)) for r in rows]
-        probs = api.next_token_probs(target, padded, sampling)
-        return probs[np.arange(len(rows)), [len(r) - 1 for r in rows]]
+    def last_probs(rows: list[list[int]], chunk: int = 32) -> np.ndarray:
+        """The warped distribution after each row ([len(rows), V]), rows padded to `width`,
+        `chunk` rows a forward (one compiled shape; a forward returns every position's
+        distribution, so a depth-3 batch at once would hold candidates^2 * width * V floats)."""
+        out, chunk = [], min(chunk, len(rows))
+        for i in range(0, len(rows), chunk):
+            part = rows[i:i + chunk]
+            padded = [r + [0] * (width - len(r)) for r in part] + [[0] * width] * (chunk - len(part))
+            probs = api.next_token_probs(target, padded, sampling)
+            out.append(probs[np.arange(len(part)), [len(r) - 1 for r in part]])
+        return np.concatenate(out)
 
     def ceiling(weights: np.ndarray, q: np.ndarray) -> tuple[float, float]:
         """(the best any one m can do, the marginal's): over the rows r (probabilities

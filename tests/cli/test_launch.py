@@ -216,11 +216,12 @@ def test_parallel_ceiling_bound_is_the_best_blind_proposal_not_the_marginal():
 
 
 def test_parallel_ceiling_reports_positions_two_and_three():
-    """The script end to end on tiny (random weights, no tokenizer: random prompts), depth 3:
+    """The script end to end on tiny (random weights, no tokenizer: random prompts), depth 3
+    with 6 candidates (36 rows a context: a full forward of 32 and one padded):
     each position's bound and the marginal's acceptance in [0, 1], the bound at least the
     marginal's, and the estimate per K; bad flags get one line and exit 2."""
     proc = subprocess.run([sys.executable, "launch/parallel_ceiling.py", "--config=tiny", "--init=random",
-                           "--num_prompts=2", "--max_new_tokens=8", "--contexts=3", "--candidates=4", "--depth=3"],
+                           "--num_prompts=2", "--max_new_tokens=8", "--contexts=3", "--candidates=6", "--depth=3"],
                           cwd=REPO, capture_output=True, text=True, timeout=600,
                           env={**os.environ, "XLA_FLAGS": xla_flags(1)})
     assert proc.returncode == 0, proc.stderr[-3000:]
