@@ -3,7 +3,9 @@ ceiling of a parallel or block drafter (PARD's mask tokens, DFlash's block, Medu
 heads) at draft positions 2 and 3, against the 1.0 of an autoregressive one.
 
     python launch/parallel_ceiling.py --config=mini --contexts=60
-    python launch/parallel_ceiling.py --config=mini --contexts=30 --depth=3 --candidates=24
+    python launch/parallel_ceiling.py --config=mini --contexts=20 --depth=3 --candidates=12
+    python launch/parallel_ceiling.py --gguf_target=SmolLM2.gguf --quantize=w4a8 \
+        --prompts_file=launch/real_prompts.jsonl --chat --contexts=20 --candidates=16
 
 A drafter that proposes x_j without seeing x_1..x_{j-1} proposes one distribution m_j
 whatever they are, and the target's verifier tests x_j against q_j(. | ctx, x_<j): given
@@ -15,13 +17,16 @@ trained one approximates. An autoregressive drafter (the model, EAGLE) can in pr
 reach 1 at every position.
 
 Contexts are the target's own samples (what the speculation loop sees): ArS continues
-`--num_prompts` HumanEval prompts by `--max_new_tokens` tokens with the config's sampling
+`--num_prompts` HumanEval prompts (or every prompt of `--prompts_file`, through the model's
+chat template with `--chat`) by `--max_new_tokens` tokens with the config's sampling
 (temperature, top-k, top-p: the same warp as every distribution here), and `--contexts`
 positions are drawn from the continuations. x_1 (and x_2) are enumerated over the
 `--candidates` most likely tokens of each distribution; the mass they cover is reported,
 and the expectations are over that covered mass (renormalised). Every forward runs over
 one fixed width (the batch right-padded: causal attention, so padding after a position
-does not change its distribution), so the target compiles once.
+does not change its distribution) and a fixed number of rows (at most 32, fewer where the
+vocabulary is large: a forward returns every position's distribution), so the target
+compiles once or twice.
 
 The bound at position j is over x_<j drawn from the target's own distributions (as a
 perfect drafter's accepted drafts are); it is an upper bound because the dual of that
@@ -57,6 +62,10 @@ def define_flags() -> None:
     flags.DEFINE_integer("candidates", 64, "Most likely tokens enumerated for each earlier draft position.")
     flags.DEFINE_integer("depth", 2, "The last draft position measured: 2, or 3 (candidates^2 sequences a context).")
     flags.DEFINE_integer("seed", 0, "Sampling and context-choice seed.")
+    flags.DEFINE_string("prompts_file", None, "Prompts from this file instead (one per line, or JSONL with "
+                        "\"prompt\" or \"prompt_tokens\", as sample's), all of them (--num_prompts is ignored).")
+    cli.define_chat_flag()
+    cli.define_quantize_flag()
 
 
 def dual_bound(w: np.ndarray, q: np.ndarray, grid: int = 201) -> float:
@@ -88,16 +97,20 @@ def main(argv):
     if FLAGS.depth not in (2, 3):
         raise cli.UsageError(f"--depth={FLAGS.depth}: must be 2 or 3")
     seed = cli.seed("seed", FLAGS.seed)
+    raw = prompts_lib.gather(prompts_file=FLAGS.prompts_file) if FLAGS.prompts_file else None
     config = cli.config()
     sampling = dataclasses.replace(config.sampling, max_new_tokens=max_new, eos_id=-1)
-    run = setup.prepare(setup.Request(config, sampling, (), sources=cli.sources()))
+    run = setup.prepare(setup.Request(config, sampling, (), sources=cli.sources(), quantize=cli.quantize()))
     run.locate()
     run.load()
     target = run.target
     vocab = target.cfg.vocab_size
     if candidates > vocab:
         raise cli.UsageError(f"--candidates={candidates}: the vocabulary has {vocab} tokens")
-    prompts = prompts_lib.bench_prompts("humaneval", run.tokenizer, num_prompts, vocab, 64, seed)
+    if raw is not None:
+        prompts = [p.tokens for p in prompts_lib.encode(raw, run.tokenizer, run.no_tokenizer_reason, chat=FLAGS.chat)]
+    else:
+        prompts = prompts_lib.bench_prompts("humaneval", run.tokenizer, num_prompts, vocab, 64, seed, chat=FLAGS.chat)
     out = api.generate(target, None, prompts, sampling, seed=seed)
     rng = np.random.default_rng(seed)
     pool = [(i, t) for i, (p, new) in enumerate(zip(prompts, out.tokens)) for t in range(len(p) + 1, len(p) + len(new))]
@@ -106,7 +119,9 @@ def main(argv):
     chosen = [pool[k] for k in rng.choice(len(pool), min(contexts, len(pool)), replace=False)]
     width = program.bucket(max(len(p) + len(n) for p, n in zip(prompts, out.tokens)) + FLAGS.depth)
 
-    def last_probs(rows: list[list[int]], chunk: int = 32) -> np.ndarray:
+    rows_a_forward = max(1, min(32, (256 << 20) // (width * vocab * 4)))  # its output at most 256 MiB
+
+    def last_probs(rows: list[list[int]], chunk: int = rows_a_forward) -> np.ndarray:
         """The warped distribution after each row ([len(rows), V]), rows padded to `width`,
         `chunk` rows a forward (one compiled shape; a forward returns every position's
         distribution, so a depth-3 batch at once would hold candidates^2 * width * V floats)."""

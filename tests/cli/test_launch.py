@@ -230,6 +230,15 @@ def test_parallel_ceiling_reports_positions_two_and_three():
     for _, best, marginal in found:
         assert 0 <= float(marginal) <= float(best) + 1e-6 <= 1 + 1e-6, proc.stdout
     assert re.search(r"K=2 [0-9.]+, .*K=8 [0-9.]+", proc.stdout), proc.stdout
+    with tempfile.TemporaryDirectory() as tmp:  # the contexts from a prompts file's continuations
+        path = pathlib.Path(tmp) / "p.jsonl"
+        path.write_text('{"prompt_tokens": [1, 2, 3]}\n{"prompt_tokens": [4, 5]}\n')
+        proc = subprocess.run([sys.executable, "launch/parallel_ceiling.py", "--config=tiny", "--init=random",
+                               f"--prompts_file={path}", "--max_new_tokens=8", "--contexts=2", "--candidates=3"],
+                              cwd=REPO, capture_output=True, text=True, timeout=600,
+                              env={**os.environ, "XLA_FLAGS": xla_flags(1)})
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert "tiny: 2 contexts" in proc.stdout and "position 2, blind to x_<2: at most" in proc.stdout, proc.stdout
     bad = subprocess.run([sys.executable, "launch/parallel_ceiling.py", "--config=tiny", "--init=random", "--depth=4"],
                          cwd=REPO, capture_output=True, text=True, timeout=600)
     assert bad.returncode == 2 and "--depth=4: must be 2 or 3" in bad.stderr, bad.stderr[-2000:]
