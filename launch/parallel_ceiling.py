@@ -14,7 +14,8 @@ acceptance for a token drawn from m_j). The script reports c_j, the most the mea
 over x_<j ~ q can be for any m_j (the acceptance of a perfect parallel drafter there), and
 beside it the acceptance of the marginal m_j = E_{x_<j ~ q}[q_j(. | ctx, x_<j)], which a
 trained one approximates. An autoregressive drafter (the model, EAGLE) can in principle
-reach 1 at every position.
+reach 1 at every position. The question is one of sampling: at temperature 0 every x_<j is
+the argmax, known in advance, and the bound is 1 at every position.
 
 Contexts are the target's own samples (what the speculation loop sees): ArS continues
 `--num_prompts` HumanEval prompts (or every prompt of `--prompts_file`, through the model's
