@@ -163,8 +163,8 @@ def main(argv):
         cover.append(float(mass.sum()))
         print(f"\r{n + 1}/{len(chosen)} contexts", end="", file=sys.stderr, flush=True)
     print(file=sys.stderr)
-    print(f"{config.name}: {len(chosen)} contexts from the target's samples ({sampling.temperature=}, "
-          f"{sampling.top_k=}, {sampling.top_p=}); q_1's entropy {np.mean(entropy):.2f} nats (mean)")
+    print(f"{config.name}: {len(chosen)} contexts from the target's samples (temperature {sampling.temperature}, "
+          f"top-k {sampling.top_k}, top-p {sampling.top_p}); q_1's entropy {np.mean(entropy):.2f} nats (mean)")
     for j, cs in ((2, c2), (3, c3)):
         if cs:
             best, marginal = np.array(cs).T
