@@ -101,7 +101,8 @@ def main(argv):
     raw = prompts_lib.gather(prompts_file=FLAGS.prompts_file) if FLAGS.prompts_file else None
     config = cli.config()
     sampling = dataclasses.replace(config.sampling, max_new_tokens=max_new, eos_id=-1)
-    run = setup.prepare(setup.Request(config, sampling, (), sources=cli.sources(), quantize=cli.quantize()))
+    sources = cli.sources()
+    run = setup.prepare(setup.Request(config, sampling, (), sources=sources, quantize=cli.quantize()))
     run.locate()
     run.load()
     target = run.target
@@ -163,7 +164,9 @@ def main(argv):
         cover.append(float(mass.sum()))
         print(f"\r{n + 1}/{len(chosen)} contexts", end="", file=sys.stderr, flush=True)
     print(file=sys.stderr)
-    print(f"{config.name}: {len(chosen)} contexts from the target's samples (temperature {sampling.temperature}, "
+    named = ", ".join(f"{k} {os.path.basename(str(v))}" for k, v in sources.named().items())
+    print(f"{run.config.name}{f' ({named})' if named else ''}{f', {FLAGS.quantize}' if cli.quantize() else ''}: "
+          f"{len(chosen)} contexts from the target's samples (temperature {sampling.temperature}, "
           f"top-k {sampling.top_k}, top-p {sampling.top_p}); q_1's entropy {np.mean(entropy):.2f} nats (mean)")
     for j, cs in ((2, c2), (3, c3)):
         if cs:
