@@ -25,9 +25,9 @@ positions are drawn from the continuations. x_1 (and x_2) are enumerated over th
 `--candidates` most likely tokens of each distribution; the mass they cover is reported,
 and the expectations are over that covered mass (renormalised). Every forward runs over
 one fixed width (the batch right-padded: causal attention, so padding after a position
-does not change its distribution) and a fixed number of rows (at most 32, fewer where the
-vocabulary is large: a forward returns every position's distribution), so the target
-compiles once or twice.
+does not change its distribution) and at most 32 rows (fewer where the vocabulary is large:
+a forward returns every position's distribution), so the target compiles for two or three
+shapes.
 
 The bound at position j is over x_<j drawn from the target's own distributions (as a
 perfect drafter's accepted drafts are); it is an upper bound because the dual of that
@@ -48,6 +48,7 @@ sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), os.p
 
 import numpy as np  # noqa: E402
 from absl import flags  # noqa: E402
+from tqdm import tqdm  # noqa: E402
 
 from specjax.app import cli  # noqa: E402
 
@@ -123,17 +124,18 @@ def main(argv):
 
     rows_a_forward = max(1, min(32, (256 << 20) // (width * vocab * 4)))  # its output at most 256 MiB
 
-    def last_probs(rows: list[list[int]], chunk: int = rows_a_forward) -> np.ndarray:
+    def last_probs(rows: list[list[int]]) -> np.ndarray:
         """The warped distribution after each row ([len(rows), V]), rows padded to `width`,
-        `chunk` rows a forward (one compiled shape; a forward returns every position's
-        distribution, so a depth-3 batch at once would hold candidates^2 * width * V floats)."""
-        out, chunk = [], min(chunk, len(rows))
+        at most `rows_a_forward` rows a forward, the last forward padded with empty rows (a
+        forward returns every position's distribution: a depth-3 context's candidates^2 rows
+        at once would hold candidates^2 * width * V floats)."""
+        chunk, found = min(rows_a_forward, len(rows)), []
         for i in range(0, len(rows), chunk):
             part = rows[i:i + chunk]
             padded = [r + [0] * (width - len(r)) for r in part] + [[0] * width] * (chunk - len(part))
             probs = api.next_token_probs(target, padded, sampling)
-            out.append(probs[np.arange(len(part)), [len(r) - 1 for r in part]])
-        return np.concatenate(out)
+            found.append(probs[np.arange(len(part)), [len(r) - 1 for r in part]])
+        return np.concatenate(found)
 
     def ceiling(weights: np.ndarray, q: np.ndarray) -> tuple[float, float]:
         """(the best any one m can do, the marginal's): over the rows r (probabilities
@@ -145,7 +147,7 @@ def main(argv):
         return dual_bound(w, q), float((np.minimum(q, marginal[None]).sum(1) * w).sum())
 
     c2, c3, cover, entropy = [], [], [], []
-    for n, (i, t) in enumerate(chosen):
+    for i, t in tqdm(chosen, unit="context", file=sys.stderr):
         ctx = (prompts[i] + out.tokens[i])[:t]
         q1 = last_probs([ctx])[0]
         top1 = np.argsort(-q1)[:candidates]
@@ -158,12 +160,10 @@ def main(argv):
             top2 = np.argsort(-q2, axis=1)[:, :candidates]  # [N, N]
             rows = [ctx + [int(a), int(b)] for a, bs in zip(top1, top2) for b in bs]
             q3 = last_probs(rows)
-            joint = (q1[top1][:, None] * np.take_along_axis(q2, top2, axis=1)).reshape(-1)
+            joint = (mass[:, None] * np.take_along_axis(q2, top2, axis=1)).reshape(-1)
             c3.append(ceiling(joint, q3))
             mass = joint
         cover.append(float(mass.sum()))
-        print(f"\r{n + 1}/{len(chosen)} contexts", end="", file=sys.stderr, flush=True)
-    print(file=sys.stderr)
     named = ", ".join(f"{k} {os.path.basename(str(v))}" for k, v in sources.named().items())
     print(f"{run.config.name}{f' ({named})' if named else ''}{f', {FLAGS.quantize}' if cli.quantize() else ''}: "
           f"{len(chosen)} contexts from the target's samples (temperature {sampling.temperature}, "
