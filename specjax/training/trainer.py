@@ -37,6 +37,7 @@ preemption sync point makes all processes stop at the same step.
 from __future__ import annotations
 
 import dataclasses
+import json
 import math
 import pathlib
 import signal
@@ -225,9 +226,11 @@ def _init_params(params, source, mesh):
     return out
 
 
-def _train_differences(saved: dict, tc: TrainConfig) -> list[str]:
-    now = dataclasses.asdict(tc)
-    return [f"{k}: {saved[k]!r} -> {now[k]!r}" for k in sorted(now) if k in saved and saved[k] != now[k]]
+def _differences(saved: dict, settings, prefix: str = "") -> list[str]:
+    """'name: saved -> now' for each of the dataclass `settings`' fields that a checkpoint's
+    metadata `saved` records otherwise (compared as JSON holds them: a tuple as a list)."""
+    now = json.loads(json.dumps(dataclasses.asdict(settings)))
+    return [f"{prefix}{k}: {saved[k]!r} -> {now[k]!r}" for k in sorted(now) if k in saved and saved[k] != now[k]]
 
 
 def train(config: Config, workdir=None, progress: bool = True, devices=None) -> TrainResult:
@@ -291,9 +294,11 @@ def train(config: Config, workdir=None, progress: bool = True, devices=None) -> 
                 window = list(meta.get("log_window", []))
                 abstract_opt = sharding.with_shardings(jax.eval_shape(optimizer.init, abstract_params), opt_sh)
                 params, opt_state = ckpt.restore(start, abstract_params, abstract_opt)
-                changed = _train_differences(meta.get("train", {}), tc)
+                # the heads' own training settings too (heads.ttt_steps changes no param's shape)
+                changed = _differences(meta.get("train", {}), tc) + (
+                    _differences(meta.get("heads") or {}, config.heads, "heads.") if config.heads is not None else [])
                 _say(f"resuming from step {start} in {workdir}"
-                     + (f" (train settings changed since: {'; '.join(changed)})" if changed else ""))
+                     + (f" (settings changed since: {'; '.join(changed)})" if changed else ""))
                 log.write("event", start, event="resume")
             else:
                 params = (init_heads(config.heads, config.target, mesh) if config.heads is not None else

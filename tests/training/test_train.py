@@ -447,6 +447,26 @@ def test_heads_learn_the_frozen_targets_later_tokens(heads_reference, reference)
         assert (meta["heads"]["ttt_steps"], meta["heads"]["feature_layers"]) == (3, [])
 
 
+@pytest.mark.parametrize("heads_reference", ["eagle3"], indirect=True)  # the test's depth is an EAGLE layer's
+def test_resuming_heads_names_the_settings_that_changed(heads_reference, reference, env, tmp_path):
+    """A heads run resumed with other settings says which: the train settings and the heads'
+    own (heads.ttt_steps changes no param's shape, so nothing else would tell), as saved ->
+    now; a resume with none changed names none."""
+    kind, workdir = heads_reference
+    copy = tmp_path / "resumed"
+    shutil.copytree(workdir, copy)
+    (copy / "train.lock").unlink(missing_ok=True)
+    command = [a for a in heads_command(reference, copy, kind) if not a.startswith("--config.train.steps=")]
+    same = subprocess.run(command + [f"--config.train.steps={HEADS_STEPS}"], env=env, capture_output=True,
+                          text=True, timeout=TIMEOUT)
+    assert same.returncode == 0 and "changed since" not in same.stdout + same.stderr, same.stdout + same.stderr
+    proc = subprocess.run(command + [f"--config.train.steps={HEADS_STEPS + 1}", "--config.heads.ttt_steps=2"],
+                          env=env, capture_output=True, text=True, timeout=TIMEOUT)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    said = proc.stdout + proc.stderr
+    assert f"settings changed since: steps: {HEADS_STEPS} -> {HEADS_STEPS + 1}; heads.ttt_steps: 3 -> 2)" in said, said
+
+
 def test_self_distillation_trains_on_the_teachers_samples(heads_reference, reference):
     """train.self_distill: the training stream (samples.npz in the workdir) is 128 samples
     of 33 tokens, each 16 consecutive tokens of the corpus's training split followed by the
