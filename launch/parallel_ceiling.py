@@ -98,6 +98,9 @@ def main(argv):
                                                                                          FLAGS.max_new_tokens)
     if FLAGS.depth not in (2, 3):
         raise cli.UsageError(f"--depth={FLAGS.depth}: must be 2 or 3")
+    if FLAGS.depth == 3 and candidates > 64:  # checked before any weights load
+        raise cli.UsageError(f"--candidates={candidates} with --depth=3: at most 64 (candidates^2 sequences a "
+                             "context are scored)")
     seed = cli.seed("seed", FLAGS.seed)
     raw = prompts_lib.gather(prompts_file=FLAGS.prompts_file) if FLAGS.prompts_file else None
     config = cli.config()

@@ -242,3 +242,6 @@ def test_parallel_ceiling_reports_positions_two_and_three():
     bad = subprocess.run([sys.executable, "launch/parallel_ceiling.py", "--config=tiny", "--init=random", "--depth=4"],
                          cwd=REPO, capture_output=True, text=True, timeout=600)
     assert bad.returncode == 2 and "--depth=4: must be 2 or 3" in bad.stderr, bad.stderr[-2000:]
+    wide = subprocess.run([sys.executable, "launch/parallel_ceiling.py", "--config=tiny", "--init=random", "--depth=3",
+                           "--candidates=65"], cwd=REPO, capture_output=True, text=True, timeout=600)
+    assert wide.returncode == 2 and "--candidates=65 with --depth=3: at most 64" in wide.stderr, wide.stderr[-2000:]
