@@ -477,6 +477,29 @@ def training_time_test(heads: Heads, target: LM, inputs: jax.Array, hidden: jax.
     return out
 
 
+def scored_vocabulary(heads: Heads, target: LM):
+    """(unembedding, labels): what training scores an EAGLE layer's predicted feature
+    against, the tokens it drafts from. With a draft vocabulary (`Heads.vocab`), its N
+    columns of the target's unembedding (float, as trained; taken inside the step) and
+    labels(tokens, counted) -> (each token's index among the N, counted where the token is
+    one of them: the others cannot be predicted); without one, the whole unembedding and
+    the tokens as they are."""
+    if heads.vocab is None:
+        return Unembedding(target), lambda tokens, counted: (tokens, counted)
+    tied = target.cfg.tie_embeddings
+    table = stored(target.params["embed" if tied else "unembed"].value)
+    columns = jax.lax.stop_gradient(table[heads.vocab].T if tied else table[:, heads.vocab])
+    N = heads.vocab.shape[0]
+    index = jnp.full((target.cfg.vocab_size,), -1, jnp.int32).at[heads.vocab].set(jnp.arange(N, dtype=jnp.int32))
+
+    def labels(tokens, counted):
+        i = index[tokens]
+        inside = (i >= 0).astype(jnp.int32)
+        return jnp.maximum(i, 0), inside if counted is None else counted * inside
+
+    return Unembedding(target, heads.vocab, columns), labels
+
+
 def heads_loss(tc: TrainConfig):
     """loss(heads, target LM, batch [B, T+1], distill weight w, counted [B, T+1] or None)
     -> (loss, metrics), the target frozen (no gradient reaches it); each mean is over the
@@ -488,7 +511,9 @@ def heads_loss(tc: TrainConfig):
     the term). With a training-time test of n steps (`HeadsConfig.test_steps`), step j's
     terms, for the token j places further on from the layer's own fed-back feature
     (`training_time_test`), weigh 0.8^j (EAGLE-3's weights), summed; the logged 'ce' and
-    'kl' are step 0's (teacher-forced, as an n = 1 layer's), 'kl_last' the last step's."""
+    'kl' are step 0's (teacher-forced, as an n = 1 layer's), 'kl_last' the last step's. A
+    layer with a draft vocabulary is scored on it (`scored_vocabulary`): the KL to the
+    target conditioned on its N tokens, the cross-entropy on the rows whose token is one."""
     from specjax.training.losses import cross_entropy, distill_kl, mean_over
     temp = tc.distill_temperature
 
@@ -497,12 +522,15 @@ def heads_loss(tc: TrainConfig):
         T = inputs.shape[1]
         reads = heads.features
         target_logits, hidden = jax.lax.stop_gradient(full_forward(target, inputs, features=reads))
+        unembed, labels = scored_vocabulary(heads, target)
+        target_logits = target_logits if unembed.ids is None else jnp.take(target_logits, unembed.ids, axis=-1)
         loss, metrics = 0.0, {}
         predictions = training_time_test(heads, target, inputs, hidden, min(heads.cfg.test_steps, T - 1))
         for j, mine in enumerate(predictions):  # features at t+1+j
-            logits = target.logits(mine)  # token t+2+j
+            logits = unembed.logits(mine)  # token t+2+j
             mine_counted = None if counted is None else counted[:, 2 + j:]  # the token each row predicts
-            ce = cross_entropy(logits, batch[:, 2 + j:], mine_counted)
+            tokens, in_vocab = labels(batch[:, 2 + j:], mine_counted)
+            ce = cross_entropy(logits, tokens, in_vocab)
             kl = distill_kl(target_logits[:, 1 + j:], logits, temp, mine_counted)
             term = w * temp ** 2 * kl + (1 - w) * ce
             if reads is True:

@@ -81,3 +81,54 @@ def test_heads_loss_counts_only_the_counted_targets(models, kind):
     extra = {"medusa": dict(num_heads=3), "eagle": {}, "eagle3": dict(feature_layers=(1, 2), ttt_steps=3)}[kind]
     heads = init_heads(HeadsConfig(kind=kind, **extra), target.cfg, mesh_for("1x1"), random=True)
     check(heads_loss(TrainConfig()), (heads, target), target.cfg.vocab_size)
+
+
+# A draft vocabulary: the layer is trained on what it drafts from, the target conditioned
+# on those tokens (the same optimum as the whole vocabulary's KL, at N/V of its
+# unembedding per training-time-test step).
+VOCAB = np.arange(0, 32, 2, dtype=np.int32)[::-1]  # 16 of the 32 ids, not in id order
+
+
+def layer_with_a_draft_vocabulary(target, kind):
+    extra = {"eagle": {}, "eagle3": dict(feature_layers=(1, 2), ttt_steps=3)}[kind]
+    return init_heads(HeadsConfig(kind=kind, draft_vocab=len(VOCAB), **extra), target.cfg, mesh_for("1x1"),
+                      random=True, vocab=VOCAB)
+
+
+def with_unembedding_columns(target, ids, scale):
+    params = jax.tree.map(lambda x: x, target.params)
+    params["unembed"].value = params["unembed"].value.at[:, ids].multiply(scale)
+    return dataclasses.replace(target, params=params)
+
+
+@pytest.mark.parametrize("kind", ["eagle", "eagle3"])
+def test_a_draft_vocabulary_layer_is_scored_on_its_own_tokens(models, kind):
+    """Columns of the target's unembedding outside the draft vocabulary do not move the
+    loss (a batch of draft-vocabulary tokens only, so they reach no input); a column
+    inside it does (the control)."""
+    target, _ = models
+    heads = layer_with_a_draft_vocabulary(target, kind)
+    batch = jnp.asarray(VOCAB)[jax.random.randint(jax.random.key(1), (B, T + 1), 0, len(VOCAB))]
+    fn = heads_loss(TrainConfig(distill_weight=0.5))
+    outside = np.setdiff1d(np.arange(32), VOCAB)
+    base = the_loss(fn, heads, target, batch, 0.5)
+    np.testing.assert_allclose(the_loss(fn, heads, with_unembedding_columns(target, outside, 3.0), batch, 0.5), base,
+                               rtol=1e-6)
+    assert not np.isclose(the_loss(fn, heads, with_unembedding_columns(target, VOCAB[:3], 3.0), batch, 0.5), base,
+                          rtol=1e-4)
+
+
+def test_a_token_outside_the_draft_vocabulary_is_no_target(models):
+    """A row whose next token the layer cannot draft counts in no cross-entropy: the same
+    batch with that row's token swapped for another outside token has the same 'ce', and
+    the one with it uncounted too; swapped for a draft-vocabulary token it moves (the control)."""
+    target, _ = models
+    heads = layer_with_a_draft_vocabulary(target, "eagle3")
+    batch = jnp.asarray(VOCAB)[jax.random.randint(jax.random.key(2), (B, T + 1), 0, len(VOCAB))]
+    fn = jax.jit(heads_loss(TrainConfig(distill_weight=0.0)))
+    ce = lambda b, counted=None: float(fn(heads, target, b, 0.0, counted)[1]["ce"])  # noqa: E731
+    odd = batch.at[0, -1].set(1)
+    assert np.isfinite(ce(odd))
+    np.testing.assert_allclose(ce(odd), ce(batch.at[0, -1].set(31)), rtol=1e-6)
+    np.testing.assert_allclose(ce(odd), ce(batch, jnp.ones_like(batch).at[0, -1].set(0)), rtol=1e-6)
+    assert not np.isclose(ce(odd), ce(batch.at[0, -1].set(int(VOCAB[5]))), rtol=1e-4)
