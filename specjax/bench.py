@@ -69,6 +69,7 @@ def main(argv):
         dataclasses.replace(base, lookahead=max(ks + [base.lookahead])), names,
         cli.swept("verify", base.verify), cli.swept("draft_confidence", base.draft_confidence),
         cli.swept("num_drafts", base.num_drafts), cli.swept("draft_tree", base.draft_tree))
+    cli.check_verify(FLAGS.verify, [(v["num_drafts"], v["draft_tree"]) for v in variants])
     sources = cli.sources()
     run = setup.prepare(setup.Request(
         config, base, tuple(dict.fromkeys(v["drafter"] for v in variants)), lookahead=max(ks), sources=sources,

@@ -134,7 +134,21 @@ def sampling(base: SamplingConfig, skip=()) -> SamplingConfig:
     out = dataclasses.replace(base, **given)
     if "draft_tree" not in _SWEPT:
         check_tree_nodes([out.draft_tree])
+    if "verify" not in _SWEPT:
+        check_verify(given.get("verify"), [(out.num_drafts, out.draft_tree)])
     return out
+
+
+def check_verify(verify, shapes) -> None:
+    """--verify (given as `verify`; None: not given) is refused where every run's
+    (num_drafts, draft_tree) in `shapes` is verified as a tree: several chains and a
+    dynamic tree take the tree rule whatever it says (it would be accepted and ignored)."""
+    if verify is None or not shapes or not all(m > 1 or t == "dynamic" for m, t in shapes):
+        return
+    m, t = shapes[0]
+    what = "a dynamic draft tree" if t == "dynamic" else f"--num_drafts={m} chains"
+    raise UsageError(f"--verify={verify} picks one chain's acceptance rule, and {what} is verified as a tree "
+                     "(recursive rejection over siblings): drop --verify, or draft one chain")
 
 
 def check_tree_nodes(draft_trees) -> None:

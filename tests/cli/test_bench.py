@@ -153,6 +153,8 @@ def test_bench_compares_chains_and_dynamic_trees(tmp_path):
                                                   "a drafter that grows trees"),
     (["--drafter=model", "--draft_tree=chains,dynamic", "--num_drafts=2"], "--draft_tree=dynamic: none of"),
     (["--tree_nodes=4"], "--tree_nodes=4 applies to a dynamic draft tree"),
+    (["--draft_tree=dynamic", "--verify=tokenwise,block"], "--verify=tokenwise,block picks one chain's acceptance"),
+    (["--num_drafts=2", "--verify=tokenwise"], "--num_drafts=2 chains is verified as a tree"),
 ])
 def test_bench_rejects_bad_input_before_any_work(args, fragment):
     init = [] if any(a.startswith("--init=") for a in args) else ["--init=random"]
