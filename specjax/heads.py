@@ -334,8 +334,7 @@ def unembedding(heads: Heads, target: LM, fold: bool = False) -> Unembedding:
         return Unembedding(target, ids, jax.ShapeDtypeStruct((D, N), leaf.dtype, sharding=everywhere))
 
     def gather(table, ids, up):
-        whole = stored(table)
-        columns = whole[ids].T if tied else whole[:, ids]
+        columns = vocabulary_columns(table, ids, tied)
         return columns if up is None else float_product(up, columns)
 
     columns = jax.jit(gather, out_shardings=everywhere)(table, heads.vocab, up)
@@ -343,6 +342,13 @@ def unembedding(heads: Heads, target: LM, fold: bool = False) -> Unembedding:
     columns = decoding_weights({"columns": columns}, {"columns": (1, 2)}, heads.cfg.quantize, target.cfg,
                                target)["columns"]
     return Unembedding(target, ids, columns)
+
+
+def vocabulary_columns(table, ids, tied: bool) -> jax.Array:
+    """The [D, N] columns of a target's unembedding `table` (as stored: [V, D] when `tied`
+    to the embedding, else [D, V]) for the token ids [N]."""
+    whole = stored(table)
+    return whole[ids].T if tied else whole[:, ids]
 
 
 def float_product(a, b) -> jax.Array:
@@ -487,8 +493,8 @@ def scored_vocabulary(heads: Heads, target: LM):
     if heads.vocab is None:
         return Unembedding(target), lambda tokens, counted: (tokens, counted)
     tied = target.cfg.tie_embeddings
-    table = stored(target.params["embed" if tied else "unembed"].value)
-    columns = jax.lax.stop_gradient(table[heads.vocab].T if tied else table[:, heads.vocab])
+    columns = jax.lax.stop_gradient(vocabulary_columns(target.params["embed" if tied else "unembed"].value,
+                                                       heads.vocab, tied))
     N = heads.vocab.shape[0]
     index = jnp.full((target.cfg.vocab_size,), -1, jnp.int32).at[heads.vocab].set(jnp.arange(N, dtype=jnp.int32))
 
