@@ -529,6 +529,11 @@ class TrainConfig:
     # replies), not the prompts it was given (EAGLE trains on the assistant's turns alone):
     # a drafter drafts replies, and a prompt's corpus text is not the teacher's own.
     self_distill_replies: bool = False
+    # Draft heads on a self-distilled corpus: True runs the frozen target's forward once per
+    # sample before the first step and keeps what the heads read of it in host memory
+    # (`samples.with_target_reads`; F + D values a token, in its compute dtype); False runs it on every
+    # step's windows. One process only: a run over several runs it every step.
+    cache_target: bool = True
     # Start from another trained model's params instead of a random init (PARD's low-cost
     # adaptation of an autoregressive draft into a parallel one): a config name (its default
     # checkpoint) or a checkpoint directory, of the same model but for parallel_draft; the
@@ -566,6 +571,7 @@ class TrainConfig:
             raise ConfigError("train.self_distill_chat=True renders the prompts of the teacher's samples: set "
                               "train.self_distill > 0 (how many), or drop train.self_distill_chat")
         _flag(self, "self_distill_replies")
+        _flag(self, "cache_target")
         if self.self_distill_replies and not self.self_distill:
             raise ConfigError("train.self_distill_replies=True counts the teacher's replies in its samples: set "
                               "train.self_distill > 0 (how many), or drop train.self_distill_replies")

@@ -173,6 +173,11 @@ class EagleHead(nnx.Module):
 MODULES = {"medusa": MedusaHeads, "eagle": EagleHead, "eagle3": EagleHead}
 
 
+def reads_of(hcfg: HeadsConfig, model: ModelConfig) -> bool | tuple[int, ...]:
+    """What heads of `hcfg` read of `model`'s forward (`Heads.features`)."""
+    return (hcfg.kind in EAGLE_KINDS and hcfg.layers_for(model.num_layers)) or True
+
+
 @jax.tree_util.register_pytree_node_class
 @dataclasses.dataclass(frozen=True)
 class Heads:
@@ -195,7 +200,7 @@ class Heads:
     def features(self) -> bool | tuple[int, ...]:
         """What these heads read of the target's forward (`model.Transformer`'s `features`):
         its final hidden state (True), or the layer counts an EAGLE-3 layer fuses."""
-        return (self.cfg.kind in EAGLE_KINDS and self.cfg.layers_for(self.model.num_layers)) or True
+        return reads_of(self.cfg, self.model)
 
     def fused(self, features: jax.Array, kernels: Kernels = DEFAULT_KERNELS) -> jax.Array:
         """The target's features as the EAGLE layer reads them (`EagleHead.fuse`)."""
@@ -483,6 +488,20 @@ def training_time_test(heads: Heads, target: LM, inputs: jax.Array, hidden: jax.
     return out
 
 
+def target_reads(reads: bool | tuple[int, ...], target: LM, inputs: jax.Array) -> tuple[jax.Array, jax.Array]:
+    """The frozen target's forward over `inputs` [B, T] as heads training reads it:
+    (what the heads read (`Heads.features`: the final hidden states, or the layers an
+    EAGLE-3 layer fuses) [B, T, F], the final hidden states [B, T, D] the loss's target
+    logits come from). The forward's own logits are not formed (XLA drops them): the loss
+    projects the final states onto the columns it scores (`scored_vocabulary`)."""
+    if reads is True:
+        _, final = full_forward(target, inputs, features=True)
+        return final, final
+    D = target.cfg.d_model
+    _, hidden = full_forward(target, inputs, features=tuple(reads) + (target.cfg.num_layers,))
+    return hidden[..., :-D], target.final_norm(hidden[..., -D:])
+
+
 def scored_vocabulary(heads: Heads, target: LM):
     """(unembedding, labels): what training scores an EAGLE layer's predicted feature
     against, the tokens it drafts from. With a draft vocabulary (`Heads.vocab`), its N
@@ -507,7 +526,8 @@ def scored_vocabulary(heads: Heads, target: LM):
 
 
 def heads_loss(tc: TrainConfig):
-    """loss(heads, target LM, batch [B, T+1], distill weight w, counted [B, T+1] or None)
+    """loss(heads, target LM, batch [B, T+1], distill weight w, counted [B, T+1] or None,
+    seen: the target's `target_reads` of batch[:, :-1], or None to run its forward here)
     -> (loss, metrics), the target frozen (no gradient reaches it); each mean is over the
     rows whose predicted token `counted` marks (every row where None). Medusa: the mean over heads of
     w * T^2 * KL(target_T at t+m || head m at t) + (1 - w) * CE on token t+1+m. EAGLE: the
@@ -523,13 +543,13 @@ def heads_loss(tc: TrainConfig):
     from specjax.training.losses import cross_entropy, distill_kl, mean_over
     temp = tc.distill_temperature
 
-    def eagle_loss(heads: Heads, target: LM, batch: jax.Array, w, counted=None):
+    def eagle_loss(heads: Heads, target: LM, batch: jax.Array, w, counted=None, seen=None):
         inputs = batch[:, :-1]
         T = inputs.shape[1]
         reads = heads.features
-        target_logits, hidden = jax.lax.stop_gradient(full_forward(target, inputs, features=reads))
+        hidden, final = jax.lax.stop_gradient(seen if seen is not None else target_reads(reads, target, inputs))
         unembed, labels = scored_vocabulary(heads, target)
-        target_logits = target_logits if unembed.ids is None else jnp.take(target_logits, unembed.ids, axis=-1)
+        target_logits = unembed.logits(final)
         loss, metrics = 0.0, {}
         predictions = training_time_test(heads, target, inputs, hidden, min(heads.cfg.test_steps, T - 1))
         for j, mine in enumerate(predictions):  # features at t+1+j
@@ -553,11 +573,12 @@ def heads_loss(tc: TrainConfig):
                 metrics["kl_last"] = plain_kl
         return loss, {**metrics, "loss": loss}
 
-    def loss_fn(heads: Heads, target: LM, batch: jax.Array, w, counted=None):
+    def loss_fn(heads: Heads, target: LM, batch: jax.Array, w, counted=None, seen=None):
         if heads.cfg.kind in EAGLE_KINDS:
-            return eagle_loss(heads, target, batch, w, counted)
+            return eagle_loss(heads, target, batch, w, counted, seen)
         inputs = batch[:, :-1]
-        target_logits, hidden = jax.lax.stop_gradient(full_forward(target, inputs, features=True))
+        hidden, _ = jax.lax.stop_gradient(seen if seen is not None else target_reads(True, target, inputs))
+        target_logits = target.logits(hidden)
         logits = heads.logits(target, hidden)  # [B, T, H, V]
         T = inputs.shape[1]
         ce, kl, kl1 = [], [], []

@@ -615,6 +615,10 @@ class LM:
         """Final hidden states [B, T, D] (Fresh.hidden) -> logits [B, T, V]: the unembedding alone."""
         return nnx.merge(self.graphdef, self.params).logits(hidden, self.kernels)
 
+    def final_norm(self, x: jax.Array) -> jax.Array:
+        """The last layer's output [B, T, D] -> the final hidden states `logits` reads."""
+        return nnx.merge(self.graphdef, self.params).final_norm(x)
+
     def embed(self, tokens: jax.Array, table=None) -> jax.Array:
         """Token ids [B, T] -> input embeddings [B, T, D]: the embedding alone (read from
         `table`, `whole_table(self)`, where given)."""

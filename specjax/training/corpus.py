@@ -57,6 +57,14 @@ class Corpus:
     # `train.self_distill_replies`), aligned with train / val; None: every token counts.
     train_counted: Optional[np.ndarray] = None
     val_counted: Optional[np.ndarray] = None
+    # Where each sample of the teacher begins in train + val, end to end (a self-distilled
+    # corpus, `training.samples`); None: a corpus of documents.
+    samples: Optional[np.ndarray] = None
+    # What draft heads read of the frozen target's forward at each token, aligned with
+    # train / val: (features [n, F], final hidden states [n, D]) (`samples.with_target_reads`);
+    # None: each step runs the target's forward on its windows.
+    train_seen: Optional[tuple] = None
+    val_seen: Optional[tuple] = None
 
 
 def load_corpus(config: Config, teacher_tokenizer=None, progress: bool = True) -> Corpus:
@@ -132,28 +140,41 @@ class Batches:
         self.replicated = sharding.replicated(mesh)
         self.block, self.blocks = _row_block(self.sharding, self.shape)
         check_stream_lengths(len(corpus.train), len(corpus.val), tc)
+        # The cached target's reads of a window's inputs: [B, seq_len, F] each.
+        self.seen_shapes = None if corpus.train_seen is None else tuple(
+            ((tc.batch_size, tc.seq_len, a.shape[-1]), a.dtype) for a in corpus.train_seen)
+        self.seen_sharding = None if corpus.train_seen is None else \
+            sharding.named(mesh, ("batch", None, None), self.seen_shapes[0][0])
 
-    def _device(self, local: np.ndarray) -> jax.Array:
-        return jax.make_array_from_process_local_data(self.sharding, local, self.shape)
+    def _device(self, local: np.ndarray, where=None, shape=None) -> jax.Array:
+        return jax.make_array_from_process_local_data(where or self.sharding, local, shape or self.shape)
 
-    def train(self, step: int) -> tuple[jax.Array, jax.Array]:
-        """(tokens, counted): batch `step`'s windows and, window for window, which of their
-        tokens the loss counts as targets (all, unless the corpus says otherwise)."""
-        tc = self.tc
-        windows = lambda stream: data.get_batch(stream, step, tc.batch_size, tc.seq_len, tc.seed,  # noqa: E731
-                                                process_index=self.block, process_count=self.blocks)
-        return self._pair(windows(self.corpus.train),
-                          None if self.corpus.train_counted is None else windows(self.corpus.train_counted))
+    def train(self, step: int) -> tuple[jax.Array, jax.Array, Optional[tuple]]:
+        """(tokens, counted, seen): batch `step`'s windows; window for window, which of their
+        tokens the loss counts as targets (all, unless the corpus says otherwise); and the
+        target's cached reads of their inputs (`Corpus.train_seen`; None without)."""
+        tc, c = self.tc, self.corpus
+        starts = data.batch_starts(len(c.train), step, tc.batch_size, tc.seq_len, tc.seed,
+                                   process_index=self.block, process_count=self.blocks)
+        return self._windows(starts, c.train, c.train_counted, c.train_seen)
 
-    def validation(self) -> list[tuple[jax.Array, jax.Array]]:
-        tc = self.tc
-        windows = lambda stream: data.eval_batches(stream, tc.batch_size, tc.seq_len, tc.eval_batches,  # noqa: E731
-                                                   process_index=self.block, process_count=self.blocks)
-        counted = (None,) * tc.eval_batches if self.corpus.val_counted is None else windows(self.corpus.val_counted)
-        return [self._pair(b, c) for b, c in zip(windows(self.corpus.val), counted)]
+    def validation(self) -> list[tuple[jax.Array, jax.Array, Optional[tuple]]]:
+        tc, c = self.tc, self.corpus
+        return [self._windows(s, c.val, c.val_counted, c.val_seen)
+                for s in data.eval_starts(len(c.val), tc.batch_size, tc.seq_len, tc.eval_batches,
+                                          process_index=self.block, process_count=self.blocks)]
 
-    def _pair(self, tokens: np.ndarray, counted: np.ndarray | None) -> tuple[jax.Array, jax.Array]:
-        return self._device(tokens), self._device(np.ones_like(tokens) if counted is None else counted)
+    def _windows(self, starts, tokens, counted, seen):
+        width = self.tc.seq_len + 1
+        tokens = data.windows(tokens, starts, width).astype(np.int32)
+        counted = np.ones_like(tokens) if counted is None else data.windows(counted, starts, width).astype(np.int32)
+        if seen is not None:
+            made = {}  # one transfer where the features are the final states
+            for a, (shape, _) in zip(seen, self.seen_shapes):
+                if id(a) not in made:
+                    made[id(a)] = self._device(data.windows(a, starts, width - 1), self.seen_sharding, shape)
+            seen = tuple(made[id(a)] for a in seen)
+        return self._device(tokens), self._device(counted), seen
 
     def _hyper_host(self, step: int) -> dict[str, np.ndarray]:
         return {"step": np.int32(step), "distill_weight": np.float32(self.tc.distill_weight)}
@@ -163,9 +184,11 @@ class Batches:
         return {k: jax.make_array_from_process_local_data(self.replicated, v, ())
                 for k, v in self._hyper_host(step).items()}
 
-    def abstract(self) -> tuple[jax.ShapeDtypeStruct, jax.ShapeDtypeStruct, dict]:
-        """(batch, counted, hyper) as the compiled train step sees them."""
+    def abstract(self) -> tuple[jax.ShapeDtypeStruct, jax.ShapeDtypeStruct, Optional[tuple], dict]:
+        """(batch, counted, seen, hyper) as the compiled train step sees them."""
         window = jax.ShapeDtypeStruct(self.shape, jnp.int32, sharding=self.sharding)
-        return (window, window,
+        seen = None if self.seen_shapes is None else tuple(
+            jax.ShapeDtypeStruct(shape, dtype, sharding=self.seen_sharding) for shape, dtype in self.seen_shapes)
+        return (window, window, seen,
                 {k: jax.ShapeDtypeStruct((), v.dtype, sharding=self.replicated)
                  for k, v in self._hyper_host(0).items()})

@@ -167,8 +167,21 @@ def _local_rows(batch_size: int, process_index: int, process_count: int) -> slic
     return slice(process_index * per, (process_index + 1) * per)
 
 
-def _windows(tokens: np.ndarray, starts: np.ndarray, seq_len: int) -> np.ndarray:
-    return np.stack([tokens[s:s + seq_len + 1] for s in starts]).astype(np.int32)
+def windows(stream: np.ndarray, starts: np.ndarray, width: int) -> np.ndarray:
+    """stream[s:s + width] for each start s, stacked: [len(starts), width, ...]."""
+    return np.stack([stream[s:s + width] for s in starts])
+
+
+def batch_starts(length: int, step: int, batch_size: int, seq_len: int, seed: int,
+                 process_index: int = 0, process_count: int = 1) -> np.ndarray:
+    """Where global batch `step`'s windows of `seq_len + 1` tokens begin in a stream of
+    `length` tokens, this process's rows: a pure function of (seed, step)."""
+    if length < seq_len + 1:
+        raise ValueError(f"token stream has {length} tokens, fewer than "
+                         f"seq_len + 1 = {seq_len + 1}")
+    rows = _local_rows(batch_size, process_index, process_count)
+    rng = np.random.default_rng([seed, step])
+    return rng.integers(0, length - seq_len, size=batch_size)[rows]
 
 
 def get_batch(tokens: np.ndarray, step: int, batch_size: int, seq_len: int, seed: int,
@@ -178,13 +191,20 @@ def get_batch(tokens: np.ndarray, step: int, batch_size: int, seq_len: int, seed
     Returns int32 `[batch_size // process_count, seq_len + 1]`, this process's rows:
     inputs are `[:, :-1]`, targets `[:, 1:]`. A pure function of (seed, step).
     """
-    if len(tokens) < seq_len + 1:
-        raise ValueError(f"token stream has {len(tokens)} tokens, fewer than "
+    starts = batch_starts(len(tokens), step, batch_size, seq_len, seed, process_index, process_count)
+    return windows(tokens, starts, seq_len + 1).astype(np.int32)
+
+
+def eval_starts(length: int, batch_size: int, seq_len: int, num_batches: int,
+                process_index: int = 0, process_count: int = 1) -> list[np.ndarray]:
+    """Where `eval_batches`' windows begin, batch by batch (this process's rows)."""
+    if length < seq_len + 1:
+        raise ValueError(f"token stream has {length} tokens, fewer than "
                          f"seq_len + 1 = {seq_len + 1}")
     rows = _local_rows(batch_size, process_index, process_count)
-    rng = np.random.default_rng([seed, step])
-    starts = rng.integers(0, len(tokens) - seq_len, size=batch_size)
-    return _windows(tokens, starts[rows], seq_len)
+    starts = np.linspace(0, length - seq_len - 1, batch_size * num_batches)
+    starts = starts.astype(np.int64).reshape(num_batches, batch_size)
+    return [s[rows] for s in starts]
 
 
 def eval_batches(tokens: np.ndarray, batch_size: int, seq_len: int, num_batches: int,
@@ -195,10 +215,5 @@ def eval_batches(tokens: np.ndarray, batch_size: int, seq_len: int, num_batches:
     the same on every call, so validation losses are comparable across steps and runs.
     Windows only overlap when the stream is shorter than all windows laid end to end.
     """
-    if len(tokens) < seq_len + 1:
-        raise ValueError(f"token stream has {len(tokens)} tokens, fewer than "
-                         f"seq_len + 1 = {seq_len + 1}")
-    rows = _local_rows(batch_size, process_index, process_count)
-    starts = np.linspace(0, len(tokens) - seq_len - 1, batch_size * num_batches)
-    starts = starts.astype(np.int64).reshape(num_batches, batch_size)
-    return [_windows(tokens, s[rows], seq_len) for s in starts]
+    return [windows(tokens, s, seq_len + 1).astype(np.int32)
+            for s in eval_starts(len(tokens), batch_size, seq_len, num_batches, process_index, process_count)]

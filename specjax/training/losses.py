@@ -90,7 +90,8 @@ def make_loss(tc: TrainConfig, distill: bool) -> Callable:
     compiled step serves every mix."""
     temp = tc.distill_temperature
 
-    def loss_fn(student: LM, teacher: Optional[LM], batch: jax.Array, w, counted: jax.Array | None = None):
+    def loss_fn(student: LM, teacher: Optional[LM], batch: jax.Array, w, counted: jax.Array | None = None,
+                seen=None):  # `seen`: draft heads' cached target reads; a model student has none
         inputs, targets = batch[:, :-1], batch[:, 1:]
         counted = None if counted is None else counted[:, 1:]
         if student.cfg.parallel_draft > 1:

@@ -95,9 +95,8 @@ def self_distilled(corpus: Corpus, teacher, config: Config, workdir, stop_ids=()
         with np.load(io.BytesIO(path.read_bytes())) as saved:
             same = json.loads(bytes(saved["settings"]).decode()) == want
             marked = "generated" in saved  # files made before the marks hold none
-            if same and (marked or not tc.self_distill_replies):
-                return _as_corpus(corpus, saved["tokens"], saved["generated"] if marked else None, config,
-                                  "read back")
+            if same and marked:
+                return _as_corpus(corpus, saved["tokens"], saved["generated"], config, "read back")
         if jax.process_index() == 0:
             why = "before its samples marked the teacher's own tokens" if same else "with other settings"
             tqdm.write(f"{path} was made {why}: sampling the teacher again")
@@ -128,14 +127,52 @@ def self_distilled(corpus: Corpus, teacher, config: Config, workdir, stop_ids=()
     return _as_corpus(corpus, tokens, generated, config, "sampled")
 
 
-def _as_corpus(corpus: Corpus, tokens: np.ndarray, generated: np.ndarray | None, config: Config,
-               how: str) -> Corpus:
-    """The samples as the corpus's streams; with `train.self_distill_replies`, also which
-    of their tokens count as targets (`generated`: 1 for the teacher's own, 0 for a prompt's)."""
+def _as_corpus(corpus: Corpus, tokens: np.ndarray, generated: np.ndarray, config: Config, how: str) -> Corpus:
+    """The samples as the corpus's streams, with where each begins (a sample is its prompt's
+    tokens, marked 0 in `generated`, then the teacher's, marked 1); with
+    `train.self_distill_replies`, also which of their tokens count as targets."""
     tc = config.train
     train, val = data.split_train_val(tokens, tc.val_fraction)
     counted = data.split_train_val(generated, tc.val_fraction) if tc.self_distill_replies else (None, None)
     share = f", the loss on its {int(generated.sum()):,} own" if tc.self_distill_replies else ""
+    begins = np.flatnonzero((generated == 0) & (np.concatenate([[1], generated[:-1]]) == 1))
     return dataclasses.replace(corpus, train=train, val=val, train_counted=counted[0], val_counted=counted[1],
+                               samples=begins,
                                description=f"{tc.self_distill:,} samples of the teacher ({len(tokens):,} tokens"
                                f"{share}, {how}) continuing prompts from {corpus.description}")
+
+
+def with_target_reads(corpus: Corpus, teacher, reads, config: Config, progress: bool = True) -> Corpus:
+    """`corpus` (the teacher's samples) with what draft heads read of the frozen teacher's
+    forward (`heads.target_reads`: their features, its final hidden states) at every token,
+    aligned with the token streams and kept in host memory: each sample's forward runs once,
+    from its first token as decoding runs it, instead of on every window of every step
+    that holds it (training a layer makes ~6 passes over its samples). One process only (each
+    would need every sample's reads)."""
+    from specjax.heads import target_reads
+    from specjax.model import LM
+    tokens = np.concatenate([corpus.train, corpus.val])
+    begins = corpus.samples
+    ends = np.append(begins[1:], len(tokens))
+    width, rows = int((ends - begins).max()), config.train.batch_size
+    forward = jax.jit(lambda params, x: target_reads(reads, LM(teacher.cfg, teacher.graphdef, params), x))
+    out = None
+    bar = tqdm(total=len(begins), disable=not progress, unit="sample", desc="the target's features")
+    for first in range(0, len(begins), rows):
+        chunk = np.zeros((rows, width), np.int32)  # a short sample's tail: padding its causal rows never see
+        for i, (b, e) in enumerate(zip(begins[first:first + rows], ends[first:first + rows])):
+            chunk[i, :e - b] = tokens[b:e]
+        got = [np.asarray(a) for a in jax.device_get(forward(teacher.params, chunk))]
+        if out is None:
+            out = [np.empty((len(tokens), a.shape[-1]), a.dtype) for a in got[:1 if reads is True else 2]]
+        for i, (b, e) in enumerate(zip(begins[first:first + rows], ends[first:first + rows])):
+            for kept, a in zip(out, got):
+                kept[b:e] = a[i, :e - b]
+        bar.update(min(rows, len(begins) - first))
+    bar.close()
+    n = len(corpus.train)
+    size = sum(a.nbytes for a in out) / 2**30
+    train, val = [a[:n] for a in out], [a[n:] for a in out]
+    # (features, final): one array where the heads read the final states
+    return dataclasses.replace(corpus, train_seen=(train[0], train[-1]), val_seen=(val[0], val[-1]),
+                               description=f"{corpus.description}; the target's features cached ({size:.2f} GiB)")

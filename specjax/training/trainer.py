@@ -58,7 +58,7 @@ from specjax.training.losses import make_loss
 from specjax.training.workdir import METRICS_FILE, MetricsLog, StopRequest, WorkdirLock
 from specjax.weights import checkpoint
 from specjax.config import EAGLE_KINDS, Config, ConfigError, TrainConfig, UsageError, load_config, user_path
-from specjax.heads import Heads, abstract_heads, draft_vocabulary, heads_loss, init_heads, most_frequent
+from specjax.heads import Heads, abstract_heads, draft_vocabulary, heads_loss, init_heads, most_frequent, reads_of
 from specjax.model import LM, abstract_lm, init_lm
 from specjax.weights.tokenizer import Tokenizer
 
@@ -95,10 +95,11 @@ def opt_state_shardings(optimizer, params, mesh):
 
 def make_steps(student: LM | Heads, teacher: Optional[LM], optimizer, tc: TrainConfig, mesh, opt_sh):
     """(train_step, eval_step), jitted. train_step(params, opt_state, teacher_params,
-    batch, counted, hyper) -> (params, opt_state, metrics) with params and optimiser state
-    donated and kept on their shardings; `counted` marks the batch's tokens the loss counts
-    as targets (`Batches.train`); `hyper` holds scalars ('step' feeds the logged learning
-    rate, 'distill_weight' the loss). eval_step(params, teacher_params, batch, counted) ->
+    batch, counted, seen, hyper) -> (params, opt_state, metrics) with params and optimiser
+    state donated and kept on their shardings; `counted` marks the batch's tokens the loss
+    counts as targets, `seen` holds the target's cached reads of its inputs or is None
+    (`Batches.train`); `hyper` holds scalars ('step' feeds the logged learning rate,
+    'distill_weight' the loss). eval_step(params, teacher_params, batch, counted, seen) ->
     {'ce', 'kl' (with a teacher), 'kl_last' (a training-time test's last step)}. A `Heads`
     student trains on its frozen target, the teacher."""
     param_sh = sharding.param_shardings(student.params, mesh)
@@ -109,19 +110,19 @@ def make_steps(student: LM | Heads, teacher: Optional[LM], optimizer, tc: TrainC
         t = None if teacher is None else LM(teacher.cfg, teacher.graphdef, teacher_params)
         return dataclasses.replace(student, params=params), t
 
-    def train_step(params, opt_state, teacher_params, batch, counted, hyper):
+    def train_step(params, opt_state, teacher_params, batch, counted, seen, hyper):
         def objective(p):
             s, t = rebuild(p, teacher_params)
-            return loss_fn(s, t, batch, hyper["distill_weight"], counted)
+            return loss_fn(s, t, batch, hyper["distill_weight"], counted, seen)
 
         (_, metrics), grads = jax.value_and_grad(objective, has_aux=True)(params)
         updates, opt_state = optimizer.update(grads, opt_state, params)
         params = optax.apply_updates(params, updates)
         return params, opt_state, dict(metrics, grad_norm=optax.global_norm(grads), lr=schedule(hyper["step"]))
 
-    def eval_step(params, teacher_params, batch, counted):
+    def eval_step(params, teacher_params, batch, counted, seen):
         s, t = rebuild(params, teacher_params)
-        metrics = loss_fn(s, t, batch, 0.0, counted)[1]
+        metrics = loss_fn(s, t, batch, 0.0, counted, seen)[1]
         return {k: v for k, v in metrics.items() if k in ("ce", "kl", "kl_last")}
 
     train_jit = jax.jit(train_step, donate_argnums=(0, 1), out_shardings=(param_sh, opt_sh, None))
@@ -272,6 +273,9 @@ def train(config: Config, workdir=None, progress: bool = True, devices=None) -> 
             stop_ids = config.sampling.stop_ids or tuple(getattr(teacher_tokenizer, "stop_ids", ()))
             corpus = samples.self_distilled(corpus, teacher, config, workdir, stop_ids, progress and is_main,
                                             teacher_tokenizer)
+            if config.heads is not None and tc.cache_target and jax.process_count() == 1:
+                corpus = samples.with_target_reads(corpus, teacher, reads_of(config.heads, config.target), config,
+                                                   progress and is_main)
         batches = Batches(corpus, tc, mesh)
         log = MetricsLog(workdir / METRICS_FILE, enabled=is_main)
 
@@ -334,8 +338,8 @@ def train(config: Config, workdir=None, progress: bool = True, devices=None) -> 
 
             def validate(step):
                 totals: dict[str, float] = {}
-                for b, c in val_batches:
-                    for k, v in jax.device_get(eval_step(params, teacher_params, b, c)).items():
+                for b, c, seen in val_batches:
+                    for k, v in jax.device_get(eval_step(params, teacher_params, b, c, seen)).items():
                         totals[k] = totals.get(k, 0.0) + float(v) / len(val_batches)
                 # kl_last: a training-time test's last step on held-out data, what its deepest drafts keep
                 values = {"val_loss": totals["ce"], **{f"val_{k}": totals[k] for k in ("kl", "kl_last") if k in totals}}
@@ -372,10 +376,10 @@ def train(config: Config, workdir=None, progress: bool = True, devices=None) -> 
                        dynamic_ncols=True, unit="step")
             with StopRequest() as stop:
                 while step < tc.steps and not stop(step):
-                    (batch, counted), hyper = batches.train(step), batches.hyper(step)
+                    (batch, counted, seen), hyper = batches.train(step), batches.hyper(step)
                     with jax.transfer_guard("disallow"):
                         params, opt_state, metrics = train_step(params, opt_state, teacher_params, batch, counted,
-                                                                hyper)
+                                                                seen, hyper)
                     step += 1
                     if pending:
                         # At most two steps in flight: the host prepares batch s+1 while

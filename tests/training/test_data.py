@@ -311,9 +311,9 @@ def test_counted_windows_are_the_tokens_windows():
     marked = Batches(Corpus(train, val, None, "parity", train_counted=train % 2, val_counted=val % 2), tc,
                      mesh_for("1x1"))
     for step in (0, 1, 7):
-        batch, counted = marked.train(step)
+        batch, counted, _ = marked.train(step)
         assert np.array_equal(np.asarray(counted), np.asarray(batch) % 2)
     pairs = marked.validation()
-    assert len(pairs) == 3 and all(np.array_equal(np.asarray(c), np.asarray(b) % 2) for b, c in pairs)
-    batch, counted = Batches(Corpus(train, val, None, "plain"), tc, mesh_for("1x1")).train(0)
+    assert len(pairs) == 3 and all(np.array_equal(np.asarray(c), np.asarray(b) % 2) for b, c, _ in pairs)
+    batch, counted, _ = Batches(Corpus(train, val, None, "plain"), tc, mesh_for("1x1")).train(0)
     assert np.asarray(counted).min() == 1 and np.array_equal(np.asarray(batch), np.asarray(marked.train(0)[0]))

@@ -46,8 +46,9 @@ def test_chat_samples_are_the_teachers_greedy_replies_to_chat_prompts(tmp_path):
     it). The control: without the flag, the samples start with the raw windows."""
     teacher, tok, windows, tokens, settings = distilled(tmp_path, chat=True)
     assert settings["chat"] == list(samples.CHAT_KINDS)
-    at = 0
+    at, begins = 0, []
     for i, window in enumerate(windows):
+        begins.append(at)
         message = samples.CHAT_KINDS[i % len(samples.CHAT_KINDS)].format(text=tok.decode(window.tolist()).strip())
         prompt = tok.encode(HEAD + message + TAIL)
         sample = tokens[at:at + len(prompt) + SEQ_LEN + 1 - WINDOW]
@@ -82,13 +83,15 @@ def test_replies_only_counts_the_teachers_own_tokens(tmp_path):
     """train.self_distill_replies: the samples file marks each token the teacher generated
     (1) or was given (0: the rendered chat prompt, its length from the template written
     out above), and the corpus counts exactly the marked ones, train and validation split
-    like the tokens. Without the flag the corpus counts every token (None), and a file
-    made before the marks is still read back; with it, such a file is sampled again."""
+    like the tokens, and knows where each sample begins (the marks say). Without the flag
+    the corpus counts every token (None). A file made before the marks is sampled again,
+    with the flag or without (where the samples begin is in the marks)."""
     _, tok, windows, tokens, _ = distilled(tmp_path, chat=True)
     with np.load(tmp_path / samples.FILE) as saved:
         generated = saved["generated"]
-    at = 0
+    at, begins = 0, []
     for i, window in enumerate(windows):
+        begins.append(at)
         message = samples.CHAT_KINDS[i % len(samples.CHAT_KINDS)].format(text=tok.decode(window.tolist()).strip())
         given = len(tok.encode(HEAD + message + TAIL))
         np.testing.assert_array_equal(generated[at:at + given], 0)
@@ -101,13 +104,16 @@ def test_replies_only_counts_the_teachers_own_tokens(tmp_path):
     np.testing.assert_array_equal(marked.train_counted, generated[:-val])
     np.testing.assert_array_equal(marked.val_counted, generated[-val:])
     np.testing.assert_array_equal(marked.train, tokens[:-val])
+    np.testing.assert_array_equal(marked.samples, begins)
     plain = replies_corpus(tmp_path, replies=False)
     assert plain.train_counted is None and plain.val_counted is None
 
-    # A file from before the marks: read back as it is without the flag, sampled again with it.
+    # A file from before the marks: sampled again.
     np.savez(tmp_path / samples.FILE, tokens=np.full_like(tokens, 7),
              settings=np.frombuffer(json.dumps(samples.settings(config_of(replies=False), ())).encode(), np.uint8))
-    assert (replies_corpus(tmp_path, replies=False).train == 7).all()
+    resampled = replies_corpus(tmp_path, replies=False)
+    np.testing.assert_array_equal(resampled.train, tokens[:-val])
+    np.testing.assert_array_equal(resampled.samples, begins)
     again = replies_corpus(tmp_path, replies=True)
     np.testing.assert_array_equal(again.train, tokens[:-val])
     np.testing.assert_array_equal(again.train_counted, generated[:-val])
