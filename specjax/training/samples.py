@@ -142,13 +142,28 @@ def _as_corpus(corpus: Corpus, tokens: np.ndarray, generated: np.ndarray, config
                                f"{share}, {how}) continuing prompts from {corpus.description}")
 
 
-def with_target_reads(corpus: Corpus, teacher, reads, config: Config, progress: bool = True) -> Corpus:
+def available_memory() -> int | None:
+    """Bytes of memory the machine can still give (Linux's MemAvailable); None where unknown."""
+    try:
+        with open("/proc/meminfo") as f:
+            for line in f:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024
+    except (OSError, ValueError, IndexError):
+        pass
+    return None
+
+
+def with_target_reads(corpus: Corpus, teacher, reads, config: Config, progress: bool = True,
+                      memory: int | None = None) -> Corpus:
     """`corpus` (the teacher's samples) with what draft heads read of the frozen teacher's
     forward (`heads.target_reads`: their features, its final hidden states) at every token,
     aligned with the token streams and kept in host memory: each sample's forward runs once,
     from its first token as decoding runs it, instead of on every window of every step
     that holds it (training a layer makes ~6 passes over its samples). One process only (each
-    would need every sample's reads)."""
+    would need every sample's reads). Where they would take more than `memory` bytes
+    (default: half of what the machine has free), `corpus` as it is, and a line that says so:
+    the step runs the forward."""
     from specjax.heads import target_reads
     from specjax.model import LM
     tokens = np.concatenate([corpus.train, corpus.val])
@@ -156,6 +171,16 @@ def with_target_reads(corpus: Corpus, teacher, reads, config: Config, progress: 
     ends = np.append(begins[1:], len(tokens))
     width, rows = int((ends - begins).max()), config.train.batch_size
     forward = jax.jit(lambda params, x: target_reads(reads, LM(teacher.cfg, teacher.graphdef, params), x))
+    shapes = jax.eval_shape(forward, teacher.params, jax.ShapeDtypeStruct((rows, width), np.int32))
+    need = sum(len(tokens) * s.shape[-1] * np.dtype(s.dtype).itemsize for s in shapes[:1 if reads is True else 2])
+    if memory is None:
+        free = available_memory()
+        memory = None if free is None else free // 2
+    if memory is not None and need > memory:
+        tqdm.write(f"the target's features for {len(tokens):,} tokens would take {need / 2**30:.2f} GiB, more than "
+                   f"half of the memory free ({memory / 2**30:.2f} GiB): each step runs the target's forward instead "
+                   "(train.cache_target=False skips this check)")
+        return corpus
     out = None
     bar = tqdm(total=len(begins), disable=not progress, unit="sample", desc="the target's features")
     for first in range(0, len(begins), rows):

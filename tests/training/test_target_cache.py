@@ -60,6 +60,21 @@ def test_cached_reads_are_each_samples_own_forward(tiny, target, kind):
     assert not np.allclose(features[b:b + LENGTHS[1]], np.asarray(stream[0, b:]), atol=1e-3)
 
 
+def test_a_cache_beyond_the_memory_it_may_take_is_not_made(tiny, target, capsys):
+    """The cache's size is known before its forward: where it exceeds the memory it may take
+    the corpus comes back without one (the step runs the forward) and a line says so; with
+    room it is made (the control)."""
+    reads = reads_of(HeadsConfig(kind="eagle3", **LAYERS["eagle3"]), target.cfg)
+    corpus, tokens, _ = sample_corpus(target.cfg.vocab_size)
+    need = len(tokens) * 3 * target.cfg.d_model * 4  # two layers fused and the final states, float32
+    assert samples.with_target_reads(corpus, target, reads, config_for(tiny), False, memory=need - 1).train_seen is None
+    said = capsys.readouterr().out
+    assert f"would take {need / 2**30:.2f} GiB" in said and "each step runs the target's forward instead" in said, said
+    assert samples.with_target_reads(corpus, target, reads, config_for(tiny), False, memory=need).train_seen is not None
+    assert "would take" not in capsys.readouterr().out
+    assert samples.available_memory() > 0  # this machine's, read from /proc/meminfo
+
+
 def test_a_batchs_cached_reads_are_its_windows(tiny):
     """Cached reads that are the token ids themselves: every window's reads are its inputs'."""
     corpus, tokens, _ = sample_corpus(32)
