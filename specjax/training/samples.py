@@ -171,8 +171,9 @@ def with_target_reads(corpus: Corpus, teacher, reads, config: Config, progress: 
     ends = np.append(begins[1:], len(tokens))
     width, rows = int((ends - begins).max()), config.train.batch_size
     forward = jax.jit(lambda params, x: target_reads(reads, LM(teacher.cfg, teacher.graphdef, params), x))
-    shapes = jax.eval_shape(forward, teacher.params, jax.ShapeDtypeStruct((rows, width), np.int32))
-    need = sum(len(tokens) * s.shape[-1] * np.dtype(s.dtype).itemsize for s in shapes[:1 if reads is True else 2])
+    kept = 1 if reads is True else 2  # the features are the final states where the heads read those
+    shapes = jax.eval_shape(forward, teacher.params, jax.ShapeDtypeStruct((rows, width), np.int32))[:kept]
+    need = sum(len(tokens) * s.shape[-1] * np.dtype(s.dtype).itemsize for s in shapes)
     if memory is None:
         free = available_memory()
         memory = None if free is None else free // 2
@@ -189,10 +190,10 @@ def with_target_reads(corpus: Corpus, teacher, reads, config: Config, progress: 
             chunk[i, :e - b] = tokens[b:e]
         got = [np.asarray(a) for a in jax.device_get(forward(teacher.params, chunk))]
         if out is None:
-            out = [np.empty((len(tokens), a.shape[-1]), a.dtype) for a in got[:1 if reads is True else 2]]
+            out = [np.empty((len(tokens), a.shape[-1]), a.dtype) for a in got[:kept]]
         for i, (b, e) in enumerate(zip(begins[first:first + rows], ends[first:first + rows])):
-            for kept, a in zip(out, got):
-                kept[b:e] = a[i, :e - b]
+            for whole, a in zip(out, got):
+                whole[b:e] = a[i, :e - b]
         bar.update(min(rows, len(begins) - first))
     bar.close()
     n = len(corpus.train)
