@@ -170,9 +170,9 @@ def with_target_reads(corpus: Corpus, teacher, reads, config: Config, progress: 
     begins = corpus.samples
     ends = np.append(begins[1:], len(tokens))
     width, rows = int((ends - begins).max()), config.train.batch_size
-    forward = jax.jit(lambda params, x: target_reads(reads, LM(teacher.cfg, teacher.graphdef, params), x))
     kept = 1 if reads is True else 2  # the features are the final states where the heads read those
-    shapes = jax.eval_shape(forward, teacher.params, jax.ShapeDtypeStruct((rows, width), np.int32))[:kept]
+    forward = jax.jit(lambda params, x: target_reads(reads, LM(teacher.cfg, teacher.graphdef, params), x)[:kept])
+    shapes = jax.eval_shape(forward, teacher.params, jax.ShapeDtypeStruct((rows, width), np.int32))
     need = sum(len(tokens) * s.shape[-1] * np.dtype(s.dtype).itemsize for s in shapes)
     if memory is None:
         free = available_memory()
@@ -182,15 +182,13 @@ def with_target_reads(corpus: Corpus, teacher, reads, config: Config, progress: 
                    f"half of the memory free ({memory / 2**30:.2f} GiB): each step runs the target's forward instead "
                    "(train.cache_target=False skips this check)")
         return corpus
-    out = None
+    out = [np.empty((len(tokens), s.shape[-1]), s.dtype) for s in shapes]
     bar = tqdm(total=len(begins), disable=not progress, unit="sample", desc="the target's features")
     for first in range(0, len(begins), rows):
         chunk = np.zeros((rows, width), np.int32)  # a short sample's tail: padding its causal rows never see
         for i, (b, e) in enumerate(zip(begins[first:first + rows], ends[first:first + rows])):
             chunk[i, :e - b] = tokens[b:e]
-        got = [np.asarray(a) for a in jax.device_get(forward(teacher.params, chunk))]
-        if out is None:
-            out = [np.empty((len(tokens), a.shape[-1]), a.dtype) for a in got[:kept]]
+        got = jax.device_get(forward(teacher.params, chunk))
         for i, (b, e) in enumerate(zip(begins[first:first + rows], ends[first:first + rows])):
             for whole, a in zip(out, got):
                 whole[b:e] = a[i, :e - b]
