@@ -525,6 +525,13 @@ class TrainConfig:
     # (an instruction of a few fixed kinds around the corpus window's text), so that a chat
     # model's drafter learns the replies it will draft (`training.samples.CHAT_KINDS`).
     self_distill_chat: bool = False
+    # A prompts file (JSONL with a "prompt" per line, or one prompt per line: what
+    # --prompts_file reads) as the samples' prompts instead of corpus windows: sample i is
+    # the file's prompt i of a seeded shuffle (a new shuffle for each pass over the file),
+    # a user message in the chat template with self_distill_chat, else plain text. A drafter
+    # drafts replies to its users' requests, which corpus windows in a few fixed
+    # instructions resemble less than requests of the same kinds do. '' = corpus windows.
+    self_distill_prompts: str = ""
     # True: the loss counts only the positions whose next token the teacher generated (its
     # replies), not the prompts it was given (EAGLE trains on the assistant's turns alone):
     # a drafter drafts replies, and a prompt's corpus text is not the teacher's own.
@@ -572,6 +579,10 @@ class TrainConfig:
                               "train.self_distill > 0 (how many), or drop train.self_distill_chat")
         _flag(self, "self_distill_replies")
         _flag(self, "cache_target")
+        _text(self, "self_distill_prompts")
+        if self.self_distill_prompts and not self.self_distill:
+            raise ConfigError(f"train.self_distill_prompts={self.self_distill_prompts!r} prompts the teacher's "
+                              "samples: set train.self_distill > 0 (how many), or drop train.self_distill_prompts")
         if self.self_distill_replies and not self.self_distill:
             raise ConfigError("train.self_distill_replies=True counts the teacher's replies in its samples: set "
                               "train.self_distill > 0 (how many), or drop train.self_distill_replies")

@@ -100,9 +100,10 @@ def check_text(text: str, where: str) -> str:
     return text
 
 
-def read_prompts_file(path: str) -> list[_Raw]:
+def read_prompts_file(path: str, flag: str = "--prompts_file") -> list[_Raw]:
+    """The prompts of a file (the module docstring's format); errors name `flag`."""
     p = user_path(path)
-    content = read_text_file(path, "--prompts_file", "a text file with one prompt per line, or JSONL with a "
+    content = read_text_file(path, flag, "a text file with one prompt per line, or JSONL with a "
                              "\"prompt\" field per line")
     lines = content.splitlines()
     out = []

@@ -17,6 +17,11 @@ seq_len + 1 - self_distill_prompt tokens at most: a chat model drafted for in it
 template writes other text than it does continuing raw source, and its drafter has to
 learn those replies.
 
+With `train.self_distill_prompts`, the prompts are a file's instead (`file_prompts`):
+requests of the kinds the drafter will serve (code to write or edit, text to summarise,
+conversation), each a user message with self_distill_chat; the replies get the same
+budget of seq_len + 1 - self_distill_prompt tokens.
+
 Made once per workdir and written there (`samples.npz`, with the settings that made
 it): a resumed run reads the same tokens, so it stays bit for bit an uninterrupted
 run's. A run whose settings differ makes them again.
@@ -40,6 +45,7 @@ from specjax.weights.tokenizer import atomic_write_bytes
 
 FILE = "samples.npz"
 BATCH = 64  # prompts per generate call
+WIDTH_STEP = 64  # `with_target_reads` pads a chunk of samples to a multiple of this
 # The user messages of `train.self_distill_chat`, taken in turn; {text} is a corpus window.
 CHAT_KINDS = (
     "Complete this Python code. Reply with code only.\n\n```python\n{text}\n```",
@@ -55,7 +61,16 @@ def settings(config: Config, stop_ids: tuple[int, ...]) -> dict:
     return {"samples": tc.self_distill, "prompt": tc.self_distill_prompt, "length": tc.seq_len + 1,
             "seed": tc.seed, "temperature": sp.temperature, "top_k": sp.top_k, "top_p": sp.top_p,
             "stop_ids": list(stop_ids), "teacher": tc.teacher or tc.teacher_hf or tc.teacher_gguf,
-            **({"chat": list(CHAT_KINDS)} if tc.self_distill_chat else {})}
+            **({"chat": True if tc.self_distill_prompts else list(CHAT_KINDS)} if tc.self_distill_chat else {}),
+            **({"prompts": _digest(tc.self_distill_prompts)} if tc.self_distill_prompts else {})}
+
+
+def _digest(path: str) -> str:
+    """The prompts file's content, named by its SHA-256 (where it lies does not matter)."""
+    import hashlib
+
+    from specjax.app.prompts import read_text_file
+    return hashlib.sha256(read_text_file(path, "train.self_distill_prompts", "a prompts file").encode()).hexdigest()
 
 
 def prompts(corpus: Corpus, config: Config) -> np.ndarray:
@@ -64,6 +79,35 @@ def prompts(corpus: Corpus, config: Config) -> np.ndarray:
     rng = np.random.default_rng([tc.seed, 0x5E1F])
     starts = rng.integers(0, len(corpus.train) - tc.self_distill_prompt + 1, size=tc.self_distill)
     return np.stack([corpus.train[s:s + tc.self_distill_prompt] for s in starts]).astype(np.int32)
+
+
+def file_prompts(config: Config, teacher, tokenizer) -> list[list[int]]:
+    """train.self_distill_prompts' prompts for the train.self_distill samples, tokenised:
+    sample i is the file's prompt i of a shuffle drawn from train.seed (a new shuffle for
+    each pass over the file), as one user message in `tokenizer`'s chat template with
+    train.self_distill_chat, else as text starting a document. A bad file, or a prompt
+    with no room for its reply in the teacher's context, is a one-line UsageError naming
+    train.self_distill_prompts or the file's line (checked as soon as the teacher is loaded)."""
+    from specjax.app import prompts as prompts_lib
+    from specjax.decode.program import check_prompts
+    tc = config.train
+    flag = "train.self_distill_prompts"
+    raw = [r for r in prompts_lib.read_prompts_file(tc.self_distill_prompts, flag) if r.text is not None]
+    if not raw:
+        raise ConfigError(f"{flag}={tc.self_distill_prompts!r}: holds no text prompts (a \"prompt\" per JSONL line, "
+                          "or one per line of plain text)")
+    if tokenizer is None:
+        raise ConfigError(f"{flag}={tc.self_distill_prompts!r} holds text, and the teacher has no tokenizer: drop "
+                          f"{flag} (the samples then continue corpus windows)")
+    rng = np.random.default_rng([tc.seed, 0x5E1F, 1])
+    passes = -(-tc.self_distill // len(raw))
+    order = np.concatenate([rng.permutation(len(raw)) for _ in range(passes)])[:tc.self_distill]
+    chosen = [raw[i] for i in order]
+    encoded = prompts_lib.encode(chosen, tokenizer, chat=tc.self_distill_chat)
+    check_prompts([p.tokens for p in encoded], teacher.cfg.vocab_size, teacher.cfg.max_seq_len,
+                  tc.seq_len + 1 - tc.self_distill_prompt, [p.source for p in encoded],
+                  budget="a reply of train.seq_len + 1 - train.self_distill_prompt")
+    return [p.tokens for p in encoded]
 
 
 def check_chat(tokenizer) -> None:
@@ -101,8 +145,11 @@ def self_distilled(corpus: Corpus, teacher, config: Config, workdir, stop_ids=()
             why = "before its samples marked the teacher's own tokens" if same else "with other settings"
             tqdm.write(f"{path} was made {why}: sampling the teacher again")
     from specjax.decode.api import generate
-    starts = prompts(corpus, config)
-    starts = chat_prompts(starts, tokenizer) if tc.self_distill_chat else starts.tolist()
+    if tc.self_distill_prompts:
+        starts = file_prompts(config, teacher, tokenizer)
+    else:
+        starts = prompts(corpus, config)
+        starts = chat_prompts(starts, tokenizer) if tc.self_distill_chat else starts.tolist()
     sampling = dataclasses.replace(config.sampling, drafter="model", num_drafts=1,
                                    max_new_tokens=tc.seq_len + 1 - tc.self_distill_prompt,
                                    eos_id=tuple(stop_ids) if stop_ids else -1).validate()
@@ -184,15 +231,20 @@ def with_target_reads(corpus: Corpus, teacher, reads, config: Config, progress: 
         return corpus
     out = [np.empty((len(tokens), s.shape[-1]), s.dtype) for s in shapes]
     bar = tqdm(total=len(begins), disable=not progress, unit="sample", desc="the target's features")
-    for first in range(0, len(begins), rows):
-        chunk = np.zeros((rows, width), np.int32)  # a short sample's tail: padding its causal rows never see
-        for i, (b, e) in enumerate(zip(begins[first:first + rows], ends[first:first + rows])):
-            chunk[i, :e - b] = tokens[b:e]
+    # Samples of like length run together, each chunk padded to its longest rounded up to
+    # WIDTH_STEP (one compile per width): a file's prompts differ in length by 10x.
+    order = np.argsort(ends - begins, kind="stable")
+    for first in range(0, len(order), rows):
+        chosen = order[first:first + rows]
+        longest = int((ends[chosen] - begins[chosen]).max())
+        chunk = np.zeros((rows, min(width, -(-longest // WIDTH_STEP) * WIDTH_STEP)), np.int32)
+        for i, j in enumerate(chosen):  # a short sample's tail: padding its causal rows never see
+            chunk[i, :ends[j] - begins[j]] = tokens[begins[j]:ends[j]]
         got = jax.device_get(forward(teacher.params, chunk))
-        for i, (b, e) in enumerate(zip(begins[first:first + rows], ends[first:first + rows])):
+        for i, j in enumerate(chosen):
             for whole, a in zip(out, got):
-                whole[b:e] = a[i, :e - b]
-        bar.update(min(rows, len(begins) - first))
+                whole[begins[j]:ends[j]] = a[i, :ends[j] - begins[j]]
+        bar.update(len(chosen))
     bar.close()
     n = len(corpus.train)
     size = sum(a.nbytes for a in out) / 2**30

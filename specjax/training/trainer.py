@@ -266,6 +266,8 @@ def train(config: Config, workdir=None, progress: bool = True, devices=None) -> 
         teacher, teacher_tokenizer = load_teacher()
         if tc.self_distill_chat:
             samples.check_chat(teacher_tokenizer)
+        if tc.self_distill_prompts:  # a bad file or prompt is found before the corpus and the sampling
+            samples.file_prompts(config, teacher, teacher_tokenizer)
         if config.heads is not None:  # the heads are shaped by the target they read, the teacher
             config = dataclasses.replace(config, target=kv_heads.original(teacher.cfg))
         corpus = load_corpus(config, teacher_tokenizer, progress and is_main)
