@@ -5,6 +5,7 @@ before each run, and start the same sample command on all of them; each TPU gene
 gets its own accelerator type and runtime image."""
 import ast
 import importlib.metadata
+import json
 import os
 import pathlib
 import re
@@ -245,3 +246,24 @@ def test_parallel_ceiling_reports_positions_two_and_three():
     wide = subprocess.run([sys.executable, "launch/parallel_ceiling.py", "--config=tiny", "--init=random", "--depth=3",
                            "--candidates=65"], cwd=REPO, capture_output=True, text=True, timeout=600)
     assert wide.returncode == 2 and "--candidates=65 with --depth=3: at most 64" in wide.stderr, wide.stderr[-2000:]
+
+
+def test_the_chat_requests_hold_none_of_the_held_out_prompts():
+    """launch/chat_requests.jsonl (the requests SmolLM2's layer trains on) is a prompts file
+    of the four held-out kinds, and shares no run of 8 words with what a held-out prompt
+    (launch/real_prompts.jsonl) asks about: its code, its paragraph, its question (the
+    instructions, such as "Complete this Python function.", are shared on purpose); the
+    control: the held-out file shares them with itself."""
+    from specjax.app.prompts import read_prompts_file
+
+    def shingles(text):
+        words = text.split()
+        return {tuple(words[i:i + 8]) for i in range(len(words) - 7)}
+
+    held_out = [json.loads(line) for line in (REPO / "launch" / "real_prompts.jsonl").read_text().splitlines()]
+    requests = [json.loads(line) for line in (REPO / "launch" / "chat_requests.jsonl").read_text().splitlines()]
+    assert len(read_prompts_file(str(REPO / "launch" / "chat_requests.jsonl"))) == len(requests) >= 1536
+    assert {r["name"] for r in requests} == {h["name"] for h in held_out}
+    held = set().union(*(shingles(h["prompt"].split("\n\n", 1)[-1]) for h in held_out))
+    assert all(shingles(h["prompt"]) & held for h in held_out)
+    assert not [r["prompt"][:60] for r in requests if shingles(r["prompt"]) & held]

@@ -10,7 +10,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from specjax.config import Config, ConfigError, SamplingConfig, TrainConfig
+from specjax.config import Config, ConfigError, SamplingConfig, TrainConfig, UsageError
 from specjax.model import full_forward
 from specjax.training import samples
 from specjax.training.corpus import Corpus
@@ -25,14 +25,15 @@ HEAD = "<|im_start|>system\nYou are a helpful assistant.<|im_end|>\n<|im_start|>
 TAIL = "<|im_end|>\n<|im_start|>assistant\n"
 
 
-def distilled(tmp_path, chat: bool):
+def distilled(tmp_path, chat: bool, prompts_file: str = ""):
     with jax.set_mesh(mesh_for("1x1")):
         teacher, tok = hf.load(QWEN2, mesh_for("1x1"))
         stream = np.asarray(tok.encode(TEXT) * 4, np.int32)
         corpus = Corpus(train=stream, val=stream[:20], tokenizer_file=None, description="two snippets")
         config = Config(name="chat", target=teacher.cfg, sampling=SamplingConfig(temperature=0),
                         train=TrainConfig(seq_len=SEQ_LEN, self_distill=SAMPLES, self_distill_prompt=WINDOW,
-                                          self_distill_chat=chat, val_fraction=0.1, teacher_hf=str(QWEN2))).validate()
+                                          self_distill_chat=chat, val_fraction=0.1, teacher_hf=str(QWEN2),
+                                          self_distill_prompts=prompts_file)).validate()
         samples.self_distilled(corpus, teacher, config, tmp_path, stop_ids=(), progress=False, tokenizer=tok)
         windows = samples.prompts(corpus, config)
     with np.load(tmp_path / samples.FILE) as saved:
@@ -142,3 +143,84 @@ def test_replies_only_without_samples_is_refused_in_one_line():
         TrainConfig(self_distill_replies=True, teacher_gguf="m.gguf").validate()
     with pytest.raises(ConfigError, match="must be True or False"):
         TrainConfig(self_distill=200, self_distill_replies="yes", teacher_gguf="m.gguf").validate()
+
+
+REQUESTS = ["Sort a list in Python.", "Summarize: the cat sat on the mat.", "What is a stack?"]
+
+
+def requests_file(path, requests=REQUESTS):
+    path.write_text("".join(json.dumps({"name": "x", "prompt": r}) + "\n" for r in requests), encoding="utf-8")
+    return str(path)
+
+
+def test_a_prompts_files_requests_prompt_the_samples(tmp_path):
+    """train.self_distill_prompts: sample i is one of the file's requests as the user message
+    of Qwen2's template (written out by hand above), every request once in each pass over the
+    file (10 samples: 3 passes and one more), then the teacher's greedy reply. The control:
+    without the file the samples' user messages are corpus windows."""
+    teacher, tok, _, tokens, settings = distilled(tmp_path, chat=True, prompts_file=requests_file(tmp_path / "r.jsonl"))
+    assert settings["chat"] is True and len(settings["prompts"]) == 64
+    rendered = {r: tok.encode(HEAD + r + TAIL) for r in REQUESTS}
+    at, asked = 0, []
+    while at < len(tokens):
+        request = next(r for r, p in rendered.items() if np.array_equal(tokens[at:at + len(p)], p))
+        prompt = rendered[request]
+        sample = tokens[at:at + len(prompt) + SEQ_LEN + 1 - WINDOW]
+        with jax.set_mesh(mesh_for("1x1")):
+            greedy = np.asarray(jnp.argmax(full_forward(teacher, jnp.asarray(sample[None, :-1])), axis=-1))[0]
+        np.testing.assert_array_equal(sample[len(prompt):], greedy[len(prompt) - 1:])
+        asked.append(request)
+        at += len(sample)
+    assert len(asked) == SAMPLES
+    for first in range(0, SAMPLES - len(REQUESTS) + 1, len(REQUESTS)):
+        assert sorted(asked[first:first + len(REQUESTS)]) == sorted(REQUESTS)
+
+    _, _, _, windows_made, _ = distilled(tmp_path / "windows", chat=True)
+    assert not any(np.array_equal(windows_made[:len(p)], p) for p in rendered.values())
+
+
+def test_samples_are_made_again_when_the_files_requests_change(tmp_path, capsys):
+    """The file's content, not its path, names the samples: the same requests elsewhere read
+    the samples back; other requests sample the teacher again."""
+    first = distilled(tmp_path, chat=True, prompts_file=requests_file(tmp_path / "a.jsonl"))[3]
+    moved = distilled(tmp_path, chat=True, prompts_file=requests_file(tmp_path / "b.jsonl"))[3]
+    assert "sampling the teacher again" not in capsys.readouterr().out
+    np.testing.assert_array_equal(first, moved)
+    other = distilled(tmp_path, chat=True, prompts_file=requests_file(tmp_path / "c.jsonl", REQUESTS[:2]))[3]
+    assert "with other settings: sampling the teacher again" in capsys.readouterr().out
+    assert not np.array_equal(first, other)
+
+
+def test_a_bad_prompts_file_is_refused_in_one_line(tmp_path):
+    with pytest.raises(ConfigError, match=r"train.self_distill_prompts='r.jsonl' prompts the teacher's samples: set "
+                       r"train.self_distill > 0"):
+        TrainConfig(self_distill_prompts="r.jsonl").validate()
+    with pytest.raises(ConfigError, match=r"TrainConfig.self_distill_prompts=3: must be a string"):
+        TrainConfig(self_distill=20, self_distill_prompts=3).validate()
+    with jax.set_mesh(mesh_for("1x1")):
+        teacher, tok = hf.load(QWEN2, mesh_for("1x1"))
+
+    def check(path, **train):
+        config = Config(name="chat", target=teacher.cfg, sampling=SamplingConfig(temperature=0),
+                        train=TrainConfig(seq_len=SEQ_LEN, self_distill=SAMPLES, self_distill_prompt=WINDOW,
+                                          self_distill_chat=True, val_fraction=0.1, teacher_hf=str(QWEN2),
+                                          self_distill_prompts=str(path), **train)).validate()
+        return samples.file_prompts(config, teacher, tok)
+
+    assert len(check(requests_file(tmp_path / "ok.jsonl"))) == SAMPLES
+    with pytest.raises(UsageError, match=r"train.self_distill_prompts='.*missing.jsonl': cannot read it"):
+        check(tmp_path / "missing.jsonl")
+    (tmp_path / "bad.jsonl").write_text('{"prompt": "a"}\n{"prompt": \n')
+    with pytest.raises(UsageError, match=r"bad.jsonl:2: not valid JSON"):
+        check(tmp_path / "bad.jsonl")
+    (tmp_path / "empty.txt").write_text("\n\n")
+    with pytest.raises(ConfigError, match=r"empty.txt': holds no text prompts"):
+        check(tmp_path / "empty.txt")
+    long = requests_file(tmp_path / "long.jsonl", ["word " * teacher.cfg.max_seq_len])
+    with pytest.raises(UsageError, match=r"long.jsonl:1 has \d+ tokens; with a reply of train.seq_len \+ 1 - "
+                       r"train.self_distill_prompt=5 that is"):
+        check(long)
+    with pytest.raises(ConfigError, match=r"holds text, and the teacher has no tokenizer"):
+        samples.file_prompts(Config(name="c", target=teacher.cfg, train=TrainConfig(
+            self_distill=SAMPLES, val_fraction=0.1, self_distill_prompts=requests_file(tmp_path / "ok.jsonl"))),
+            teacher, None)

@@ -40,8 +40,10 @@ def config_for(tiny):
     return dataclasses.replace(tiny, train=TrainConfig(seq_len=SEQ_LEN, batch_size=2, eval_batches=1))
 
 
-@pytest.mark.parametrize("kind", ["eagle", "eagle3"])
-def test_cached_reads_are_each_samples_own_forward(tiny, target, kind):
+@pytest.mark.parametrize("kind,width_step", [("eagle", 64), ("eagle3", 64), ("eagle3", 4)])
+def test_cached_reads_are_each_samples_own_forward(tiny, target, kind, width_step, monkeypatch):
+    """width_step 4: the samples run in chunks sorted by length, padded to 8, 12 and 17."""
+    monkeypatch.setattr(samples, "WIDTH_STEP", width_step)
     reads = reads_of(HeadsConfig(kind=kind, **LAYERS[kind]), target.cfg)
     corpus, tokens, begins = sample_corpus(target.cfg.vocab_size)
     cached = samples.with_target_reads(corpus, target, reads, config_for(tiny), progress=False)
