@@ -186,7 +186,9 @@ def _as_corpus(corpus: Corpus, tokens: np.ndarray, generated: np.ndarray, config
     return dataclasses.replace(corpus, train=train, val=val, train_counted=counted[0], val_counted=counted[1],
                                samples=begins,
                                description=f"{tc.self_distill:,} samples of the teacher ({len(tokens):,} tokens"
-                               f"{share}, {how}) continuing prompts from {corpus.description}")
+                               f"{share}, {how}) " + (f"answering the requests of {tc.self_distill_prompts}"
+                                                      if tc.self_distill_prompts else
+                                                      f"continuing prompts from {corpus.description}"))
 
 
 def available_memory() -> int | None:
