@@ -81,6 +81,18 @@ def prompts(corpus: Corpus, config: Config) -> np.ndarray:
     return np.stack([corpus.train[s:s + tc.self_distill_prompt] for s in starts]).astype(np.int32)
 
 
+def requests(config: Config) -> list:
+    """The text prompts of train.self_distill_prompts' file, or a one-line UsageError naming
+    it or its line (checked before the workdir is touched; `file_prompts` tokenises them)."""
+    from specjax.app import prompts as prompts_lib
+    path = config.train.self_distill_prompts
+    raw = [r for r in prompts_lib.read_prompts_file(path, "train.self_distill_prompts") if r.text is not None]
+    if not raw:
+        raise ConfigError(f"train.self_distill_prompts={path!r}: holds no text prompts (a \"prompt\" per JSONL line, "
+                          "or one per line of plain text)")
+    return raw
+
+
 def file_prompts(config: Config, teacher, tokenizer) -> list[list[int]]:
     """train.self_distill_prompts' prompts for the train.self_distill samples, tokenised:
     sample i is the file's prompt i of a shuffle drawn from train.seed (a new shuffle for
@@ -91,14 +103,10 @@ def file_prompts(config: Config, teacher, tokenizer) -> list[list[int]]:
     from specjax.app import prompts as prompts_lib
     from specjax.decode.program import check_prompts
     tc = config.train
-    flag = "train.self_distill_prompts"
-    raw = [r for r in prompts_lib.read_prompts_file(tc.self_distill_prompts, flag) if r.text is not None]
-    if not raw:
-        raise ConfigError(f"{flag}={tc.self_distill_prompts!r}: holds no text prompts (a \"prompt\" per JSONL line, "
-                          "or one per line of plain text)")
+    raw = requests(config)
     if tokenizer is None:
-        raise ConfigError(f"{flag}={tc.self_distill_prompts!r} holds text, and the teacher has no tokenizer: drop "
-                          f"{flag} (the samples then continue corpus windows)")
+        raise ConfigError(f"train.self_distill_prompts={tc.self_distill_prompts!r} holds text, and the teacher has no "
+                          "tokenizer: drop train.self_distill_prompts (the samples then continue corpus windows)")
     rng = np.random.default_rng([tc.seed, 0x5E1F, 1])
     passes = -(-tc.self_distill // len(raw))
     order = np.concatenate([rng.permutation(len(raw)) for _ in range(passes)])[:tc.self_distill]

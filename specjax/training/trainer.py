@@ -260,13 +260,15 @@ def train(config: Config, workdir=None, progress: bool = True, devices=None) -> 
         raise ConfigError(f"train.init_from={tc.init_from!r}: starts a model's params; draft heads start from their "
                           "own init")
     source = _init_source(config)
+    if tc.self_distill_prompts:  # the file, before the workdir; its prompts' lengths once the teacher is loaded
+        samples.requests(config)
 
     load_teacher = _teacher(config, mesh)
     with WorkdirLock(workdir), jax.set_mesh(mesh):
         teacher, teacher_tokenizer = load_teacher()
         if tc.self_distill_chat:
             samples.check_chat(teacher_tokenizer)
-        if tc.self_distill_prompts:  # a bad file or prompt is found before the corpus and the sampling
+        if tc.self_distill_prompts:  # a prompt too long for the teacher is found before the corpus and the sampling
             samples.file_prompts(config, teacher, teacher_tokenizer)
         if config.heads is not None:  # the heads are shaped by the target they read, the teacher
             config = dataclasses.replace(config, target=kv_heads.original(teacher.cfg))

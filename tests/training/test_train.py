@@ -292,6 +292,14 @@ BAD_TRAIN = [
                                                      "--config.train.self_distill_chat=True",
                                                      "--workdir={files}/eagle_run"],
      ["train.self_distill_chat=True", "needs the teacher's chat template", "train.teacher='tiny'"]),
+    ("eagle3 self_distill_prompts unreadable", ["--config=tiny_eagle3", "--config.train.self_distill=200",
+                                               "--config.train.self_distill_prompts={files}/nothing.jsonl",
+                                               "--workdir={files}/eagle_run"],
+     ["train.self_distill_prompts=", "nothing.jsonl", "cannot read it"]),
+    ("eagle3 self_distill_prompts not JSON", ["--config=tiny_eagle3", "--config.train.self_distill=200",
+                                              "--config.train.self_distill_prompts={files}/bad_prompts.jsonl",
+                                              "--workdir={files}/eagle_run"],
+     ["bad_prompts.jsonl:2: not valid JSON"]),
     ("eagle3 self_distill_replies without samples", ["--config=tiny_eagle3", "--config.train.self_distill_replies=True",
                                                      "--workdir={files}/eagle_run"],
      ["train.self_distill_replies=True", "set train.self_distill > 0"]),
@@ -306,6 +314,7 @@ def bad_files(tmp_path_factory, reference):
     (d / "folder.py").mkdir()
     (d / "empty.py").write_text("")
     (d / "tiny_text.py").write_text(TEXT_CONFIG)
+    (d / "bad_prompts.jsonl").write_text('{"prompt": "Sort a list."}\n{"prompt": \n')
     (d / "binary.dat").write_bytes(np.random.default_rng(0).bytes(50_000))
     # A few thousand tokens of real text: enough for a 512-piece tokenizer, too few for a 1%
     # validation stream of seq_len + 1 = 513 tokens.
