@@ -97,9 +97,9 @@ def file_prompts(config: Config, teacher, tokenizer) -> list[list[int]]:
     """train.self_distill_prompts' prompts for the train.self_distill samples, tokenised:
     sample i is the file's prompt i of a shuffle drawn from train.seed (a new shuffle for
     each pass over the file), as one user message in `tokenizer`'s chat template with
-    train.self_distill_chat, else as text starting a document. A bad file, or a prompt
-    with no room for its reply in the teacher's context, is a one-line UsageError naming
-    train.self_distill_prompts or the file's line (checked as soon as the teacher is loaded)."""
+    train.self_distill_chat, else as text starting a document. A prompt with no room for
+    its reply in the teacher's context is a one-line UsageError naming the file's line (the
+    trainer asks as soon as the teacher is loaded; the file itself, `requests`, earlier)."""
     from specjax.app import prompts as prompts_lib
     from specjax.decode.program import check_prompts
     tc = config.train
