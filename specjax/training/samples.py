@@ -137,9 +137,10 @@ def chat_prompts(windows: np.ndarray, tokenizer) -> list[list[int]]:
 
 
 def self_distilled(corpus: Corpus, teacher, config: Config, workdir, stop_ids=(), progress: bool = True,
-                   tokenizer=None) -> Corpus:
+                   tokenizer=None, asked: list[list[int]] | None = None) -> Corpus:
     """`corpus` with its streams replaced by the teacher's samples (the module docstring);
-    `tokenizer`, the teacher's, renders the chat prompts of `train.self_distill_chat`."""
+    `tokenizer`, the teacher's, renders the chat prompts of `train.self_distill_chat`;
+    `asked`: `file_prompts`' result where the caller has it (else made here)."""
     tc = config.train
     want = settings(config, tuple(stop_ids))
     path = workdir / FILE
@@ -154,7 +155,7 @@ def self_distilled(corpus: Corpus, teacher, config: Config, workdir, stop_ids=()
             tqdm.write(f"{path} was made {why}: sampling the teacher again")
     from specjax.decode.api import generate
     if tc.self_distill_prompts:
-        starts = file_prompts(config, teacher, tokenizer)
+        starts = asked if asked is not None else file_prompts(config, teacher, tokenizer)
     else:
         starts = prompts(corpus, config)
         starts = chat_prompts(starts, tokenizer) if tc.self_distill_chat else starts.tolist()

@@ -268,15 +268,15 @@ def train(config: Config, workdir=None, progress: bool = True, devices=None) -> 
         teacher, teacher_tokenizer = load_teacher()
         if tc.self_distill_chat:
             samples.check_chat(teacher_tokenizer)
-        if tc.self_distill_prompts:  # a prompt too long for the teacher is found before the corpus and the sampling
-            samples.file_prompts(config, teacher, teacher_tokenizer)
+        # the file's prompts, tokenised once: a prompt too long for the teacher is found before the corpus
+        asked = samples.file_prompts(config, teacher, teacher_tokenizer) if tc.self_distill_prompts else None
         if config.heads is not None:  # the heads are shaped by the target they read, the teacher
             config = dataclasses.replace(config, target=kv_heads.original(teacher.cfg))
         corpus = load_corpus(config, teacher_tokenizer, progress and is_main)
         if tc.self_distill:
             stop_ids = config.sampling.stop_ids or tuple(getattr(teacher_tokenizer, "stop_ids", ()))
             corpus = samples.self_distilled(corpus, teacher, config, workdir, stop_ids, progress and is_main,
-                                            teacher_tokenizer)
+                                            teacher_tokenizer, asked)
             if config.heads is not None and tc.cache_target and jax.process_count() == 1:
                 corpus = samples.with_target_reads(corpus, teacher, reads_of(config.heads, config.target), config,
                                                    progress and is_main)
