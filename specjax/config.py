@@ -530,7 +530,8 @@ class TrainConfig:
     # the file's prompt i of a seeded shuffle (a new shuffle for each pass over the file),
     # a user message in the chat template with self_distill_chat, else plain text. A drafter
     # drafts replies to its users' requests, which corpus windows in a few fixed
-    # instructions resemble less than requests of the same kinds do. '' = corpus windows.
+    # instructions resemble less than requests of the same kinds do. Needs teacher_hf or
+    # teacher_gguf (their tokenizer encodes the text). '' = corpus windows.
     self_distill_prompts: str = ""
     # True: the loss counts only the positions whose next token the teacher generated (its
     # replies), not the prompts it was given (EAGLE trains on the assistant's turns alone):
@@ -586,6 +587,10 @@ class TrainConfig:
         if self.self_distill_replies and not self.self_distill:
             raise ConfigError("train.self_distill_replies=True counts the teacher's replies in its samples: set "
                               "train.self_distill > 0 (how many), or drop train.self_distill_replies")
+        if self.self_distill_prompts and not (self.teacher_hf or self.teacher_gguf):
+            raise ConfigError(f"train.self_distill_prompts={self.self_distill_prompts!r} holds text, which the "
+                              "teacher's tokenizer encodes: a Hugging Face directory (train.teacher_hf) or a GGUF "
+                              f"file (train.teacher_gguf) carries one; train.teacher={self.teacher!r} has none")
         if self.self_distill_chat and not (self.teacher_hf or self.teacher_gguf):
             raise ConfigError("train.self_distill_chat=True needs the teacher's chat template, which a Hugging Face "
                               "directory (train.teacher_hf) or a GGUF file (train.teacher_gguf) carries; "
