@@ -286,7 +286,7 @@ EAGLE_KINDS = ("eagle", "eagle3")  # the heads kinds made of one EAGLE layer (`h
 EAGLE3_TTT_STEPS = 7  # EAGLE-3's training-time test depth (its training code unrolls 7 steps)
 MAX_TTT_STEPS = 16  # each step is one more pass of the layer in every training step
 MAX_SELF_DISTILL = 1 << 20  # samples of the teacher a run generates before it trains
-DRAFTERS = ("model", "ngram", "retrieval", "hybrid", "medusa", "eagle", "eagle3", "parallel")
+DRAFTERS = ("model", "ngram", "retrieval", "hybrid", "medusa", "eagle", "eagle3", "parallel", "hybrid_eagle3")
 # What the drafters declare (`decode.drafters`, which this layer does not import; a test
 # checks the two agree): those that draw several independent chains per loop (each chain
 # a fresh draw), those with an adaptive draft length (draft_confidence), and those that
@@ -320,6 +320,7 @@ class SamplingConfig:
     verify: str = "block"  # 'block' (Sun et al. 2025: jointly, never worse) | 'tokenwise' (the paper's rule)
     # 'model' | 'ngram' (prompt lookup) | 'retrieval' (a datastore) | 'hybrid' | 'medusa' | 'eagle' | 'eagle3'
     # (heads on the target: `specjax.heads`) | 'parallel' (a draft model with mask tokens: K tokens from one forward)
+    # | 'hybrid_eagle3' (a lookup's chain where the context matches, else the EAGLE-3 layer's)
     drafter: str = "model"
     ngram: int = 3  # longest context suffix the lookup drafters match (shorter ones down to 1 as fallback)
     draft_confidence: float = 0.0  # > 0: a row stops drafting after a draft distribution whose top p is below it

@@ -90,7 +90,7 @@ SAMPLING_FLAGS = {
     "drafter": (DRAFTERS, "who proposes: model (the draft model), ngram (prompt lookup in the row's own context), "
                 "retrieval (--datastore), hybrid (ngram, else the datastore, else the model), medusa, eagle or "
                 "eagle3 (draft heads on the target's features), parallel (a draft model with mask tokens: all K "
-                "from one forward)"),
+                "from one forward), hybrid_eagle3 (ngram, else the datastore, else the eagle3 heads)"),
     "ngram": (int, "longest context suffix the lookup drafters match"),
     "draft_confidence": (float, "in [0, 1): a row stops drafting after a draft distribution whose top "
                          "probability is below this (--lookahead is the most); 0 = fixed K"),

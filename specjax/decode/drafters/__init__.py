@@ -41,6 +41,7 @@ at the drafter's side only (invariant 9).
   eagle      one layer drafts autoregressively in the target's feature space (`eagle`)
   eagle3     that layer over a fusion of low, middle and high target layers (`eagle`)
   parallel   a draft model with mask tokens proposes all K from one forward (`parallel`)
+  hybrid_eagle3  per row a full-suffix lookup, else the EAGLE-3 layer (`hybrid`)
 
 A new drafter is one more class and one line in REGISTRY (and its name in
 `config.DRAFTERS`, with `SEVERAL_CHAINS` / `ADAPTIVE` where it declares them: the config
@@ -57,7 +58,7 @@ from specjax.config import SamplingConfig, UsageError
 from specjax.decode.drafters.base import (SOURCES, Drafter, Expansion, Prefill, Proposal, Verdict, point_mass,
                                           select)
 from specjax.decode.drafters.draft_model import ModelDrafter, model_proposal, refeed_window
-from specjax.decode.drafters.hybrid import HybridDrafter
+from specjax.decode.drafters.hybrid import HybridDrafter, HybridEagle3Drafter
 from specjax.decode.drafters.lookup import NgramDrafter, RetrievalDrafter, ngram_match
 from specjax.decode.drafters.eagle import Eagle3Drafter, EagleDrafter
 from specjax.decode.drafters.medusa import MedusaDrafter
@@ -65,10 +66,10 @@ from specjax.decode.drafters.parallel import ParallelDrafter
 
 REGISTRY: dict[str, type[Drafter]] = {cls.name: cls for cls in (ModelDrafter, NgramDrafter, RetrievalDrafter,
                                                                  HybridDrafter, MedusaDrafter, EagleDrafter,
-                                                                 Eagle3Drafter, ParallelDrafter)}
+                                                                 Eagle3Drafter, ParallelDrafter, HybridEagle3Drafter)}
 
 __all__ = ["REGISTRY", "SOURCES", "Drafter", "Eagle3Drafter", "EagleDrafter", "Expansion", "HybridDrafter",
-           "MedusaDrafter", "ModelDrafter", "NgramDrafter", "ParallelDrafter", "Prefill", "Proposal",
+           "HybridEagle3Drafter", "MedusaDrafter", "ModelDrafter", "NgramDrafter", "ParallelDrafter", "Prefill", "Proposal",
            "RetrievalDrafter", "Verdict", "kind", "make", "model_proposal", "ngram_match", "point_mass",
            "refeed_window", "select"]
 
