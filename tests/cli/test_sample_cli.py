@@ -168,6 +168,20 @@ def test_eagle3_from_the_command_line_gives_ars_tokens(env, greedy, tmp_path):
     assert "eagle3 drafter" in proc.stdout and "proposed by drafter: eagle3" in proc.stdout
 
 
+def test_hybrid_eagle3_from_the_command_line_gives_ars_tokens(env, tmp_path):
+    """--drafter=hybrid_eagle3 with random EAGLE-3 heads, on a prompt whose 3-token suffix
+    recurs and one whose does not: greedy SpS writes ArS's tokens (--mode=both, one run),
+    and both the prompt lookup and the layer proposed tokens."""
+    out = tmp_path / "hybrid_eagle3.jsonl"
+    proc = sample(env, *TINY, "--mode=both", "--temperature=0", "--prompt_tokens=5,9,2,7,5,9,2",
+                  "--prompt_tokens=4,5,6,7,8", "--noprint_samples", "--drafter=hybrid_eagle3", f"--output={out}")
+    assert proc.returncode == 0, proc.stderr
+    records = read_jsonl(out)
+    assert by_row(records, "sps") == by_row(records, "ars") and len(by_row(records, "sps")) == 2
+    assert "hybrid_eagle3 drafter" in proc.stdout
+    assert re.search(r"proposed by drafter: ngram \d+/[1-9]\d*, eagle3 \d+/[1-9]", proc.stdout), proc.stdout
+
+
 def test_several_drafts_from_the_command_line(env, greedy, tmp_path):
     """--num_drafts=3 --drafter=hybrid: the tree loop gives the greedy tokens of the chain
     loop (both are greedy ArS's), with per-chain statistics in the JSONL and the summary."""

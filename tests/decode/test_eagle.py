@@ -17,7 +17,8 @@ test_eagle3.py.
   the layer's cache before `start` equals a teacher-forced pass of the layer over the
   target's true features (EAGLE-3: its layers' residual streams, fused). The same check
   rejects a wrong variant whose next loop starts from the layer's own predicted features
-  (a quality bug, not an exactness one: Theorem 1 cannot see it, this test does).
+  (a quality bug, not an exactness one: Theorem 1 cannot see it, this test does). The same
+  holds for the layer behind hybrid_eagle3's lookup, after loops the lookup proposed.
 - Bad input: Medusa heads for the EAGLE drafter and the reverse, several chains.
 """
 import dataclasses
@@ -260,9 +261,12 @@ def test_whole_table_embeds_as_the_vocab_parallel_lookup(pairs):
     np.testing.assert_array_equal(np.asarray(gathered), np.asarray(lookup))
 
 
-def run_loops(target, heads, prompts, loops):
-    """The loop state after `loops` loops (the loop body `generate` runs), at temperature 1."""
+def run_loops(target, heads, prompts, loops, hybrid=False):
+    """The loop state after `loops` loops (the loop body `generate` runs), at temperature 1;
+    `hybrid`: the layer as hybrid_eagle3's fallback, behind a 3-token prompt lookup."""
     drafter = drafters.kind(heads.cfg.kind)(heads, target.packed(), 3)
+    if hybrid:
+        drafter = drafters.HybridEagle3Drafter(drafter, (drafters.NgramDrafter(3, target.cfg.vocab_size),))
     width = max(map(len, prompts))
     tokens = jnp.asarray([p + [0] * (width - len(p)) for p in prompts])
     settings = speculative.Settings(3, program.warping_of(SamplingConfig(temperature=1.0)))
@@ -307,19 +311,47 @@ def state_errors(target, heads, state) -> list[str]:
     return out
 
 
-@pytest.mark.parametrize("kind", ["eagle", "eagle3"])
+@pytest.mark.parametrize("kind", ["eagle", "eagle3", "hybrid_eagle3"])
 def test_each_loop_starts_from_the_targets_features(pairs, pairs3, patch, kind):
+    """hybrid_eagle3: loops whose tokens the n-gram lookup proposed (the first loop's for
+    every row, where the layer's draft steps are skipped) leave the layer's state as its
+    own loops do."""
     target, heads = (pairs if kind == "eagle" else pairs3)["1x1"]
-    prompts = [[5, 9, 2, 7, 1, 30], [4, 11], [8]]
-    for loops in (0, 4):
-        state = run_loops(target, heads, prompts, loops)
+    hybrid = kind == "hybrid_eagle3"
+    prompts = [[5, 9, 2, 7, 1, 30], [4, 11], [8]] if not hybrid else [[5, 9, 2, 7, 5, 9, 2], [4, 11, 3, 4, 11, 3, 4, 11]]
+    for loops in (0, 1, 4) if hybrid else (0, 4):
+        state = run_loops(target, heads, prompts, loops, hybrid)
         assert not state_errors(target, heads, state), (loops, state_errors(target, heads, state))
+        if hybrid and loops:  # the lookup proposed every row's first chain; the layer later ones
+            proposed = np.asarray(state.stats.proposed_by)
+            assert proposed[:, drafters.SOURCES.index("ngram")].min() > 0, proposed
+            assert loops == 1 or proposed[:, drafters.SOURCES.index("eagle3")].sum() > 0, proposed
     # The wrong variant: the window keeps the layer's own predictions (its cache is not
     # rolled back over them either), only the bookkeeping moves on.
     stale = lambda self, state, verdict: state._replace(  # noqa: E731
         start=jnp.maximum(verdict.length - 2 - verdict.num_accepted, 0), count=verdict.num_accepted + 1)
     patch([(eagle.EagleDrafter, "update", stale)])  # drops the compiled loop: the swap is traced in
-    assert state_errors(target, heads, run_loops(target, heads, prompts, 4))
+    assert state_errors(target, heads, run_loops(target, heads, prompts, 4, hybrid))
+
+
+def test_rows_the_lookup_proposes_skip_only_the_layers_draft_steps(pairs3):
+    """hybrid_eagle3 asks the layer for no row (`active` all False) where the lookup matched
+    every row: the layer's draft steps are skipped, and its cache still holds the window
+    pass over the true features up to the pending token (the rollback in `update` keeps
+    those: they were the draft steps' own predictions before). Rows not asked for report no
+    nonfinite draft."""
+    target, heads = pairs3["1x1"]
+    state = run_loops(target, heads, [[5, 9, 2, 7, 1, 30], [4, 11]], 4)  # the draft steps wrote past pending
+    drafter = drafters.kind("eagle3")(heads, target.packed(), 3)
+    warping = program.warping_of(SamplingConfig(temperature=1.0))
+    args = (state.drafter_state, state.tokens, state.length, jax.random.key(5), 3, 1, warping)
+    _, drawn, _ = drafter.propose(*args)
+    _, skipped, bad = drafter.propose(*args, active=jnp.zeros((2, 1), bool))
+    pending = np.asarray(state.length) - 1
+    for b in range(2):
+        np.testing.assert_allclose(skipped.cache.k[:, b, :, :pending[b]], drawn.cache.k[:, b, :, :pending[b]], atol=1e-6)
+        np.testing.assert_allclose(skipped.cache.v[:, b, :, :pending[b]], drawn.cache.v[:, b, :, :pending[b]], atol=1e-6)
+    assert not np.asarray(bad).any()
 
 
 def test_bad_input_names_the_problem(pairs):

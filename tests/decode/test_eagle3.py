@@ -11,6 +11,10 @@ test_eagle.py.
   temperature 1 token-wise at K = 2, temperature 1.3 with top-p, and the layer in int8
   with a draft vocabulary. The negative control (the token drawn from sqrt(p),
   renormalised, p reported as drawn from p) is rejected by the same test with N_NEGATIVE.
+  The same for hybrid_eagle3 (the prompt lookup's chain where a row's 3-token suffix
+  recurs, else the layer's) at temperature 1 (block) and 0.7 with top-k (token-wise, a
+  batch of rows that match and rows that do not); its control verifies the lookup's rows
+  with the layer's p.
 - The forward's layer features: the residual stream after n layers, through the final
   norm, is the final hidden state of the target cut to its first n layers (a self-draft
   `layers:n`, another path through the model).
@@ -32,7 +36,7 @@ from flax import nnx
 import specjax
 from specjax import heads as heads_lib, model
 from specjax.config import ConfigError, HeadsConfig, SamplingConfig, UsageError, load_config
-from specjax.decode.drafters import eagle
+from specjax.decode.drafters import base, eagle
 from specjax.heads import init_heads
 from specjax.weights.self_draft import self_draft
 from conftest import mesh_for
@@ -78,6 +82,35 @@ DEFAULT = set()  # every case and the control run with `pytest -m slow` (the def
 def test_samples_follow_the_exact_target_distribution(models, name, patch):
     patch()
     assert_case_follows_the_target(models, CASES[name], name)
+
+
+# hybrid_eagle3: a full 3-token suffix match proposes the prompt lookup's chain (a point
+# mass), else the layer its own (prompts whose suffixes recur, and one beside them that
+# does not). The control verifies the lookup's rows with the layer's p instead.
+HYBRID = {
+    "hybrid_repeats_K3": Case(1.0, 0, 1.0, 3, "repeats", "block", "hybrid_eagle3"),
+    "hybrid_mixed_temperature_0.7_top_k_12_K2": Case(0.7, 12, 1.0, 2, "mixed", "tokenwise", "hybrid_eagle3"),
+}
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("name", list(HYBRID))
+def test_hybrid_samples_follow_the_exact_target_distribution(models, name, patch):
+    patch()
+    pvalue, result = run(models, HYBRID[name], N)
+    proposed = result.summary()["proposed_by"]
+    print(f"{name}: p = {pvalue:.4f}, acceptance rate {result.acceptance_rate:.3f}, proposed by {proposed}")
+    assert pvalue > ALPHA
+    assert proposed.get("ngram", 0) > 0 and proposed.get("eagle3", 0) > 0 and set(proposed) == {"ngram", "eagle3"}
+    assert 0 < result.accepted.sum() < result.proposed
+
+
+@pytest.mark.slow
+def test_negative_control_lookup_rows_verified_with_the_layers_p(models, patch):
+    real = base.select
+    patch([(base, "select", lambda use, first, second: real(use, first, second)._replace(p=second.p))])
+    pvalue, _ = run(models, HYBRID["hybrid_repeats_K3"], N_NEGATIVE)
+    assert pvalue < ALPHA
 
 
 @pytest.mark.slow
