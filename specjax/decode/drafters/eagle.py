@@ -131,9 +131,9 @@ class EagleDrafter(Drafter):
 
     def propose(self, state: EagleState, tokens, length, key, lookahead, num_drafts, warping, active=None):
         """`active` [B, 1] (hybrid): rows whose chain is drawn; the others' is unused (their
-        nonfinite flag is dropped), and where no row is drawn the K-1 steps after the window
-        pass are skipped (`lax.cond`). The window pass always runs: the layer's cache needs
-        the pairs it writes, whoever proposed this loop's tokens."""
+        nonfinite flag is dropped), and where no row is drawn the K draws and K-1 steps
+        after the window pass are skipped (`lax.cond`). The window pass always runs: the
+        layer's cache needs the pairs it writes, whoever proposed this loop's tokens."""
         batch, K = tokens.shape[0], lookahead
         folded = self.feature_weight is not None  # then `feature` below is the block's W-wide output
         feature, cache, pending = self.window_pass(state, tokens)
@@ -154,19 +154,19 @@ class EagleDrafter(Drafter):
                                                    self.table, self.feature_weight, up=not folded)
             return (feature, cache), (x, probs, bad)
 
-        steps = lambda: jax.lax.scan(step, (feature, cache), jnp.arange(K - 1))  # noqa: E731
+        def chain():  # [B, K] tokens, [B, K, V] their distributions, nonfinite [B], the cache after the steps
+            (last, after), (xs, ps, bads) = jax.lax.scan(step, (feature, cache), jnp.arange(K - 1))
+            x_last, p_last, bad_last = drafted(last, K - 1)
+            x = jnp.concatenate([xs, x_last[None]], axis=0).T
+            p = jnp.concatenate([ps, p_last[None]], axis=0).transpose(1, 0, 2)
+            return x, p, jnp.any(bads, axis=0) | bad_last, after
+
         if active is None:
-            (feature, cache), (xs, ps, bads) = steps()
-        else:
-            skipped = jax.eval_shape(steps)[1]
-            (feature, cache), (xs, ps, bads) = jax.lax.cond(
-                jnp.any(active), steps, lambda: ((feature, cache), jax.tree.map(
-                    lambda a: jnp.zeros(a.shape, a.dtype), skipped)))
-        x_last, p_last, bad_last = drafted(feature, K - 1)
-        x = jnp.concatenate([xs, x_last[None]], axis=0).T  # [B, K]
-        p = jnp.concatenate([ps, p_last[None]], axis=0).transpose(1, 0, 2)  # [B, K, V]
-        bad = jnp.any(bads, axis=0) | bad_last
-        if active is not None:
+            x, p, bad, cache = chain()
+        else:  # nothing drawn where no row is asked for: the window pass's cache is all `update` keeps
+            shapes = jax.eval_shape(chain)[:3]
+            x, p, bad, cache = jax.lax.cond(jnp.any(active), chain, lambda: (
+                *(jnp.zeros(a.shape, a.dtype) for a in shapes), cache))
             bad = bad & active[:, 0]
         prop = Proposal(x[:, None], p[:, None], jnp.full((batch, 1), K, jnp.int32),
                         jnp.full((batch, 1), SOURCES.index(self.name), jnp.int32))
