@@ -123,6 +123,7 @@ class WorkdirLock:
     def __init__(self, workdir: pathlib.Path):
         self.workdir = workdir
         self.fd: Optional[int] = None
+        self.created = False  # this run made the directory (so a refused run takes it away again)
 
     def __enter__(self) -> "WorkdirLock":
         error = None
@@ -149,6 +150,7 @@ class WorkdirLock:
             raise UsageError(f"workdir {workdir} is a file, not a directory: pass a directory (it is created if "
                              f"missing)")
         try:
+            self.created = not workdir.exists()
             workdir.mkdir(parents=True, exist_ok=True)
             fd = os.open(workdir / LOCK_FILE, os.O_RDWR | os.O_CREAT, 0o644)
         except OSError as e:
@@ -173,6 +175,11 @@ class WorkdirLock:
         if self.fd is not None:
             os.close(self.fd)  # releases the flock
             self.fd = None
+            # A run refused after it took a directory it made (a check that needs the loaded
+            # teacher) leaves no workdir behind: nothing but the lock file is in it yet.
+            if exc and exc[0] is not None and self.created and [p.name for p in self.workdir.iterdir()] == [LOCK_FILE]:
+                (self.workdir / LOCK_FILE).unlink(missing_ok=True)
+                self.workdir.rmdir()
 
 
 def check_writable(workdir: pathlib.Path) -> None:

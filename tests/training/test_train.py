@@ -306,6 +306,14 @@ BAD_TRAIN = [
                                                         "--config.train.self_distill_prompts={files}/nothing.jsonl",
                                                         "--workdir={files}/eagle_run"],
      ["train.self_distill_prompts=", "the teacher's tokenizer encodes", "train.teacher='tiny' has none"]),
+    # Refused once the teacher's tokenizer has counted the prompt's tokens, inside the workdir
+    # the run made: it is taken away again (its train.lock was left behind).
+    ("teacher's prompt longer than its context", ["--config=tiny_eagle3", "--config.target.vocab_size=304",
+                                                  "--config.train.self_distill=200", "--config.train.teacher=",
+                                                  f"--config.train.teacher_hf={HF / 'qwen2'}",
+                                                  "--config.train.self_distill_prompts={files}/long_prompts.jsonl",
+                                                  "--workdir={files}/teacher_run"],
+     ["long_prompts.jsonl:1 has", "tokens", "train.self_distill_prompt"]),
     ("eagle3 self_distill_replies without samples", ["--config=tiny_eagle3", "--config.train.self_distill_replies=True",
                                                      "--workdir={files}/eagle_run"],
      ["train.self_distill_replies=True", "set train.self_distill > 0"]),
@@ -321,6 +329,7 @@ def bad_files(tmp_path_factory, reference):
     (d / "empty.py").write_text("")
     (d / "tiny_text.py").write_text(TEXT_CONFIG)
     (d / "bad_prompts.jsonl").write_text('{"prompt": "Sort a list."}\n{"prompt": \n')
+    (d / "long_prompts.jsonl").write_text(json.dumps({"prompt": "Say it again: " + "word " * 2000}) + "\n")
     (d / "binary.dat").write_bytes(np.random.default_rng(0).bytes(50_000))
     # A few thousand tokens of real text: enough for a 512-piece tokenizer, too few for a 1%
     # validation stream of seq_len + 1 = 513 tokens.
