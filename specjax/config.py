@@ -292,7 +292,7 @@ DRAFTERS = ("model", "ngram", "retrieval", "hybrid", "medusa", "eagle", "eagle3"
 # a fresh draw), those with an adaptive draft length (draft_confidence), and those that
 # grow dynamic draft trees (`Drafter.grows_trees`: they implement `expand`).
 SEVERAL_CHAINS = ("model", "hybrid", "medusa", "parallel")
-ADAPTIVE = ("model", "hybrid")
+ADAPTIVE = ("model", "hybrid", "eagle", "eagle3", "hybrid_eagle3")
 GROWN_TREES = ("model", "eagle", "eagle3", "parallel")
 DRAFT_TREES = ("chains", "dynamic")
 

@@ -395,7 +395,7 @@ def test_plan_compiles_the_dynamic_tree_loops_with_the_chain_loops_collectives(t
     # What sample and bench refuse, plan refuses too (it planned K=4 and reported 6).
     (["--drafter=medusa", "--lookahead=6", "--config.heads.num_heads=4"],
      "--lookahead=6 with --drafter=medusa: it proposes at most 4 tokens a loop"),
-    (["--drafter=eagle", "--draft_confidence=0.5"], "draft_confidence=0.5 with drafter='eagle'"),
+    (["--drafter=medusa", "--draft_confidence=0.5"], "draft_confidence=0.5 with drafter='medusa'"),
     (["--draft_tree=dynamic", "--tree_nodes=0"], "tree_nodes=0: must be an integer in [1, 64]"),
     (["--drafter=medusa", "--draft_tree=dynamic"], "draft_tree='dynamic' with drafter='medusa'"),
     (["--config=mini_target", "--draft_tree=dynamic"], "--draft_tree=dynamic: --config=mini_target has no draft"),

@@ -67,7 +67,8 @@ def test_a_drafter_cap_on_k_is_checked_from_its_declaration(tiny):
 
 @pytest.mark.parametrize("name", sorted(drafters.REGISTRY))
 def test_draft_confidence_is_refused_where_the_drafter_has_no_adaptive_length(name):
-    """Item 12: --draft_confidence with ngram, medusa, eagle was accepted and ignored."""
+    """Item 12: --draft_confidence with ngram or medusa was accepted and ignored (eagle's
+    layer honours it since it stops on its own confidence)."""
     sampling = SamplingConfig(drafter=name, draft_confidence=0.5)
     if drafters.kind(name).adaptive:
         sampling.validate()

@@ -20,7 +20,7 @@ from specjax.decode import verify
 from specjax.decode.drafters import base, draft_model
 from specjax.decode.retrieval_index import Datastore
 from specjax.decode.warping import Warp, sample, warp
-from theorem1 import ALPHA, N, N_NEGATIVE, PROMPT, PROMPT_LONG, Case, make_models, run
+from theorem1 import ALPHA, N, N_NEGATIVE, PROMPT, PROMPT_LONG, Case, make_models, peeks_at_target, run
 
 
 @pytest.fixture(scope="module")
@@ -117,15 +117,6 @@ def block_with_tokenwise_residual(key, x, p, q, length=None):
     tau, _, _ = correct_block(key, x, p, q, length)
     p = jnp.where(verify.drafted_mask(x, length)[..., None], p, 0.0)
     return tau, *verify.resample(jax.random.fold_in(key, 1), q, p, jnp.ones(x.shape[:1]), tau)
-
-
-def peeks_at_target(key, x, p, q, length=None):
-    """An adaptive draft length that looks at the target: the draft is cut before the
-    first token the target would not surely accept (q(x) < p(x))."""
-    p_x = jnp.take_along_axis(p, x[..., None], axis=-1)[..., 0]
-    q_x = jnp.take_along_axis(q[:, :x.shape[1]], x[..., None], axis=-1)[..., 0]
-    sure = jnp.sum(jnp.cumprod(q_x >= p_x, axis=1), axis=1).astype(jnp.int32)
-    return correct_block(key, x, p, q, jnp.minimum(length, sure))
 
 
 def select_with_model_p(use, first, second):

@@ -36,11 +36,12 @@ from flax import nnx
 import specjax
 from specjax import heads as heads_lib, model
 from specjax.config import ConfigError, HeadsConfig, SamplingConfig, UsageError, load_config
+from specjax.decode import verify
 from specjax.decode.drafters import base, eagle
 from specjax.heads import init_heads
 from specjax.weights.self_draft import self_draft
 from conftest import mesh_for
-from theorem1 import ALPHA, N, N_NEGATIVE, Case, assert_case_follows_the_target, make_models, run
+from theorem1 import ALPHA, N, N_NEGATIVE, Case, assert_case_follows_the_target, make_models, peeks_at_target, run
 
 EAGLE3 = HeadsConfig(kind="eagle3", init_seed=3)
 
@@ -90,6 +91,7 @@ def test_samples_follow_the_exact_target_distribution(models, name, patch):
 HYBRID = {
     "hybrid_repeats_K3": Case(1.0, 0, 1.0, 3, "repeats", "block", "hybrid_eagle3"),
     "hybrid_mixed_temperature_0.7_top_k_12_K2": Case(0.7, 12, 1.0, 2, "mixed", "tokenwise", "hybrid_eagle3"),
+    "hybrid_mixed_adaptive_0.5_K3": Case(1.0, 0, 1.0, 3, "mixed", "block", "hybrid_eagle3", draft_confidence=0.5),
 }
 
 
@@ -103,6 +105,56 @@ def test_hybrid_samples_follow_the_exact_target_distribution(models, name, patch
     assert pvalue > ALPHA
     assert proposed.get("ngram", 0) > 0 and proposed.get("eagle3", 0) > 0 and set(proposed) == {"ngram", "eagle3"}
     assert 0 < result.accepted.sum() < result.proposed
+    if HYBRID[name].draft_confidence:  # the layer's rows stopped early, some drafted all K
+        assert_lengths_vary(result, HYBRID[name].K)
+
+
+# The adaptive draft length (draft_confidence, EAGLE-2's): a row stops after a draw whose
+# top probability is below 0.5 (0.3 at temperature 0.7, whose warped draws are sharper),
+# on the layer's side only. Its control cuts the draft where the target would reject.
+ADAPTIVE = {
+    "adaptive_0.5_ragged_K3": Case(1.0, 0, 1.0, 3, "ragged", "block", "eagle3", draft_confidence=0.5),
+    "adaptive_0.6_temperature_0.7_top_p_0.9_K4": Case(0.7, 0, 0.9, 4, "pair", "tokenwise", "eagle3",
+                                                      draft_confidence=0.6),
+}
+
+
+def assert_lengths_vary(result, K):
+    lengths = np.flatnonzero(result.drafted.sum(0))
+    assert len(lengths) > 1 and lengths.max() == K, lengths
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("name", list(ADAPTIVE))
+def test_adaptive_samples_follow_the_exact_target_distribution(models, name, patch):
+    patch()
+    pvalue, result = run(models, ADAPTIVE[name], N)
+    print(f"{name}: p = {pvalue:.4f}, acceptance rate {result.acceptance_rate:.3f}, lengths "
+          f"{result.summary()['drafted_histogram']}")
+    assert pvalue > ALPHA
+    assert 0 < result.accepted.sum() < result.proposed
+    assert_lengths_vary(result, ADAPTIVE[name].K)
+
+
+@pytest.mark.slow
+def test_negative_control_adaptive_length_that_peeks_at_the_target_is_rejected(models, patch):
+    patch([(verify, "accept_block", peeks_at_target)])
+    pvalue, _ = run(models, ADAPTIVE["adaptive_0.5_ragged_K3"], N_NEGATIVE)
+    assert pvalue < ALPHA
+
+
+@pytest.mark.parametrize("drafter", ["eagle3", "hybrid_eagle3"])
+def test_greedy_with_an_adaptive_length_equals_greedy_ars(models, drafter):
+    """draft_confidence at temperature 0 reads the layer's plain softmax (the warped one is
+    a point mass): rows stop at different lengths, and the tokens are greedy ArS's."""
+    target, heads = models
+    prompts = [[5, 9, 2, 7, 1, 30], [4, 11], [3, 8, 3, 8, 3, 8]]
+    greedy = SamplingConfig(temperature=0, lookahead=4, max_new_tokens=24, drafter=drafter, draft_confidence=0.5)
+    ars = specjax.generate(target, None, prompts, dataclasses.replace(greedy, drafter="model", draft_confidence=0))
+    sps = specjax.generate(target, heads, prompts, greedy)
+    assert sps.tokens == ars.tokens
+    assert sps.accepted.sum() > 0 and sps.summary()["proposed_by"].get("eagle3", 0) > 0
+    assert len(np.flatnonzero(sps.drafted.sum(0)[1:])) > 1  # more than one length of the layer's chains
 
 
 @pytest.mark.slow

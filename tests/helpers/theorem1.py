@@ -23,7 +23,7 @@ from scipy import stats as scipy_stats
 import specjax
 from specjax import kv_cache, model
 from specjax.config import SamplingConfig
-from specjax.decode import program
+from specjax.decode import program, verify
 from specjax.decode.warping import Warp, warp
 from conftest import mesh_for
 
@@ -192,6 +192,19 @@ def swapper(monkeypatch):
             program._COMPILED.clear()
             jax.clear_caches()
     return swap
+
+
+_accept_block = verify.accept_block  # the real one, for a wrong variant patched in its place
+
+
+def peeks_at_target(key, x, p, q, length=None):
+    """A negative control for adaptive draft lengths (patched over `verify.accept_block`):
+    a length that looks at the target, the draft cut before the first token the target
+    would not surely accept (q(x) < p(x))."""
+    p_x = jnp.take_along_axis(p, x[..., None], axis=-1)[..., 0]
+    q_x = jnp.take_along_axis(q[:, :x.shape[1]], x[..., None], axis=-1)[..., 0]
+    sure = jnp.sum(jnp.cumprod(q_x >= p_x, axis=1), axis=1).astype(jnp.int32)
+    return _accept_block(key, x, p, q, jnp.minimum(length, sure))
 
 
 def undo(monkeypatch):

@@ -84,10 +84,14 @@ class EagleDrafter(Drafter):
     feature_weight: Any = None
     # ... and an EAGLE-3 one's window pass w_fuse into w_feature (`heads.Folded.window`).
     window_weight: Any = None
+    # > 0: a row stops drafting after a draft distribution whose top probability is below
+    # it (SamplingConfig.draft_confidence; EAGLE-2's confidence, on the layer's side only).
+    confidence: float = dataclasses.field(default=0.0, metadata=dict(static=True))
 
     name = "eagle"
     heads_kind = "eagle"
     needs_features = True
+    adaptive = True
     trained_by = "mini_eagle"
     grows_trees = True
 
@@ -101,7 +105,8 @@ class EagleDrafter(Drafter):
         fold = heads_lib.folded(heads, target)  # from the float layer, quantized and packed as the layer is
         unembed = fold.unembed if fold is not None else heads_lib.unembedding(heads, target)
         return cls(heads.packed(target), target, sampling.lookahead, whole_table(target), unembed,
-                   None if fold is None else fold.feature, None if fold is None else fold.window)
+                   None if fold is None else fold.feature, None if fold is None else fold.window,
+                   sampling.draft_confidence)
 
     def init_state(self, prompts, prompt_lens, size, num_drafts, prefilled) -> EagleState:
         features = prefilled.features
@@ -130,45 +135,62 @@ class EagleDrafter(Drafter):
         return jnp.take_along_axis(predicted, (state.count - 1)[:, None, None], axis=1), cache, pending
 
     def propose(self, state: EagleState, tokens, length, key, lookahead, num_drafts, warping, active=None):
-        """`active` [B, 1] (hybrid): rows whose chain is drawn; the others' is unused (their
-        nonfinite flag is dropped), and where no row is drawn the K draws and K-1 steps
-        after the window pass are skipped (`lax.cond`). The window pass always runs: the
-        layer's cache needs the pairs it writes, whoever proposed this loop's tokens."""
+        """`active` [B, 1] (hybrid): rows whose chain is drawn; the others propose nothing.
+        A row also stops after a draw whose top probability is below `confidence` (the
+        plain softmax's at temperature 0, where the warped one is a point mass), its later
+        positions scored but never accepted. Where no row drafts on, the rest of the draws
+        and layer steps are skipped (`lax.cond`; only with `active` or `confidence`, so a
+        plain chain compiles as before). The window pass always runs: the layer's cache
+        needs the pairs it writes, whoever proposed this loop's tokens."""
         batch, K = tokens.shape[0], lookahead
         folded = self.feature_weight is not None  # then `feature` below is the block's W-wide output
         feature, cache, pending = self.window_pass(state, tokens)
         keys = jax.random.split(key, K)
         unembed = self.unembed if self.unembed is not None else heads_lib.Unembedding(self.target)
+        skippable = self.confidence > 0 or active is not None
 
-        def drafted(feature, j):
+        def drafted(feature, going, j):
             # Over the draft vocabulary where the layer has one: x is drawn from the warped
             # softmax over its N tokens, and p is that distribution, zero elsewhere.
-            probs, bad = warp(unembed.logits(feature)[:, 0], warping)
+            logits = unembed.logits(feature)[:, 0]
+            probs, bad = warp(logits, warping)
             x, empty = draw(keys[j], probs, warping)
-            return unembed.tokens(x), unembed.spread(probs), bad | empty
+            still = going
+            if self.confidence > 0:
+                sure = jnp.max(probs if not warping.greedy else jax.nn.softmax(logits, axis=-1), axis=-1)
+                still = going & (sure >= self.confidence)
+            return (unembed.tokens(x), unembed.spread(probs), (bad | empty) & going), still
+
+        def nothing(feature, going, j):  # no row drafts position j: what `drafted` gives, all zero
+            shapes = jax.eval_shape(drafted, feature, going, j)[0]
+            return tuple(jnp.zeros(a.shape, a.dtype) for a in shapes), going
 
         def step(carry, j):
-            feature, cache = carry
-            x, probs, bad = drafted(feature, j)
-            feature, cache = self.heads.eagle_step(self.target, feature, x[:, None], (pending + j)[:, None], cache,
-                                                   self.table, self.feature_weight, up=not folded)
-            return (feature, cache), (x, probs, bad)
+            feature, cache, going = carry
+            if skippable:
+                drawn, still = jax.lax.cond(jnp.any(going), drafted, nothing, feature, going, j)
+            else:
+                drawn, still = drafted(feature, going, j)
 
-        def chain():  # [B, K] tokens, [B, K, V] their distributions, nonfinite [B], the cache after the steps
-            (last, after), (xs, ps, bads) = jax.lax.scan(step, (feature, cache), jnp.arange(K - 1))
-            x_last, p_last, bad_last = drafted(last, K - 1)
-            x = jnp.concatenate([xs, x_last[None]], axis=0).T
-            p = jnp.concatenate([ps, p_last[None]], axis=0).transpose(1, 0, 2)
-            return x, p, jnp.any(bads, axis=0) | bad_last, after
+            def feed():
+                return self.heads.eagle_step(self.target, feature, drawn[0][:, None], (pending + j)[:, None], cache,
+                                             self.table, self.feature_weight, up=not folded)
 
-        if active is None:
-            x, p, bad, cache = chain()
-        else:  # nothing drawn where no row is asked for: the window pass's cache is all `update` keeps
-            shapes = jax.eval_shape(chain)[:3]
-            x, p, bad, cache = jax.lax.cond(jnp.any(active), chain, lambda: (
-                *(jnp.zeros(a.shape, a.dtype) for a in shapes), cache))
-            bad = bad & active[:, 0]
-        prop = Proposal(x[:, None], p[:, None], jnp.full((batch, 1), K, jnp.int32),
+            feature, cache = jax.lax.cond(jnp.any(still), feed, lambda: (feature, cache)) if skippable else feed()
+            return (feature, cache, still), (*drawn, going)
+
+        going = jnp.ones((batch,), bool) if active is None else active[:, 0]
+        (feature, cache, going), (xs, ps, bads, drafting) = jax.lax.scan(step, (feature, cache, going),
+                                                                         jnp.arange(K - 1))
+        if skippable:
+            (x_last, p_last, bad_last), _ = jax.lax.cond(jnp.any(going), drafted, nothing, feature, going, K - 1)
+        else:
+            (x_last, p_last, bad_last), _ = drafted(feature, going, K - 1)
+        x = jnp.concatenate([xs, x_last[None]], axis=0).T  # [B, K]
+        p = jnp.concatenate([ps, p_last[None]], axis=0).transpose(1, 0, 2)  # [B, K, V]
+        bad = jnp.any(bads, axis=0) | bad_last
+        drafted_length = jnp.sum(drafting, axis=0) + going  # each row's positions drawn while it drafted
+        prop = Proposal(x[:, None], p[:, None], drafted_length.astype(jnp.int32)[:, None],
                         jnp.full((batch, 1), SOURCES.index(self.name), jnp.int32))
         return prop, state._replace(cache=cache), bad
 
@@ -212,7 +234,7 @@ class EagleDrafter(Drafter):
         return EagleState(state.cache.with_lengths(start), verdict.features, verdict.num_accepted + 1, start)
 
     def describe(self) -> dict:
-        return {"drafter": self.name}
+        return {"drafter": self.name, "draft_confidence": self.confidence}
 
 
 @jax.tree_util.register_dataclass

@@ -38,7 +38,7 @@ class HybridDrafter(Drafter):
 
     name = "hybrid"
     needs_draft_model = True
-    adaptive = True  # its draft-model rows stop as the fallback's do
+    adaptive = True  # its fallback's rows stop on the fallback's confidence
     uses_datastore = True
     several_chains = True
 
@@ -86,13 +86,12 @@ class HybridDrafter(Drafter):
 @jax.tree_util.register_dataclass
 @dataclasses.dataclass(frozen=True)
 class HybridEagle3Drafter(HybridDrafter):
-    """`HybridDrafter` over an EAGLE-3 layer (heads of kind 'eagle3'): one chain, K fixed."""
+    """`HybridDrafter` over an EAGLE-3 layer (heads of kind 'eagle3'): one chain per row."""
 
     name = "hybrid_eagle3"
     needs_draft_model = False
     heads_kind = "eagle3"
     needs_features = True
-    adaptive = False
     several_chains = False
     trained_by = Eagle3Drafter.trained_by
 
