@@ -25,8 +25,10 @@
 # Variables: PYTHON (specjax's, default python), OUT (default /tmp/specjax_real_model),
 # THREADS (2), KS (2,3,4,5,6,7,8), NEW (128), LOOKUP_DRAFT (4), QUANTIZE (none), TARGET (Q4_1:
 # the file specjax reads, or Q4_K_M), LOOKUP_TYPE (F32), SPECJAX_CACHE (the caches' root),
-# DRAFTERS (ngram; a comma list, e.g. ngram,eagle3), CONFIG (the specjax config the drafter's
-# weights were trained with) and DRAFT_CHECKPOINT (their directory).
+# DRAFTERS (ngram; a comma list, e.g. ngram,eagle3,hybrid_eagle3), CONFIDENCE (bench's
+# --draft_confidence list, e.g. 0,0.7: the drafters with an adaptive length are timed at each),
+# CONFIG (the specjax config the drafter's weights were trained with) and DRAFT_CHECKPOINT
+# (their directory).
 # The EAGLE-3 layer trained on SmolLM2's own generations (launch/smollm2_eagle3.py):
 #   DRAFTERS=ngram,eagle3 CONFIG=launch/smollm2_eagle3.py DRAFT_CHECKPOINT=DIR QUANTIZE=w4a8 \
 #     KS=2,3,4 launch/real_model.sh
@@ -50,6 +52,7 @@ STEPS=${STEPS:-build convert quantize specjax bench lookup}
 DRAFTERS=${DRAFTERS:-ngram}
 CONFIG=${CONFIG:-}
 DRAFT_CHECKPOINT=${DRAFT_CHECKPOINT:-}
+CONFIDENCE=${CONFIDENCE:-}
 CACHE=${SPECJAX_CACHE:-$HOME/.cache/specjax}
 MODEL=$CACHE/smollm2
 Q4_1=$MODEL/SmolLM2-135M-Instruct.Q4_1.gguf
@@ -83,7 +86,8 @@ if has specjax; then
       ${CONFIG:+--config=$CONFIG} ${DRAFT_CHECKPOINT:+--draft_checkpoint=$DRAFT_CHECKPOINT} \
       --gguf_target="$MODEL/SmolLM2-135M-Instruct.$TARGET.gguf" --drafter="$DRAFTERS" \
       --lookahead="$KS" --prompts_file="$OUT/prompt_$name.jsonl" --max_new_tokens="$NEW" \
-      --config.sampling.temperature=0 ${QUANTIZE:+--quantize=$QUANTIZE} --json="$OUT/specjax_$name.json" \
+      --config.sampling.temperature=0 ${QUANTIZE:+--quantize=$QUANTIZE} ${CONFIDENCE:+--draft_confidence=$CONFIDENCE} \
+      --json="$OUT/specjax_$name.json" \
       | tee "$OUT/specjax_$name.log"
   done
 fi
@@ -113,9 +117,11 @@ for name in names:
         for drafter in dict.fromkeys(row["drafter"] for row in r["sps"]):
             rows = [row for row in r["sps"] if row["drafter"] == drafter]
             best = min(rows, key=lambda row: row["ms_per_token"])
-            print(f"  {'':25s}{drafter} SpS " + " ".join(f"K={row['lookahead']} {row['ms_per_token']:.2f}" for row in rows)
-                  + f"   best K={best['lookahead']} {best['speedup']:.2f}x ArS, {best['tokens_per_loop']:.2f} tokens/loop"
-                  + (f"; after the 1st token " + " ".join(f"K={row['lookahead']} {after(row):.2f}" for row in rows)
+            k = lambda row: f"K={row['lookahead']}" + (f"/c{row['draft_confidence']:g}"  # noqa: E731
+                                                       if row.get("draft_confidence") else "")
+            print(f"  {'':25s}{drafter} SpS " + " ".join(f"{k(row)} {row['ms_per_token']:.2f}" for row in rows)
+                  + f"   best {k(best)} {best['speedup']:.2f}x ArS, {best['tokens_per_loop']:.2f} tokens/loop"
+                  + (f"; after the 1st token " + " ".join(f"{k(row)} {after(row):.2f}" for row in rows)
                      if "first_token_ms" in r else ""))
     log = out / f"lookup_{name}.log"
     if log.exists():
