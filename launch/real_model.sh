@@ -27,6 +27,7 @@
 # the file specjax reads, or Q4_K_M), LOOKUP_TYPE (F32), SPECJAX_CACHE (the caches' root),
 # DRAFTERS (ngram; a comma list, e.g. ngram,eagle3,hybrid_eagle3), CONFIDENCE (bench's
 # --draft_confidence list, e.g. 0,0.7: the drafters with an adaptive length are timed at each),
+# PASS_WIDTH (bench's --pass_width list, e.g. full,proposed: each chain timed with each),
 # CONFIG (the specjax config the drafter's weights were trained with) and DRAFT_CHECKPOINT
 # (their directory).
 # The EAGLE-3 layer trained on SmolLM2's own generations (launch/smollm2_eagle3.py):
@@ -53,6 +54,7 @@ DRAFTERS=${DRAFTERS:-ngram}
 CONFIG=${CONFIG:-}
 DRAFT_CHECKPOINT=${DRAFT_CHECKPOINT:-}
 CONFIDENCE=${CONFIDENCE:-}
+PASS_WIDTH=${PASS_WIDTH:-}
 CACHE=${SPECJAX_CACHE:-$HOME/.cache/specjax}
 MODEL=$CACHE/smollm2
 Q4_1=$MODEL/SmolLM2-135M-Instruct.Q4_1.gguf
@@ -87,6 +89,7 @@ if has specjax; then
       --gguf_target="$MODEL/SmolLM2-135M-Instruct.$TARGET.gguf" --drafter="$DRAFTERS" \
       --lookahead="$KS" --prompts_file="$OUT/prompt_$name.jsonl" --max_new_tokens="$NEW" \
       --config.sampling.temperature=0 ${QUANTIZE:+--quantize=$QUANTIZE} ${CONFIDENCE:+--draft_confidence=$CONFIDENCE} \
+      ${PASS_WIDTH:+--pass_width=$PASS_WIDTH} \
       --json="$OUT/specjax_$name.json" \
       | tee "$OUT/specjax_$name.log"
   done
@@ -117,8 +120,9 @@ for name in names:
         for drafter in dict.fromkeys(row["drafter"] for row in r["sps"]):
             rows = [row for row in r["sps"] if row["drafter"] == drafter]
             best = min(rows, key=lambda row: row["ms_per_token"])
-            k = lambda row: f"K={row['lookahead']}" + (f"/c{row['draft_confidence']:g}"  # noqa: E731
-                                                       if row.get("draft_confidence") else "")
+            k = lambda row: (f"K={row['lookahead']}" + (f"/c{row['draft_confidence']:g}"  # noqa: E731
+                                                        if row.get("draft_confidence") else "")
+                             + ("/p" if row.get("pass_width") == "proposed" else ""))
             print(f"  {'':25s}{drafter} SpS " + " ".join(f"{k(row)} {row['ms_per_token']:.2f}" for row in rows)
                   + f"   best {k(best)} {best['speedup']:.2f}x ArS, {best['tokens_per_loop']:.2f} tokens/loop"
                   + (f"; after the 1st token " + " ".join(f"{k(row)} {after(row):.2f}" for row in rows)

@@ -30,7 +30,7 @@ from specjax.weights import self_draft
 
 FLAGS = flags.FLAGS
 # comma lists: one Figure-1 line each
-SWEPT = ("lookahead", "verify", "drafter", "draft_confidence", "num_drafts", "draft_tree")
+SWEPT = ("lookahead", "verify", "drafter", "draft_confidence", "num_drafts", "draft_tree", "pass_width")
 
 
 def define_flags() -> None:
@@ -68,7 +68,8 @@ def main(argv):
     variants = timing.variants(  # validated at the largest K measured
         dataclasses.replace(base, lookahead=max(ks + [base.lookahead])), names,
         cli.swept("verify", base.verify), cli.swept("draft_confidence", base.draft_confidence),
-        cli.swept("num_drafts", base.num_drafts), cli.swept("draft_tree", base.draft_tree))
+        cli.swept("num_drafts", base.num_drafts), cli.swept("draft_tree", base.draft_tree),
+        cli.swept("pass_width", base.pass_width))
     cli.check_verify(FLAGS.verify, [(v["num_drafts"], v["draft_tree"]) for v in variants])
     sources = cli.sources()
     run = setup.prepare(setup.Request(

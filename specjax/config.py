@@ -295,6 +295,7 @@ SEVERAL_CHAINS = ("model", "hybrid", "medusa", "parallel")
 ADAPTIVE = ("model", "hybrid", "eagle", "eagle3", "hybrid_eagle3")
 GROWN_TREES = ("model", "eagle", "eagle3", "parallel")
 DRAFT_TREES = ("chains", "dynamic")
+PASS_WIDTHS = ("full", "proposed")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -331,6 +332,11 @@ class SamplingConfig:
     # nodes at most lookahead deep, grown where the drafter is confident (decode/growth.py).
     draft_tree: str = "chains"
     tree_nodes: int = 8  # N, a dynamic tree's draft nodes (the target scores N + 1 tokens a loop)
+    # What one chain's scoring pass covers: 'full', K + 1 positions every loop (one pass
+    # compiled); 'proposed', the pending token and as many as the longest row proposed (a
+    # switch over the K + 1 widths, each compiled): cheaper where a pass's cost grows with
+    # its width (a CPU) and proposals vary in length (lookups, hybrids, draft_confidence).
+    pass_width: str = "full"
 
     def __post_init__(self):
         _plain_numbers(self)
@@ -381,6 +387,12 @@ class SamplingConfig:
         if self.draft_tree == "dynamic" and self.num_drafts > 1:
             raise ConfigError(f"draft_tree='dynamic' with num_drafts={self.num_drafts}: a dynamic tree replaces the "
                               "chains (its width is decided per row: tree_nodes is its size)")
+        if self.pass_width not in PASS_WIDTHS:
+            raise ConfigError(f"pass_width={self.pass_width!r}: allowed values are {', '.join(PASS_WIDTHS)}")
+        if self.pass_width == "proposed" and (self.num_drafts > 1 or self.draft_tree == "dynamic"):
+            tree = f"num_drafts={self.num_drafts}" if self.num_drafts > 1 else "draft_tree='dynamic'"
+            raise ConfigError(f"pass_width='proposed' with {tree}: only one chain's pass follows its proposal (a "
+                              "tree's nodes are all scored: use pass_width='full')")
         if self.num_drafts > 1 and self.drafter not in SEVERAL_CHAINS:
             raise ConfigError(f"num_drafts={self.num_drafts} with drafter={self.drafter!r}: several drafts are "
                               f"independent draws, so they need drafter {', '.join(map(repr, SEVERAL_CHAINS[:-1]))} "

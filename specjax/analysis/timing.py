@@ -72,24 +72,29 @@ def time_lookup(mesh, datastore, lookahead: int, ngram: int, context: int, repea
     return out
 
 
-def variants(base, drafter_names, verify_rules, confidences, num_drafts, draft_trees=("chains",)) -> list[dict]:
+def variants(base, drafter_names, verify_rules, confidences, num_drafts, draft_trees=("chains",),
+             pass_widths=("full",)) -> list[dict]:
     """The SpS variants to compare: every combination of the given drafters, verifiers,
-    adaptive-length thresholds, draft counts and tree kinds that the drafters declare they
-    honour (an adaptive length for `adaptive` ones, several chains for `several_chains`
-    ones, a dynamic tree, one per drafter and without either, for `grows_trees` ones), each
-    validated. A value asked for that no combination would measure is refused, naming it,
+    adaptive-length thresholds, draft counts, tree kinds and pass widths that the drafters
+    declare they honour (an adaptive length for `adaptive` ones, several chains for
+    `several_chains` ones, a dynamic tree, one per drafter and without either, for
+    `grows_trees` ones; pass_width 'proposed' for one chain), each validated. A value asked for that no combination would measure is refused, naming it,
     rather than dropped."""
     def honoured(d, m, v, c, t):
         cls = drafters.kind(d)
         if t == "dynamic":  # verified by the tree rule whatever --verify says: one line per drafter
             return cls.grows_trees and m == 1 and c == 0 and v == verify_rules[0]
         return (c == 0 or cls.adaptive) and (m == 1 or cls.several_chains)
-    out = [dict(verify=v, drafter=d, draft_confidence=c, num_drafts=m, draft_tree=t)
+    out = [dict(verify=v, drafter=d, draft_confidence=c, num_drafts=m, draft_tree=t, pass_width=w)
            for d in drafter_names for t in draft_trees for m in num_drafts for v in verify_rules for c in confidences
-           if honoured(d, m, v, c, t)]
+           for w in pass_widths if honoured(d, m, v, c, t) and (w == "full" or (m == 1 and t == "chains"))]
     adaptive, several = drafters.using("adaptive"), drafters.using("several_chains")
     grown = drafters.using("grows_trees")
     listed = lambda values: ",".join(map(str, values))  # noqa: E731
+    if "full" not in pass_widths and (1 not in num_drafts or "chains" not in draft_trees):
+        raise UsageError(f"--pass_width={listed(pass_widths)}: only one chain's pass follows its proposal, and "
+                         f"{'--num_drafts=' + listed(num_drafts) if 1 not in num_drafts else '--draft_tree=dynamic'} "
+                         "compares trees only (add full to --pass_width, or one chain to the values)")
     for d in drafter_names:
         cls = drafters.kind(d)
         if not any(v["drafter"] == d for v in out):
@@ -167,6 +172,7 @@ def describe(results, first: list[float] | None = None) -> dict:
         row["acceptance_rate"] = totals.acceptance_rate
         row["accepted_per_k_plus_1"] = totals.accepted / totals.loops / (results[0].lookahead + 1)
         row["proposed_per_loop"] = totals.proposed / totals.loops
+        row["scored_per_loop"] = totals.scored / totals.loops
         row["drafted_histogram"] = np.sum([r.drafted.sum(0) for r in results], axis=0).tolist()
         row["accepted_by"], row["proposed_by"] = totals.accepted_by, totals.proposed_by
     return row
@@ -180,7 +186,8 @@ def label(row: dict) -> str:
         f"{drafter}, {row['num_drafts']} drafts"
     if row.get("draft_tree") == "dynamic":
         text = f"{drafter}, dynamic tree of {row['tree_nodes']}"
-    return text + (f", confidence {row['draft_confidence']}" if row.get("draft_confidence") else "")
+    text += f", confidence {row['draft_confidence']}" if row.get("draft_confidence") else ""
+    return text + (", pass as proposed" if row.get("pass_width") == "proposed" else "")
 
 
 def plot(report: dict) -> bytes:
@@ -304,7 +311,8 @@ def bench(target, draft, prompts, base, ks, batch_sizes, repeats: int, seed: int
                      else f"{passes} draft pass of {rows} tokens")
             row.update(lookahead=k, verify=sampling.verify, drafter=sampling.drafter, num_drafts=m,
                        draft_tree=sampling.draft_tree, tree_nodes=sampling.tree_nodes,
-                       draft_confidence=sampling.draft_confidence, speedup=ars_near / row["ms_per_token"],
+                       draft_confidence=sampling.draft_confidence, pass_width=sampling.pass_width,
+                       speedup=ars_near / row["ms_per_token"],
                        ars_ms_per_token=ars_near,
                        model_ms_per_loop=1000 * (steps + scoring), scoring_ms=1000 * scoring,
                        tokens_per_sequence=float(np.mean([r.total_tokens for r in results])))
@@ -312,7 +320,9 @@ def bench(target, draft, prompts, base, ks, batch_sizes, repeats: int, seed: int
             log(f"K={k} {label(row)}: SpS {row['ms_per_token']:.2f} ms/token ({row['speedup']:.2f}x the "
                 f"{ars_near:.2f} of ArS runs interleaved with these; after the first token {after(row)}), "
                 f"{row['tokens_per_loop']:.2f} tokens/loop, acceptance {row['acceptance_rate']:.3f} of "
-                f"{row['proposed_per_loop']:.2f} proposed/loop; a loop took {row['ms_per_loop']:.2f} ms, its parts "
+                f"{row['proposed_per_loop']:.2f} proposed/loop"
+                + (f", {row['scored_per_loop']:.2f} positions scored/loop" if sampling.pass_width == "proposed" else "")
+                + f"; a loop took {row['ms_per_loop']:.2f} ms, its parts "
                 f"timed alone {row['model_ms_per_loop']:.2f} ms ({parts} + the target scoring {1 + m * k} "
                 f"tokens in {1000 * scoring:.2f} ms = {scoring / target_step:.2f}x one token)")
     report["ars"] = describe(ars_runs, first)
@@ -331,6 +341,7 @@ def bench(target, draft, prompts, base, ks, batch_sizes, repeats: int, seed: int
             sps = [generate(target, d, batch, sampling, seed=seed, datastore=ds) for _ in range(2)][-1].ms_per_token
             row = {"batch": b, "lookahead": sampling.lookahead, "verify": sampling.verify, "drafter": sampling.drafter,
                    "num_drafts": sampling.num_drafts, "draft_confidence": sampling.draft_confidence,
+                   "pass_width": sampling.pass_width,
                    **({"draft": name} if name else {}), "ars_ms_per_token": ars, "sps_ms_per_token": sps,
                    "speedup": ars / sps}
             report["batch"].append(row)

@@ -26,7 +26,7 @@ from typing import Callable, Optional
 
 from absl import app, flags, logging
 
-from specjax.config import (DRAFT_TREES, DRAFTERS, QUANTIZATIONS, VERIFY_RULES, Config, MeshConfig, SamplingConfig,
+from specjax.config import (DRAFT_TREES, DRAFTERS, PASS_WIDTHS, QUANTIZATIONS, VERIFY_RULES, Config, MeshConfig, SamplingConfig,
                             UsageError, cache_dir, load_config)
 
 FLAGS = flags.FLAGS
@@ -100,6 +100,9 @@ SAMPLING_FLAGS = {
                    "--tree_nodes draft tokens at most --lookahead deep, grown where the drafter is confident; "
                    "drafter model, eagle or eagle3)"),
     "tree_nodes": (int, "N, a dynamic draft tree's draft tokens per loop (the target scores N + 1)"),
+    "pass_width": (PASS_WIDTHS, "what one chain's scoring pass covers: full (K + 1 positions every loop) or "
+                   "proposed (the pending token and the longest row's proposal; each width compiled once: faster "
+                   "on a CPU where proposals vary in length: ngram, hybrids, --draft_confidence)"),
 }
 
 

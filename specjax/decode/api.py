@@ -55,7 +55,8 @@ def generate(target: LM, draft: LM | None, prompts: Sequence[Sequence[int]],
                   drafted=stats.drafted, accepted_by=stats.accepted_by, proposed_by=stats.proposed_by,
                   drafter=prog.sampling.drafter if sps else "", verify=prog.sampling.verify if sps else "",
                   num_drafts=prog.sampling.num_drafts if sps else 1, chain_won=stats.chain_won,
-                  chain_accepted=stats.chain_accepted, chain_proposed=stats.chain_proposed)
+                  chain_accepted=stats.chain_accepted, chain_proposed=stats.chain_proposed,
+                  scored=stats.scored if sps else None)
 
 
 # --------------------------------------------------------------------------- explain

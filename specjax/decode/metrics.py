@@ -31,6 +31,7 @@ class Stats:
     chain_won: jax.Array  # [B, M] loops whose kept path ended on chain m (loops keeping nothing: none)
     chain_accepted: jax.Array  # [B, M] kept tokens, by the chain picked at their depth
     chain_proposed: jax.Array  # [B, M] tokens chain m proposed
+    scored: jax.Array  # [B] positions the target's passes scored while the row was active (SpS)
 
     @classmethod
     def zeros(cls, batch: int, lookahead: int, drafters: int = 3, num_drafts: int = 1) -> "Stats":
@@ -39,7 +40,7 @@ class Stats:
         by = jnp.zeros((batch, drafters), jnp.int32)
         chains = jnp.zeros((batch, num_drafts), jnp.int32)
         return cls(z, z, z, jnp.zeros((batch, lookahead), jnp.int32), hist, hist, by, by,
-                   jnp.zeros((batch,), bool), chains, chains, chains)
+                   jnp.zeros((batch,), bool), chains, chains, chains, z)
 
 
 def counted(st: Stats, sp, active: jax.Array, count: jax.Array, bad: jax.Array) -> Stats:
@@ -67,7 +68,8 @@ def counted(st: Stats, sp, active: jax.Array, count: jax.Array, bad: jax.Array) 
         nonfinite=st.nonfinite | bad,
         chain_won=st.chain_won + live * one_hot(sp.chain, M) * (n > 0)[:, None],
         chain_accepted=st.chain_accepted + live * jnp.sum(one_hot(along(nodes.branch), M) * kept[..., None], axis=1),
-        chain_proposed=st.chain_proposed + live * jnp.sum(one_hot(nodes.branch, M) * drafted, axis=1))
+        chain_proposed=st.chain_proposed + live * jnp.sum(one_hot(nodes.branch, M) * drafted, axis=1),
+        scored=st.scored + jnp.where(active, sp.scored, 0))
 
 
 @dataclasses.dataclass(kw_only=True)
@@ -93,6 +95,7 @@ class Result:
     chain_won: np.ndarray | None = None  # [B, M] loops whose kept path ended on chain m (SpS)
     chain_accepted: np.ndarray | None = None  # [B, M] kept tokens by the chain picked at their depth (SpS)
     chain_proposed: np.ndarray | None = None  # [B, M] tokens proposed by chain m (SpS)
+    scored: np.ndarray | None = None  # [B] positions the target's passes scored (SpS; None: K+1 a loop)
 
     def __post_init__(self):
         if self.drafted is None:  # counts not given: every loop drafted K tokens with the draft model
@@ -103,6 +106,8 @@ class Result:
             self.accepted_by[:, 0] = self.accepted
             self.proposed_by = np.zeros((rows, len(SOURCES)), np.int64)
             self.proposed_by[:, 0] = self.drafted[:, self.lookahead] * self.lookahead
+        if self.scored is None:  # every pass scored the whole chain (or tree) and the pending token
+            self.scored = self.loops * (self.lookahead + 1) if self.mode == "sps" else 0 * self.loops
         if self.chain_won is None:  # one chain
             self.chain_won = (self.histogram[:, 1:].sum(1) if self.mode == "sps" else 0 * self.loops)[:, None]
             self.chain_accepted = self.accepted[:, None]
@@ -155,6 +160,11 @@ class Result:
         return {name: int(n) for name, n in zip(SOURCES, counts) if n or name == self.drafter}
 
     @property
+    def scored_per_loop(self) -> float:
+        """Mean positions a loop's target pass scored (K + 1 unless pass_width='proposed')."""
+        return float(self.scored.sum() / max(1, self.loops.sum()))
+
+    @property
     def accepted_path(self) -> float:
         """Mean kept draft tokens per loop (the accepted path's length; tokens per loop - 1)."""
         return float(self.accepted.sum() / max(1, self.loops.sum()))
@@ -188,7 +198,8 @@ class Result:
                        accepted_histogram=self.histogram.sum(0).tolist(),
                        drafted_histogram=self.drafted.sum(0).tolist(),
                        accepted_by=self.by_drafter(self.accepted_by.sum(0)),
-                       proposed_by=self.by_drafter(self.proposed_by.sum(0)))
+                       proposed_by=self.by_drafter(self.proposed_by.sum(0)),
+                       scored_per_loop=self.scored_per_loop)
             if self.num_drafts > 1:
                 out.update(num_drafts=self.num_drafts, accepted_path=self.accepted_path, **self.by_chain())
         return out
@@ -216,6 +227,7 @@ class Totals:
     accepted_by: dict = dataclasses.field(default_factory=dict)  # drafter -> accepted tokens (SpS)
     proposed_by: dict = dataclasses.field(default_factory=dict)  # drafter -> proposed tokens (SpS)
     chain_won: list = dataclasses.field(default_factory=list)  # [M] loops whose kept path ended on chain m (SpS)
+    scored: int = 0  # positions the target's passes scored (SpS)
 
     def add(self, result: Result, rows: int | None = None) -> None:
         """Add a run; `rows` counts only its first rows (the others padded the batch)."""
@@ -230,6 +242,7 @@ class Totals:
         self.seconds += result.seconds
         self.compile_seconds += result.compile_seconds
         if result.mode == "sps":
+            self.scored += int(result.scored[:n].sum())
             won = result.chain_won[:n].sum(0).tolist()
             self.chain_won = [a + b for a, b in zip(self.chain_won, won)] if self.chain_won else won
             for total, counts in ((self.accepted_by, result.accepted_by), (self.proposed_by, result.proposed_by)):

@@ -405,7 +405,7 @@ def build(target: LM, draft: LM | None, prompts, sampling: SamplingConfig, seed:
     statics = dict(eos_id=-1 if sampling.eos_id is None else sampling.eos_id, size=size)  # None: no stop ids here
     if drafter is not None:
         settings = Settings(lookahead, warping, sampling.verify, sampling.num_drafts,
-                            sampling.tree_nodes if sampling.draft_tree == "dynamic" else 0)
+                            sampling.tree_nodes if sampling.draft_tree == "dynamic" else 0, sampling.pass_width)
         fn, args, mode, statics = sps_program, (target, drafter) + args, "sps", dict(statics, settings=settings)
     else:
         fn, args, mode, statics = ars_program, (target,) + args, "ars", dict(statics, warping=warping)

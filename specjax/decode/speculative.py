@@ -4,7 +4,8 @@ Each loop, for every row at once (`speculate`):
   1. the drafter proposes M chains of up to K tokens x_1..x_K with the exact
      distributions p_j they were drawn from (`drafters`; M = 1 is the paper's one chain),
      or grows a tree of N nodes at most K deep (`growth`, `Settings.tree_nodes`);
-  2. the target scores [pending, every proposed token] in ONE pass -> q at every node.
+  2. the target scores [pending, every proposed token] in ONE pass -> q at every node
+     (`pass_width` 'proposed': one chain's pass as wide as the longest row's proposal);
      The proposal is one tree layout (`tree.Tree`: parents per node) whose nodes share
      the pending token and each see the cache and their own path; one chain is a tree
      of one, its causal pass;
@@ -48,6 +49,7 @@ class Settings(NamedTuple):
     verify: str = "block"  # the rule for one chain: 'block' | 'tokenwise' (several: the tree rule)
     num_drafts: int = 1  # M: draft chains per loop, verified jointly as a tree when > 1
     tree_nodes: int = 0  # N > 0: grow a tree of N nodes (`growth`) instead of chains
+    pass_width: str = "full"  # one chain's scoring pass: 'full' (K + 1 positions) or 'proposed' (`score`)
 
     def bind(self, warp_values: jax.Array) -> "Settings":
         """Inside a program keyed on `warping.static()`: its traced temperature and top-p."""
@@ -85,6 +87,7 @@ class Speculation(NamedTuple):
     chain: jax.Array  # [B] the kept chain (a grown tree's branch: 0)
     nodes: tree.Tree  # the whole proposal
     features: jax.Array | None  # [B, K+1, D] the target's hidden states along the kept path (when asked)
+    scored: jax.Array  # [] positions the target's pass scored (K+1 or, pass_width 'proposed', fewer)
 
 
 def start(target: LM, drafter: Drafter, prompts: jax.Array, prompt_lens: jax.Array, key: jax.Array,
@@ -115,11 +118,8 @@ def speculate(target: LM, drafter: Drafter, s: SpsState, settings: Settings):
     positions = pending[:, None] + tree.depths(nodes)
     visible = tree.visibility(nodes)
 
-    # Always all the nodes, even in a lookup loop that proposed nothing for any row: a
-    # lax.cond choosing a 1-token pass there made XLA copy the whole KV cache into and out
-    # of the conditional in every loop, which cost more than the K extra positions do with
-    # the few-row kernel (counted in the compiled HLO; no figure in benchmarks/ yet).
-    logits, fresh = target(scored, positions, s.target_cache, visible, features=drafter.features)
+    logits, fresh, width = score(target, scored, positions, s.target_cache, visible, drafter.features,
+                                 nodes, settings.pass_width)
     q, target_bad = warp(logits, warping)
     target_bad = jnp.any(target_bad, axis=1)
     rule = verify.select(settings.verify, M, bool(settings.tree_nodes), warping.greedy)
@@ -133,7 +133,40 @@ def speculate(target: LM, drafter: Drafter, s: SpsState, settings: Settings):
     return key, Speculation(x, p, tree.reach(nodes, path), last(nodes.source), along(q), num_accepted, next_token,
                             kv_cache.commit(s.target_cache, fresh, pending, kept), drafter_state,
                             target_bad | draft_bad | empty, path, last(nodes.branch), nodes,
-                            None if fresh.hidden is None else along(fresh.hidden))
+                            None if fresh.hidden is None else along(fresh.hidden), width)
+
+
+def scored_width(nodes: tree.Tree) -> jax.Array:
+    """[] int32: one chain's pass as proposed covers the pending token and the longest
+    row's drafts (rows share the pass; 1 where no row proposed anything)."""
+    return 1 + jnp.max(jnp.sum(nodes.drafted, axis=1, dtype=jnp.int32))
+
+
+def score(target: LM, scored, positions, cache: KVCache, visible, features, nodes: tree.Tree, pass_width: str):
+    """The target's one pass over the T = 1 + N nodes `scored`: (logits [B, T, V], its
+    `kv_cache.Fresh`, the positions scored [] int32). pass_width 'full' scores all T.
+    'proposed' (one chain) scores the pending token and as many drafts as the longest row
+    proposed, through a `lax.switch` over the widths 1..T (each its own compiled pass;
+    the rest zeros, never read: verification reads q up to a row's own length + 1, and
+    the commit's entries past the kept ones are rolled back). The cache is only read
+    inside the switch, so XLA passes it in without a copy (`test_loop`); the commit
+    writes it after."""
+    T = scored.shape[1]
+    if pass_width == "full" or not nodes.single_chain:
+        logits, fresh = target(scored, positions, cache, visible, features=features)
+        return logits, fresh, jnp.int32(T)
+    width = scored_width(nodes)
+
+    def pass_of(w: int):
+        def run(_):
+            logits, fresh = target(scored[:, :w], positions[:, :w], cache, visible[:w, :w], features=features)
+            pad = lambda a, axis: jnp.pad(a, [(0, T - w if i == axis else 0) for i in range(a.ndim)])  # noqa: E731
+            return pad(logits, 1), kv_cache.Fresh(pad(fresh.k, 2), pad(fresh.v, 2),
+                                                  None if fresh.hidden is None else pad(fresh.hidden, 1))
+        return run
+
+    logits, fresh = jax.lax.switch(width - 1, [pass_of(w) for w in range(1, T + 1)], None)
+    return logits, fresh, width
 
 
 def loop(target: LM, drafter: Drafter, s: SpsState, settings: Settings, max_new: jax.Array, eos_id) -> SpsState:

@@ -112,6 +112,23 @@ def test_bench_compares_chains_and_dynamic_trees(tmp_path):
     assert "dynamic 4" in report["target_scoring_ms"] and "dynamic tree of 4" in proc.stdout
 
 
+def test_bench_compares_full_passes_with_passes_as_proposed(tmp_path):
+    """--pass_width=full,proposed: one line each; on random ids the lookup seldom finds
+    anything, so its passes as proposed score about one position a loop, the full ones
+    K + 1."""
+    out = tmp_path / "bench.json"
+    env = dict(os.environ, XLA_FLAGS=xla_flags(1), JAX_PLATFORMS="cpu")
+    proc = subprocess.run([sys.executable, "-m", "specjax.bench", "--config=tiny", "--init=random", "--lookahead=2",
+                           "--num_prompts=1", "--prompt_len=5", "--max_new_tokens=8", "--repeats=1",
+                           "--drafter=ngram", "--pass_width=full,proposed", f"--json={out}"],
+                          capture_output=True, text=True, env=env, timeout=900)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    rows = json.loads(out.read_text())["sps"]
+    assert [row["pass_width"] for row in rows] == ["full", "proposed"]
+    assert rows[0]["scored_per_loop"] == 3 and 1 <= rows[1]["scored_per_loop"] < 3, rows
+    assert "pass as proposed" in proc.stdout and "positions scored/loop" in proc.stdout
+
+
 @pytest.mark.parametrize("args, fragment", [
     (["--lookahead=0,2"], "--lookahead='0,2'"),
     (["--num_prompts=0"], "--num_prompts=0: must be a positive integer"),
@@ -155,6 +172,9 @@ def test_bench_compares_chains_and_dynamic_trees(tmp_path):
     (["--tree_nodes=4"], "--tree_nodes=4 applies to a dynamic draft tree"),
     (["--draft_tree=dynamic", "--verify=tokenwise,block"], "--verify=tokenwise,block picks one chain's acceptance"),
     (["--num_drafts=2", "--verify=tokenwise"], "--num_drafts=2 chains is verified as a tree"),
+    (["--pass_width=full,wide"], "--pass_width='full,wide'"),
+    (["--pass_width=proposed", "--num_drafts=2"], "--pass_width=proposed: only one chain's pass follows its "
+                                                  "proposal, and --num_drafts=2 compares trees only"),
 ])
 def test_bench_rejects_bad_input_before_any_work(args, fragment):
     init = [] if any(a.startswith("--init=") for a in args) else ["--init=random"]

@@ -171,15 +171,20 @@ def test_eagle3_from_the_command_line_gives_ars_tokens(env, greedy, tmp_path):
 def test_hybrid_eagle3_from_the_command_line_gives_ars_tokens(env, tmp_path):
     """--drafter=hybrid_eagle3 with random EAGLE-3 heads, on a prompt whose 3-token suffix
     recurs and one whose does not: greedy SpS writes ArS's tokens (--mode=both, one run),
-    and both the prompt lookup and the layer proposed tokens."""
+    and both the prompt lookup and the layer proposed tokens; the layer's rows stop on
+    its confidence and each pass scores only what the longest row proposed
+    (--pass_width=proposed), which the summary line counts."""
     out = tmp_path / "hybrid_eagle3.jsonl"
     proc = sample(env, *TINY, "--mode=both", "--temperature=0", "--prompt_tokens=5,9,2,7,5,9,2",
-                  "--prompt_tokens=4,5,6,7,8", "--noprint_samples", "--drafter=hybrid_eagle3", f"--output={out}")
+                  "--prompt_tokens=4,5,6,7,8", "--noprint_samples", "--drafter=hybrid_eagle3", "--lookahead=3",
+                  "--draft_confidence=0.5", "--pass_width=proposed", f"--output={out}")
     assert proc.returncode == 0, proc.stderr
     records = read_jsonl(out)
     assert by_row(records, "sps") == by_row(records, "ars") and len(by_row(records, "sps")) == 2
     assert "hybrid_eagle3 drafter" in proc.stdout
     assert re.search(r"proposed by drafter: ngram \d+/[1-9]\d*, eagle3 \d+/[1-9]", proc.stdout), proc.stdout
+    scored = float(re.search(r"the target scored ([\d.]+) positions/loop \(of 4\)", proc.stdout).group(1))
+    assert 1 <= scored < 4, proc.stdout
 
 
 def test_several_drafts_from_the_command_line(env, greedy, tmp_path):
@@ -433,6 +438,11 @@ BAD_INPUTS = [
      ["draft_tree='dynamic' with num_drafts=2", "replaces the chains"]),
     ("dynamic tree with draft_confidence", ["--draft_tree=dynamic", "--draft_confidence=0.3"], {},
      ["draft_tree='dynamic' with draft_confidence=0.3"]),
+    ("pass_width misspelled", ["--pass_width=trimmed"], {}, ["--pass_width=trimmed", "full|proposed"]),
+    ("pass_width proposed with chains", ["--num_drafts=2", "--pass_width=proposed"], {},
+     ["pass_width='proposed' with num_drafts=2", "only one chain's pass follows its proposal"]),
+    ("pass_width proposed with a dynamic tree", ["--draft_tree=dynamic", "--pass_width=proposed"], {},
+     ["pass_width='proposed' with draft_tree='dynamic'", "pass_width='full'"]),
     ("verify with a dynamic tree", ["--draft_tree=dynamic", "--verify=tokenwise"], {},
      ["--verify=tokenwise picks one chain's acceptance rule", "a dynamic draft tree is verified as a tree"]),
     ("verify with chains", ["--num_drafts=2", "--verify=block"], {},

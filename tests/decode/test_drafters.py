@@ -16,7 +16,7 @@ import pytest
 
 import specjax
 from specjax.config import SamplingConfig
-from specjax.decode import verify
+from specjax.decode import speculative, verify
 from specjax.decode.drafters import base, draft_model
 from specjax.decode.retrieval_index import Datastore
 from specjax.decode.warping import Warp, sample, warp
@@ -64,6 +64,16 @@ CASES = {
     "hybrid_repeats_K3": Case(1.0, 0, 1.0, 3, "repeats", "block", "hybrid"),
     "hybrid_datastore_adaptive_top_k_5_K5": Case(1.0, 5, 1.0, 5, "mixed", "block", "hybrid", 0.3, "samples"),
     "hybrid_draft_is_target_K3": Case(1.0, 0, 1.0, 3, "same", "tokenwise", "hybrid", prompts="repeats"),
+    # The scoring pass as wide as the longest row's proposal (pass_width='proposed'): the
+    # lookup finds nothing in either ragged prompt, so every row's first pass scores the
+    # pending token alone, and later ones vary; with draft == target every draft is kept,
+    # so the third token of a row that drafted K = 2 is the bonus, from the pass's last
+    # position (at K = 3 a whole chain's bonus is past the 3 tokens the test reads); the
+    # two prompts stop at different lengths.
+    "ngram_ragged_temperature_0.7_K3_pass_as_proposed": Case(0.7, 0, 1.0, 3, "ragged", "tokenwise", "ngram",
+                                                             pass_width="proposed"),
+    "adaptive_draft_is_target_K2_pass_as_proposed": Case(1.0, 0, 1.0, 2, "same", "block", draft_confidence=0.5,
+                                                         prompts="ragged", pass_width="proposed"),
 }
 # The default suite runs one case per mode plus the edge cases of the new verifier (p == q
 # gives S_i = 0 everywhere); the rest (~2 minutes) runs with `pytest -m slow`.
@@ -109,6 +119,7 @@ def test_samples_follow_the_exact_target_distribution(models, datastores, name, 
 
 correct_block = verify.accept_block
 correct_select = base.select
+correct_width = speculative.scored_width
 
 
 def block_with_tokenwise_residual(key, x, p, q, length=None):
@@ -147,6 +158,12 @@ def greedy_draft_soft_p(case):
                                                       jnp.zeros(probs.shape[:-1], bool)))]
 
 
+def one_short(nodes):
+    """A pass as proposed that leaves out the longest row's last position: its last q
+    (the bonus after a chain kept whole) is never computed."""
+    return jnp.maximum(correct_width(nodes) - 1, 1)
+
+
 WRONG = {
     "block_with_tokenwise_residual": lambda case: [(verify, "accept_block", block_with_tokenwise_residual)],
     "peeks_at_target": lambda case: [(verify, "accept_block", peeks_at_target)],
@@ -154,6 +171,7 @@ WRONG = {
     "zero_uniform": lambda case: [(verify, "acceptance_draws", zero_draws)],
     "unwarped_draft_p": unwarped_draft_p,
     "greedy_draft_soft_p": greedy_draft_soft_p,
+    "pass_one_short": lambda case: [(speculative, "scored_width", one_short)],
 }
 # The token-wise residual is wrong only where w_tau < 1: with top-k the draft's and the
 # target's supports differ and the weights drop far below 1 (at temperature 1 without
@@ -161,7 +179,8 @@ WRONG = {
 NEGATIVE = [("block_top_k_5_K3", "block_with_tokenwise_residual"), ("block_ragged_K3", "zero_uniform"),
             ("block_ragged_K3", "greedy_draft_soft_p"), ("block_top_k_5_K3", "unwarped_draft_p"),
             ("adaptive_ragged_K5", "peeks_at_target"), ("ngram_repeats_K3", "zero_uniform"),
-            ("hybrid_repeats_K3", "ngram_with_model_p"), ("retrieval_ragged_K3", "zero_uniform")]
+            ("hybrid_repeats_K3", "ngram_with_model_p"), ("retrieval_ragged_K3", "zero_uniform"),
+            ("adaptive_draft_is_target_K2_pass_as_proposed", "pass_one_short")]
 
 
 @pytest.mark.parametrize("name,wrong", NEGATIVE, ids=[f"{a}-{b}" for a, b in NEGATIVE])

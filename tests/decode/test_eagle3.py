@@ -92,6 +92,8 @@ HYBRID = {
     "hybrid_repeats_K3": Case(1.0, 0, 1.0, 3, "repeats", "block", "hybrid_eagle3"),
     "hybrid_mixed_temperature_0.7_top_k_12_K2": Case(0.7, 12, 1.0, 2, "mixed", "tokenwise", "hybrid_eagle3"),
     "hybrid_mixed_adaptive_0.5_K3": Case(1.0, 0, 1.0, 3, "mixed", "block", "hybrid_eagle3", draft_confidence=0.5),
+    "hybrid_mixed_adaptive_0.5_K3_pass_as_proposed": Case(1.0, 0, 1.0, 3, "mixed", "block", "hybrid_eagle3",
+                                                          draft_confidence=0.5, pass_width="proposed"),
 }
 
 

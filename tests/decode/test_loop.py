@@ -172,9 +172,11 @@ def test_bf16_greedy_sps_and_ars_agree_on_the_first_tokens(pos_encoding):
 
 
 # (mesh, sampling): one chain and a tree of three, on one device (the CPU kernels) and
-# eight; and n-gram drafting, whose loops may propose nothing.
+# eight; n-gram drafting, whose loops may propose nothing; and the pass as proposed.
 NO_COPY = {"model": ("1x1", {}), "model_1x8": ("1x8", {}), "tree": ("1x1", dict(num_drafts=3)),
-           "tree_1x8": ("1x8", dict(num_drafts=3)), "ngram": ("1x1", dict(drafter="ngram"))}
+           "tree_1x8": ("1x8", dict(num_drafts=3)), "ngram": ("1x1", dict(drafter="ngram")),
+           "ngram_pass_as_proposed": ("1x1", dict(drafter="ngram", pass_width="proposed")),
+           "adaptive_pass_as_proposed_1x8": ("1x8", dict(draft_confidence=0.5, pass_width="proposed"))}
 
 
 @pytest.mark.parametrize("case", list(NO_COPY))
@@ -182,14 +184,37 @@ def test_the_loop_never_copies_a_cache(pairs, case):
     """Rolling back a draft sets lengths; nothing copies a cache. No instruction that the
     generation loop runs (its body and everything it calls) copies a buffer of the
     target's or the draft's cache (`models.cache_copies`): each pass reads its cache and a
-    commit writes into it in place. A lax.cond around the scoring pass (a 1-token pass
-    for lookup loops without a proposal) made XLA copy k and v into and out of it in
-    every loop."""
+    commit writes into it in place. The pass as proposed (`speculative.score`) is a
+    lax.switch that only reads the cache: a lax.cond around a pass that also wrote it
+    made XLA copy k and v into and out of the conditional in every loop."""
     mesh_name, changes = NO_COPY[case]
     target, draft = pairs[mesh_name]
     sampling = SamplingConfig(temperature=0.8, lookahead=4, max_new_tokens=32, **changes)
     copies = cache_copies(program.build(target, draft, RAGGED, sampling, seed=0))
     assert not copies, copies
+
+
+@pytest.mark.parametrize("mesh_name", ["1x1", "1x8"])
+def test_a_pass_as_proposed_scores_the_pending_token_and_the_longest_proposal(pairs, mesh_name):
+    """pass_width='proposed': a row alone in its batch has each loop's pass score its
+    pending token and its own proposal (the n-gram lookup's: none in a loop whose lookup
+    failed; the draft model's with draft_confidence: 1..K), so a run scores loops +
+    proposed positions, where 'full' scores K + 1 a loop. The tokens are greedy ArS's,
+    rows batched together (each loop's pass as wide as its longest proposal) too."""
+    target, draft = pairs[mesh_name]
+    for changes in (dict(drafter="ngram"), dict(draft_confidence=0.5)):
+        full = SamplingConfig(temperature=0, lookahead=4, max_new_tokens=40, **changes)
+        proposed = dataclasses.replace(full, pass_width="proposed")
+        ars = specjax.generate(target, None, RAGGED, dataclasses.replace(full, drafter="model", draft_confidence=0))
+        batched = specjax.generate(target, draft, RAGGED, proposed)
+        assert batched.tokens == ars.tokens
+        assert (batched.scored <= batched.loops * 5).all() and batched.scored.sum() < batched.loops.sum() * 5
+        for prompt, want in list(zip(RAGGED, ars.tokens))[:2]:
+            wide, narrow = (specjax.generate(target, draft, [prompt], s) for s in (full, proposed))
+            assert wide.tokens == narrow.tokens == [want]
+            assert wide.scored.sum() == wide.loops.sum() * 5
+            assert narrow.scored.sum() == narrow.loops.sum() + narrow.proposed
+            assert narrow.drafted[:, :4].sum() > 0  # loops that proposed fewer than K: narrower passes
 
 
 @pytest.mark.parametrize("pos_encoding", ["rope", "relative"])

@@ -121,6 +121,7 @@ class Case(NamedTuple):
     prompts: str = ""  # prompts of another kind than `kind` (e.g. 'repeats' with kind 'same')
     num_drafts: int = 1  # M draft chains per loop (a tree when > 1)
     tree_nodes: int = 0  # N > 0: a dynamic draft tree of N nodes (draft_tree='dynamic') instead of chains
+    pass_width: str = "full"  # 'proposed': the scoring pass as wide as the longest row's proposal
 
 
 def groups_of(kind: str) -> list[list[int]]:
@@ -155,7 +156,8 @@ def run(models, case: Case, n: int = N, seed: int = 0, datastores=None):
     sampling = SamplingConfig(temperature=case.temperature, top_k=case.top_k, top_p=case.top_p, lookahead=case.K,
                               max_new_tokens=3, verify=case.verify, drafter=case.drafter,
                               draft_confidence=case.draft_confidence, num_drafts=case.num_drafts,
-                              draft_tree="dynamic" if case.tree_nodes else "chains", tree_nodes=case.tree_nodes or 8)
+                              draft_tree="dynamic" if case.tree_nodes else "chains", tree_nodes=case.tree_nodes or 8,
+                              pass_width=case.pass_width)
     name = case.datastore or ("samples" if case.drafter == "retrieval" else "")
     with optimised():
         result = specjax.generate(target, draft, prompts, sampling, seed=seed, pad_to=8,  # short cache: cheaper
