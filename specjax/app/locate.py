@@ -396,12 +396,14 @@ def _heads_dir(config: Config, init: str, given: Optional[str], kind: str,
     if not name and config.heads is not None and config.heads.kind == kind:
         name = config.name
     if given is None and not name:
+        from specjax.decode.drafters import REGISTRY
+        users = "|".join(n for n, cls in REGISTRY.items() if cls.heads_kind == kind)  # eagle3|hybrid_eagle3
         if imported:
-            raise UsageError(f"--drafter={kind} draws from {kind} heads trained on this target: pass "
+            raise UsageError(f"--drafter={users} draws from {kind} heads trained on this target: pass "
                              f"--draft_checkpoint=DIR, what `python -m specjax.train --config=YOUR_HEADS_CONFIG "
                              f"--workdir=DIR` writes for a config with heads of kind {kind!r} whose "
                              f"train.teacher_hf / train.teacher_gguf is this model (docs/training.md)")
-        raise UsageError(f"--drafter={kind} draws from {kind} heads, and config {config.name!r} names none (no "
+        raise UsageError(f"--drafter={users} draws from {kind} heads, and config {config.name!r} names none (no "
                          f"`heads` of that kind): pass --draft_checkpoint=DIR (what `python -m specjax.train "
                          f"--config=CONFIG_WITH_HEADS --workdir=DIR` writes; e.g. mini_{kind}), or use --init=random")
     directory = _resolve(given, name)

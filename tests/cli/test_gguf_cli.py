@@ -220,6 +220,8 @@ BAD_INPUTS = [  # (name, args, fragments of the one error line)
     ("a named pipe as the draft", [BPE, "--gguf_draft={bad}/pipe.gguf"],
      ["pipe.gguf: is a named pipe, not a GGUF file"]),
     ("empty gguf_target", ["--gguf_target=", "--mode=ars"], ["'': an empty path, not a GGUF file"]),
+    ("hybrid_eagle3 without heads", [BPE, "--drafter=hybrid_eagle3"],
+     ["--drafter=eagle3|hybrid_eagle3 draws from eagle3 heads trained on this target", "--draft_checkpoint=DIR"]),
 ]
 CASE_ENV = {"block_count 1e9": {"CLITOOLS_RLIMIT_AS": str(6 << 30)}}  # a regression: MemoryError, not the OOM killer
 
