@@ -194,27 +194,26 @@ def test_the_loop_never_copies_a_cache(pairs, case):
     assert not copies, copies
 
 
-@pytest.mark.parametrize("mesh_name", ["1x1", "1x8"])
-def test_a_pass_as_proposed_scores_the_pending_token_and_the_longest_proposal(pairs, mesh_name):
+def test_a_pass_as_proposed_scores_the_pending_token_and_the_longest_proposal(pairs):
     """pass_width='proposed': a row alone in its batch has each loop's pass score its
     pending token and its own proposal (the n-gram lookup's: none in a loop whose lookup
     failed; the draft model's with draft_confidence: 1..K), so a run scores loops +
     proposed positions, where 'full' scores K + 1 a loop. The tokens are greedy ArS's,
-    rows batched together (each loop's pass as wide as its longest proposal) too."""
-    target, draft = pairs[mesh_name]
+    rows batched together on eight devices (each loop's pass as wide as its longest
+    proposal, the switch's index reduced over the batch's shards) too."""
+    greedy = SamplingConfig(temperature=0, lookahead=4, max_new_tokens=40)
+    ars = specjax.generate(pairs["1x8"][0], None, RAGGED, greedy).tokens
     for changes in (dict(drafter="ngram"), dict(draft_confidence=0.5)):
-        full = SamplingConfig(temperature=0, lookahead=4, max_new_tokens=40, **changes)
+        full = dataclasses.replace(greedy, **changes)
         proposed = dataclasses.replace(full, pass_width="proposed")
-        ars = specjax.generate(target, None, RAGGED, dataclasses.replace(full, drafter="model", draft_confidence=0))
-        batched = specjax.generate(target, draft, RAGGED, proposed)
-        assert batched.tokens == ars.tokens
+        batched = specjax.generate(*pairs["1x8"], RAGGED, proposed)
+        assert batched.tokens == ars
         assert (batched.scored <= batched.loops * 5).all() and batched.scored.sum() < batched.loops.sum() * 5
-        for prompt, want in list(zip(RAGGED, ars.tokens))[:2]:
-            wide, narrow = (specjax.generate(target, draft, [prompt], s) for s in (full, proposed))
-            assert wide.tokens == narrow.tokens == [want]
-            assert wide.scored.sum() == wide.loops.sum() * 5
-            assert narrow.scored.sum() == narrow.loops.sum() + narrow.proposed
-            assert narrow.drafted[:, :4].sum() > 0  # loops that proposed fewer than K: narrower passes
+        wide, narrow = (specjax.generate(*pairs["1x1"], RAGGED[1:2], s) for s in (full, proposed))
+        assert wide.tokens == narrow.tokens == ars[1:2]
+        assert wide.scored.sum() == wide.loops.sum() * 5
+        assert narrow.scored.sum() == narrow.loops.sum() + narrow.proposed
+        assert narrow.drafted[:, :4].sum() > 0  # loops that proposed fewer than K: narrower passes
 
 
 @pytest.mark.parametrize("pos_encoding", ["rope", "relative"])
