@@ -216,6 +216,7 @@ def test_parallel_ceiling_bound_is_the_best_blind_proposal_not_the_marginal():
     assert dual_bound(w, np.array([[0.2, 0.8], [0.2, 0.8]])) == pytest.approx(1.0, abs=1e-9)  # one row: m = q
 
 
+@pytest.mark.slow  # the default set's time budget
 def test_parallel_ceiling_reports_positions_two_and_three():
     """The script end to end on tiny (random weights, no tokenizer: random prompts), depth 3
     with 6 candidates (36 rows a context: a full forward of 32 and one padded):

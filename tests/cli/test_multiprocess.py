@@ -107,6 +107,7 @@ def _start(tmp_path, cwds, *args, port):
             p.kill()
 
 
+@pytest.mark.slow  # the default set's time budget
 def test_an_input_only_process_0_can_read_is_shared_or_refused_on_every_process(tmp_path):
     """Relative paths, and each process in its own directory: only process 0's holds the
     prompts file and the checkpoint. The prompts are read once and shared, so the run

@@ -341,6 +341,7 @@ def test_xla_tpu_gives_chinchillas_programs_xla_cpus_collectives():
 
 
 @pytest.mark.skipif(not tpu.available(), reason="libtpu is not installed (pip install -e '.[tpu]')")
+@pytest.mark.slow  # the default set's time budget
 def test_xla_tpu_reads_a_head_dim_64_drafts_weights_and_cache_as_stored_on_v5p():
     """llama3_70b_1b cut to 2 target layers and 2 draft layers, its SpS program compiled by
     XLA:TPU for a v5p slice (16 chips): the draft's q, k and v ([layers, heads, 2048, 64]

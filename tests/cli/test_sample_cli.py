@@ -168,6 +168,7 @@ def test_eagle3_from_the_command_line_gives_ars_tokens(env, greedy, tmp_path):
     assert "eagle3 drafter" in proc.stdout and "proposed by drafter: eagle3" in proc.stdout
 
 
+@pytest.mark.slow  # the default set's time budget
 def test_hybrid_eagle3_from_the_command_line_gives_ars_tokens(env, tmp_path):
     """--drafter=hybrid_eagle3 with random EAGLE-3 heads, on a prompt whose 3-token suffix
     recurs and one whose does not: greedy SpS writes ArS's tokens (--mode=both, one run),

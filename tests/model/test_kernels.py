@@ -193,6 +193,7 @@ def test_fallback_gives_the_same_values(monkeypatch, tmp_path, forced):
 
 
 @needs_kernel
+@pytest.mark.slow  # the default set's time budget
 def test_two_builds_at_once_leave_one_library(tmp_path):
     results, errors = [], []
 
