@@ -78,8 +78,9 @@ def variants(base, drafter_names, verify_rules, confidences, num_drafts, draft_t
     adaptive-length thresholds, draft counts, tree kinds and pass widths that the drafters
     declare they honour (an adaptive length for `adaptive` ones, several chains for
     `several_chains` ones, a dynamic tree, one per drafter and without either, for
-    `grows_trees` ones; pass_width 'proposed' for one chain), each validated. A value asked for that no combination would measure is refused, naming it,
-    rather than dropped."""
+    `grows_trees` ones; pass_width 'proposed' for one chain), each validated. A value
+    asked for that no combination would measure is refused, naming it, rather than
+    dropped."""
     def honoured(d, m, v, c, t):
         cls = drafters.kind(d)
         if t == "dynamic":  # verified by the tree rule whatever --verify says: one line per drafter

