@@ -8,7 +8,7 @@ import pathlib
 # LLVM optimisation level 0 compiles them in about two thirds of the time; XLA:CPU's older
 # elemental emitters instead of its MLIR fusion emitters (whose pipeline runs at every
 # level) halve what is left, on one core instead of two, and the code runs as fast at
-# these sizes (benchmarks/kernels.md, "Suite time"). The Theorem-1 runs, 100,000 rows
+# these sizes (benchmarks/kernels.md, "Suite time"). The Theorem-1 runs, 50,000 rows
 # each, compile their programs at the default level (`theorem1.optimised`); the CLI runs
 # set the same flags (`clitools.cli_env`).
 TEST_XLA_FLAGS = "--xla_backend_optimization_level=0 --xla_cpu_use_fusion_emitters=false"
@@ -48,19 +48,26 @@ def mesh_for(name: str):
 # order; alphabetical order put the longest ones last, leaving one worker idle for minutes
 # at the end. (`--dist worksteal` balances by itself but splits files, so the module-scoped
 # compiled programs and large batches of the statistical tests get built on both workers;
-# on 2 cores it ran slower.) The order comes from FILE_SECONDS, which a passing run of the
-# whole default suite rewrites with the seconds each file took when they have drifted
-# (`drifted`) if SPECJAX_RECORD_FILE_SECONDS=1 is set (commit it then), so it follows the
-# suite instead of a hand-kept list; a plain run leaves the tracked file alone. Files it
-# does not know yet run first.
+# on 2 cores it ran slower.) The order comes from FILE_SECONDS, the seconds each file took
+# in the default suite ("default") and in the slow set ("slow"), which a passing run of the
+# whole of either rewrites for its set when they have drifted (`drifted`) if
+# SPECJAX_RECORD_FILE_SECONDS=1 is set (commit it then), so it follows the suite instead of
+# a hand-kept list; a plain run leaves the tracked file alone. Files it does not know yet
+# run first.
 FILE_SECONDS = pathlib.Path(__file__).with_name("file_seconds.json")
 _seconds: dict[str, float] = collections.defaultdict(float)
+SETS = {"not slow": "default", "slow": "slow"}  # -m expression -> the set's key in FILE_SECONDS
 
 
 def pytest_collection_modifyitems(config, items):
-    known = json.loads(FILE_SECONDS.read_text()) if FILE_SECONDS.exists() else {}
+    sets = recorded()  # a set not recorded yet goes by the default suite's table
+    known = sets.get(SETS.get(config.getoption("markexpr"), "default")) or sets.get("default", {})
     # Stable sort: a file's own order is kept.
     items.sort(key=lambda item: -known.get(item.path.name, float("inf")))
+
+
+def recorded() -> dict:
+    return json.loads(FILE_SECONDS.read_text()) if FILE_SECONDS.exists() else {}
 
 
 def pytest_runtest_logreport(report):
@@ -68,18 +75,19 @@ def pytest_runtest_logreport(report):
 
 
 def pytest_sessionfinish(session, exitstatus):
-    """Record the per-file seconds after a passing run of the whole default suite, in the
-    main process (under xdist the workers' reports reach it too), when asked to."""
+    """Record the per-file seconds after a passing run of the whole default suite or slow
+    set, in the main process (under xdist the workers' reports reach it too), when asked to."""
     config = session.config
     if os.environ.get("SPECJAX_RECORD_FILE_SECONDS") != "1":
         return
-    whole = (not config.getoption("keyword") and config.getoption("markexpr") == "not slow"
+    which = SETS.get(config.getoption("markexpr"))
+    whole = (which and not config.getoption("keyword")
              and [pathlib.Path(a).resolve() for a in config.args] == [pathlib.Path(__file__).parent])
     if exitstatus == 0 and whole and not hasattr(config, "workerinput") and _seconds:
-        known = json.loads(FILE_SECONDS.read_text()) if FILE_SECONDS.exists() else {}
-        if drifted(known, _seconds):
-            ordered = dict(sorted(((name, round(t)) for name, t in _seconds.items()), key=lambda kv: -kv[1]))
-            FILE_SECONDS.write_text(json.dumps(ordered, indent=0) + "\n")
+        sets = recorded()
+        if drifted(sets.get(which, {}), _seconds):
+            sets[which] = dict(sorted(((name, round(t)) for name, t in _seconds.items()), key=lambda kv: -kv[1]))
+            FILE_SECONDS.write_text(json.dumps(sets, indent=1) + "\n")
 
 
 def drifted(known: dict, measured: dict) -> bool:

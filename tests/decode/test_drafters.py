@@ -1,6 +1,6 @@
 """Theorem 1 for the modes beyond the paper: block verification, the adaptive draft
 length, and the n-gram, datastore and hybrid drafters all sample the target's exact
-distribution (the enumeration and chi-square test of `theorem1`: N = 100,000 samples
+distribution (the enumeration and chi-square test of `theorem1`: N = 50,000 samples
 per case, one compiled program and one batch each, ALPHA = 0.001).
 
 Each mode has negative controls next to its cases: the same test on a deliberately

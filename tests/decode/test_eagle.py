@@ -4,7 +4,7 @@ shares (`--drafter=eagle3`: the same drafter over a fusion of the target's layer
 for both kinds here; EAGLE-3's own (Theorem 1, the training-time test) are in
 test_eagle3.py.
 
-- Theorem 1 (the enumeration and chi-square test of `theorem1`, N = 100,000 samples per
+- Theorem 1 (the enumeration and chi-square test of `theorem1`, N = 50,000 samples per
   case, one compiled program and one batch each, ALPHA = 0.001) with a random EAGLE layer
   on the one-layer tiny target: K = 1 and 3, temperature 1 and 0.7 with top-p, a ragged
   batch (all in the slow set, with the control); the negative control (p taken before

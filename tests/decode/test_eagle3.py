@@ -4,7 +4,7 @@ training-time test. What it shares with `eagle` (greedy SpS == ArS on one device
 eight, the state after each loop, the folded narrow layer) is tested for both kinds in
 test_eagle.py.
 
-- Theorem 1 (`theorem1`: N = 100,000 samples per case, chi-square at ALPHA = 0.001) on the
+- Theorem 1 (`theorem1`: N = 50,000 samples per case, chi-square at ALPHA = 0.001) on the
   one-layer target with a layer that drafts about as it samples (`mimicking`, through the
   fusion projection; acceptance ~0.4), all in the slow set (as EAGLE's):
   temperature 0.7 with top-k and top-p at K = 3 (block verification, a ragged batch),
@@ -87,11 +87,12 @@ def test_samples_follow_the_exact_target_distribution(models, name, patch):
 
 # hybrid_eagle3: a full 3-token suffix match proposes the prompt lookup's chain (a point
 # mass), else the layer its own (prompts whose suffixes recur, and one beside them that
-# does not). The control verifies the lookup's rows with the layer's p instead.
+# does not). The control verifies the lookup's rows with the layer's p instead. The
+# adaptive case scores each pass as wide as the longest row's proposal; in a batch of
+# 50,000 rows some row nearly always drafts all K, so it checks the full-width pass too.
 HYBRID = {
     "hybrid_repeats_K3": Case(1.0, 0, 1.0, 3, "repeats", "block", "hybrid_eagle3"),
     "hybrid_mixed_temperature_0.7_top_k_12_K2": Case(0.7, 12, 1.0, 2, "mixed", "tokenwise", "hybrid_eagle3"),
-    "hybrid_mixed_adaptive_0.5_K3": Case(1.0, 0, 1.0, 3, "mixed", "block", "hybrid_eagle3", draft_confidence=0.5),
     "hybrid_mixed_adaptive_0.5_K3_pass_as_proposed": Case(1.0, 0, 1.0, 3, "mixed", "block", "hybrid_eagle3",
                                                           draft_confidence=0.5, pass_width="proposed"),
 }

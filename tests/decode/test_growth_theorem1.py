@@ -1,6 +1,6 @@
 """Theorem 1 for dynamic draft trees (`--draft_tree=dynamic`, `decode/growth.py`): the
 fused loop with a grown tree samples the target's exact distribution (enumeration and
-chi-square test of `theorem1`: N = 100,000 samples per case, one compiled program and one
+chi-square test of `theorem1`: N = 50,000 samples per case, one compiled program and one
 batch each, ALPHA = 0.001): the model drafter at temperature 1 with ragged rows, 0.7 with
 top-p 0.8, top-k 5, trees of 4 to 8 nodes and depth 2 to 4, the target as its own draft
 (p == q), a draft with disjoint support, the EAGLE and EAGLE-3 drafters (random layers),

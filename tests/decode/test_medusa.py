@@ -1,6 +1,6 @@
 """Medusa heads as a drafter (`--drafter=medusa`, `specjax.heads`).
 
-- Theorem 1 (the enumeration and chi-square test of `theorem1`, N = 100,000 samples per
+- Theorem 1 (the enumeration and chi-square test of `theorem1`, N = 50,000 samples per
   case, one compiled program and one batch each, ALPHA = 0.001) with random heads on the
   one-layer tiny target: K = 1 and 3, temperature 1 and 0.7 with top-p, a ragged batch,
   and two chains verified as a tree (all in the slow set, with the control); the negative

@@ -2,7 +2,7 @@
 embedding proposes all K tokens from one forward, x_j drawn from position j's marginal
 given the context.
 
-- Theorem 1 (the enumeration and chi-square test of `theorem1`, N = 100,000 samples per
+- Theorem 1 (the enumeration and chi-square test of `theorem1`, N = 50,000 samples per
   case, one compiled program and one batch each, ALPHA = 0.001) on the one-layer tiny
   target with a noisy copy of it given a random mask embedding: temperatures 1, 0.7 and
   1.5, top-k 5 and top-p 0.8, token-wise and block verification, a ragged batch, and a

@@ -9,7 +9,7 @@ layers with its embedding, final norm and unembedding, sharing the target's arra
   `random_lm` makes every param random (norm scales too), so no mistake hides behind ones.
 - Memory: every draft leaf is one of the target's buffers (plain or packed): no copy.
 - Greedy SpS with the self-draft equals greedy ArS, for each verifier and a tree.
-- Theorem 1 (the enumeration and chi-square test of `theorem1`, N = 100,000, ALPHA =
+- Theorem 1 (the enumeration and chi-square test of `theorem1`, N = 50,000, ALPHA =
   0.001) with a two-layer target and its one-layer self-draft, and its negative control
   (no ratio test: keep every draft token) rejected with N_NEGATIVE samples; the same
   for a Gemma-3-shaped target (sliding window shorter than the prompts, q/k norms, four

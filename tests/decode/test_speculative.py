@@ -1,6 +1,6 @@
 """Theorem 1, statistically: SpS with the paper's token-wise rule and the draft model
 samples the target's exact distribution (setting, enumeration and chi-square test in
-`theorem1`: N = 100,000 samples per case, ALPHA = 0.001).
+`theorem1`: N = 50,000 samples per case, ALPHA = 0.001).
 
 Power: each check has a negative control next to it, the same test on a deliberately
 wrong sampler (no ratio test = keep every draft token; resample from q instead of the

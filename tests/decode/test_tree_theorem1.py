@@ -1,5 +1,5 @@
 """Theorem 1 for several drafts verified as a tree: the fused tree loop samples the
-target's exact distribution (enumeration and chi-square test of `theorem1`: N = 100,000
+target's exact distribution (enumeration and chi-square test of `theorem1`: N = 50,000
 samples per case, one compiled program and one batch each, ALPHA = 0.001), for M in
 {2, 3} chains and K in {1, 3}: temperature 1 and 0.7, top-k, top-p, ragged rows, the
 target as its own draft (p == q), a draft with disjoint support, and hybrid (the n-gram

@@ -4,7 +4,7 @@ the chi-square test, the cases and one runner.
 Setting: a `tiny` target (vocabulary 32) with sharpened logits and a draft that differs
 from it (`make_models`), so acceptances and rejections are both frequent. The exact
 joint distribution of the next 3 tokens is enumerated (32^3 cells) from full forward
-passes of the target, with the same warping. A case draws N = 100,000 samples as one
+passes of the target, with the same warping. A case draws N = 50,000 samples as one
 batch (one compiled program). Test: chi-square goodness of fit, cells with expected
 count < 5 pooled into one bin, significance level ALPHA = 0.001; any sample in a
 zero-probability cell fails too. Negative controls draw N_NEGATIVE samples.
@@ -28,8 +28,8 @@ from specjax.decode.warping import Warp, warp
 from conftest import mesh_for
 
 ALPHA = 1e-3
-N = 100_000
-N_NEGATIVE = 20_000  # controls use 5x fewer samples: rejecting even then shows ample power
+N = 50_000
+N_NEGATIVE = 20_000  # controls use 2.5x fewer samples: rejecting even then shows ample power
 V = 32
 PROMPT = [3, 17, 5]
 PROMPT_LONG = [9, 1, 22, 14, 7, 30, 2]
@@ -66,8 +66,8 @@ class ParityLM(model.LM):
 def make_models(tiny, num_layers: int = 1):
     """Target: tiny with logits sharpened x3. Draft: the target with noise on its output
     layer, so p resembles q (acceptance ~0.5, like a trained draft) but is not equal."""
-    # One layer and one kv head (MQA): XLA:CPU runs attention at batch 100k as one tiny
-    # GEMM per (row, kv head), so this halves the cost of the 100k-row batches. Theorem 1
+    # One layer and one kv head (MQA): XLA:CPU runs attention at batch 50k as one tiny
+    # GEMM per (row, kv head), so this halves the cost of the 50k-row batches. Theorem 1
     # does not depend on the architecture. (`num_layers`: a drafter that reads several of
     # the target's layers, EAGLE-3's.)
     one_layer = dataclasses.replace(tiny.target, num_layers=num_layers, num_kv_heads=1)
@@ -133,7 +133,7 @@ def groups_of(kind: str) -> list[list[int]]:
 @contextlib.contextmanager
 def optimised():
     """Programs compiled inside run at XLA's default LLVM optimisation level, not the
-    suite's level 0 (conftest): they run 100,000 rows, where level 0's code costs more
+    suite's level 0 (conftest): they run 50,000 rows, where level 0's code costs more
     than its shorter compile saves."""
     before = program.CPU_COMPILER_OPTIONS
     program.CPU_COMPILER_OPTIONS = {**before, "xla_backend_optimization_level": 2}

@@ -328,7 +328,7 @@ def theorem_1(pair, n):
 
 @pytest.mark.slow  # with its control ~2 minutes; Theorem 1 itself is the default suite's (test_speculative)
 def test_sps_with_an_imported_pair_follows_the_exact_target_distribution(pair, use_accept):  # noqa: F811
-    """Theorem 1 on pair_target/pair_draft (vocabulary 32): N=100,000 three-token samples
+    """Theorem 1 on pair_target/pair_draft (vocabulary 32): N=50,000 three-token samples
     against the exact joint from the target's full forward, chi-square at ALPHA=0.001."""
     use_accept(None)
     pvalue, result = theorem_1(pair, N)
