@@ -5,6 +5,8 @@
     python launch/loop_parts.py --config=mini --self_draft=int8 --lookahead=6   # the target's own int8 copy
     python launch/loop_parts.py --config=mini_eagle --drafter=eagle --lookahead=6  # random heads of its setting
     python launch/loop_parts.py --config=mini --drafter=parallel --config.draft.parallel_draft=8 --lookahead=8
+    python launch/loop_parts.py --config=mini_eagle3 --drafter=hybrid_eagle3 --lookahead=3 \
+        --config.sampling.pass_width=proposed --context=distinct,repeating  # the pass as wide as proposed
 
 Each part runs N times inside one jitted `fori_loop` from the same prefilled state, as
 `generate` compiles it (api.compile_lowered), at batch 1:
@@ -13,11 +15,12 @@ Each part runs N times inside one jitted `fori_loop` from the same prefilled sta
                   `speculative.loop`, the generation loop's body: speculate, then emit the
                   tokens, the stopping rule, the rollbacks and the stats (what the loop adds)
   proposal        the drafter's own K tokens alone (--drafter=model: K draft-model steps;
-                  eagle, eagle3: the layer's window pass and K-1 steps; medusa: the heads), then
+                  eagle, eagle3: the layer's window pass and K-1 steps; medusa: the heads;
+                  hybrid_eagle3: the lookup, and the layer's where it found nothing), then
                   its rollback as after a loop that kept nothing
   ngram lookup    the prompt lookup alone (--drafter=ngram: no draft model)
-  target pass     one (K+1)-token target forward alone, and (ngram) a 1-token one: the
-                  pass of a loop whose lookup found nothing
+  target pass     one (K+1)-token target forward alone, and (ngram, or the pass as proposed)
+                  a 1-token one: the pass of a loop that proposed nothing
   target + verify the same plus the target's warp and the config's verifier
 --shape=NAME takes the target's shape from launch/shapes.py (random weights).
 --context says what the token buffer holds, which decides what a lookup finds:
@@ -31,7 +34,9 @@ the difference is interaction (both models' weights and caches sharing the cache
 the CPU), not work: the parts do all the work the loop does. Random weights (the
 costs do not depend on their values). `--kernels=on,matmul+attention` compiles every
 part under each kernel setting (`Kernels`: static, so each is its own program) and
-interleaves all of them (an A/B in one run).
+interleaves all of them (an A/B in one run). `--config.sampling.pass_width=proposed` times
+`speculate` and the loop's body with the scoring pass as wide as the proposal (the context
+decides it: 'distinct' gives a lookup nothing to propose), as sample's --pass_width does.
 """
 from __future__ import annotations
 
@@ -80,8 +85,8 @@ def define_flags() -> None:
 
 
 CONTEXTS = ("random", "distinct", "repeating")
-# One chain each; hybrid and retrieval are not timed here.
-DRAFTERS = ("model", "ngram", "eagle", "eagle3", "medusa", "parallel")
+# One chain each; hybrid and retrieval (a datastore) are not timed here.
+DRAFTERS = ("model", "ngram", "eagle", "eagle3", "medusa", "parallel", "hybrid_eagle3")
 
 
 def token_buffer(context: str, size: int, prompt_len: int, vocab: int) -> jax.Array:
@@ -103,8 +108,8 @@ def never(x) -> jax.Array:
     return (x == -7).astype(jnp.int32)
 
 
-def parts(K: int, w: Warp, rule: str, drafter: str):
-    settings = sps.Settings(K, w, rule)
+def parts(K: int, w: Warp, rule: str, drafter: str, pass_width: str = "full"):
+    settings = sps.Settings(K, w, rule, pass_width=pass_width)
 
     def speculate(t, d, s):
         key, r = sps.speculate(t, d, s, settings)
@@ -158,6 +163,7 @@ def parts(K: int, w: Warp, rule: str, drafter: str):
         out[f"{drafter} proposal (K tokens)"] = draft_tokens
     else:
         out[f"{drafter} lookup"] = lookup
+    if drafters.draft_kind(drafter) is None or pass_width == "proposed":
         out["target pass (1 token)"] = lambda t, d, s: target(t, d, s, 1, False)
     out[f"target pass ({K + 1} tokens)"] = lambda t, d, s: target(t, d, s, K + 1, False)
     checked = verify.chosen(rule, 1, False, w.greedy)
@@ -205,7 +211,8 @@ def main(argv):
     print(f"{config.name}{f' with the target shape {FLAGS.shape}' if FLAGS.shape else ''}"
           f"{f', {FLAGS.quantize} weights' if cli.quantize() else ''}"
           f"{f', self-draft {FLAGS.self_draft}' if FLAGS.self_draft else ''}: drafter {drafter}, "
-          f"K={K}, prompt {FLAGS.prompt_len}, cache {FLAGS.cache}, {w}")
+          f"K={K}, prompt {FLAGS.prompt_len}, cache {FLAGS.cache}, {w}"
+          f"{', the pass as proposed' if config.sampling.pass_width == 'proposed' else ''}")
     runs, subjects = {}, {}
     sampling = dataclasses.replace(config.sampling, drafter=drafter, lookahead=K)
     for setting, kernels in chosen.items():
@@ -216,10 +223,11 @@ def main(argv):
         subjects[setting] = (subject, d)
         # As the real loop: the warp's temperature and top-p traced (Warp.static / bind).
         warping = w._replace(kernels=kernels).static()
-        for name in parts(K, warping, config.sampling.verify, drafter):
+        width = config.sampling.pass_width
+        for name in parts(K, warping, config.sampling.verify, drafter, width):
             def program(t, d, buffer, n, values, name=name, warping=warping):
                 bound = warping.bind(values)
-                body = parts(K, bound, config.sampling.verify, drafter)[name]
+                body = parts(K, bound, config.sampling.verify, drafter, width)[name]
                 state = sps.start(t, d, buffer[:, :FLAGS.prompt_len], lens, jax.random.key(0), sps.Settings(K, bound),
                                   FLAGS.cache)
                 state = dataclasses.replace(state, tokens=buffer)

@@ -25,6 +25,7 @@
 # Variables: PYTHON (specjax's, default python), OUT (default /tmp/specjax_real_model),
 # THREADS (2), KS (2,3,4,5,6,7,8), NEW (128), LOOKUP_DRAFT (4), QUANTIZE (none), TARGET (Q4_1:
 # the file specjax reads, or Q4_K_M), LOOKUP_TYPE (F32), SPECJAX_CACHE (the caches' root),
+# MODEL (the folder of SmolLM2's GGUF files and rendered prompts: $SPECJAX_CACHE/smollm2),
 # DRAFTERS (ngram; a comma list, e.g. ngram,eagle3,hybrid_eagle3), CONFIDENCE (bench's
 # --draft_confidence list, e.g. 0,0.7: the drafters with an adaptive length are timed at each),
 # PASS_WIDTH (bench's --pass_width list, e.g. full,proposed: each chain timed with each),
@@ -49,14 +50,20 @@ LOOKUP_DRAFT=${LOOKUP_DRAFT:-4}
 QUANTIZE=${QUANTIZE:-}
 TARGET=${TARGET:-Q4_1}
 LOOKUP_TYPE=${LOOKUP_TYPE:-F32}
-STEPS=${STEPS:-build convert quantize specjax bench lookup}
+ALL_STEPS="build convert quantize specjax bench lookup"
+STEPS=${STEPS-$ALL_STEPS}  # set but empty is refused below, not taken for all of them
 DRAFTERS=${DRAFTERS:-ngram}
 CONFIG=${CONFIG:-}
 DRAFT_CHECKPOINT=${DRAFT_CHECKPOINT:-}
 CONFIDENCE=${CONFIDENCE:-}
 PASS_WIDTH=${PASS_WIDTH:-}
 CACHE=${SPECJAX_CACHE:-$HOME/.cache/specjax}
-MODEL=$CACHE/smollm2
+MODEL=${MODEL:-$CACHE/smollm2}
+[[ -n ${STEPS// /} ]] || { echo "real_model.sh: STEPS is empty: name one or more of: $ALL_STEPS" >&2; exit 2; }
+for step in $STEPS; do
+  [[ " $ALL_STEPS " == *" $step "* ]] || {
+    echo "real_model.sh: STEPS has '$step': each must be one of: $ALL_STEPS" >&2; exit 2; }
+done
 Q4_1=$MODEL/SmolLM2-135M-Instruct.Q4_1.gguf
 F32=$MODEL/SmolLM2-135M-Instruct.F32.gguf
 NAMES=$("$PYTHON" -c "import json,sys; print(' '.join(json.loads(l)['name'] for l in open(sys.argv[1]) if l.strip()))" \

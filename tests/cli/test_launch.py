@@ -156,12 +156,18 @@ def test_the_compilation_cache_goes_where_every_worker_reads_it(monkeypatch, tmp
                                             ("model --self_draft=int8", ["speculate", "model proposal",
                                                                          "target pass (5 tokens)"]),
                                             ("eagle", ["speculate", "eagle proposal", "target pass (5 tokens)"]),
-                                            ("eagle3", ["speculate", "eagle3 proposal", "target pass (5 tokens)"])])
+                                            ("eagle3", ["speculate", "eagle3 proposal", "target pass (5 tokens)"]),
+                                            ("hybrid_eagle3 --config.sampling.pass_width=proposed "
+                                             "--context=distinct,repeating",
+                                             ["speculate", "hybrid_eagle3 proposal", "target pass (1 token)",
+                                              "target pass (5 tokens)"])])
 def test_loop_parts_times_each_part_of_a_loop(drafter, parts):
     """launch/loop_parts.py on tiny, as the loop runs (the drafter made by `drafters.make`,
     temperature and top-p traced; the draft the config's, the target's own int8 copy, or
-    random EAGLE or EAGLE-3 heads; EAGLE-3's stand-in features as wide as its fused layers): every
-    part compiles, runs and is printed with its time."""
+    random EAGLE or EAGLE-3 heads; EAGLE-3's stand-in features as wide as its fused layers;
+    the lookup-else-layer hybrid with the pass as wide as proposed, on a context where the
+    lookup finds nothing and one where it finds K): every part compiles, runs and is printed
+    with its time."""
     proc = subprocess.run([sys.executable, "launch/loop_parts.py", "--config=tiny", *f"--drafter={drafter}".split(),
                            "--repeats=1", "--cache=256", "--prompt_len=8"], cwd=REPO, capture_output=True,
                           text=True, timeout=600, env={**os.environ, "XLA_FLAGS": xla_flags(1)})
@@ -169,6 +175,10 @@ def test_loop_parts_times_each_part_of_a_loop(drafter, parts):
     for part in parts + ["the loop's whole body (speculative.loop)"]:
         # A part cheaper than the timer's noise (tiny's 1-token pass) can come out just below 0.
         assert re.search(re.escape(part) + r".* -?[0-9.]+ wall ms per iteration", proc.stdout), proc.stdout
+    if "pass_width=proposed" in drafter:
+        assert "drafter hybrid_eagle3, K=4" in proc.stdout and ", the pass as proposed" in proc.stdout, proc.stdout
+        assert all(re.search(re.escape(part) + rf"[^\n]* \[{c}\] .* wall ms", proc.stdout)
+                   for part in parts for c in ("distinct", "repeating")), proc.stdout
     if "--self_draft" in drafter:  # the draft is the target's own int8 copy, and needs a draft-model drafter
         assert "tiny, self-draft int8: drafter model" in proc.stdout, proc.stdout
         bad = subprocess.run([sys.executable, "launch/loop_parts.py", "--config=tiny", "--drafter=ngram",
@@ -268,3 +278,18 @@ def test_the_chat_requests_hold_none_of_the_held_out_prompts():
     held = set().union(*(shingles(h["prompt"].split("\n\n", 1)[-1]) for h in held_out))
     assert all(shingles(h["prompt"]) & held for h in held_out)
     assert not [r["prompt"][:60] for r in requests if shingles(r["prompt"]) & held]
+
+
+@pytest.mark.parametrize("steps, message", [("specjx", "STEPS has 'specjx': each must be one of: build convert "
+                                                       "quantize specjax bench lookup"),
+                                            ("specjax bnch", "STEPS has 'bnch'"),
+                                            ("", "STEPS is empty: name one or more of: build convert")])
+def test_real_model_refuses_steps_it_does_not_have_before_doing_anything(steps, message, tmp_path):
+    """launch/real_model.sh with a misspelled or empty STEPS: one line naming it and the
+    steps there are, exit 2, nothing built or written (an empty STEPS once ran every step,
+    the llama.cpp build included; a misspelled one ran nothing and said so nowhere)."""
+    out = tmp_path / "out"
+    proc = subprocess.run(["bash", "launch/real_model.sh"], cwd=REPO, capture_output=True, text=True, timeout=60,
+                          env={**os.environ, "STEPS": steps, "OUT": str(out), "SPECJAX_CACHE": str(tmp_path)})
+    assert proc.returncode == 2 and message in proc.stderr and len(proc.stderr.splitlines()) == 1, proc.stderr
+    assert not out.exists() and list(tmp_path.iterdir()) == [], list(tmp_path.iterdir())
