@@ -165,12 +165,13 @@ class EagleDrafter(Drafter):
             shapes = jax.eval_shape(drafted, feature, going, j)[0]
             return tuple(jnp.zeros(a.shape, a.dtype) for a in shapes), going
 
+        def draw_at(feature, going, j):  # position j's draw, skipped where no row drafts on
+            return jax.lax.cond(jnp.any(going), drafted, nothing, feature, going, j) if skippable \
+                else drafted(feature, going, j)
+
         def step(carry, j):
             feature, cache, going = carry
-            if skippable:
-                drawn, still = jax.lax.cond(jnp.any(going), drafted, nothing, feature, going, j)
-            else:
-                drawn, still = drafted(feature, going, j)
+            drawn, still = draw_at(feature, going, j)
 
             def feed():
                 return self.heads.eagle_step(self.target, feature, drawn[0][:, None], (pending + j)[:, None], cache,
@@ -182,10 +183,7 @@ class EagleDrafter(Drafter):
         going = jnp.ones((batch,), bool) if active is None else active[:, 0]
         (feature, cache, going), (xs, ps, bads, drafting) = jax.lax.scan(step, (feature, cache, going),
                                                                          jnp.arange(K - 1))
-        if skippable:
-            (x_last, p_last, bad_last), _ = jax.lax.cond(jnp.any(going), drafted, nothing, feature, going, K - 1)
-        else:
-            (x_last, p_last, bad_last), _ = drafted(feature, going, K - 1)
+        (x_last, p_last, bad_last), _ = draw_at(feature, going, K - 1)
         x = jnp.concatenate([xs, x_last[None]], axis=0).T  # [B, K]
         p = jnp.concatenate([ps, p_last[None]], axis=0).transpose(1, 0, 2)  # [B, K, V]
         bad = jnp.any(bads, axis=0) | bad_last
