@@ -20,8 +20,8 @@ def env(tmp_path_factory):
     return cli_env(tmp_path_factory.mktemp("parallel_cli"))
 
 
-@pytest.mark.parametrize("tree", [["--num_drafts=2"], ["--draft_tree=dynamic", "--tree_nodes=8"]],
-                         ids=["two_chains", "dynamic_tree_of_8"])
+@pytest.mark.parametrize("tree", [pytest.param(["--num_drafts=2"], marks=pytest.mark.slow),  # the default set's time
+                                  ["--draft_tree=dynamic", "--tree_nodes=8"]], ids=["two_chains", "dynamic_tree_of_8"])
 def test_greedy_sps_equals_greedy_ars(env, tmp_path, tree):
     out = tmp_path / "out.jsonl"
     proc, = run_many("specjax.sample", [(PARALLEL + tree + [

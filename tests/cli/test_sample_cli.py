@@ -201,7 +201,8 @@ def test_several_drafts_from_the_command_line(env, greedy, tmp_path):
     assert "3 drafts verified as a tree" in proc.stdout and "loops won by chain" in proc.stdout
 
 
-@pytest.mark.parametrize("drafter", ["model", "eagle", "eagle3"])
+@pytest.mark.parametrize("drafter", ["model", pytest.param("eagle", marks=pytest.mark.slow),  # the default set's time
+                                     "eagle3"])
 def test_dynamic_draft_tree_from_the_command_line(env, greedy, tmp_path, drafter):
     """--draft_tree=dynamic --tree_nodes=8: a tree grown by the draft model, or by a random
     EAGLE or EAGLE-3 layer, gives greedy ArS's tokens (the parallel drafter's:

@@ -311,7 +311,8 @@ def state_errors(target, heads, state) -> list[str]:
     return out
 
 
-@pytest.mark.parametrize("kind", ["eagle", "eagle3", pytest.param("hybrid_eagle3", marks=pytest.mark.slow)])
+@pytest.mark.parametrize("kind", [pytest.param("eagle", marks=pytest.mark.slow),  # the default set's time budget
+                                  "eagle3", pytest.param("hybrid_eagle3", marks=pytest.mark.slow)])
 def test_each_loop_starts_from_the_targets_features(pairs, pairs3, patch, kind):
     """hybrid_eagle3: loops whose tokens the n-gram lookup proposed (the first loop's for
     every row, where the layer's draft steps are skipped) leave the layer's state as its
