@@ -15,6 +15,22 @@ CPython 3.11's), and kept apart from the held-out prompts: none names their func
 their paragraph's subject or their question (checked below and by tests).
 
     python launch/chat_requests.py [--out=launch/chat_requests.jsonl]
+
+The prose set (launch/chat_requests_prose.jsonl, launch/smollm2_eagle3_prose.py) differs
+in two kinds, toward what users write: its summaries are of English paragraphs on
+everyday, nature, history and science topics (written greedily by SmolLM2 itself from
+"Write a paragraph about ..." and "Describe ... in one paragraph." requests, since no
+such text ships offline; the reference text's paragraphs fill the rest), and its edits also rename a function and a variable in
+one request. Three commands, the paragraphs committed:
+
+    python launch/chat_requests.py --paragraph_requests=launch/paragraph_requests.jsonl
+    python -m specjax.sample --gguf_target=SmolLM2-135M-Instruct.Q4_1.gguf --quantize=w4a8 --chat \
+        --prompts_file=launch/paragraph_requests.jsonl --mode=ars --temperature=0 --max_new_tokens=160 \
+        --batch_size=30 --print_samples=false --output=paragraphs.jsonl
+    python launch/chat_requests.py --paragraphs=paragraphs.jsonl --out=launch/chat_requests_prose.jsonl
+
+(the committed launch/paragraphs.jsonl keeps each record's prompt and text: the same
+requests come from it).
 """
 from __future__ import annotations
 
@@ -128,12 +144,23 @@ TERSE = {"s": "text", "n": "count", "x": "value", "i": "index", "f": "file", "d"
          "e": "error", "a": "first", "r": "result", "fp": "stream", "fn": "func", "obj": "target"}
 
 
+STOP = {"return", "returns", "the", "a", "an", "of", "to", "and", "for", "is", "this", "that", "if", "in", "with",
+        "by", "from", "or", "as", "be", "on", "it", "its", "given", "into", "at", "are", "not", "all"}
+
+
+def _descriptive(doc: str | None) -> str | None:
+    """A snake_case name from a docstring's first words ('Return the quoted string.' ->
+    'quoted_string'), or None where it has fewer than two such words."""
+    words = [w for w in re.findall(r"[a-z]+", (doc or "").split(".")[0].lower()) if w not in STOP][:3]
+    return "_".join(words) if len(words) >= 2 else None
+
+
 def _camel(name: str) -> str:
     head, *rest = name.strip("_").split("_")
     return head + "".join(w.capitalize() for w in rest)
 
 
-def completion_and_edit(rng: random.Random) -> tuple[list[dict], list[dict]]:
+def completion_and_edit(rng: random.Random, both_renames: bool = False) -> tuple[list[dict], list[dict]]:
     complete, edit = [], []
     for path, node, body in _functions():
         name = node.name
@@ -167,12 +194,78 @@ def completion_and_edit(rng: random.Random) -> tuple[list[dict], list[dict]]:
             if "_" in name.strip("_"):
                 options.append(f"Rename the function `{name}` to `{_camel(name)}`. Reply with the whole edited "
                                "function only.\n\n{code}")
+            renamed = _camel(name) if "_" in name.strip("_") else _descriptive(doc)
+            if both_renames and terse and renamed and renamed != name:  # as users ask: a function and a variable
+                options += [f"Rename the function `{name}` to `{renamed}` and the variable `{v}` to "
+                            f"`{TERSE[v]}`. Reply with the whole edited function only.\n\n{{code}}"] * 4
             if has_comment:
                 options.append("Remove the comments from this function and reply with the code only.\n\n{code}")
             options.append("Make this function easier to read without changing what it does.\n\n{code}")
             edit.append({"name": "code_edit", "source": f"{path.name}:{node.lineno}",
                          "prompt": rng.choice(options).format(code=_code(body))})
     return complete, edit
+
+
+SUMMARY_ASKS = ("Summarize this paragraph in two sentences.", "Summarize this text in one sentence.",
+                "Give a short summary of the following passage.", "Explain this paragraph in simple words.",
+                "What is the main point of this text?", "List the key points of this text.")
+
+# Subjects for SmolLM2's own paragraphs (the prose set's summaries): none a held-out one.
+PARAGRAPH_TOPICS = (
+    "the Amazon rainforest", "the Sahara desert", "the Himalayas", "the Nile river", "volcanoes", "earthquakes",
+    "glaciers", "the Arctic", "Antarctica", "the Pacific Ocean", "tides", "hurricanes", "tornadoes", "monsoons",
+    "the Grand Canyon", "the Dead Sea", "Mount Everest", "the Mediterranean Sea", "rivers and deltas", "caves",
+    "honeybees", "ants", "elephants", "whales", "dolphins", "octopuses", "penguins", "wolves", "owls",
+    "butterfly migration", "salmon", "sharks", "sea turtles", "bats", "tigers", "pandas", "camels", "kangaroos",
+    "mushrooms", "oak trees", "bamboo", "cacti", "wildflowers", "rice farming", "coffee", "tea", "chocolate",
+    "bread", "cheese", "olive oil", "spices", "the potato", "honey", "salt", "the printing press",
+    "the Roman Empire", "ancient Egypt", "the Great Wall of China", "the Silk Road", "the Vikings",
+    "the Renaissance", "the Industrial Revolution", "the invention of the telephone", "the first airplanes",
+    "the Moon landing", "the history of the bicycle", "the history of writing", "ancient Greece", "the Maya",
+    "castles in the Middle Ages", "the steam engine", "lighthouses", "the history of money", "the Olympic Games",
+    "the history of chess", "trains", "canals", "bridges", "skyscrapers", "the solar system", "Mars", "Jupiter",
+    "comets", "the Sun", "stars", "galaxies", "the Moon", "eclipses", "the human heart", "the human brain",
+    "sleep", "the immune system", "bones", "muscles", "the sense of smell", "vitamins", "water", "clouds",
+    "rainbows", "lightning", "snow", "wind power", "solar power", "batteries", "magnets", "electricity",
+    "sound", "light", "plastics", "recycling", "glass", "steel", "paper", "cotton", "wool", "libraries",
+    "museums", "public parks", "city buses", "farmers' markets", "post offices", "bakeries", "hospitals",
+    "schools in Finland", "the piano", "the violin", "jazz", "folk music", "painting with watercolours",
+    "pottery", "photography", "cinema", "theatre", "poetry", "newspapers", "radio", "television", "video games",
+    "board games", "football", "tennis", "swimming", "cycling", "marathons", "yoga", "gardening", "camping",
+    "hiking", "birdwatching", "knitting", "baking", "cooking pasta", "street food", "picnics", "tea ceremonies",
+    "festivals of light", "New Year celebrations", "weddings around the world", "maps", "compasses", "clocks",
+    "calendars", "the metric system", "vaccines", "antibiotics", "microscopes", "telescopes", "satellites",
+    "the internet", "email", "smartphones", "robots", "electric bicycles", "3D printing", "bees and pollination",
+    "soil", "deserts at night", "wetlands", "mangroves", "kelp forests", "mountain goats", "arctic foxes",
+    "migrating birds", "frogs", "spiders", "earthworms", "dinosaurs", "fossils", "the Ice Age", "islands",
+    "the Galapagos Islands", "Iceland", "Venice", "Kyoto", "Istanbul", "the Andes", "the Alps", "the Rhine",
+)
+
+
+PARAGRAPH_ASKS = ("Write a paragraph about {}.", "Describe {} in one paragraph.")
+
+
+def paragraph_requests() -> list[dict]:
+    return [{"name": "paragraph", "source": topic, "prompt": ask.format(topic)}
+            for ask in PARAGRAPH_ASKS for topic in PARAGRAPH_TOPICS]
+
+
+def paragraph_summaries(path: str, rng: random.Random) -> list[dict]:
+    """Summary requests over SmolLM2's paragraphs (`sample --output` JSON lines: each
+    record's prompt and text, all launch/paragraphs.jsonl keeps), each flattened to one
+    paragraph of prose (headings and list marks dropped)."""
+    out = []
+    for line in pathlib.Path(path).read_text(encoding="utf-8").splitlines():
+        record = json.loads(line)
+        words = [w for w in " ".join(record["text"].split()).split(" ") if not re.fullmatch(r"[#*\-]+|\d+\.", w)]
+        text = " ".join(words)
+        if len(text) > MAX_CHARS - 80:  # cut at the last full sentence that fits
+            text = text[:MAX_CHARS - 80].rsplit(". ", 1)[0] + "."
+        if len(text) >= 240 and text.count(".") >= 2:
+            topic = re.sub(r"^(Write a paragraph about|Describe) | in one paragraph\.$|\.$", "", record["prompt"])
+            out.append({"name": "summary", "source": f"paragraph: {topic}",
+                        "prompt": f"{rng.choice(SUMMARY_ASKS)}\n\n{text}"})
+    return out
 
 
 def summaries(rng: random.Random) -> list[dict]:
@@ -195,9 +288,7 @@ def summaries(rng: random.Random) -> list[dict]:
                 texts.append((f"{path.name} docstring #{n}", flat))
     out = []
     for source, text in texts:
-        how = rng.choice(("Summarize this paragraph in two sentences.", "Summarize this text in one sentence.",
-                          "Give a short summary of the following passage.", "Explain this paragraph in simple words.",
-                          "What is the main point of this text?", "List the key points of this text."))
+        how = rng.choice(SUMMARY_ASKS)
         out.append({"name": "summary", "source": source, "prompt": f"{how}\n\n{text}"})
     return out
 
@@ -219,10 +310,18 @@ def chats() -> list[dict]:
     return out
 
 
-def requests() -> list[dict]:
+def requests(paragraphs: str | None = None) -> list[dict]:
+    """The requests; with `paragraphs` (SmolLM2's, see the module docstring) the prose set:
+    summaries of those paragraphs first, the reference text's after them, and the edits
+    that rename a function and a variable at once."""
     rng = random.Random(20261207)
-    complete, edit = completion_and_edit(rng)
-    kinds = [complete, edit, summaries(rng)]
+    complete, edit = completion_and_edit(rng, both_renames=paragraphs is not None)
+    summary = summaries(rng)
+    if paragraphs is not None:
+        english = paragraph_summaries(paragraphs, random.Random(20261208))
+        rng.shuffle(summary)
+        summary = english + summary[:PER_KIND - len(english)]
+    kinds = [complete, edit, summary]
     out = []
     for kind in kinds:
         kind = [r for r in kind if len(r["prompt"]) <= MAX_CHARS and not any(h in r["prompt"] for h in HELD_OUT)]
@@ -237,8 +336,16 @@ def requests() -> list[dict]:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--out", default=str(pathlib.Path(__file__).with_name("chat_requests.jsonl")))
-    out = requests()
-    pathlib.Path(parser.parse_args().out).write_text("".join(json.dumps(r) + "\n" for r in out), encoding="utf-8")
+    parser.add_argument("--paragraphs", help="SmolLM2's paragraphs (sample --output): write the prose set")
+    parser.add_argument("--paragraph_requests", help="write the requests for those paragraphs here, and stop")
+    args = parser.parse_args()
+    if args.paragraph_requests:
+        pathlib.Path(args.paragraph_requests).write_text("".join(json.dumps(r) + "\n" for r in paragraph_requests()),
+                                                         encoding="utf-8")
+        print(f"{len(PARAGRAPH_ASKS) * len(PARAGRAPH_TOPICS)} paragraph requests")
+        return
+    out = requests(args.paragraphs)
+    pathlib.Path(args.out).write_text("".join(json.dumps(r) + "\n" for r in out), encoding="utf-8")
     counts = {k: sum(r["name"] == k for r in out) for k in ("code_completion", "code_edit", "summary", "chat")}
     print(f"{len(out)} requests: {counts}")
 

@@ -259,12 +259,13 @@ def test_parallel_ceiling_reports_positions_two_and_three():
     assert wide.returncode == 2 and "--candidates=65 with --depth=3: at most 64" in wide.stderr, wide.stderr[-2000:]
 
 
-def test_the_chat_requests_hold_none_of_the_held_out_prompts():
-    """launch/chat_requests.jsonl (the requests SmolLM2's layer trains on) is a prompts file
-    of the four held-out kinds, and shares no run of 8 words with what a held-out prompt
-    (launch/real_prompts.jsonl) asks about: its code, its paragraph, its question (the
-    instructions, such as "Complete this Python function.", are shared on purpose); the
-    control: the held-out file shares them with itself."""
+@pytest.mark.parametrize("name", ["chat_requests.jsonl", "chat_requests_prose.jsonl"])
+def test_the_chat_requests_hold_none_of_the_held_out_prompts(name):
+    """launch/chat_requests.jsonl and its prose set (the requests SmolLM2's layers train on)
+    are prompts files of the four held-out kinds, and share no run of 8 words with what a
+    held-out prompt (launch/real_prompts.jsonl) asks about: its code, its paragraph, its
+    question (the instructions, such as "Complete this Python function.", are shared on
+    purpose); the control: the held-out file shares them with itself."""
     from specjax.app.prompts import read_prompts_file
 
     def shingles(text):
@@ -272,12 +273,35 @@ def test_the_chat_requests_hold_none_of_the_held_out_prompts():
         return {tuple(words[i:i + 8]) for i in range(len(words) - 7)}
 
     held_out = [json.loads(line) for line in (REPO / "launch" / "real_prompts.jsonl").read_text().splitlines()]
-    requests = [json.loads(line) for line in (REPO / "launch" / "chat_requests.jsonl").read_text().splitlines()]
-    assert len(read_prompts_file(str(REPO / "launch" / "chat_requests.jsonl"))) == len(requests) >= 1536
+    requests = [json.loads(line) for line in (REPO / "launch" / name).read_text().splitlines()]
+    assert len(read_prompts_file(str(REPO / "launch" / name))) == len(requests) >= 1536
     assert {r["name"] for r in requests} == {h["name"] for h in held_out}
     held = set().union(*(shingles(h["prompt"].split("\n\n", 1)[-1]) for h in held_out))
     assert all(shingles(h["prompt"]) & held for h in held_out)
     assert not [r["prompt"][:60] for r in requests if shingles(r["prompt"]) & held]
+
+
+def test_the_prose_requests_are_the_requests_but_english_summaries_and_double_renames():
+    """launch/chat_requests.py remakes both committed request files from the committed
+    paragraphs (the old one unchanged by the prose set's options), and the prose set differs
+    where it says: most summaries are of SmolLM2's English paragraphs, some edits rename a
+    function and a variable at once; the everyday questions are the same."""
+    sys.path.insert(0, str(REPO / "launch"))
+    try:
+        import chat_requests
+    finally:
+        sys.path.remove(str(REPO / "launch"))
+    read = lambda name: [json.loads(line) for line in (REPO / "launch" / name).read_text().splitlines()]  # noqa: E731
+    old, prose = read("chat_requests.jsonl"), read("chat_requests_prose.jsonl")
+    assert chat_requests.requests() == old
+    assert chat_requests.requests(str(REPO / "launch" / "paragraphs.jsonl")) == prose
+    kinds = lambda rs, kind: [r for r in rs if r["name"] == kind]  # noqa: E731
+    english = [r for r in kinds(prose, "summary") if r["source"].startswith("paragraph: ")]
+    assert len(english) > len(kinds(prose, "summary")) / 2 and not any(
+        r["source"].startswith("paragraph: ") for r in old)
+    both = lambda rs: [r for r in kinds(rs, "code_edit") if re.match(r"Rename the function `\w+` to `\w+` and the variable", r["prompt"])]  # noqa: E501,E731
+    assert len(both(prose)) > 20 and not both(old)
+    assert kinds(prose, "chat") == kinds(old, "chat")
 
 
 @pytest.mark.parametrize("steps, message", [("specjx", "STEPS has 'specjx': each must be one of: build convert "
