@@ -20,8 +20,9 @@ The prose set (launch/chat_requests_prose.jsonl, launch/smollm2_eagle3_prose.py)
 in two kinds, toward what users write: its summaries are of English paragraphs on
 everyday, nature, history and science topics (written greedily by SmolLM2 itself from
 "Write a paragraph about ..." and "Describe ... in one paragraph." requests, since no
-such text ships offline; the reference text's paragraphs fill the rest), and its edits also rename a function and a variable in
-one request. Three commands, the paragraphs committed:
+such text ships offline; the reference text's paragraphs fill the rest), and its edits
+also rename a function and a variable in one request. Three commands, the paragraphs
+committed:
 
     python launch/chat_requests.py --paragraph_requests=launch/paragraph_requests.jsonl
     python -m specjax.sample --gguf_target=SmolLM2-135M-Instruct.Q4_1.gguf --quantize=w4a8 --chat \

@@ -299,7 +299,8 @@ def test_the_prose_requests_are_the_requests_but_english_summaries_and_double_re
     english = [r for r in kinds(prose, "summary") if r["source"].startswith("paragraph: ")]
     assert len(english) > len(kinds(prose, "summary")) / 2 and not any(
         r["source"].startswith("paragraph: ") for r in old)
-    both = lambda rs: [r for r in kinds(rs, "code_edit") if re.match(r"Rename the function `\w+` to `\w+` and the variable", r["prompt"])]  # noqa: E501,E731
+    both_names = r"Rename the function `\w+` to `\w+` and the variable"
+    both = lambda rs: [r for r in kinds(rs, "code_edit") if re.match(both_names, r["prompt"])]  # noqa: E731
     assert len(both(prose)) > 20 and not both(old)
     assert kinds(prose, "chat") == kinds(old, "chat")
 
