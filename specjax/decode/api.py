@@ -71,7 +71,8 @@ class LoopTrace:
     q: np.ndarray  # [L+1, V] the target's q_1..q_{L+1}, from its one scoring pass
     num_accepted: int  # n: x_1..x_n were kept
     next_token: int  # drawn from the residual at n+1, or the bonus from q_{L+1} (n == L)
-    verify: str = "tokenwise"  # the rule that decided n: 'tokenwise' (accept_prob's tests), 'block', 'greedy' or 'tree'
+    # The rule that decided n: 'tokenwise' (accept_prob's tests), 'block', 'greedy', 'tree' or 'tree_greedy'.
+    verify: str = "tokenwise"
     # (several drafts: draft_tokens, p and q are the winning chain's, the one whose path was kept; a grown
     # tree's: its kept path, then the first child of each node below it)
 

@@ -51,7 +51,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from specjax.decode.warping import sample
+from specjax.decode.warping import first_max, sample
 
 
 @jax.tree_util.register_dataclass
@@ -186,6 +186,38 @@ def accept(key: jax.Array, t: Tree, q: jax.Array):
         alive = alive.at[:, i + 1].set(continues | ok)
     next_token, empty = sample(sample_key, r)
     return n, below(t, path, n), next_token, empty
+
+
+def accept_greedy(key: jax.Array, t: Tree, q: jax.Array):
+    """Temperature 0, where each q row is one-hot at the target's argmax: what `accept`
+    decides there, for any p, read from the argmaxes alone (no vocabulary-wide residuals
+    or draws). Same signature and meaning.
+
+    With r one-hot at the kept node's argmax a, a candidate is accepted iff u p_i(x_i) <
+    r(x_i), i.e. iff x_i = a (p_i(x_i) > 0 and u < 1); a rejected one leaves r one-hot at
+    a (max(0, r - p_i) has mass 1 - p_i(a) > 0 there only: p_i(a) = 1 would have drawn
+    x_i = a). So the walk keeps, depth by depth, the first candidate equal to the argmax at
+    the node before it, and emits that node's argmax after the last kept one."""
+    del key
+    batch, count = t.x.shape
+    K = t.lookahead
+    top = first_max(q)  # [B, T]: the argmax at every node
+    alive = jnp.zeros((batch, count + 1), bool).at[:, 0].set(True)
+    kept = jnp.zeros((batch, K + 1), jnp.int32)
+    path = jnp.zeros((batch, K + 1), jnp.int32)
+    n = jnp.zeros((batch,), jnp.int32)
+    at = jnp.zeros((batch,), jnp.int32)  # the last kept node
+    for i in range(count):
+        parent, depth = node_column(t.parent, i), node_column(t.depth, i)
+        token = t.x[:, i]
+        on = t.drafted[:, i] & column(alive, parent)
+        continues = on & (depth <= n) & (token == column(kept, depth))
+        ok = on & (depth == n + 1) & (token == column(top, at))
+        kept, path = put(kept, depth, token, ok), put(path, depth, jnp.full_like(token, i + 1), ok)
+        n = n + ok.astype(jnp.int32)
+        at = jnp.where(ok, i + 1, at)
+        alive = alive.at[:, i + 1].set(continues | ok)
+    return n, below(t, path, n), column(top, at), jnp.zeros((batch,), bool)
 
 
 def first_children(t: Tree) -> jax.Array:

@@ -16,10 +16,12 @@ only by a published lossless rule):
              (`accept_greedy`);
   tree       SpecInfer's multi-round rule over a tree: M chains or a grown tree whose
              siblings are drawn without replacement (`tree.accept`).
+  tree_greedy what `tree` does at temperature 0, from the target's argmaxes
+             (`tree.accept_greedy`).
 
 `select(name, num_drafts, grown, greedy)` is the one place a rule is chosen:
 SamplingConfig.verify for one chain (greedy at temperature 0), the tree rule for several
-or for a grown tree.
+or for a grown tree (tree_greedy at temperature 0).
 """
 from __future__ import annotations
 
@@ -160,14 +162,22 @@ def several(key, nodes, q):
     return tree.accept(key, nodes, q)
 
 
-RULES = {"tokenwise": tokenwise, "block": block, "greedy": greedy, "tree": several}
+def several_greedy(key, nodes, q):
+    """The tree rule at temperature 0, read from the argmaxes (`tree.accept_greedy`)."""
+    return tree.accept_greedy(key, nodes, q)
+
+
+RULES = {"tokenwise": tokenwise, "block": block, "greedy": greedy, "tree": several, "tree_greedy": several_greedy}
 
 
 def chosen(name: str, num_drafts: int, grown: bool = False, greedy: bool = False) -> str:
-    """The rule a loop verifies with: 'tree' for several chains or a grown tree; for one
-    chain 'greedy' at temperature 0 (what both chain rules do there), else `name`
-    (SamplingConfig.verify: 'tokenwise' or 'block')."""
-    return "tree" if num_drafts > 1 or grown else "greedy" if greedy else name
+    """The rule a loop verifies with: for several chains or a grown tree 'tree', or
+    'tree_greedy' at temperature 0 (what 'tree' does there); for one chain 'greedy' at
+    temperature 0 (what both chain rules do there), else `name` (SamplingConfig.verify:
+    'tokenwise' or 'block')."""
+    if num_drafts > 1 or grown:
+        return "tree_greedy" if greedy else "tree"
+    return "greedy" if greedy else name
 
 
 def select(name: str, num_drafts: int, grown: bool = False, greedy: bool = False):

@@ -1,5 +1,6 @@
 """Temperature 0 without vocabulary-wide work: `verify.accept_greedy` (what the rule a
-one-chain loop verifies with at temperature 0, `verify.greedy`, runs), `warping.first_max`
+one-chain loop verifies with at temperature 0, `verify.greedy`, runs), `tree.accept_greedy`
+(the tree rule's, `verify.tree_greedy`: several chains or a grown tree), `warping.first_max`
 (the argmax `warp` reads greedy tokens with) and `warping.draw` (a greedy draw read off the
 one-hot).
 
@@ -10,7 +11,9 @@ lookup's, dense ones as a draft model's at T > 0, zeros at tokens it never propo
 and any drafted length. Both general rules draw random numbers; with a one-hot q their
 outcome does not depend on them, which the test checks too (several keys). The negative
 control, a rule that counts every matching draft instead of the leading run, is told
-apart by the same comparison.
+apart by the same comparison. For trees the reference is `tree.accept`, over random trees
+of both layouts (per-row parents as grown trees have; M chains whose tokens repeat, so
+paths are shared), and the control accepts a candidate at any depth below the kept path.
 """
 import jax
 import jax.numpy as jnp
@@ -78,13 +81,85 @@ def test_greedy_rule_over_one_chain_keeps_its_leading_path():
     assert np.array_equal(path, tree.single_chain_path(want_n, K))
 
 
+def random_trees(seed: int, grown: bool, count: int = 9):
+    """(tree.Tree, q [B, T, V] one-hot): a grown layout (every row its own parents,
+    point-mass p) or M = 3 chains of 3 (dense p, tokens often repeated across chains);
+    drafts equal to the target's argmax at their parent often, so paths run deep."""
+    rng = np.random.default_rng(seed)
+    t = rng.integers(0, V, (B, count + 1))  # the argmax at every node
+    if grown:
+        parent = np.stack([rng.integers(0, i + 1, B) for i in range(count)], axis=1)  # node i+1's: below it
+        depth = np.zeros((B, count + 1), np.int64)
+        for i in range(count):
+            depth[:, i + 1] = depth[np.arange(B), parent[:, i]] + 1
+        depth, lookahead = depth[:, 1:], count
+    else:
+        parent, depth = tree.chain_parents(3, count // 3)
+        lookahead = count // 3
+    above = t[np.arange(B)[:, None], parent] if grown else t[:, parent]
+    x = np.where(rng.random((B, count)) < 0.6, above, rng.integers(0, V, (B, count)))
+    if not grown:  # chains that repeat each other's tokens share a path
+        x[:, 3:6] = np.where(rng.random((B, 1)) < 0.5, x[:, :3], x[:, 3:6])
+    if grown:
+        p = np.eye(V)[x]
+    else:
+        p = rng.dirichlet(np.full(V, 0.5), (B, count)) + 0.05 * np.eye(V)[x]
+        p /= p.sum(-1, keepdims=True)
+    drafted = rng.random((B, count)) < 0.9
+    as_jax = (lambda a: jnp.asarray(a, jnp.int32)) if grown else (lambda a: a)
+    nodes = tree.Tree(jnp.asarray(x, jnp.int32), jnp.asarray(p, jnp.float32), as_jax(parent), as_jax(depth),
+                      jnp.asarray(drafted), jnp.zeros((B, count), jnp.int32), jnp.zeros((B, count), jnp.int32),
+                      lookahead, 0 if grown else 3)
+    return nodes, jnp.asarray(np.eye(V)[t], jnp.float32)
+
+
+def any_depth_below(key, t, q):
+    """Negative control: `tree.accept_greedy` without its depth test, so a sibling of a kept
+    node that comes after it, equal to the argmax below, is kept as the next depth."""
+    batch, count = t.x.shape
+    top = first_max(q)
+    alive = jnp.zeros((batch, count + 1), bool).at[:, 0].set(True)
+    kept = jnp.zeros((batch, t.lookahead + 1), jnp.int32)
+    path = jnp.zeros((batch, t.lookahead + 1), jnp.int32)
+    n, at = jnp.zeros((batch,), jnp.int32), jnp.zeros((batch,), jnp.int32)
+    for i in range(count):
+        parent, depth = tree.node_column(t.parent, i), tree.node_column(t.depth, i)
+        token = t.x[:, i]
+        on = t.drafted[:, i] & tree.column(alive, parent)
+        continues = on & (depth <= n) & (token == tree.column(kept, depth))
+        ok = on & ~continues & (token == tree.column(top, at))
+        kept, path = tree.put(kept, n + 1, token, ok), tree.put(path, n + 1, jnp.full_like(token, i + 1), ok)
+        n, at = n + ok.astype(jnp.int32), jnp.where(ok, i + 1, at)
+        alive = alive.at[:, i + 1].set(continues | ok)
+    return n, tree.below(t, path, n), tree.column(top, at), jnp.zeros((batch,), bool)
+
+
+@pytest.mark.parametrize("grown", [True, False], ids=["grown_tree", "three_chains"])
+def test_greedy_tree_rule_decides_what_the_tree_rule_decides_at_temperature_0(grown):
+    nodes, q = random_trees(3 if grown else 4, grown)
+    n, path, token, empty = jax.jit(tree.accept_greedy)(jax.random.key(0), nodes, q)
+    assert not np.asarray(empty).any()
+    counts = np.bincount(np.asarray(n), minlength=4)
+    assert (counts[:4] > 0).all(), counts  # kept paths of every length 0..3 are exercised
+    for seed in range(3):  # the general rule's draws do not matter when q is one-hot
+        want = jax.jit(tree.accept)(jax.random.key(seed), nodes, q)
+        for got, expected, what in zip((n, path, token), want[:3], ("n", "path", "token")):
+            assert np.array_equal(got, expected), (what, seed)
+        assert not np.asarray(want[3]).any()
+    wrong = jax.jit(any_depth_below)(None, nodes, q)
+    assert not np.array_equal(wrong[0], want[0])  # the negative control is told apart
+
+
 def test_chosen_rule():
     assert verify.chosen("block", 1, False, True) == "greedy"
     assert verify.chosen("tokenwise", 1, False, True) == "greedy"
     assert verify.chosen("block", 1, False, False) == "block"
-    assert verify.chosen("tokenwise", 3, False, True) == "tree"  # several chains: the tree rule
-    assert verify.chosen("block", 1, True, True) == "tree"  # a grown tree
+    assert verify.chosen("tokenwise", 3, False, True) == "tree_greedy"  # several chains: the tree rule
+    assert verify.chosen("block", 1, True, True) == "tree_greedy"  # a grown tree
+    assert verify.chosen("block", 1, True, False) == "tree"
+    assert verify.chosen("tokenwise", 3, False, False) == "tree"
     assert verify.select("block", 1, False, True) is verify.greedy
+    assert verify.select("block", 1, True, True) is verify.several_greedy
 
 
 def test_first_max_is_argmax():
