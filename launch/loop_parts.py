@@ -7,6 +7,8 @@
     python launch/loop_parts.py --config=mini --drafter=parallel --config.draft.parallel_draft=8 --lookahead=8
     python launch/loop_parts.py --config=mini_eagle3 --drafter=hybrid_eagle3 --lookahead=3 \
         --config.sampling.pass_width=proposed --context=distinct,repeating  # the pass as wide as proposed
+    python launch/loop_parts.py --config=mini_eagle3 --drafter=eagle3 --lookahead=1 \
+        --config.sampling.draft_tree=dynamic --config.sampling.tree_nodes=3  # a grown tree's loop
 
 Each part runs N times inside one jitted `fori_loop` from the same prefilled state, as
 `generate` compiles it (api.compile_lowered), at batch 1:
@@ -22,6 +24,10 @@ Each part runs N times inside one jitted `fori_loop` from the same prefilled sta
   target pass     one (K+1)-token target forward alone, and (ngram, or the pass as proposed)
                   a 1-token one: the pass of a loop that proposed nothing
   target + verify the same plus the target's warp and the config's verifier
+With `--config.sampling.draft_tree=dynamic` (model, eagle, eagle3, parallel) the proposal
+is the tree's growth (`growth.grow`, N nodes), and the target pass and its verification
+are over N + 1 nodes with a per-row visibility (a root with N children: the pass's cost
+does not depend on the tree's shape) and the tree rule.
 --shape=NAME takes the target's shape from launch/shapes.py (random weights).
 --context says what the token buffer holds, which decides what a lookup finds:
 'random' (random prompt tokens, zeros after them), 'distinct' (every position a
@@ -54,7 +60,8 @@ from absl import flags  # noqa: E402
 
 from specjax.app import cli, setup  # noqa: E402
 from specjax.app.locate import Sources  # noqa: E402
-from specjax.decode import drafters, program as program_lib, speculative as sps, tree, verify  # noqa: E402
+from specjax import kv_cache  # noqa: E402
+from specjax.decode import drafters, growth, program as program_lib, speculative as sps, tree, verify  # noqa: E402
 from specjax.decode.warping import Warp, warp  # noqa: E402
 from specjax.kernels import Kernels  # noqa: E402
 
@@ -108,8 +115,15 @@ def never(x) -> jax.Array:
     return (x == -7).astype(jnp.int32)
 
 
-def parts(K: int, w: Warp, rule: str, drafter: str, pass_width: str = "full"):
-    settings = sps.Settings(K, w, rule, pass_width=pass_width)
+def star(batch: int, nodes: int, K: int, x: jax.Array, p: jax.Array) -> tree.Tree:
+    """A grown tree's layout for the timed target parts: N children of the root, parents
+    per row (so the pass takes its per-row visibility, as a grown tree's)."""
+    per_row = jnp.zeros((batch, nodes), jnp.int32)
+    return tree.Tree(x, p, per_row, per_row + 1, jnp.ones((batch, nodes), bool), per_row, per_row, K)
+
+
+def parts(K: int, w: Warp, rule: str, drafter: str, pass_width: str = "full", nodes: int = 0):
+    settings = sps.Settings(K, w, rule, pass_width=pass_width, tree_nodes=nodes)
 
     def speculate(t, d, s):
         key, r = sps.speculate(t, d, s, settings)
@@ -119,34 +133,55 @@ def parts(K: int, w: Warp, rule: str, drafter: str, pass_width: str = "full"):
         return dataclasses.replace(s, key=key, target_cache=r.target_cache.with_lengths(s.length + 2),
                                    drafter_state=state, length=length)
 
+    def grown(t, d, s):
+        # The tree's growth (the drafter's root call and one per further round), then the
+        # drafter's rollback as after a loop that kept none.
+        key, sub = jax.random.split(s.key)
+        nodes_, state, bad = growth.grow(d, s.drafter_state, s.tokens, s.length, sub, K, nodes, w,
+                                         t.cfg.vocab_size)
+        length = s.length + 3 + never(nodes_.x[:, -1]) + never(nodes_.p[:, -1, 0]) + bad
+        return dataclasses.replace(s, key=key, drafter_state=rolled_back(t, d, state, length), length=length)
+
+    def rolled_back(t, d, state, length):
+        batch = length.shape[0]
+        width = t.cfg.d_model * (len(d.features) if isinstance(d.features, tuple) else 1)  # EAGLE-3: its layers'
+        features = jnp.zeros((batch, K + 1, width), t.cfg.compute_dtype) if d.features else None
+        zero = jnp.zeros((batch,), jnp.int32)
+        return d.update(state, drafters.Verdict(length, zero, zero, zero, features))
+
     def draft_tokens(t, d, s):
         # The drafter's own propose (a draft model's K steps, an EAGLE layer's window pass
         # and K-1 steps, Medusa's heads), then its rollback as after a loop that kept none.
         key, sub = jax.random.split(s.key)
         prop, state, bad = d.propose(s.drafter_state, s.tokens, s.length, sub, K, 1, w)
         length = s.length + 3 + never(prop.x[:, 0, -1]) + never(prop.p[:, 0, -1, 0]) + bad
-        batch = length.shape[0]
-        width = t.cfg.d_model * (len(d.features) if isinstance(d.features, tuple) else 1)  # EAGLE-3: its layers'
-        features = jnp.zeros((batch, K + 1, width), t.cfg.compute_dtype) if d.features else None
-        zero = jnp.zeros((batch,), jnp.int32)
-        state = d.update(state, drafters.Verdict(length, zero, zero, zero, features))
-        return dataclasses.replace(s, key=key, drafter_state=state, length=length)
+        return dataclasses.replace(s, key=key, drafter_state=rolled_back(t, d, state, length), length=length)
 
     def lookup(t, d, s):
         prop, hit = d.lookup(s.tokens, s.length, K)
         return dataclasses.replace(s, length=s.length + 3 + never(prop.x[:, -1]) + never(prop.length) + never(hit))
 
     def target(t, d, s, width: int, accept: bool):
-        pos = s.length[:, None] - 1 + jnp.arange(width)[None]
-        logits, cache = t.extend(s.tokens[:, :width], pos, s.target_cache)
+        batch = s.tokens.shape[0]
+        if nodes and width > 1:  # a grown tree's pass: per-row visibility, positions by depth
+            layout = star(batch, nodes, K, s.tokens[:, 1:width], None)
+            pos = s.length[:, None] - 1 + tree.depths(layout)
+            logits, fresh = t(s.tokens[:, :width], pos, s.target_cache, tree.visibility(layout))
+            cache = kv_cache.commit(s.target_cache, fresh, s.length - 1, jnp.zeros((batch, K + 1), jnp.int32))
+        else:
+            pos = s.length[:, None] - 1 + jnp.arange(width)[None]
+            logits, cache = t.extend(s.tokens[:, :width], pos, s.target_cache)
         out = never(logits[:, 0, 0])
         if accept:
             q, bad = warp(logits, w)
-            batch = q.shape[0]
-            chain = drafters.Proposal(s.tokens[:, None, 1:K + 1], q[:, None, :K], jnp.full((batch, 1), K),
-                                      jnp.zeros((batch, 1), jnp.int32))
+            if nodes:
+                proposal = star(batch, nodes, K, s.tokens[:, 1:width], q[:, :nodes])
+            else:
+                proposal = tree.of_chains(drafters.Proposal(s.tokens[:, None, 1:K + 1], q[:, None, :K],
+                                                            jnp.full((batch, 1), K), jnp.zeros((batch, 1), jnp.int32)),
+                                          K)
             # as speculate lays it and chooses its rule
-            n, _, token, empty = verify.select(rule, 1, False, w.greedy)(s.key, tree.of_chains(chain, K), q)
+            n, _, token, empty = verify.select(rule, 1, bool(nodes), w.greedy)(s.key, proposal, q)
             out = never(n) + never(token) + jnp.any(bad, axis=1) + empty
         return dataclasses.replace(s, target_cache=cache.with_lengths(s.length + 2), length=s.length + 3 + out)
 
@@ -159,15 +194,18 @@ def parts(K: int, w: Warp, rule: str, drafter: str, pass_width: str = "full"):
                                    length=s.length + 3 + never(state.length))
 
     out = {"speculate (one SpS loop)": speculate, "the loop's whole body (speculative.loop)": whole}
-    if drafters.draft_kind(drafter) is not None:
+    if nodes:
+        out[f"{drafter} tree growth ({nodes} nodes)"] = grown
+    elif drafters.draft_kind(drafter) is not None:
         out[f"{drafter} proposal (K tokens)"] = draft_tokens
     else:
         out[f"{drafter} lookup"] = lookup
-    if drafters.draft_kind(drafter) is None or pass_width == "proposed":
+    if drafters.draft_kind(drafter) is None or pass_width == "proposed" or nodes:
         out["target pass (1 token)"] = lambda t, d, s: target(t, d, s, 1, False)
-    out[f"target pass ({K + 1} tokens)"] = lambda t, d, s: target(t, d, s, K + 1, False)
-    checked = verify.chosen(rule, 1, False, w.greedy)
-    out[f"target + warp + {checked} verify"] = lambda t, d, s: target(t, d, s, K + 1, True)
+    width = nodes + 1 if nodes else K + 1
+    out[f"target pass ({width} tokens{', a tree' if nodes else ''})"] = lambda t, d, s: target(t, d, s, width, False)
+    checked = verify.chosen(rule, 1, bool(nodes), w.greedy)
+    out[f"target + warp + {checked} verify"] = lambda t, d, s: target(t, d, s, width, True)
     return out
 
 
@@ -206,13 +244,15 @@ def main(argv):
     mesh, target, draft = run.mesh, run.target, run.draft_for(drafter)
     w = program_lib.warping_of(config.sampling)
     values = jnp.asarray(w.values())
+    nodes = config.sampling.tree_nodes if config.sampling.draft_tree == "dynamic" else 0
     buffers = {c: token_buffer(c, FLAGS.cache, FLAGS.prompt_len, config.target.vocab_size) for c in FLAGS.context}
     lens = jnp.array([FLAGS.prompt_len], jnp.int32)
     print(f"{config.name}{f' with the target shape {FLAGS.shape}' if FLAGS.shape else ''}"
           f"{f', {FLAGS.quantize} weights' if cli.quantize() else ''}"
           f"{f', self-draft {FLAGS.self_draft}' if FLAGS.self_draft else ''}: drafter {drafter}, "
           f"K={K}, prompt {FLAGS.prompt_len}, cache {FLAGS.cache}, {w}"
-          f"{', the pass as proposed' if config.sampling.pass_width == 'proposed' else ''}")
+          f"{', the pass as proposed' if config.sampling.pass_width == 'proposed' else ''}"
+          f"{f', a dynamic tree of {nodes} nodes' if nodes else ''}")
     runs, subjects = {}, {}
     sampling = dataclasses.replace(config.sampling, drafter=drafter, lookahead=K)
     for setting, kernels in chosen.items():
@@ -224,10 +264,10 @@ def main(argv):
         # As the real loop: the warp's temperature and top-p traced (Warp.static / bind).
         warping = w._replace(kernels=kernels).static()
         width = config.sampling.pass_width
-        for name in parts(K, warping, config.sampling.verify, drafter, width):
+        for name in parts(K, warping, config.sampling.verify, drafter, width, nodes):
             def program(t, d, buffer, n, values, name=name, warping=warping):
                 bound = warping.bind(values)
-                body = parts(K, bound, config.sampling.verify, drafter, width)[name]
+                body = parts(K, bound, config.sampling.verify, drafter, width, nodes)[name]
                 state = sps.start(t, d, buffer[:, :FLAGS.prompt_len], lens, jax.random.key(0), sps.Settings(K, bound),
                                   FLAGS.cache)
                 state = dataclasses.replace(state, tokens=buffer)

@@ -307,6 +307,7 @@ def bench(target, draft, prompts, base, ks, batch_sizes, repeats: int, seed: int
             if sampling.draft_tree == "dynamic":  # (its tree pass's visibility is per row: timed as a chain of N + 1)
                 scoring = time_forward(target, sampling.tree_nodes + 1, context, repeats)
                 report["target_scoring_ms"][f"dynamic {sampling.tree_nodes}"] = 1000 * scoring
+            scored_tokens = sampling.tree_nodes + 1 if sampling.draft_tree == "dynamic" else 1 + m * k
             steps = passes * step if cls.needs_draft_model else 0.0
             parts = ("the proposal, not timed" if not steps else f"{k} draft steps" if rows == 1
                      else f"{passes} draft pass of {rows} tokens")
@@ -324,7 +325,7 @@ def bench(target, draft, prompts, base, ks, batch_sizes, repeats: int, seed: int
                 f"{row['proposed_per_loop']:.2f} proposed/loop"
                 + (f", {row['scored_per_loop']:.2f} positions scored/loop" if sampling.pass_width == "proposed" else "")
                 + f"; a loop took {row['ms_per_loop']:.2f} ms, its parts "
-                f"timed alone {row['model_ms_per_loop']:.2f} ms ({parts} + the target scoring {1 + m * k} "
+                f"timed alone {row['model_ms_per_loop']:.2f} ms ({parts} + the target scoring {scored_tokens} "
                 f"tokens in {1000 * scoring:.2f} ms = {scoring / target_step:.2f}x one token)")
     report["ars"] = describe(ars_runs, first)
     log(f"ArS over every pass above (the reported ArS): {report['ars']['ms_per_token']:.2f} ms/token; after the "

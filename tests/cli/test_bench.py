@@ -110,6 +110,10 @@ def test_bench_compares_chains_and_dynamic_trees(tmp_path):
         ("model", "chains"), ("model", "dynamic"), ("eagle", "chains"), ("eagle", "dynamic")]
     assert all(row["tokens_per_loop"] >= 1 for row in report["sps"])
     assert "dynamic 4" in report["target_scoring_ms"] and "dynamic tree of 4" in proc.stdout
+    trees = [line for line in proc.stdout.splitlines() if "dynamic tree of 4:" in line]
+    assert len(trees) == 2 and all("the target scoring 5 tokens" in line for line in trees), proc.stdout
+    chains = [line for line in proc.stdout.splitlines() if line.startswith("K=2") and "dynamic" not in line]
+    assert len(chains) == 2 and all("the target scoring 3 tokens" in line for line in chains), proc.stdout
 
 
 def test_bench_compares_full_passes_with_passes_as_proposed(tmp_path):

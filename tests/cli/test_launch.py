@@ -160,14 +160,19 @@ def test_the_compilation_cache_goes_where_every_worker_reads_it(monkeypatch, tmp
                                             ("hybrid_eagle3 --config.sampling.pass_width=proposed "
                                              "--context=distinct,repeating",
                                              ["speculate", "hybrid_eagle3 proposal", "target pass (1 token)",
-                                              "target pass (5 tokens)"])])
+                                              "target pass (5 tokens)"]),
+                                            ("eagle3 --config.sampling.draft_tree=dynamic "
+                                             "--config.sampling.tree_nodes=3",
+                                             ["speculate", "eagle3 tree growth (3 nodes)", "target pass (1 token)",
+                                              "target pass (4 tokens, a tree)", "target + warp + tree verify"])])
 def test_loop_parts_times_each_part_of_a_loop(drafter, parts):
     """launch/loop_parts.py on tiny, as the loop runs (the drafter made by `drafters.make`,
     temperature and top-p traced; the draft the config's, the target's own int8 copy, or
     random EAGLE or EAGLE-3 heads; EAGLE-3's stand-in features as wide as its fused layers;
     the lookup-else-layer hybrid with the pass as wide as proposed, on a context where the
-    lookup finds nothing and one where it finds K): every part compiles, runs and is printed
-    with its time."""
+    lookup finds nothing and one where it finds K; EAGLE-3 growing a dynamic tree, its pass
+    over the tree's nodes and the tree rule): every part compiles, runs and is printed with
+    its time."""
     proc = subprocess.run([sys.executable, "launch/loop_parts.py", "--config=tiny", *f"--drafter={drafter}".split(),
                            "--repeats=1", "--cache=256", "--prompt_len=8"], cwd=REPO, capture_output=True,
                           text=True, timeout=600, env={**os.environ, "XLA_FLAGS": xla_flags(1)})
@@ -179,6 +184,8 @@ def test_loop_parts_times_each_part_of_a_loop(drafter, parts):
         assert "drafter hybrid_eagle3, K=4" in proc.stdout and ", the pass as proposed" in proc.stdout, proc.stdout
         assert all(re.search(re.escape(part) + rf"[^\n]* \[{c}\] .* wall ms", proc.stdout)
                    for part in parts for c in ("distinct", "repeating")), proc.stdout
+    if "dynamic" in drafter:
+        assert "drafter eagle3, K=4" in proc.stdout and ", a dynamic tree of 3 nodes" in proc.stdout, proc.stdout
     if "--self_draft" in drafter:  # the draft is the target's own int8 copy, and needs a draft-model drafter
         assert "tiny, self-draft int8: drafter model" in proc.stdout, proc.stdout
         bad = subprocess.run([sys.executable, "launch/loop_parts.py", "--config=tiny", "--drafter=ngram",
