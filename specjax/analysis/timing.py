@@ -135,12 +135,14 @@ def run_prompts(target, draft, prompts, sampling, seed, datastore=None):
     return out
 
 
-def first_token_seconds(target, prompts, sampling, seed: int, repeats: int = 3) -> list[float]:
-    """Per prompt, the median seconds of an ArS run that generates one token: the
-    prompt's prefill and one step, what a run of that prompt pays before its first token."""
+def first_token_seconds(target, prompts, sampling, seed: int, repeats: int = 3, draft=None,
+                        datastore=None) -> list[float]:
+    """Per prompt, the median seconds of a run that generates one token: the prompt's
+    prefill and one step, what a run of that prompt pays before its first token (ArS; or,
+    given the drafter's `draft`, SpS: the target's prefill, the drafter's own and one loop)."""
     one = dataclasses.replace(sampling, max_new_tokens=1)
-    run_prompts(target, None, prompts[:1], one, seed)  # compile outside the timing
-    return [float(np.median([r.seconds for r in run_prompts(target, None, [p] * repeats, one, seed)]))
+    run_prompts(target, draft, prompts[:1], one, seed, datastore)  # compile outside the timing
+    return [float(np.median([r.seconds for r in run_prompts(target, draft, [p] * repeats, one, seed, datastore)]))
             for p in prompts]
 
 
@@ -154,8 +156,10 @@ def describe(results, first: list[float] | None = None) -> dict:
     With `first` (seconds before the first token of each prompt, `first_token_seconds`;
     results cycle through the prompts in order), also ms per token after the first: the
     rate a long run approaches, as llama.cpp's `llama-bench` tg and `llama-lookup` report
-    theirs (without the prompt). For SpS it subtracts ArS's first token, so a draft model's
-    own prefill stays in it (a lookup's or a self-draft's on the target's cache adds none)."""
+    theirs (without the prompt). `bench` gives each mode its own first token: for SpS the
+    target's prefill, the drafter's own (a draft model's or an EAGLE layer's over the
+    prompt; a lookup's or a self-draft's on the target's cache adds none) and one loop,
+    reported as the row's `first_token_ms`."""
     seconds = np.array([r.seconds for r in results])
     totals = Totals()
     for r in results:
@@ -290,7 +294,12 @@ def bench(target, draft, prompts, base, ks, batch_sizes, repeats: int, seed: int
         ars_runs += ars_k
         ars_near = describe(ars_k)["ms_per_token"]
         for (name, sampling), results in zip(samplings, runs):
-            row = describe(results, first)
+            # After SpS's own first token (the target's prefill, the drafter's own, one loop):
+            # the rate a long run approaches, as ArS's after its own.
+            own_first = first_token_seconds(target, prompts, sampling, seed, draft=uses(name, sampling),
+                                            datastore=datastore)
+            row = describe(results, own_first)
+            row["first_token_ms"] = 1000 * float(np.mean(own_first))
             if name:
                 row["draft"] = name
             m = sampling.num_drafts
@@ -320,7 +329,8 @@ def bench(target, draft, prompts, base, ks, batch_sizes, repeats: int, seed: int
                        tokens_per_sequence=float(np.mean([r.total_tokens for r in results])))
             report["sps"].append(row)
             log(f"K={k} {label(row)}: SpS {row['ms_per_token']:.2f} ms/token ({row['speedup']:.2f}x the "
-                f"{ars_near:.2f} of ArS runs interleaved with these; after the first token {after(row)}), "
+                f"{ars_near:.2f} of ArS runs interleaved with these; after the first token {after(row)}, the "
+                f"first after {row['first_token_ms']:.1f} ms, ArS's {report['first_token_ms']:.1f}), "
                 f"{row['tokens_per_loop']:.2f} tokens/loop, acceptance {row['acceptance_rate']:.3f} of "
                 f"{row['proposed_per_loop']:.2f} proposed/loop"
                 + (f", {row['scored_per_loop']:.2f} positions scored/loop" if sampling.pass_width == "proposed" else "")

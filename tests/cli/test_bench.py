@@ -3,6 +3,7 @@ the per-token time after the first token from hand-made run results."""
 import json
 import os
 import pathlib
+import re
 import subprocess
 import sys
 
@@ -38,8 +39,11 @@ def test_bench_writes_json_and_png(tmp_path):
                                                                                 / row["ms_per_token"])
     assert report["ars"]["tokens_per_loop"] == 1.0  # one token per ArS step, by definition
     # Timed, not compared (a tiny model's runs are within noise of one step): the prompts'
-    # first tokens and every row's rate after them are reported.
-    assert report["first_token_ms"] > 0
+    # first tokens, each SpS mode's own (its drafter's prefill and one loop) and every row's
+    # rate after them are reported.
+    assert report["first_token_ms"] > 0 and all(row["first_token_ms"] > 0 for row in report["sps"])
+    assert len(re.findall(r"after the first token [0-9.]+ ms/token, the first after [0-9.]+ ms, ArS's [0-9.]+\)",
+                          proc.stdout)) == 4, proc.stdout
     assert all(np.isfinite(row["ms_per_token_after_first"]) for row in [report["ars"], *report["sps"]])
     # The batch rows run every variant compared (they ran the config's drafter alone).
     assert [(row["batch"], row["drafter"], row["verify"]) for row in report["batch"]] == [
