@@ -292,7 +292,7 @@ def bench(target, draft, prompts, base, ks, batch_sizes, repeats: int, seed: int
             for j, (name, sampling) in enumerate(samplings):
                 runs[j] += run_prompts(target, uses(name, sampling), [prompt], sampling, seed + i, datastore)
         ars_runs += ars_k
-        ars_near = describe(ars_k)["ms_per_token"]
+        ars_near, ars_near_after = (describe(ars_k, first)[key] for key in ("ms_per_token", "ms_per_token_after_first"))
         for (name, sampling), results in zip(samplings, runs):
             # After SpS's own first token (the target's prefill, the drafter's own, one loop):
             # the rate a long run approaches, as ArS's after its own.
@@ -324,13 +324,17 @@ def bench(target, draft, prompts, base, ks, batch_sizes, repeats: int, seed: int
                        draft_tree=sampling.draft_tree, tree_nodes=sampling.tree_nodes,
                        draft_confidence=sampling.draft_confidence, pass_width=sampling.pass_width,
                        speedup=ars_near / row["ms_per_token"],
+                       speedup_after_first=(ars_near_after / row["ms_per_token_after_first"]
+                                            if ars_near_after and row["ms_per_token_after_first"] else None),
                        ars_ms_per_token=ars_near,
                        model_ms_per_loop=1000 * (steps + scoring), scoring_ms=1000 * scoring,
                        tokens_per_sequence=float(np.mean([r.total_tokens for r in results])))
             report["sps"].append(row)
             log(f"K={k} {label(row)}: SpS {row['ms_per_token']:.2f} ms/token ({row['speedup']:.2f}x the "
-                f"{ars_near:.2f} of ArS runs interleaved with these; after the first token {after(row)}, the "
-                f"first after {row['first_token_ms']:.1f} ms, ArS's {report['first_token_ms']:.1f}), "
+                f"{ars_near:.2f} of ArS runs interleaved with these; after the first token {after(row)}"
+                + (f" ({row['speedup_after_first']:.2f}x their {ars_near_after:.2f})" if row["speedup_after_first"]
+                   else "")
+                + f", the first after {row['first_token_ms']:.1f} ms, ArS's {report['first_token_ms']:.1f}), "
                 f"{row['tokens_per_loop']:.2f} tokens/loop, acceptance {row['acceptance_rate']:.3f} of "
                 f"{row['proposed_per_loop']:.2f} proposed/loop"
                 + (f", {row['scored_per_loop']:.2f} positions scored/loop" if sampling.pass_width == "proposed" else "")
