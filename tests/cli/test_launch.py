@@ -161,10 +161,12 @@ def test_the_compilation_cache_goes_where_every_worker_reads_it(monkeypatch, tmp
                                              "--context=distinct,repeating",
                                              ["speculate", "hybrid_eagle3 proposal", "target pass (1 token)",
                                               "target pass (5 tokens)"]),
-                                            ("eagle3 --config.sampling.draft_tree=dynamic "
-                                             "--config.sampling.tree_nodes=3",
-                                             ["speculate", "eagle3 tree growth (3 nodes)", "target pass (1 token)",
-                                              "target pass (4 tokens, a tree)", "target + warp + tree verify"])])
+                                            pytest.param("eagle3 --config.sampling.draft_tree=dynamic "
+                                                         "--config.sampling.tree_nodes=3",
+                                                         ["speculate", "eagle3 tree growth (3 nodes)",
+                                                          "target pass (1 token)", "target pass (4 tokens, a tree)",
+                                                          "target + warp + tree verify"],
+                                                         marks=pytest.mark.slow)])  # the default set's time
 def test_loop_parts_times_each_part_of_a_loop(drafter, parts):
     """launch/loop_parts.py on tiny, as the loop runs (the drafter made by `drafters.make`,
     temperature and top-p traced; the draft the config's, the target's own int8 copy, or
