@@ -153,39 +153,52 @@ def take_node(q: jax.Array, index: jax.Array) -> jax.Array:
     return jnp.take_along_axis(q, index[:, None, None], axis=1)[:, 0]
 
 
+def walk(t: Tree, decide, carry):
+    """The walk over the nodes in index order that both rules share: which drafted nodes are
+    candidates (children of the kept path's last node, at the next depth) or copies of a
+    kept node (`alive`), and the kept path. `decide(i, candidate [B], token [B], carry) ->
+    (ok [B], carry)` accepts or rejects node i+1 where it is a candidate. Returns (n [B],
+    path [B, K+1] as `accept`'s, carry)."""
+    batch, count = t.x.shape
+    K = t.lookahead
+    alive = jnp.zeros((batch, count + 1), bool).at[:, 0].set(True)  # nodes on the kept path
+    kept = jnp.zeros((batch, K + 1), jnp.int32)  # the kept token at each depth
+    path = jnp.zeros((batch, K + 1), jnp.int32)
+    n = jnp.zeros((batch,), jnp.int32)
+    for i in range(count):
+        parent, depth = node_column(t.parent, i), node_column(t.depth, i)
+        token = t.x[:, i]
+        on = t.drafted[:, i] & column(alive, parent)
+        continues = on & (depth <= n) & (token == column(kept, depth))  # a copy of the kept path's node there
+        ok, carry = decide(i, on & (depth == n + 1), token, carry)
+        kept, path = put(kept, depth, token, ok), put(path, depth, jnp.full_like(token, i + 1), ok)
+        n = n + ok.astype(jnp.int32)
+        alive = alive.at[:, i + 1].set(continues | ok)
+    return n, below(t, path, n), carry
+
+
 def accept(key: jax.Array, t: Tree, q: jax.Array):
     """Multi-round rejection sampling over the tree (the module docstring), vectorised over
     rows. q [B, T, V]: the target's distribution at every node. Returns (n [B] kept
     tokens, path [B, K+1]: the kept path's nodes (node 0, then the kept node at each depth
     1..n, then below the last kept node its first drafted child at each further depth, 0
     where there is none), next_token [B], empty [B]: its distribution had no mass)."""
-    batch, count = t.x.shape
-    K = t.lookahead
     accept_key, sample_key = jax.random.split(key)
-    u = jax.random.uniform(accept_key, (batch, count))
-    alive = jnp.zeros((batch, count + 1), bool).at[:, 0].set(True)  # nodes on the kept path
-    kept = jnp.zeros((batch, K + 1), jnp.int32)  # the kept token at each depth
-    path = jnp.zeros((batch, K + 1), jnp.int32)
-    n = jnp.zeros((batch,), jnp.int32)
-    r = q[:, 0]
-    for i in range(count):
-        parent, depth = node_column(t.parent, i), node_column(t.depth, i)
-        token, p_i = t.x[:, i], t.p[:, i]
-        on = t.drafted[:, i] & column(alive, parent)
-        continues = on & (depth <= n) & (token == column(kept, depth))  # a copy of the kept path's node there
-        candidate = on & (depth == n + 1)
+    u = jax.random.uniform(accept_key, t.x.shape)
+
+    def decide(i, candidate, token, r):  # r: the current residual
+        p_i = t.p[:, i]
         p_t = jnp.take_along_axis(p_i, token[:, None], axis=1)[:, 0]
         r_t = jnp.take_along_axis(r, token[:, None], axis=1)[:, 0]
         ok = candidate & (u[:, i] * p_t < r_t)  # u < r/p without dividing; p_t > 0 as the token was drawn from p_i
         residual = jnp.maximum(r - p_i, 0.0)
         mass = jnp.sum(residual, axis=-1, keepdims=True)
         residual = jnp.where(mass > 0, residual / jnp.where(mass > 0, mass, 1.0), r)  # r <= p everywhere: keep r
-        r = jnp.where(ok[:, None], q[:, i + 1], jnp.where((candidate & ~ok)[:, None], residual, r))
-        kept, path = put(kept, depth, token, ok), put(path, depth, jnp.full_like(token, i + 1), ok)
-        n = n + ok.astype(jnp.int32)
-        alive = alive.at[:, i + 1].set(continues | ok)
+        return ok, jnp.where(ok[:, None], q[:, i + 1], jnp.where((candidate & ~ok)[:, None], residual, r))
+
+    n, path, r = walk(t, decide, q[:, 0])
     next_token, empty = sample(sample_key, r)
-    return n, below(t, path, n), next_token, empty
+    return n, path, next_token, empty
 
 
 def accept_greedy(key: jax.Array, t: Tree, q: jax.Array):
@@ -199,25 +212,14 @@ def accept_greedy(key: jax.Array, t: Tree, q: jax.Array):
     x_i = a). So the walk keeps, depth by depth, the first candidate equal to the argmax at
     the node before it, and emits that node's argmax after the last kept one."""
     del key
-    batch, count = t.x.shape
-    K = t.lookahead
     top = first_max(q)  # [B, T]: the argmax at every node
-    alive = jnp.zeros((batch, count + 1), bool).at[:, 0].set(True)
-    kept = jnp.zeros((batch, K + 1), jnp.int32)
-    path = jnp.zeros((batch, K + 1), jnp.int32)
-    n = jnp.zeros((batch,), jnp.int32)
-    at = jnp.zeros((batch,), jnp.int32)  # the last kept node
-    for i in range(count):
-        parent, depth = node_column(t.parent, i), node_column(t.depth, i)
-        token = t.x[:, i]
-        on = t.drafted[:, i] & column(alive, parent)
-        continues = on & (depth <= n) & (token == column(kept, depth))
-        ok = on & (depth == n + 1) & (token == column(top, at))
-        kept, path = put(kept, depth, token, ok), put(path, depth, jnp.full_like(token, i + 1), ok)
-        n = n + ok.astype(jnp.int32)
-        at = jnp.where(ok, i + 1, at)
-        alive = alive.at[:, i + 1].set(continues | ok)
-    return n, below(t, path, n), column(top, at), jnp.zeros((batch,), bool)
+
+    def decide(i, candidate, token, at):  # at: the last kept node
+        ok = candidate & (token == column(top, at))
+        return ok, jnp.where(ok, i + 1, at)
+
+    n, path, at = walk(t, decide, jnp.zeros(t.x.shape[:1], jnp.int32))
+    return n, path, column(top, at), jnp.zeros(t.x.shape[:1], bool)
 
 
 def first_children(t: Tree) -> jax.Array:
