@@ -42,10 +42,11 @@ def test_bench_writes_json_and_png(tmp_path):
     # first tokens, each SpS mode's own (its drafter's prefill and one loop) and every row's
     # rate after them are reported.
     assert report["first_token_ms"] > 0 and all(row["first_token_ms"] > 0 for row in report["sps"])
-    assert len(re.findall(r"after the first token [0-9.]+ ms/token \([0-9.]+x their [0-9.]+\), the first after "
-                          r"[0-9.]+ ms, ArS's [0-9.]+\)", proc.stdout)) == 4, proc.stdout
+    # (tiny's rates after the first token are within the noise of a first token: either sign)
+    assert len(re.findall(r"after the first token -?[0-9.]+ ms/token \(-?[0-9.]+x their -?[0-9.]+\), the first "
+                          r"after [0-9.]+ ms, ArS's [0-9.]+\)", proc.stdout)) == 4, proc.stdout
     for row in report["sps"]:  # after each mode's own first token, against the ArS runs next to it
-        assert row["speedup_after_first"] > 0
+        assert np.isfinite(row["speedup_after_first"])
     assert all(np.isfinite(row["ms_per_token_after_first"]) for row in [report["ars"], *report["sps"]])
     # The batch rows run every variant compared (they ran the config's drafter alone).
     assert [(row["batch"], row["drafter"], row["verify"]) for row in report["batch"]] == [
