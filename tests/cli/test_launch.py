@@ -290,6 +290,7 @@ def test_the_chat_requests_hold_none_of_the_held_out_prompts(name):
     assert not [r["prompt"][:60] for r in requests if shingles(r["prompt"]) & held]
 
 
+@pytest.mark.slow  # 25 s, the default set's time: the held-out test above checks both files by default
 def test_the_prose_requests_are_the_requests_but_english_summaries_and_double_renames():
     """launch/chat_requests.py remakes both committed request files from the committed
     paragraphs (the old one unchanged by the prose set's options), and the prose set differs
