@@ -276,31 +276,23 @@ def test_negative_control_a_child_that_exists_because_of_its_own_token_is_reject
 
 # Deliberately wrong multi-draft rules (negative controls), same signature as tree.accept.
 def walk(key, t, q, test):
-    """tree.accept's walk over the nodes with the candidate test replaced by
+    """tree.accept's walk over the nodes (`tree.walk`) with the candidate test replaced by
     `test(key_i, r, r_level, token, p_i, u_i) -> (ok [B], r after a rejection)`: r is the
     current residual, r_level the target's q at the kept node."""
     batch, count = t.x.shape
     keys = jax.random.split(key, count + 2)
     u = jax.random.uniform(keys[-2], (batch, count))
-    alive = jnp.zeros((batch, count + 1), bool).at[:, 0].set(True)
-    kept = jnp.zeros((batch, t.lookahead + 1), jnp.int32)
-    path = jnp.zeros((batch, t.lookahead + 1), jnp.int32)
-    n, r, level = jnp.zeros((batch,), jnp.int32), q[:, 0], q[:, 0]
-    for i in range(count):
-        parent, depth = tree.node_column(t.parent, i), tree.node_column(t.depth, i)
-        token = t.x[:, i]
-        on = t.drafted[:, i] & tree.column(alive, parent)
-        continues = on & (depth <= n) & (token == tree.column(kept, depth))
-        candidate = on & (depth == n + 1)
+
+    def decide(i, candidate, token, carry):
+        r, level = carry
         ok, rejected = test(keys[i], r, level, token, t.p[:, i], u[:, i])
         ok = candidate & ok
         r = jnp.where(ok[:, None], q[:, i + 1], jnp.where((candidate & ~ok)[:, None], rejected, r))
-        level = jnp.where(ok[:, None], q[:, i + 1], level)
-        kept, path = tree.put(kept, depth, token, ok), tree.put(path, depth, jnp.full_like(token, i + 1), ok)
-        n = n + ok.astype(jnp.int32)
-        alive = alive.at[:, i + 1].set(continues | ok)
+        return ok, (r, jnp.where(ok[:, None], q[:, i + 1], level))
+
+    n, path, (r, _) = tree.walk(t, decide, (q[:, 0], q[:, 0]))
     token, empty = sample(keys[-1], r)
-    return n, tree.below(t, path, n), token, empty
+    return n, path, token, empty
 
 
 def at(a, token):
